@@ -1,0 +1,24 @@
+# The two commands of the README: `make demo` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test install clean-venv
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e ".[dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m experiments.demo --workdir=runs/demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+clean-venv:
+	rm -rf $(VENV)

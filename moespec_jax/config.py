@@ -1,0 +1,121 @@
+"""ModelConfig: the shape and routing of an MoE decoder-only transformer."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal
+
+ScoreFunc = Literal["softmax", "sigmoid"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Hyper-parameters of the target model (and its MTP heads).
+
+  Layer `i` is dense when `i < first_k_dense`, MoE otherwise. Routed experts are
+  SwiGLU FFNs of width `expert_hidden`; the `n_shared_experts` shared experts are
+  fused into one SwiGLU of width `n_shared_experts * expert_hidden`.
+  """
+
+  vocab_size: int = 264
+  d_model: int = 256
+  n_layers: int = 4
+  n_heads: int = 4
+  n_kv_heads: int = 2
+  head_dim: int = 64
+  rope_theta: float = 10000.0
+  norm_eps: float = 1e-6
+  max_seq_len: int = 512
+  # MoE.
+  n_routed_experts: int = 32
+  top_k: int = 4
+  n_shared_experts: int = 1
+  expert_hidden: int = 128
+  dense_hidden: int = 768
+  first_k_dense: int = 1
+  score_func: ScoreFunc = "softmax"
+  norm_topk_prob: bool = True
+  routed_scaling_factor: float = 1.0
+  n_groups: int = 1
+  topk_groups: int = 1
+  use_score_bias: bool = False
+  # Drafting and output.
+  num_mtp_modules: int = 0
+  tie_embeddings: bool = False
+  # Special tokens of the tokenizer the model was trained with.
+  eos_id: int = 256
+  bos_id: int = 257
+  tokenizer: str = "byte"
+  # Numerics and the expert-FFN implementation used at inference.
+  dtype: str = "float32"
+  expert_method: str = "xla"
+
+  def __post_init__(self):
+    def need(cond: bool, msg: str):
+      if not cond:
+        raise ValueError(f"ModelConfig: {msg}")
+
+    for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads",
+                 "head_dim", "max_seq_len"):
+      need(getattr(self, name) > 0, f"{name} must be > 0, got {getattr(self, name)}")
+    need(self.n_heads % self.n_kv_heads == 0,
+         f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
+    need(self.head_dim % 2 == 0, f"head_dim must be even for RoPE, got {self.head_dim}")
+    need(0 <= self.first_k_dense <= self.n_layers,
+         f"first_k_dense must be in [0, n_layers], got {self.first_k_dense}")
+    if self.n_moe_layers:
+      need(self.n_routed_experts > 0, "n_routed_experts must be > 0")
+      need(1 <= self.top_k <= self.n_routed_experts,
+           f"top_k must be in [1, n_routed_experts={self.n_routed_experts}], got {self.top_k}")
+      need(self.expert_hidden > 0, "expert_hidden must be > 0")
+      need(self.n_shared_experts >= 0, "n_shared_experts must be >= 0")
+      need(self.score_func in ("softmax", "sigmoid"),
+           f"score_func must be 'softmax' or 'sigmoid', got {self.score_func!r}")
+      need(self.n_groups >= 1 and self.n_routed_experts % self.n_groups == 0,
+           f"n_groups ({self.n_groups}) must divide n_routed_experts ({self.n_routed_experts})")
+      need(1 <= self.topk_groups <= self.n_groups,
+           f"topk_groups must be in [1, n_groups], got {self.topk_groups}")
+      need(self.top_k <= self.topk_groups * self.n_routed_experts // self.n_groups,
+           "top_k exceeds the experts available in topk_groups groups")
+    if self.first_k_dense:
+      need(self.dense_hidden > 0, "dense_hidden must be > 0 when first_k_dense > 0")
+    need(self.num_mtp_modules >= 0, "num_mtp_modules must be >= 0")
+    need(self.dtype in ("float32", "bfloat16"), f"dtype must be float32 or bfloat16, got {self.dtype!r}")
+    need(0 <= self.eos_id < self.vocab_size, f"eos_id {self.eos_id} outside the vocabulary")
+
+  @property
+  def n_moe_layers(self) -> int:
+    return self.n_layers - self.first_k_dense
+
+  def is_moe_layer(self, layer: int) -> bool:
+    return layer >= self.first_k_dense
+
+  def replace(self, **changes: Any) -> "ModelConfig":
+    return dataclasses.replace(self, **changes)
+
+  def to_dict(self) -> dict[str, Any]:
+    return dataclasses.asdict(self)
+
+  @classmethod
+  def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - known)
+    if unknown:
+      raise ValueError(f"ModelConfig: unknown fields {unknown}")
+    return cls(**d)
+
+  def param_counts(self) -> dict[str, int]:
+    """Total and per-token active parameter counts (embeddings included)."""
+    d, e, f = self.d_model, self.n_routed_experts, self.expert_hidden
+    attn = d * self.n_heads * self.head_dim * 2 + d * self.n_kv_heads * self.head_dim * 2
+    norms = 2 * d
+    dense_ffn = 3 * d * self.dense_hidden
+    shared = 3 * d * f * self.n_shared_experts
+    router = d * e
+    expert = 3 * d * f
+    emb = self.vocab_size * d * (1 if self.tie_embeddings else 2) + d
+    total = emb + self.n_layers * (attn + norms)
+    active = total
+    total += self.first_k_dense * dense_ffn + self.n_moe_layers * (router + shared + e * expert)
+    active += self.first_k_dense * dense_ffn + self.n_moe_layers * (router + shared + self.top_k * expert)
+    return {"total": total, "active": active}
