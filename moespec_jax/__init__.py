@@ -1,0 +1,8 @@
+"""moespec-jax: speculative decoding on Mixture-of-Experts language models."""
+
+from moespec_jax.api import Model
+from moespec_jax.config import ModelConfig
+from moespec_jax.decoding.loop import GenerateOutput, generate
+from moespec_jax.decoding.params import SamplingParams, SpecParams
+
+__all__ = ["GenerateOutput", "Model", "ModelConfig", "SamplingParams", "SpecParams", "generate"]

@@ -119,3 +119,9 @@ class ModelConfig:
     total += self.first_k_dense * dense_ffn + self.n_moe_layers * (router + shared + e * expert)
     active += self.first_k_dense * dense_ffn + self.n_moe_layers * (router + shared + self.top_k * expert)
     return {"total": total, "active": active}
+
+
+def model_config_from(cfg: Any) -> ModelConfig:
+  """A ModelConfig from a `configs/*.py` ConfigDict's `model` field (or any mapping)."""
+  as_dict = cfg.to_dict() if hasattr(cfg, "to_dict") else dict(cfg)
+  return ModelConfig.from_dict(as_dict)

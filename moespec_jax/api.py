@@ -1,0 +1,119 @@
+"""`Model`: the public handle on a target model (config, parameters, tokenizer)."""
+
+from __future__ import annotations
+
+import functools
+import json
+import pathlib
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from moespec_jax.config import ModelConfig
+from moespec_jax.data import tokenizer as tokenizer_lib
+from moespec_jax.io import atomic, checkpoint
+from moespec_jax.model import ForwardOutput, Transformer
+
+FORMAT = "moespec_jax"
+FORMAT_VERSION = 1
+
+
+@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("expert_method",))
+def _forward(graphdef, state, tokens_BT, *, expert_method):
+  return nnx.merge(graphdef, state)(tokens_BT, expert_method=expert_method)
+
+
+class Model:
+  """A target MoE model (and its MTP heads once trained) with its tokenizer.
+
+  The NNX module is kept split as (graphdef, state) so that jitted programs take the
+  parameters as an explicit pytree.
+  """
+
+  def __init__(self, config: ModelConfig, graphdef, state, tokenizer):
+    self.config = config
+    self.graphdef = graphdef
+    self.state = state
+    self.tokenizer = tokenizer
+
+  # Construction -----------------------------------------------------------------------
+  @classmethod
+  def init(cls, config: ModelConfig, seed: int = 0, tokenizer=None) -> "Model":
+    """A randomly initialised model."""
+    if not isinstance(config, ModelConfig):
+      raise ValueError(f"config must be a ModelConfig, got {type(config).__name__}")
+    graphdef, state = nnx.split(Transformer(config, rngs=nnx.Rngs(int(seed))))
+    tokenizer = tokenizer if tokenizer is not None else tokenizer_lib.load_tokenizer(config.tokenizer)
+    return cls(config, graphdef, state, tokenizer)
+
+  @classmethod
+  def from_module(cls, module: Transformer, tokenizer) -> "Model":
+    graphdef, state = nnx.split(module)
+    return cls(module.config, graphdef, state, tokenizer)
+
+  def module(self) -> Transformer:
+    """A fresh NNX module holding this model's parameters."""
+    return nnx.merge(self.graphdef, self.state)
+
+  # Persistence ------------------------------------------------------------------------
+  def save(self, path) -> pathlib.Path:
+    """Writes config, tokenizer and parameters to `path` atomically (replacing it)."""
+    path = pathlib.Path(path)
+    with atomic.atomic_dir(path) as tmp:
+      meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "model_config": self.config.to_dict()}
+      (tmp / "config.json").write_text(json.dumps(meta, indent=2))
+      self.tokenizer.save(tmp / "tokenizer")
+      checkpoint.save_pytree(tmp / "params", nnx.to_pure_dict(self.state))
+    return path
+
+  @classmethod
+  def load(cls, path) -> "Model":
+    """Loads a directory written by `save` (a Hugging Face directory: see `moespec_jax.hf`)."""
+    path = pathlib.Path(path).expanduser()
+    config_file = path / "config.json"
+    if not config_file.is_file():
+      raise FileNotFoundError(f"no model at {path}: {config_file} is missing")
+    meta = json.loads(config_file.read_text())
+    if meta.get("format") != FORMAT:
+      if "model_type" in meta:
+        raise ValueError(f"{path} is a Hugging Face model ({meta['model_type']}); "
+                         "Hugging Face import is not implemented yet")
+      raise ValueError(f"{config_file} is not a moespec_jax model config")
+    config = ModelConfig.from_dict(meta["model_config"])
+    abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
+    graphdef, abstract_state = nnx.split(abstract)
+    pure = checkpoint.load_pytree(path / "params", checkpoint.abstract_tree(nnx.to_pure_dict(abstract_state)))
+    nnx.replace_by_pure_dict(abstract_state, pure)
+    tokenizer = tokenizer_lib.load_tokenizer(path / "tokenizer")
+    return cls(config, graphdef, abstract_state, tokenizer)
+
+  # Computation ------------------------------------------------------------------------
+  def expert_method(self, kernel: str = "auto") -> str:
+    """The expert-FFN method a `SpecParams.kernel` choice resolves to."""
+    return self.config.expert_method if kernel == "auto" else kernel
+
+  def validate_tokens(self, tokens) -> np.ndarray:
+    tokens = np.asarray(tokens)
+    if tokens.ndim != 2 or tokens.shape[1] == 0 or not np.issubdtype(tokens.dtype, np.integer):
+      raise ValueError(f"tokens must be a non-empty int array [B, T], got shape {tokens.shape} "
+                       f"dtype {tokens.dtype}")
+    if tokens.min() < 0 or tokens.max() >= self.config.vocab_size:
+      raise ValueError(f"tokens has ids outside the vocabulary [0, {self.config.vocab_size})")
+    if tokens.shape[1] > self.config.max_seq_len:
+      raise ValueError(f"tokens length {tokens.shape[1]} exceeds max_seq_len {self.config.max_seq_len}")
+    return tokens.astype(np.int32)
+
+  def forward_full(self, tokens, *, kernel: str = "auto") -> ForwardOutput:
+    """Full-sequence forward without cache: logits, final hidden states and routing."""
+    tokens = self.validate_tokens(tokens)
+    return _forward(self.graphdef, self.state, jnp.asarray(tokens), expert_method=self.expert_method(kernel))
+
+  def forward(self, tokens, *, kernel: str = "auto") -> jax.Array:
+    """tokens int [B, T] -> float32 logits [B, T, V]."""
+    return self.forward_full(tokens, kernel=kernel).logits
+
+  def param_counts(self) -> dict[str, Any]:
+    return self.config.param_counts()

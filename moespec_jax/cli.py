@@ -1,0 +1,183 @@
+"""Helpers for absl entry points: one-line errors with exit status 2, progress lines.
+
+Usage in `experiments/NAME.py`:
+
+  def main(argv):
+    ...
+
+  if __name__ == "__main__":
+    cli.run(main)
+
+A bad flag, a `ValueError`, `FileNotFoundError` or `app.UsageError` prints a
+single `error: <message>` line on stderr and exits with status 2, without a
+traceback or usage text. Other exceptions keep their traceback (they are bugs).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Callable, Sequence, TextIO
+
+from absl import app
+from absl import flags
+
+EXIT_USAGE = 2
+_USER_ERRORS = (ValueError, FileNotFoundError, app.UsageError)
+
+
+def one_line(message: object) -> str:
+  """The message on one line (whitespace runs, newlines included, collapsed)."""
+  return " ".join(str(message).split())
+
+
+def fail(message: object, status: int = EXIT_USAGE) -> None:
+  """Prints `error: <message>` on one stderr line and exits with `status`."""
+  sys.stdout.flush()
+  sys.stderr.write(f"error: {one_line(message)}\n")
+  sys.stderr.flush()
+  sys.exit(status)
+
+
+def parse_flags(argv: Sequence[str]) -> list[str]:
+  """Parses absl flags; a flag error becomes `fail(...)` (exit 2, one line)."""
+  try:
+    return flags.FLAGS(list(argv))
+  except flags.Error as e:
+    fail(e)
+    raise  # unreachable
+
+
+def _message(error: BaseException) -> str:
+  if isinstance(error, FileNotFoundError) and error.filename:
+    return f"{error.strerror or 'file not found'}: {error.filename}"
+  return one_line(error) or type(error).__name__
+
+
+def run(main: Callable[[list[str]], object], argv: Sequence[str] | None = None, *,
+        verbosity: int = -1) -> None:
+  """`absl.app.run(main)` with one-line user errors and exit status 2.
+
+  Args:
+    main: the program; receives the arguments left after the flags.
+    argv: the command line (default `sys.argv`).
+    verbosity: default of absl's `--verbosity` (-1 WARNING, 0 INFO). WARNING
+      keeps INFO logs of libraries (jax backend probing, orbax) off stderr, so
+      an error is the only stderr line; `--verbosity=0` shows them.
+  """
+  verbosity_given = []
+
+  def parser(args: list[str]) -> list[str]:
+    rest = parse_flags(args)
+    verbosity_given.append(not flags.FLAGS["verbosity"].using_default_value)
+    return rest
+
+  def wrapped(args: list[str]) -> object:
+    # absl raises an unset --verbosity to INFO after parsing; apply ours instead.
+    if verbosity_given and not verbosity_given[-1]:
+      flags.FLAGS.verbosity = verbosity
+    try:
+      return main(args)
+    except _USER_ERRORS as e:
+      fail(_message(e))
+    except KeyboardInterrupt:
+      fail("interrupted", status=130)
+    return None
+
+  app.run(wrapped, argv=None if argv is None else list(argv), flags_parser=parser)
+
+
+def _fmt_duration(seconds: float) -> str:
+  seconds = max(0, int(round(seconds)))
+  h, rem = divmod(seconds, 3600)
+  m, s = divmod(rem, 60)
+  if h:
+    return f"{h}h{m:02d}m{s:02d}s"
+  if m:
+    return f"{m}m{s:02d}s"
+  return f"{s}s"
+
+
+def _fmt_rate(rate: float) -> str:
+  if rate >= 1e6:
+    return f"{rate / 1e6:.2f}M"
+  if rate >= 1e4:
+    return f"{rate / 1e3:.1f}k"
+  if rate >= 100:
+    return f"{rate:.0f}"
+  return f"{rate:.2f}"
+
+
+class Progress:
+  """Prints a progress line every `every_s` seconds or `every_steps` steps.
+
+  A line reads, e.g.:
+    train step 1200/5000 (24.0%) | 2.81k tokens/s | loss 2.315 | 3m10s elapsed, eta 10m02s
+
+  Rates and ETA are measured from the first `update` (or `start_step`), so a
+  resumed run reports its own speed. Lines go to stdout and are flushed.
+  """
+
+  def __init__(self, total: int, *, desc: str = "", unit: str = "tokens",
+               every_s: float = 10.0, every_steps: int | None = None,
+               start_step: int = 0, stream: TextIO | None = None,
+               clock: Callable[[], float] = time.monotonic):
+    if total < 0:
+      raise ValueError(f"total must be >= 0, got {total}")
+    self.total = int(total)
+    self.desc = desc
+    self.unit = unit
+    self.every_s = every_s
+    self.every_steps = every_steps
+    self._stream = stream
+    self._clock = clock
+    self._start_time = clock()
+    self._start_step = int(start_step)
+    self._units = 0.0
+    self._last_print_time = self._start_time
+    self._last_print_step = self._start_step
+    self.last_line: str | None = None
+
+  def _due(self, step: int, now: float) -> bool:
+    if step >= self.total:
+      return True
+    if self.every_steps is not None and step - self._last_print_step >= self.every_steps:
+      return True
+    return self.every_s is not None and now - self._last_print_time >= self.every_s
+
+  def format(self, step: int, now: float, metrics: dict[str, float]) -> str:
+    """The progress line for `step` at time `now`."""
+    elapsed = max(now - self._start_time, 1e-9)
+    done = step - self._start_step
+    pct = 100.0 * step / self.total if self.total else 100.0
+    parts = [f"{self.desc + ' ' if self.desc else ''}step {step}/{self.total} ({pct:.1f}%)"]
+    if self._units:
+      parts.append(f"{_fmt_rate(self._units / elapsed)} {self.unit}/s")
+    else:
+      parts.append(f"{_fmt_rate(done / elapsed)} steps/s")
+    for k, v in metrics.items():
+      parts.append(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}")
+    timing = f"{_fmt_duration(elapsed)} elapsed"
+    if 0 < done and step < self.total:
+      timing += f", eta {_fmt_duration(elapsed / done * (self.total - step))}"
+    parts.append(timing)
+    return " | ".join(parts)
+
+  def update(self, step: int, units: float = 0, **metrics: float) -> bool:
+    """Records that `step` steps are done (and `units` more tokens); maybe prints.
+
+    Returns:
+      True if a line was printed.
+    """
+    self._units += units
+    now = self._clock()
+    if not self._due(step, now):
+      return False
+    line = self.format(step, now, metrics)
+    self.last_line = line
+    stream = self._stream if self._stream is not None else sys.stdout
+    stream.write(line + "\n")
+    stream.flush()
+    self._last_print_time = now
+    self._last_print_step = step
+    return True

@@ -1,0 +1,1 @@
+"""The embedded corpus, tokenizers and training/validation batches."""

@@ -1,0 +1,1 @@
+"""Decoding: sampling filters, generation parameters, the jitted generation loop."""

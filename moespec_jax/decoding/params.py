@@ -1,0 +1,58 @@
+"""User-facing generation parameters. Frozen (hashable): they select compiled programs."""
+
+from __future__ import annotations
+
+import dataclasses
+
+DRAFTERS = ("none", "mtp", "ngram")
+AVAILABLE_DRAFTERS = ("none",)
+MODES = ("exact", "budgeted")
+KERNELS = ("auto", "dedup", "per_slot", "xla")
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+  """temperature == 0 means greedy; top_k == 0 and top_p == 1 disable those filters."""
+
+  temperature: float = 0.0
+  top_k: int = 0
+  top_p: float = 1.0
+
+  def __post_init__(self):
+    if not isinstance(self.temperature, (int, float)) or not self.temperature >= 0:
+      raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
+    if not isinstance(self.top_k, int) or self.top_k < 0:
+      raise ValueError(f"top_k must be an int >= 0 (0 disables it), got {self.top_k!r}")
+    if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
+      raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+
+  @property
+  def greedy(self) -> bool:
+    return self.temperature == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecParams:
+  """How to draft and verify. `drafter="none"` is plain decoding through the same loop."""
+
+  drafter: str = "none"
+  num_draft: int = 3
+  mode: str = "exact"
+  expert_budget: int | None = None
+  kernel: str = "auto"
+
+  def __post_init__(self):
+    if self.drafter not in DRAFTERS:
+      raise ValueError(f"drafter must be one of {DRAFTERS}, got {self.drafter!r}")
+    if self.drafter not in AVAILABLE_DRAFTERS:
+      raise ValueError(f"drafter {self.drafter!r} is not implemented yet; available: {AVAILABLE_DRAFTERS}")
+    if self.mode not in MODES:
+      raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+    if self.mode == "budgeted":
+      raise ValueError("mode 'budgeted' is not implemented yet; use mode='exact'")
+    if self.expert_budget is not None:
+      raise ValueError("expert_budget applies to mode='budgeted' only, which is not implemented yet")
+    if self.kernel not in KERNELS:
+      raise ValueError(f"kernel must be one of {KERNELS}, got {self.kernel!r}")
+    if not isinstance(self.num_draft, int) or self.num_draft < 0:
+      raise ValueError(f"num_draft must be an int >= 0, got {self.num_draft!r}")

@@ -1,0 +1,1 @@
+"""Files on disk: cache locations, atomic writes and checkpoints."""

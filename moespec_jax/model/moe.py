@@ -1,0 +1,92 @@
+"""The MoE FFN: top-k routing variants, routed experts (through `pallas_kernels`), shared experts.
+
+Routing variants (all dropless: every token gets its top_k experts):
+- scores: softmax (Mixtral, Qwen-MoE, OLMoE, DeepSeek-V2) or sigmoid (DeepSeek-V3) of the router logits;
+- selection: top_k of the scores, plus a correction bias when `use_score_bias` (DeepSeek-V3:
+  the bias steers selection only, gates use the unbiased scores);
+- group-limited: experts split in `n_groups` groups, only the best `topk_groups` groups are
+  eligible (group score: top-2 sum with a score bias as in V3, max otherwise as in V2);
+- gates: the chosen scores, renormalised to sum 1 when `norm_topk_prob`, times
+  `routed_scaling_factor`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+import pallas_kernels
+from moespec_jax.config import ModelConfig
+from moespec_jax.model.layers import SwiGLU, fan_in_init
+
+
+class RouterBias(nnx.Variable):
+  """DeepSeek-V3's load-balancing correction bias: not a trained parameter."""
+
+
+def route(logits_TE, config: ModelConfig, score_bias_E=None):
+  """Top-k routing. Returns expert_ids [T, K] int32, gates [T, K] f32, probs [T, E] f32.
+
+  `probs` are the per-token routing probabilities (scores normalised to sum 1), used by
+  the load-balancing loss and the routing analysis.
+  """
+  logits_TE = logits_TE.astype(jnp.float32)
+  if config.score_func == "softmax":
+    scores_TE = jax.nn.softmax(logits_TE, axis=-1)
+  else:
+    scores_TE = jax.nn.sigmoid(logits_TE)
+  choice_TE = scores_TE if score_bias_E is None else scores_TE + score_bias_E.astype(jnp.float32)
+
+  if config.n_groups > 1:
+    t, e = choice_TE.shape
+    grouped_TGE = choice_TE.reshape(t, config.n_groups, e // config.n_groups)
+    if score_bias_E is not None:
+      group_score_TG = jnp.sum(jax.lax.top_k(grouped_TGE, 2)[0], axis=-1)
+    else:
+      group_score_TG = jnp.max(grouped_TGE, axis=-1)
+    _, top_groups_TG = jax.lax.top_k(group_score_TG, config.topk_groups)
+    group_mask_TG = jnp.zeros_like(group_score_TG, bool).at[
+        jnp.arange(t)[:, None], top_groups_TG].set(True)
+    expert_mask_TE = jnp.repeat(group_mask_TG, e // config.n_groups, axis=-1)
+    choice_TE = jnp.where(expert_mask_TE, choice_TE, -jnp.inf)
+
+  _, expert_ids_TK = jax.lax.top_k(choice_TE, config.top_k)
+  gates_TK = jnp.take_along_axis(scores_TE, expert_ids_TK, axis=-1)
+  if config.norm_topk_prob:
+    gates_TK = gates_TK / (jnp.sum(gates_TK, axis=-1, keepdims=True) + 1e-20)
+  gates_TK = gates_TK * config.routed_scaling_factor
+  probs_TE = scores_TE / jnp.sum(scores_TE, axis=-1, keepdims=True)
+  return expert_ids_TK.astype(jnp.int32), gates_TK, probs_TE
+
+
+class MoE(nnx.Module):
+  """Routed experts (SwiGLU, width expert_hidden) plus fused shared experts."""
+
+  def __init__(self, config: ModelConfig, *, out_scale: float, rngs: nnx.Rngs, dtype=jnp.float32):
+    d, e, f = config.d_model, config.n_routed_experts, config.expert_hidden
+    self.config = config
+    self.w_router_DE = nnx.Param(fan_in_init(d)(rngs.params(), (d, e), jnp.float32))
+    self.score_bias_E = RouterBias(jnp.zeros((e,), jnp.float32)) if config.use_score_bias else None
+    self.w_gate_EDF = nnx.Param(fan_in_init(d)(rngs.params(), (e, d, f), dtype))
+    self.w_up_EDF = nnx.Param(fan_in_init(d)(rngs.params(), (e, d, f), dtype))
+    self.w_down_EFD = nnx.Param(fan_in_init(f, out_scale)(rngs.params(), (e, f, d), dtype))
+    if config.n_shared_experts:
+      self.shared = SwiGLU(d, f * config.n_shared_experts, out_scale=out_scale, rngs=rngs, dtype=dtype)
+    else:
+      self.shared = None
+
+  def __call__(self, x_BTD, *, expert_method: str):
+    b, t, d = x_BTD.shape
+    x_ND = x_BTD.reshape(b * t, d)
+    logits_NE = jnp.einsum("nd,de->ne", x_ND.astype(jnp.float32), self.w_router_DE[...])
+    bias = None if self.score_bias_E is None else self.score_bias_E[...]
+    ids_NK, gates_NK, probs_NE = route(logits_NE, self.config, bias)
+    y_ND = pallas_kernels.expert_ffn(
+        x_ND, ids_NK, gates_NK, self.w_gate_EDF[...], self.w_up_EDF[...], self.w_down_EFD[...],
+        method=expert_method)
+    y_BTD = y_ND.reshape(b, t, d)
+    if self.shared is not None:
+      y_BTD = y_BTD + self.shared(x_BTD)
+    k = self.config.top_k
+    return y_BTD, (ids_NK.reshape(b, t, k), gates_NK.reshape(b, t, k), probs_NE.reshape(b, t, -1))

@@ -1,0 +1,109 @@
+"""The decoder-only MoE transformer (Flax NNX)."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+
+from moespec_jax.config import ModelConfig
+from moespec_jax.model.attention import Attention
+from moespec_jax.model.cache import KVCache
+from moespec_jax.model.layers import RMSNorm, SwiGLU, fan_in_init, rope_tables
+from moespec_jax.model.moe import MoE
+
+
+@struct.dataclass
+class Routing:
+  """Routing of the MoE layers, stacked over those layers (L = n_moe_layers)."""
+  expert_ids: jax.Array  # [L, B, T, K] int32
+  gates: jax.Array  # [L, B, T, K] f32
+  probs: jax.Array  # [L, B, T, E] f32, per-token routing probabilities
+
+
+@struct.dataclass
+class ForwardOutput:
+  logits: jax.Array  # [B, T, V] f32
+  hidden: jax.Array  # [B, T, D] final hidden states (after the final norm), read by MTP heads
+  routing: Routing | None
+  cache: KVCache | None
+
+
+class Block(nnx.Module):
+  """Pre-norm block: x + attn(norm(x)), then x + ffn(norm(x)); ffn is dense or MoE."""
+
+  def __init__(self, config: ModelConfig, layer: int, *, rngs: nnx.Rngs, dtype=jnp.float32):
+    out_scale = 1.0 / math.sqrt(2 * config.n_layers)
+    self.attn_norm = RMSNorm(config.d_model, config.norm_eps)
+    self.attn = Attention(config, out_scale=out_scale, rngs=rngs, dtype=dtype)
+    self.ffn_norm = RMSNorm(config.d_model, config.norm_eps)
+    self.is_moe = config.is_moe_layer(layer)
+    if self.is_moe:
+      self.ffn = MoE(config, out_scale=out_scale, rngs=rngs, dtype=dtype)
+    else:
+      self.ffn = SwiGLU(config.d_model, config.dense_hidden, out_scale=out_scale, rngs=rngs, dtype=dtype)
+
+  def __call__(self, x_BTD, positions_BT, rope, layer_cache, *, expert_method):
+    attn_out, new_cache = self.attn(self.attn_norm(x_BTD), positions_BT, rope, layer_cache)
+    x_BTD = x_BTD + attn_out
+    h = self.ffn_norm(x_BTD)
+    if self.is_moe:
+      ffn_out, routing = self.ffn(h, expert_method=expert_method)
+    else:
+      ffn_out, routing = self.ffn(h), None
+    return x_BTD + ffn_out, new_cache, routing
+
+
+class Transformer(nnx.Module):
+  """Embeddings, `n_layers` blocks, final norm, output head."""
+
+  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+    dtype = jnp.dtype(config.dtype)
+    self.config = config
+    self.embed_VD = nnx.Param(jax.random.normal(rngs.params(), (config.vocab_size, config.d_model), dtype))
+    self.layers = nnx.List([Block(config, i, rngs=rngs, dtype=dtype) for i in range(config.n_layers)])
+    self.final_norm = RMSNorm(config.d_model, config.norm_eps)
+    if config.tie_embeddings:
+      self.lm_head_DV = None
+    else:
+      self.lm_head_DV = nnx.Param(fan_in_init(config.d_model)(rngs.params(), (config.d_model, config.vocab_size), dtype))
+
+  def new_cache(self, batch: int, max_len: int) -> KVCache:
+    c = self.config
+    return KVCache.zeros(c.n_layers, batch, max_len, c.n_kv_heads, c.head_dim, jnp.dtype(c.dtype))
+
+  def head(self, hidden_BTD):
+    """Output logits (f32) from final hidden states."""
+    w_DV = self.embed_VD[...].T if self.lm_head_DV is None else self.lm_head_DV[...]
+    return jnp.einsum("btd,dv->btv", hidden_BTD, w_DV).astype(jnp.float32)
+
+  def __call__(self, tokens_BT, positions_BT=None, cache: KVCache | None = None, *,
+               expert_method: str | None = None) -> ForwardOutput:
+    """One pass over `tokens_BT` at `positions_BT` (default 0..T-1 for every row).
+
+    Without a cache this is the full causal forward; with one, the pass's keys/values are
+    written at its positions (contiguous per row) and the updated cache is returned.
+    """
+    c = self.config
+    method = expert_method or c.expert_method
+    if positions_BT is None:
+      positions_BT = jnp.broadcast_to(jnp.arange(tokens_BT.shape[1], dtype=jnp.int32), tokens_BT.shape)
+    x_BTD = jnp.take(self.embed_VD[...], tokens_BT, axis=0)
+    rope = rope_tables(positions_BT, c.head_dim, c.rope_theta)
+    new_keys, new_values, routings = [], [], []
+    for i, block in enumerate(self.layers):
+      layer_cache = None if cache is None else (cache.keys[i], cache.values[i])
+      x_BTD, layer_new, routing = block(x_BTD, positions_BT, rope, layer_cache, expert_method=method)
+      if layer_new is not None:
+        new_keys.append(layer_new[0])
+        new_values.append(layer_new[1])
+      if routing is not None:
+        routings.append(routing)
+    hidden_BTD = self.final_norm(x_BTD)
+    routing = None
+    if routings:
+      routing = Routing(*(jnp.stack(parts) for parts in zip(*routings)))
+    new_cache = None if cache is None else KVCache(tuple(new_keys), tuple(new_values))
+    return ForwardOutput(self.head(hidden_BTD), hidden_BTD, routing, new_cache)

@@ -1,0 +1,1 @@
+"""Training: the target LM on the embedded corpus (and, later, MTP drafter heads)."""

@@ -1,0 +1,242 @@
+"""Target pretraining on the embedded corpus: AdamW + warmup/cosine, clipping, load balancing,
+validation bits per byte, orbax checkpoints with resume, progress output, metrics and a plot."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import pathlib
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from moespec_jax import cli
+from moespec_jax.api import Model
+from moespec_jax.config import ModelConfig
+from moespec_jax.data import batches as batches_lib
+from moespec_jax.data import tokenizer as tokenizer_lib
+from moespec_jax.io import atomic, checkpoint
+from moespec_jax.model import Transformer
+from moespec_jax.model.moe import RouterBias
+from moespec_jax.training import losses
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  seed: int = 0
+  batch_size: int = 16
+  seq_len: int = 256
+  steps: int = 1500
+  learning_rate: float = 3e-3
+  min_lr_ratio: float = 0.1
+  warmup_steps: int = 100
+  weight_decay: float = 0.1
+  grad_clip: float = 1.0
+  b1: float = 0.9
+  b2: float = 0.95
+  aux_loss_weight: float = 0.01
+  bias_update_rate: float = 1e-3
+  eval_every: int = 250
+  eval_batches: int = 16
+  checkpoint_every: int = 250
+  log_every_seconds: float = 10.0
+
+  def __post_init__(self):
+    for name in ("batch_size", "seq_len", "steps", "eval_every", "checkpoint_every"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"train.{name} must be >= 1, got {getattr(self, name)}")
+    if self.learning_rate <= 0:
+      raise ValueError(f"train.learning_rate must be > 0, got {self.learning_rate}")
+
+  @classmethod
+  def from_dict(cls, d) -> "TrainConfig":
+    d = d.to_dict() if hasattr(d, "to_dict") else dict(d)
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - known)
+    if unknown:
+      raise ValueError(f"unknown train config fields {unknown}")
+    return cls(**d)
+
+
+def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
+  warmup = min(tc.warmup_steps, tc.steps - 1)
+  schedule = optax.warmup_cosine_decay_schedule(
+      init_value=0.0, peak_value=tc.learning_rate, warmup_steps=warmup,
+      decay_steps=max(tc.steps, warmup + 1), end_value=tc.learning_rate * tc.min_lr_ratio)
+  decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
+  return optax.chain(
+      optax.clip_by_global_norm(tc.grad_clip),
+      optax.adamw(schedule, b1=tc.b1, b2=tc.b2, weight_decay=tc.weight_decay, mask=decay_mask))
+
+
+def split_module(module: Transformer):
+  """(graphdef, params, router biases): the trained params apart from non-gradient state."""
+  return nnx.split(module, nnx.Param, RouterBias)
+
+
+def make_train_step(graphdef, optimizer, tc: TrainConfig, config: ModelConfig):
+  """A jitted step: (params, biases, opt_state, batch) -> (params, biases, opt_state, metrics)."""
+
+  def loss_fn(params, biases, batch_BT1):
+    module = nnx.merge(graphdef, params, biases)
+    inputs, targets = batch_BT1[:, :-1], batch_BT1[:, 1:]
+    out = module(inputs)
+    ce = jnp.mean(losses.cross_entropy(out.logits, targets))
+    aux = jnp.float32(0.0)
+    if out.routing is not None:
+      aux = losses.load_balance_loss(out.routing.expert_ids, out.routing.probs)
+    return ce + tc.aux_loss_weight * aux, (ce, aux, out.routing)
+
+  @jax.jit
+  def step(params, biases, opt_state, batch_BT1):
+    (loss, (ce, aux, routing)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, biases, batch_BT1)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+    metrics = {"loss": loss, "ce": ce, "aux": aux, "grad_norm": optax.global_norm(grads)}
+    if routing is not None:
+      load_LE = losses.expert_load(routing.expert_ids, config.n_routed_experts)
+      metrics["max_expert_load"] = jnp.max(load_LE) * config.n_routed_experts
+      if config.use_score_bias:
+        # DeepSeek-V3's auxiliary-loss-free balancing: push under-loaded experts up.
+        mean_load = 1.0 / config.n_routed_experts
+        moe_biases = [b for b in jax.tree.leaves(biases)]
+        new = [b + tc.bias_update_rate * jnp.sign(mean_load - load_LE[i]) for i, b in enumerate(moe_biases)]
+        biases = jax.tree.unflatten(jax.tree.structure(biases), new)
+    return params, biases, opt_state, metrics
+
+  return step
+
+
+def make_eval_step(graphdef):
+  @jax.jit
+  def eval_step(params, biases, batch_BT1):
+    module = nnx.merge(graphdef, params, biases)
+    out = module(batch_BT1[:, :-1])
+    return jnp.sum(losses.cross_entropy(out.logits, batch_BT1[:, 1:]))
+  return eval_step
+
+
+def evaluate(eval_step, params, biases, val_tokens, tc: TrainConfig, byte_lengths) -> float:
+  """Validation bits per byte over `eval_batches` fixed batches."""
+  nats, n_bytes = 0.0, 0
+  for vb in batches_lib.validation_batches(val_tokens, tc.batch_size, tc.seq_len,
+                                           max_batches=tc.eval_batches, byte_lengths=byte_lengths):
+    nats += float(eval_step(params, biases, jnp.asarray(vb.tokens)))
+    n_bytes += vb.n_bytes
+  return tokenizer_lib.bits_per_byte(nats, n_bytes)
+
+
+def plot_curves(metrics: dict, path: pathlib.Path) -> None:
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  fig, ax = plt.subplots(figsize=(7, 4))
+  tr = metrics["train_curve"]
+  if tr:
+    ax.plot([r["step"] for r in tr], [r["ce"] / math.log(2) for r in tr], label="train (bits/token)")
+  va = metrics["val_curve"]
+  if va:
+    ax.plot([r["step"] for r in va], [r["bits_per_byte"] for r in va], "o-", label="validation (bits/byte)")
+  ax.set_xlabel("step")
+  ax.set_ylabel("bits")
+  ax.set_title(f"pretraining: {metrics.get('config_name', '')}")
+  ax.grid(alpha=0.3)
+  ax.legend()
+  fig.tight_layout()
+  tmp = path.with_name(f".{path.name}.tmp.png")
+  fig.savefig(tmp, dpi=110)
+  plt.close(fig)
+  tmp.replace(path)
+
+
+def train(config: ModelConfig, tc: TrainConfig, workdir, *, config_name: str = "",
+          log=print) -> tuple[Model, dict[str, Any]]:
+  """Trains (or resumes) a target model in `workdir`; returns the model and its metrics.
+
+  `workdir/checkpoints` holds resumable state; `workdir/model` the final model;
+  `workdir/metrics.json` and `workdir/loss.png` the curves.
+  """
+  workdir = pathlib.Path(workdir)
+  workdir.mkdir(parents=True, exist_ok=True)
+  tokenizer = tokenizer_lib.load_tokenizer(config.tokenizer)
+  if tokenizer.vocab_size > config.vocab_size:
+    raise ValueError(f"tokenizer {config.tokenizer!r} needs vocab_size >= {tokenizer.vocab_size}, "
+                     f"config has {config.vocab_size}")
+  if tc.seq_len > config.max_seq_len:
+    raise ValueError(f"train.seq_len ({tc.seq_len}) exceeds model max_seq_len ({config.max_seq_len})")
+  log(f"tokenizing the corpus ({tokenizer!r}) ...")
+  train_tokens = batches_lib.corpus_tokens(tokenizer, "train")
+  val_tokens = batches_lib.corpus_tokens(tokenizer, "validation")
+  byte_lengths = tokenizer.token_byte_lengths()
+  log(f"corpus: {train_tokens.size:,} train tokens, {val_tokens.size:,} validation tokens")
+
+  module = Transformer(config, rngs=nnx.Rngs(tc.seed))
+  graphdef, params, biases = split_module(module)
+  optimizer = make_optimizer(tc)
+  opt_state = optimizer.init(params)
+  state = {"params": params, "biases": biases, "opt_state": opt_state, "step": 0}
+  metrics: dict[str, Any] = {"config_name": config_name, "model_config": config.to_dict(),
+                             "train_config": dataclasses.asdict(tc), "params": config.param_counts(),
+                             "train_curve": [], "val_curve": []}
+
+  manager = checkpoint.CheckpointManager(workdir / "checkpoints", max_to_keep=2,
+                                         save_interval_steps=tc.checkpoint_every)
+  start = 0
+  if manager.latest_step() is not None:
+    start = manager.latest_step()
+    state = manager.restore(start, checkpoint.abstract_tree(state))
+    prev = workdir / "metrics.json"
+    if prev.exists():
+      import json
+      old = json.loads(prev.read_text())
+      metrics["train_curve"] = [r for r in old.get("train_curve", []) if r["step"] <= start]
+      metrics["val_curve"] = [r for r in old.get("val_curve", []) if r["step"] <= start]
+    log(f"resuming from step {start}")
+  params, biases, opt_state = state["params"], state["biases"], state["opt_state"]
+
+  train_step = make_train_step(graphdef, optimizer, tc, config)
+  eval_step = make_eval_step(graphdef)
+  tokens_per_step = tc.batch_size * tc.seq_len
+  progress = cli.Progress(tc.steps, desc="train", unit="tokens", every_s=tc.log_every_seconds,
+                          start_step=start)
+  step_times = []
+  step = start
+  for step in range(start + 1, tc.steps + 1):
+    batch = jnp.asarray(batches_lib.train_batch(train_tokens, tc.batch_size, tc.seq_len, tc.seed, step))
+    t0 = time.perf_counter()
+    params, biases, opt_state, m = train_step(params, biases, opt_state, batch)
+    m = {k: float(v) for k, v in m.items()}
+    dt = time.perf_counter() - t0
+    if step > start + 1:
+      step_times.append(dt)
+    if not math.isfinite(m["loss"]):
+      raise FloatingPointError(f"loss is {m['loss']} at step {step}")
+    if step % 10 == 0 or step == tc.steps:
+      metrics["train_curve"].append({"step": step, **m})
+    progress.update(step, tokens_per_step, loss=m["ce"])
+    if step % tc.eval_every == 0 or step == tc.steps:
+      bpb = evaluate(eval_step, params, biases, val_tokens, tc, byte_lengths)
+      metrics["val_curve"].append({"step": step, "bits_per_byte": bpb})
+      log(f"step {step}: validation {bpb:.4f} bits/byte")
+    if manager.should_save(step) or step == tc.steps:
+      manager.save(step, {"params": params, "biases": biases, "opt_state": opt_state, "step": step},
+                   force=True)
+      atomic.write_json_atomic(workdir / "metrics.json", metrics)
+  manager.close()
+
+  if step_times:
+    metrics["train_tokens_per_second"] = tokens_per_step / float(np.median(step_times))
+  if not metrics["val_curve"] or metrics["val_curve"][-1]["step"] != tc.steps:
+    bpb = evaluate(eval_step, params, biases, val_tokens, tc, byte_lengths)
+    metrics["val_curve"].append({"step": tc.steps, "bits_per_byte": bpb})
+  metrics["final_val_bits_per_byte"] = metrics["val_curve"][-1]["bits_per_byte"]
+  model = Model.from_module(nnx.merge(graphdef, params, biases), tokenizer)
+  model.save(workdir / "model")
+  atomic.write_json_atomic(workdir / "metrics.json", metrics)
+  plot_curves(metrics, workdir / "loss.png")
+  return model, metrics

@@ -1,0 +1,145 @@
+"""CPU fast paths: the C++ expert FFN (csrc/moe_ffn_cpu.cc) built on first use, called via jax.ffi.
+
+The shared library is compiled by the system C++ compiler ($MOESPEC_CXX, default g++) into
+$MOESPEC_CACHE/build (default ~/.cache/moespec_jax/build), named by a hash of the source, the
+flags, the compiler, the CPU and the jax version, and written atomically (temporary file +
+os.replace), so concurrent processes never load a half-written library. Nothing is downloaded.
+If no compiler is found, `ensure_built` raises `CpuKernelUnavailable` with the reason; callers
+that can fall back to XLA log that reason (never silently).
+"""
+
+import ctypes
+import hashlib
+import logging
+import os
+import pathlib
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+_SOURCE = pathlib.Path(__file__).parent / "csrc" / "moe_ffn_cpu.cc"
+_TARGET = "moespec_moe_ffn_f32"
+_SYMBOL = "MoespecMoeFfnF32"
+_FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno")
+MODES = {"dedup": 0, "per_slot": 1}
+
+_lock = threading.Lock()
+_state = {"lib": None, "error": None}
+
+
+class CpuKernelUnavailable(RuntimeError):
+  """The C++ CPU kernel cannot be built or loaded (e.g. no C++ compiler)."""
+
+
+def cache_dir():
+  return pathlib.Path(os.environ.get("MOESPEC_CACHE", os.path.expanduser("~/.cache/moespec_jax")))
+
+
+def _cpu_signature():
+  try:
+    with open("/proc/cpuinfo") as f:
+      flags = next((l for l in f if l.startswith("flags")), "")
+  except OSError:
+    flags = ""
+  return platform.machine() + flags
+
+
+def _compiler():
+  cxx = os.environ.get("MOESPEC_CXX", "g++")
+  path = shutil.which(cxx)
+  if path is None:
+    raise CpuKernelUnavailable(
+        f"C++ compiler {cxx!r} not found (set MOESPEC_CXX or install g++); the C++ CPU expert "
+        "kernels (dedup/per_slot) are unavailable")
+  return path
+
+
+def library_path():
+  """Where the library for this source/compiler/CPU lives (it may not exist yet)."""
+  cxx = _compiler()
+  h = hashlib.sha256()
+  for part in (_SOURCE.read_bytes(), " ".join(_FLAGS).encode(), cxx.encode(), _cpu_signature().encode(),
+               jax.__version__.encode()):
+    h.update(part)
+  return cache_dir() / "build" / f"moe_ffn_cpu-{h.hexdigest()[:16]}.so"
+
+
+def _build(out):
+  cxx = _compiler()
+  out.parent.mkdir(parents=True, exist_ok=True)
+  fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=out.name + ".", suffix=".tmp")
+  os.close(fd)
+  cmd = [cxx, *_FLAGS, f"-I{jax.ffi.include_dir()}", str(_SOURCE), "-o", tmp]
+  try:
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+      raise CpuKernelUnavailable(f"compiling {_SOURCE.name} failed:\n{' '.join(cmd)}\n{proc.stderr[-4000:]}")
+    os.replace(tmp, out)
+  finally:
+    if os.path.exists(tmp):
+      os.unlink(tmp)
+
+
+def ensure_built():
+  """Builds (once per source hash) and registers the FFI target; raises CpuKernelUnavailable."""
+  with _lock:
+    if _state["lib"] is not None:
+      return _state["lib"]
+    try:
+      path = library_path()
+      if not path.exists():
+        logging.info("building the C++ CPU expert kernel into %s", path)
+        _build(path)
+      lib = ctypes.CDLL(str(path))
+      jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(getattr(lib, _SYMBOL)), platform="cpu")
+    except CpuKernelUnavailable as e:
+      _state["error"] = str(e)
+      raise
+    except OSError as e:
+      _state["error"] = f"loading the C++ CPU expert kernel failed: {e}"
+      raise CpuKernelUnavailable(_state["error"]) from e
+    _state["lib"] = lib
+    _state["error"] = None
+    return lib
+
+
+def available():
+  """True if the C++ kernel builds and loads here; the reason otherwise is in `unavailable_reason`."""
+  try:
+    ensure_built()
+    return True
+  except CpuKernelUnavailable:
+    return False
+
+
+def unavailable_reason():
+  return _state["error"]
+
+
+def reset_for_tests():
+  """Forgets a cached failure (tests switch MOESPEC_CXX)."""
+  with _lock:
+    if _state["lib"] is None:
+      _state["error"] = None
+
+
+def expert_ffn_cpu(x_TD, expert_ids_TK, gates_TK, w_gate_EDF, w_up_EDF, w_down_EFD, *, method="dedup"):
+  """The C++ kernel: method 'dedup' (each unique expert streamed once) or 'per_slot'.
+
+  Computes in f32 (inputs are cast; keep weights f32 on CPU so the cast is free) and returns
+  x's dtype. Not differentiable by itself (the entry point attaches the grouped XLA VJP).
+  """
+  if method not in MODES:
+    raise ValueError(f"method must be one of {tuple(MODES)}, got {method!r}")
+  ensure_built()
+  f32 = jnp.float32
+  out = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct(x_TD.shape, f32), vmap_method="sequential")(
+      x_TD.astype(f32), expert_ids_TK.astype(jnp.int32), gates_TK.astype(f32), w_gate_EDF.astype(f32),
+      w_up_EDF.astype(f32), w_down_EFD.astype(f32), mode=np.int32(MODES[method]))
+  return out.astype(x_TD.dtype)

@@ -1,0 +1,156 @@
+"""The transformer: cached decoding vs full forward, dropless MoE vs dense reference, routers."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import pallas_kernels
+from moespec_jax.config import ModelConfig
+from moespec_jax.model import Transformer
+from moespec_jax.model.moe import route
+
+
+def test_cached_decoding_equals_full_forward_ragged(tiny_model):
+  module = tiny_model.module()
+  rng = np.random.default_rng(0)
+  lengths = [5, 9, 3]
+  total = 14
+  tokens = rng.integers(0, 256, size=(3, total)).astype(np.int32)
+  full = np.asarray(module(jnp.asarray(tokens)).logits)
+  # Prefill each row's own prompt length (right-padded), then feed one token at a time per row.
+  prefill = np.zeros((3, 16), np.int32)
+  for b, n in enumerate(lengths):
+    prefill[b, :n] = tokens[b, :n]
+  cache = module.new_cache(3, 32)
+  out = module(jnp.asarray(prefill), None, cache)
+  for b, n in enumerate(lengths):
+    np.testing.assert_allclose(np.asarray(out.logits)[b, :n], full[b, :n], atol=2e-5, rtol=2e-5)
+  cache = out.cache
+  pos = np.array(lengths)
+  step = jax.jit(lambda tok, p, c: module(tok, p, c))
+  while (pos < total).any():
+    feed = np.minimum(pos, total - 1)
+    tok = tokens[np.arange(3), feed][:, None]
+    out = step(jnp.asarray(tok), jnp.asarray(feed[:, None]), cache)
+    cache = out.cache
+    for b in range(3):
+      if pos[b] < total:
+        np.testing.assert_allclose(np.asarray(out.logits)[b, 0], full[b, pos[b]], atol=2e-5, rtol=2e-5)
+    pos = pos + 1
+
+
+def test_multi_token_pass_with_cache_equals_full_forward(tiny_model):
+  module = tiny_model.module()
+  tokens = np.random.default_rng(1).integers(0, 256, size=(2, 12)).astype(np.int32)
+  full = np.asarray(module(jnp.asarray(tokens)).logits)
+  cache = module.new_cache(2, 16)
+  out1 = module(jnp.asarray(tokens[:, :7]), None, cache)
+  pos = jnp.broadcast_to(jnp.arange(7, 12), (2, 5))
+  out2 = module(jnp.asarray(tokens[:, 7:]), pos, out1.cache)
+  np.testing.assert_allclose(np.asarray(out2.logits), full[:, 7:], atol=2e-5, rtol=2e-5)
+
+
+def test_forward_returns_hidden_and_routing(tiny_model, tiny_config):
+  out = tiny_model.forward_full(np.zeros((2, 5), np.int32))
+  c = tiny_config
+  assert out.logits.shape == (2, 5, c.vocab_size) and out.logits.dtype == jnp.float32
+  assert out.hidden.shape == (2, 5, c.d_model)
+  assert out.routing.expert_ids.shape == (c.n_moe_layers, 2, 5, c.top_k)
+  assert out.routing.gates.shape == (c.n_moe_layers, 2, 5, c.top_k)
+  np.testing.assert_allclose(np.asarray(out.routing.probs).sum(-1), 1.0, atol=1e-5)
+
+
+def test_param_counts_match_the_module(tiny_config):
+  _, state = nnx.split(Transformer(tiny_config, rngs=nnx.Rngs(0)))
+  n = sum(x.size for x in jax.tree.leaves(nnx.to_pure_dict(state)))
+  assert n == tiny_config.param_counts()["total"]
+
+
+def test_dropless_moe_equals_dense_all_experts_reference():
+  rng = np.random.default_rng(2)
+  t, d, e, f, k = 37, 16, 8, 12, 3
+  x = jnp.asarray(rng.normal(size=(t, d)), jnp.float32)
+  wg, wu = (jnp.asarray(rng.normal(size=(e, d, f)) / 4, jnp.float32) for _ in range(2))
+  wd = jnp.asarray(rng.normal(size=(e, f, d)) / 4, jnp.float32)
+  ids = jnp.asarray(np.stack([rng.choice(e, k, replace=False) for _ in range(t)]), jnp.int32)
+  gates = jnp.asarray(rng.random((t, k)), jnp.float32)
+  dense = pallas_kernels.expert_ffn_dense(x, ids, gates, wg, wu, wd)
+  # Hand-written loop: every token, every chosen expert.
+  loop = np.zeros((t, d), np.float32)
+  for i in range(t):
+    for j in range(k):
+      ex = int(ids[i, j])
+      h = jax.nn.silu(x[i] @ wg[ex]) * (x[i] @ wu[ex])
+      loop[i] += float(gates[i, j]) * np.asarray(h @ wd[ex])
+  np.testing.assert_allclose(np.asarray(dense), loop, atol=1e-4, rtol=1e-4)
+  got = pallas_kernels.expert_ffn(x, ids, gates, wg, wu, wd, method="xla")
+  np.testing.assert_allclose(np.asarray(got), loop, atol=1e-4, rtol=1e-4)
+
+
+def _route_by_hand(logits, cfg: ModelConfig, bias=None):
+  """Per-token numpy reference of every router variant."""
+  ids_all, gates_all = [], []
+  for row in np.asarray(logits, np.float64):
+    if cfg.score_func == "softmax":
+      scores = np.exp(row - row.max())
+      scores /= scores.sum()
+    else:
+      scores = 1 / (1 + np.exp(-row))
+    choice = scores + (0 if bias is None else np.asarray(bias))
+    if cfg.n_groups > 1:
+      size = len(row) // cfg.n_groups
+      group_scores = []
+      for g in range(cfg.n_groups):
+        members = np.sort(choice[g * size:(g + 1) * size])[::-1]
+        group_scores.append(members[:2].sum() if bias is not None else members[0])
+      keep = np.argsort(group_scores)[::-1][:cfg.topk_groups]
+      masked = np.full_like(choice, -np.inf)
+      for g in keep:
+        masked[g * size:(g + 1) * size] = choice[g * size:(g + 1) * size]
+      choice = masked
+    ids = np.argsort(-choice, kind="stable")[:cfg.top_k]
+    gates = scores[ids]
+    if cfg.norm_topk_prob:
+      gates = gates / gates.sum()
+    ids_all.append(ids)
+    gates_all.append(gates * cfg.routed_scaling_factor)
+  return np.array(ids_all), np.array(gates_all)
+
+
+ROUTERS = {
+    "mixtral_softmax_renorm": dict(score_func="softmax", norm_topk_prob=True),
+    "qwen_olmoe_softmax_no_renorm": dict(score_func="softmax", norm_topk_prob=False),
+    "deepseek_v2_group_limited": dict(score_func="softmax", norm_topk_prob=False, n_groups=4,
+                                      topk_groups=2, routed_scaling_factor=1.5),
+    "deepseek_v3_sigmoid_bias_groups": dict(score_func="sigmoid", norm_topk_prob=True, n_groups=4,
+                                            topk_groups=2, use_score_bias=True, routed_scaling_factor=2.5),
+    "sigmoid_no_groups": dict(score_func="sigmoid", norm_topk_prob=True),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ROUTERS))
+def test_router_variants_match_hand_written_reference(name):
+  cfg = ModelConfig(vocab_size=264, d_model=16, n_layers=1, n_heads=1, n_kv_heads=1, head_dim=8,
+                    n_routed_experts=16, top_k=3, first_k_dense=0, **ROUTERS[name])
+  rng = np.random.default_rng(3)
+  logits = rng.normal(size=(50, 16)).astype(np.float32) * 2
+  bias = rng.normal(size=(16,)).astype(np.float32) * 0.3 if cfg.use_score_bias else None
+  ids, gates, probs = route(jnp.asarray(logits), cfg, None if bias is None else jnp.asarray(bias))
+  want_ids, want_gates = _route_by_hand(logits, cfg, bias)
+  # Same expert sets with the same gates (top_k returns them in score order).
+  np.testing.assert_array_equal(np.asarray(ids), want_ids)
+  np.testing.assert_allclose(np.asarray(gates), want_gates, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(np.asarray(probs).sum(-1), 1.0, atol=1e-5)
+
+
+def test_config_rejects_bad_values():
+  with pytest.raises(ValueError, match="top_k"):
+    ModelConfig(n_routed_experts=4, top_k=5)
+  with pytest.raises(ValueError, match="n_kv_heads"):
+    ModelConfig(n_heads=3, n_kv_heads=2)
+  with pytest.raises(ValueError, match="n_groups"):
+    ModelConfig(n_routed_experts=32, n_groups=3)
+  with pytest.raises(ValueError, match="unknown fields"):
+    ModelConfig.from_dict({"d_modle": 3})

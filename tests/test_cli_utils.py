@@ -1,0 +1,103 @@
+"""Tests of the CLI helpers: one-line errors with exit status 2, progress lines."""
+
+import io
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from moespec_jax import cli
+
+CLI_PATH = pathlib.Path(cli.__file__)
+
+# A tiny absl program. It loads cli.py by path so that the subprocess does not
+# import jax (keeps the test fast and stderr free of unrelated warnings).
+SCRIPT = f"""
+import importlib.util
+from absl import flags
+from absl import logging
+spec = importlib.util.spec_from_file_location("cli_under_test", {str(CLI_PATH)!r})
+cli = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(cli)
+
+flags.DEFINE_integer("n", 1, "a number")
+flags.DEFINE_enum("mode", "a", ["a", "b"], "a mode")
+flags.DEFINE_integer("pos", 1, "positive", lower_bound=1)
+
+def main(argv):
+  if len(argv) > 1:
+    raise cli.app.UsageError("too many arguments")
+  n = flags.FLAGS.n
+  if n == 2:
+    raise ValueError("n must not be 2,\\n  got 2")
+  if n == 3:
+    raise FileNotFoundError(2, "No such file or directory", "/no/model")
+  if n == 4:
+    raise RuntimeError("a bug")
+  if n == 6:
+    logging.info("library chatter at INFO stays off stderr")
+    raise ValueError("after logging")
+  print("ok", n)
+
+cli.run(main)
+"""
+
+
+@pytest.fixture(scope="module")
+def script(tmp_path_factory):
+  path = tmp_path_factory.mktemp("cli") / "prog.py"
+  path.write_text(SCRIPT)
+  return path
+
+
+def _run_many(script, arg_lists):
+  procs = [subprocess.Popen([sys.executable, str(script), *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True) for args in arg_lists]
+  results = []
+  for p in procs:
+    out, err = p.communicate(timeout=60)
+    results.append((p.returncode, out, err))
+  return results
+
+
+def test_user_errors_one_line_exit_2(script):
+  cases = {
+      ("--n=2",): "n must not be 2, got 2",
+      ("--n=3",): "/no/model",
+      ("--nope=1",): "nope",
+      ("--n=abc",): "abc",
+      ("--mode=c",): "mode",
+      ("--pos=0",): "pos",
+      ("extra",): "too many arguments",
+      ("--n=6",): "after logging",
+  }
+  results = _run_many(script, list(cases) + [("--n=5",), ("--n=4",)])
+  for (args, expected), (rc, out, err) in zip(cases.items(), results):
+    lines = [l for l in err.splitlines() if l.strip()]
+    assert rc == 2, (args, rc, err)
+    assert len(lines) == 1, (args, err)
+    assert lines[0].startswith("error: ") and expected in lines[0], (args, err)
+    assert "Traceback" not in err and out == ""
+  rc, out, err = results[-2]
+  assert rc == 0 and out == "ok 5\n" and err == ""
+  rc, out, err = results[-1]  # a bug keeps its traceback and is not status 2
+  assert rc not in (0, 2) and "Traceback" in err
+
+
+def test_progress_lines():
+  now = [0.0]
+  stream = io.StringIO()
+  prog = cli.Progress(100, desc="train", every_s=10.0, stream=stream, clock=lambda: now[0])
+  now[0] = 5.0
+  assert not prog.update(10, units=1000)
+  now[0] = 10.0
+  assert prog.update(20, units=1000, loss=2.5)
+  line = stream.getvalue().strip()
+  assert line.startswith("train step 20/100 (20.0%)")
+  assert "200 tokens/s" in line and "loss 2.5" in line and "eta 40s" in line
+  assert prog.update(100)  # the last step always prints
+  assert "eta" not in prog.last_line and len(stream.getvalue().splitlines()) == 2
+  by_steps = cli.Progress(50, every_s=None, every_steps=10, stream=io.StringIO(),
+                          start_step=20, clock=lambda: now[0])
+  assert [by_steps.update(s) for s in range(21, 41)].count(True) == 2
