@@ -20,10 +20,10 @@ def model_config() -> ml_collections.ConfigDict:
 
 def train_config() -> ml_collections.ConfigDict:
   return ml_collections.ConfigDict(dict(
-      seed=0, batch_size=16, seq_len=256, steps=1500, learning_rate=3e-3, min_lr_ratio=0.1,
-      warmup_steps=100, weight_decay=0.1, grad_clip=1.0, b1=0.9, b2=0.95,
+      seed=0, batch_size=8, seq_len=256, steps=500, learning_rate=3e-3, min_lr_ratio=0.1,
+      warmup_steps=50, weight_decay=0.1, grad_clip=1.0, b1=0.9, b2=0.95,
       aux_loss_weight=0.01, bias_update_rate=1e-3,
-      eval_every=250, eval_batches=16, checkpoint_every=250, log_every_seconds=10.0,
+      eval_every=100, eval_batches=8, checkpoint_every=100, log_every_seconds=10.0,
   ))
 
 

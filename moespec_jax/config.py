@@ -49,6 +49,30 @@ class ModelConfig:
   # Numerics and the expert-FFN implementation used at inference.
   dtype: str = "float32"
   expert_method: str = "xla"
+  # Variants of the imported Hugging Face families (the defaults keep the plain model).
+  # Attention: "gqa" (grouped-query) or "mla" (DeepSeek multi-head latent attention).
+  attention_type: str = "gqa"
+  qkv_bias: bool = False  # Qwen2-MoE: biases on the q/k/v projections.
+  # RMSNorm on queries and keys before RoPE: "none", "head" (per head, Qwen3-MoE) or "full"
+  # (over all heads of the projection, OLMoE).
+  qk_norm: str = "none"
+  # MLA (attention_type == "mla"): q_lora_rank 0 projects queries directly (DeepSeek-V2-Lite).
+  q_lora_rank: int = 0
+  kv_lora_rank: int = 0
+  qk_nope_head_dim: int = 0
+  qk_rope_head_dim: int = 0
+  v_head_dim: int = 0
+  # RoPE scaling: "none" or "yarn" (DeepSeek; MLA only).
+  rope_scaling: str = "none"
+  rope_factor: float = 1.0
+  rope_original_max_len: int = 0
+  rope_beta_fast: float = 32.0
+  rope_beta_slow: float = 1.0
+  rope_mscale: float = 1.0
+  rope_mscale_all_dim: float = 0.0
+  # Shared experts: width (0 means n_shared_experts * expert_hidden) and Qwen2-MoE's sigmoid gate.
+  shared_expert_hidden: int = 0
+  shared_expert_gate: bool = False
 
   def __post_init__(self):
     def need(cond: bool, msg: str):
@@ -82,6 +106,26 @@ class ModelConfig:
     need(self.num_mtp_modules >= 0, "num_mtp_modules must be >= 0")
     need(self.dtype in ("float32", "bfloat16"), f"dtype must be float32 or bfloat16, got {self.dtype!r}")
     need(0 <= self.eos_id < self.vocab_size, f"eos_id {self.eos_id} outside the vocabulary")
+    need(self.attention_type in ("gqa", "mla"),
+         f"attention_type must be 'gqa' or 'mla', got {self.attention_type!r}")
+    need(self.qk_norm in ("none", "head", "full"),
+         f"qk_norm must be 'none', 'head' or 'full', got {self.qk_norm!r}")
+    if self.attention_type == "mla":
+      need(self.kv_lora_rank > 0, "kv_lora_rank must be > 0 for MLA")
+      need(self.qk_rope_head_dim > 0 and self.qk_rope_head_dim % 2 == 0,
+           f"qk_rope_head_dim must be even and > 0 for MLA, got {self.qk_rope_head_dim}")
+      need(self.qk_nope_head_dim >= 0 and self.v_head_dim > 0 and self.q_lora_rank >= 0,
+           "MLA needs qk_nope_head_dim >= 0, v_head_dim > 0 and q_lora_rank >= 0")
+      need(self.qk_norm == "none" and not self.qkv_bias, "MLA takes no qk_norm and no qkv_bias")
+    need(self.rope_scaling in ("none", "yarn"),
+         f"rope_scaling must be 'none' or 'yarn', got {self.rope_scaling!r}")
+    if self.rope_scaling == "yarn":
+      need(self.attention_type == "mla", "rope_scaling 'yarn' is supported with MLA only")
+      need(self.rope_factor >= 1.0 and self.rope_original_max_len > 0,
+           "yarn needs rope_factor >= 1 and rope_original_max_len > 0")
+    need(self.shared_expert_hidden >= 0, "shared_expert_hidden must be >= 0")
+    need(not self.shared_expert_gate or self.n_shared_experts > 0,
+         "shared_expert_gate needs n_shared_experts > 0")
 
   @property
   def n_moe_layers(self) -> int:
@@ -89,6 +133,20 @@ class ModelConfig:
 
   def is_moe_layer(self, layer: int) -> bool:
     return layer >= self.first_k_dense
+
+  @property
+  def shared_width(self) -> int:
+    """Width of the fused shared-expert SwiGLU (0 without shared experts)."""
+    if not self.n_shared_experts:
+      return 0
+    return self.shared_expert_hidden or self.n_shared_experts * self.expert_hidden
+
+  @property
+  def cache_dims(self) -> tuple[int, int, int]:
+    """(heads, key dim, value dim) of one cache entry: MLA caches its latent and rope key."""
+    if self.attention_type == "mla":
+      return 1, self.kv_lora_rank, self.qk_rope_head_dim
+    return self.n_kv_heads, self.head_dim, self.head_dim
 
   def replace(self, **changes: Any) -> "ModelConfig":
     return dataclasses.replace(self, **changes)
@@ -107,10 +165,21 @@ class ModelConfig:
   def param_counts(self) -> dict[str, int]:
     """Total and per-token active parameter counts (embeddings included)."""
     d, e, f = self.d_model, self.n_routed_experts, self.expert_hidden
-    attn = d * self.n_heads * self.head_dim * 2 + d * self.n_kv_heads * self.head_dim * 2
+    h, hkv, dh = self.n_heads, self.n_kv_heads, self.head_dim
+    if self.attention_type == "mla":
+      qk = self.qk_nope_head_dim + self.qk_rope_head_dim
+      c, r = self.kv_lora_rank, self.qk_rope_head_dim
+      q = d * h * qk if not self.q_lora_rank else (
+          d * self.q_lora_rank + self.q_lora_rank + self.q_lora_rank * h * qk)
+      attn = q + d * (c + r) + c + c * h * (self.qk_nope_head_dim + self.v_head_dim)
+      attn += h * self.v_head_dim * d
+    else:
+      attn = d * h * dh * 2 + d * hkv * dh * 2
+      attn += (h + 2 * hkv) * dh if self.qkv_bias else 0
+      attn += {"none": 0, "head": 2 * dh, "full": (h + hkv) * dh}[self.qk_norm]
     norms = 2 * d
     dense_ffn = 3 * d * self.dense_hidden
-    shared = 3 * d * f * self.n_shared_experts
+    shared = 3 * d * self.shared_width + (d if self.shared_expert_gate else 0)
     router = d * e
     expert = 3 * d * f
     emb = self.vocab_size * d * (1 if self.tie_embeddings else 2) + d

@@ -1,12 +1,38 @@
-"""Expert-matmul kernels: one entry point for the routed SwiGLU expert FFN."""
+"""Expert-matmul kernels: one entry point for the routed SwiGLU expert FFN.
 
+    y_t = sum_k gates[t, k] * SwiGLU_{expert_ids[t, k]}(x_t)
+
+method:
+  xla       pure XLA, the oracle: per-(token, slot) matrix-vector products for small passes, the
+            sort-based grouped matmul (grouped.py) for large T. Differentiable (training path).
+  dedup     each selected expert's weights are read once per pass, whatever the number of
+            tokens that chose it.
+  per_slot  each (token, slot) pair reads its own expert's weights.
+  auto      grouped XLA for large T (training); otherwise dedup or per_slot from the measured
+            crossover of the backend (tuning.py).
+backend (dedup/per_slot): auto (by jax.default_backend()), cpu (the C++ kernel of cpu_ffi.py,
+  falling back to XLA with a logged warning when it cannot be built), tpu, gpu (Pallas kernels),
+  interpret (the Pallas TPU kernels in interpret mode, for tests on CPU; with interpret=True the
+  tpu/gpu backends also run in interpret mode).
+dedup/per_slot are differentiable: their VJP is the grouped XLA path's.
+"""
+
+import functools
+import logging
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+
+from pallas_kernels import cpu_ffi, tuning
 from pallas_kernels.grouped import expert_ffn_grouped
 from pallas_kernels.reference import expert_ffn_dense, expert_ffn_reference
 
 METHODS = ("xla", "dedup", "per_slot", "auto")
+BACKENDS = ("auto", "cpu", "tpu", "gpu", "interpret")
 
-# Below this many (token, slot) rows the XLA path uses the per-row reference; at or above it,
-# the sort-based grouped matmul (the training path: fastest measured fwd+bwd on CPU).
+# At or above this many (token, slot) rows the XLA path uses the sort-based grouped matmul (the
+# training path: fastest measured fwd+bwd on CPU), and `auto` picks it too.
 GROUPED_MIN_ROWS = 64
 
 
@@ -16,18 +42,120 @@ def default_block_rows(n_rows, n_experts):
   return int(min(256, max(8, 1 << (mean - 1).bit_length())))
 
 
+def expert_ffn_pairs(x_TD, expert_ids_TK, gates_TK, w_gate_EDF, w_up_EDF, w_down_EFD):
+  """One matrix-vector product per (token, slot) pair, pairs sorted by expert (XLA, small T).
+
+  The fastest XLA:CPU formulation measured: a single-row product reads the weight slice in place,
+  while multi-row products against a slice become a copy + GEMM call.
+  """
+  T, K = expert_ids_TK.shape
+  ids_R = expert_ids_TK.reshape(-1).astype(jnp.int32)
+  g_R = gates_TK.reshape(-1).astype(jnp.float32)
+  order_R = jnp.argsort(ids_R, stable=True)
+  x = x_TD.astype(jnp.float32)
+
+  def body(i, y_TD):
+    r = order_R[i]
+    e, t = ids_R[r], r // K
+    x_D = lax.dynamic_index_in_dim(x, t, keepdims=False)
+    wg = lax.dynamic_index_in_dim(w_gate_EDF, e, keepdims=False).astype(jnp.float32)
+    wu = lax.dynamic_index_in_dim(w_up_EDF, e, keepdims=False).astype(jnp.float32)
+    wd = lax.dynamic_index_in_dim(w_down_EFD, e, keepdims=False).astype(jnp.float32)
+    h_F = jax.nn.silu(jnp.einsum("d,df->f", x_D, wg)) * jnp.einsum("d,df->f", x_D, wu)
+    return y_TD.at[t].add(g_R[r] * jnp.einsum("f,fd->d", h_F, wd))
+
+  y_TD = lax.fori_loop(0, T * K, body, jnp.zeros(x.shape, jnp.float32), unroll=2)
+  return y_TD.astype(x_TD.dtype)
+
+
 def expert_ffn_xla(x_TD, expert_ids_TK, gates_TK, w_gate_EDF, w_up_EDF, w_down_EFD):
-  """Pure-XLA path: per-row reference for small passes, sorted grouped matmul for large T."""
+  """Pure-XLA path: per-pair products for small passes, sorted grouped matmul for large T."""
   n_rows = expert_ids_TK.size
   if n_rows < GROUPED_MIN_ROWS:
-    return expert_ffn_reference(x_TD, expert_ids_TK, gates_TK, w_gate_EDF, w_up_EDF, w_down_EFD)
+    return expert_ffn_pairs(x_TD, expert_ids_TK, gates_TK, w_gate_EDF, w_up_EDF, w_down_EFD)
   block_rows = default_block_rows(n_rows, w_gate_EDF.shape[0])
   return expert_ffn_grouped(x_TD, expert_ids_TK, gates_TK, w_gate_EDF, w_up_EDF, w_down_EFD,
                             block_rows=block_rows)
 
 
-def expert_ffn(x_TD, expert_ids_TK, gates_TK, w_gate_EDF, w_up_EDF, w_down_EFD, *, method="xla"):
+def resolve_backend(backend):
+  """'auto' -> the kernel family for jax.default_backend()."""
+  if backend not in BACKENDS:
+    raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+  if backend != "auto":
+    return backend
+  platform = jax.default_backend()
+  if platform == "tpu":
+    return "tpu"
+  if platform in ("gpu", "cuda", "rocm"):
+    return "gpu"
+  return "cpu"
+
+
+_warned = set()
+
+
+def _forward(method, backend, interpret):
+  """The (non-differentiable) forward of a kernel method on a resolved backend."""
+  if backend == "cpu":
+    try:
+      cpu_ffi.ensure_built()
+      return functools.partial(cpu_ffi.expert_ffn_cpu, method=method)
+    except cpu_ffi.CpuKernelUnavailable as e:
+      if str(e) not in _warned:
+        _warned.add(str(e))
+        logging.warning("expert_ffn(method=%r, backend='cpu'): %s; falling back to the XLA path", method, e)
+      return expert_ffn_xla
+  if backend in ("tpu", "interpret"):
+    from pallas_kernels import pallas_tpu  # pylint: disable=g-import-not-at-top
+    return functools.partial(pallas_tpu.expert_ffn_tpu, method=method,
+                             interpret=bool(interpret) or backend == "interpret")
+  from pallas_kernels import pallas_gpu  # pylint: disable=g-import-not-at-top
+  return functools.partial(pallas_gpu.expert_ffn_gpu, method=method, interpret=bool(interpret))
+
+
+@functools.lru_cache(maxsize=None)
+def _with_grouped_vjp(method, backend, interpret):
+  """Kernel forward + the grouped XLA path's VJP (so every method trains)."""
+  fwd_fn = _forward(method, backend, interpret)
+
+  @jax.custom_vjp
+  def f(x_TD, expert_ids_TK, gates_TK, w_gate_EDF, w_up_EDF, w_down_EFD):
+    return fwd_fn(x_TD, expert_ids_TK, gates_TK, w_gate_EDF, w_up_EDF, w_down_EFD)
+
+  def fwd(*args):
+    return f(*args), args
+
+  def bwd(args, dy_TD):
+    x_TD, expert_ids_TK, gates_TK, wg, wu, wd = args
+
+    def diff(x, g, a, b, c):
+      return expert_ffn_xla(x, expert_ids_TK, g, a, b, c) if expert_ids_TK.size >= GROUPED_MIN_ROWS else (
+          expert_ffn_grouped(x, expert_ids_TK, g, a, b, c, block_rows=8))
+
+    _, vjp = jax.vjp(diff, x_TD, gates_TK, wg, wu, wd)
+    dx, dg, dwg, dwu, dwd = vjp(dy_TD)
+    return dx, None, dg, dwg, dwu, dwd
+
+  f.defvjp(fwd, bwd)
+  return f
+
+
+def choose_method(n_tokens, top_k, backend="auto"):
+  """What `auto` runs for a pass of n_tokens: 'xla' (grouped, large T), 'dedup' or 'per_slot'."""
+  if n_tokens * top_k >= GROUPED_MIN_ROWS:
+    return "xla"
+  return "dedup" if n_tokens >= tuning.dedup_min_tokens(resolve_backend(backend)) else "per_slot"
+
+
+def expert_ffn(x_TD, expert_ids_TK, gates_TK, w_gate_EDF, w_up_EDF, w_down_EFD, *, method="xla",
+               backend="auto", interpret=False):
   """y_t = sum_k gates[t, k] * SwiGLU_{expert_ids[t, k]}(x_t); shapes: x [T, D], ids/gates [T, K]."""
   if method not in METHODS:
     raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-  return expert_ffn_xla(x_TD, expert_ids_TK, gates_TK, w_gate_EDF, w_up_EDF, w_down_EFD)
+  if method == "auto":
+    method = choose_method(x_TD.shape[0], expert_ids_TK.shape[1], backend)
+  if method == "xla":
+    return expert_ffn_xla(x_TD, expert_ids_TK, gates_TK, w_gate_EDF, w_up_EDF, w_down_EFD)
+  return _with_grouped_vjp(method, resolve_backend(backend), bool(interpret))(
+      x_TD, expert_ids_TK, gates_TK, w_gate_EDF, w_up_EDF, w_down_EFD)

@@ -27,6 +27,8 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import metadata
 
+_WHOLE = pl.no_block_spec  # the kernel indexes the whole array itself (data-dependent expert)
+
 
 def _pow2_tile(n, cap):
   t = 1
@@ -109,7 +111,7 @@ def dedup_rows(x_TD, expert_ids_TK, w_gate_EDF, w_up_EDF, w_down_EFD, *, block_r
   h_MF = pl.pallas_call(
       functools.partial(_dedup_up_kernel, bd=bd),
       grid=(n_blocks, F // tf),
-      in_specs=[None, None, pl.BlockSpec((bm, D), lambda b, j: (b, 0)), None, None],
+      in_specs=[_WHOLE, _WHOLE, pl.BlockSpec((bm, D), lambda b, j: (b, 0)), _WHOLE, _WHOLE],
       out_specs=pl.BlockSpec((bm, tf), lambda b, j: (b, j)),
       out_shape=jax.ShapeDtypeStruct((n_blocks * bm, F), w_gate_EDF.dtype),
       compiler_params=params,
@@ -118,7 +120,7 @@ def dedup_rows(x_TD, expert_ids_TK, w_gate_EDF, w_up_EDF, w_down_EFD, *, block_r
   out_MD = pl.pallas_call(
       functools.partial(_dedup_down_kernel, tf=tf),
       grid=(n_blocks, D // td),
-      in_specs=[None, None, pl.BlockSpec((bm, F), lambda b, j: (b, 0)), None],
+      in_specs=[_WHOLE, _WHOLE, pl.BlockSpec((bm, F), lambda b, j: (b, 0)), _WHOLE],
       out_specs=pl.BlockSpec((bm, td), lambda b, j: (b, j)),
       out_shape=jax.ShapeDtypeStruct((n_blocks * bm, D), jnp.float32),
       compiler_params=params,
@@ -178,7 +180,7 @@ def per_slot_rows(x_TD, expert_ids_TK, w_gate_EDF, w_up_EDF, w_down_EFD, *, hidd
   h_RF = pl.pallas_call(
       functools.partial(_per_slot_up_kernel, bd=bd),
       grid=(T * K, F // tf),
-      in_specs=[None, pl.BlockSpec((None, D), lambda r, j: (r, 0)), None, None],
+      in_specs=[_WHOLE, pl.BlockSpec((None, D), lambda r, j: (r, 0)), _WHOLE, _WHOLE],
       out_specs=pl.BlockSpec((None, tf), lambda r, j: (r, j)),
       out_shape=jax.ShapeDtypeStruct((T * K, F), w_gate_EDF.dtype),
       compiler_params=params,
@@ -187,7 +189,7 @@ def per_slot_rows(x_TD, expert_ids_TK, w_gate_EDF, w_up_EDF, w_down_EFD, *, hidd
   return pl.pallas_call(
       functools.partial(_per_slot_down_kernel, tf=tf),
       grid=(T * K, D // td),
-      in_specs=[None, pl.BlockSpec((None, F), lambda r, j: (r, 0)), None],
+      in_specs=[_WHOLE, pl.BlockSpec((None, F), lambda r, j: (r, 0)), _WHOLE],
       out_specs=pl.BlockSpec((None, td), lambda r, j: (r, j)),
       out_shape=jax.ShapeDtypeStruct((T * K, D), jnp.float32),
       compiler_params=params,

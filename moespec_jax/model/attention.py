@@ -1,4 +1,8 @@
-"""Grouped-query attention with rotary embeddings and an optional KV cache."""
+"""Grouped-query attention with rotary embeddings and an optional KV cache.
+
+Variants of the imported families: q/k/v biases (Qwen2-MoE) and RMSNorm on queries and keys
+before RoPE, per head (Qwen3-MoE) or over the whole projection (OLMoE).
+"""
 
 import jax
 import jax.numpy as jnp
@@ -6,7 +10,7 @@ from flax import nnx
 
 from moespec_jax.config import ModelConfig
 from moespec_jax.model import cache as cache_lib
-from moespec_jax.model.layers import apply_rope, fan_in_init
+from moespec_jax.model.layers import RMSNorm, apply_rope, fan_in_init
 
 
 class Attention(nnx.Module):
@@ -20,6 +24,35 @@ class Attention(nnx.Module):
     self.w_k_DHK = nnx.Param(init(rngs.params(), (d, hkv, dh), dtype))
     self.w_v_DHK = nnx.Param(init(rngs.params(), (d, hkv, dh), dtype))
     self.w_o_HKD = nnx.Param(fan_in_init(h * dh, out_scale)(rngs.params(), (h, dh, d), dtype))
+    self.b_q_HK = self.b_k_GK = self.b_v_GK = None
+    if config.qkv_bias:
+      self.b_q_HK = nnx.Param(jnp.zeros((h, dh), dtype))
+      self.b_k_GK = nnx.Param(jnp.zeros((hkv, dh), dtype))
+      self.b_v_GK = nnx.Param(jnp.zeros((hkv, dh), dtype))
+    self.qk_norm = config.qk_norm
+    self.q_norm = self.k_norm = None
+    if config.qk_norm == "head":
+      self.q_norm = RMSNorm(dh, config.norm_eps, dtype=dtype)
+      self.k_norm = RMSNorm(dh, config.norm_eps, dtype=dtype)
+    elif config.qk_norm == "full":
+      self.q_norm = RMSNorm(h * dh, config.norm_eps, dtype=dtype)
+      self.k_norm = RMSNorm(hkv * dh, config.norm_eps, dtype=dtype)
+
+  def _project(self, x_BTD):
+    """Queries, keys and values before RoPE: [B, T, H, K], [B, T, G, K], [B, T, G, K]."""
+    q_BTHK = jnp.einsum("btd,dhk->bthk", x_BTD, self.w_q_DHK[...])
+    k_BTGK = jnp.einsum("btd,dgk->btgk", x_BTD, self.w_k_DHK[...])
+    v_BTGK = jnp.einsum("btd,dgk->btgk", x_BTD, self.w_v_DHK[...])
+    if self.b_q_HK is not None:
+      q_BTHK = q_BTHK + self.b_q_HK[...]
+      k_BTGK = k_BTGK + self.b_k_GK[...]
+      v_BTGK = v_BTGK + self.b_v_GK[...]
+    if self.qk_norm == "head":
+      q_BTHK, k_BTGK = self.q_norm(q_BTHK), self.k_norm(k_BTGK)
+    elif self.qk_norm == "full":
+      q_BTHK = self.q_norm(q_BTHK.reshape(*q_BTHK.shape[:2], -1)).reshape(q_BTHK.shape)
+      k_BTGK = self.k_norm(k_BTGK.reshape(*k_BTGK.shape[:2], -1)).reshape(k_BTGK.shape)
+    return q_BTHK, k_BTGK, v_BTGK
 
   def __call__(self, x_BTD, positions_BT, rope, layer_cache=None):
     """Returns (out_BTD, (keys_BSHK, values_BSHK) or None).
@@ -28,9 +61,13 @@ class Attention(nnx.Module):
     positions (each row's positions must be contiguous) and attention reads the cache.
     """
     cos, sin = rope
-    q_BTHK = apply_rope(jnp.einsum("btd,dhk->bthk", x_BTD, self.w_q_DHK[...]), cos, sin)
-    k_BTGK = apply_rope(jnp.einsum("btd,dgk->btgk", x_BTD, self.w_k_DHK[...]), cos, sin)
-    v_BTGK = jnp.einsum("btd,dgk->btgk", x_BTD, self.w_v_DHK[...])
+    if self.b_q_HK is None and self.q_norm is None:
+      q_BTHK = apply_rope(jnp.einsum("btd,dhk->bthk", x_BTD, self.w_q_DHK[...]), cos, sin)
+      k_BTGK = apply_rope(jnp.einsum("btd,dgk->btgk", x_BTD, self.w_k_DHK[...]), cos, sin)
+      v_BTGK = jnp.einsum("btd,dgk->btgk", x_BTD, self.w_v_DHK[...])
+    else:
+      q_BTHK, k_BTGK, v_BTGK = self._project(x_BTD)
+      q_BTHK, k_BTGK = apply_rope(q_BTHK, cos, sin), apply_rope(k_BTGK, cos, sin)
 
     if layer_cache is None:
       keys, values, key_pos_BS = k_BTGK, v_BTGK, positions_BT

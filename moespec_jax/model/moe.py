@@ -61,7 +61,7 @@ def route(logits_TE, config: ModelConfig, score_bias_E=None):
 
 
 class MoE(nnx.Module):
-  """Routed experts (SwiGLU, width expert_hidden) plus fused shared experts."""
+  """Routed experts (SwiGLU, width expert_hidden) plus fused shared experts (optionally gated)."""
 
   def __init__(self, config: ModelConfig, *, out_scale: float, rngs: nnx.Rngs, dtype=jnp.float32):
     d, e, f = config.d_model, config.n_routed_experts, config.expert_hidden
@@ -72,9 +72,11 @@ class MoE(nnx.Module):
     self.w_up_EDF = nnx.Param(fan_in_init(d)(rngs.params(), (e, d, f), dtype))
     self.w_down_EFD = nnx.Param(fan_in_init(f, out_scale)(rngs.params(), (e, f, d), dtype))
     if config.n_shared_experts:
-      self.shared = SwiGLU(d, f * config.n_shared_experts, out_scale=out_scale, rngs=rngs, dtype=dtype)
+      self.shared = SwiGLU(d, config.shared_width, out_scale=out_scale, rngs=rngs, dtype=dtype)
     else:
       self.shared = None
+    # Qwen2-MoE: the shared-expert output is scaled by sigmoid(x . w) per token.
+    self.w_shared_gate_D = nnx.Param(jnp.zeros((d,), dtype)) if config.shared_expert_gate else None
 
   def __call__(self, x_BTD, *, expert_method: str):
     b, t, d = x_BTD.shape
@@ -87,6 +89,10 @@ class MoE(nnx.Module):
         method=expert_method)
     y_BTD = y_ND.reshape(b, t, d)
     if self.shared is not None:
-      y_BTD = y_BTD + self.shared(x_BTD)
+      shared_BTD = self.shared(x_BTD)
+      if self.w_shared_gate_D is not None:
+        gate_BT = jax.nn.sigmoid(jnp.einsum("btd,d->bt", x_BTD, self.w_shared_gate_D[...]))
+        shared_BTD = shared_BTD * gate_BT[..., None]
+      y_BTD = y_BTD + shared_BTD
     k = self.config.top_k
     return y_BTD, (ids_NK.reshape(b, t, k), gates_NK.reshape(b, t, k), probs_NE.reshape(b, t, -1))

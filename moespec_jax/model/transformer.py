@@ -12,6 +12,7 @@ from moespec_jax.config import ModelConfig
 from moespec_jax.model.attention import Attention
 from moespec_jax.model.cache import KVCache
 from moespec_jax.model.layers import RMSNorm, SwiGLU, fan_in_init, rope_tables
+from moespec_jax.model.mla import MLAttention
 from moespec_jax.model.moe import MoE
 
 
@@ -37,7 +38,8 @@ class Block(nnx.Module):
   def __init__(self, config: ModelConfig, layer: int, *, rngs: nnx.Rngs, dtype=jnp.float32):
     out_scale = 1.0 / math.sqrt(2 * config.n_layers)
     self.attn_norm = RMSNorm(config.d_model, config.norm_eps)
-    self.attn = Attention(config, out_scale=out_scale, rngs=rngs, dtype=dtype)
+    attention = MLAttention if config.attention_type == "mla" else Attention
+    self.attn = attention(config, out_scale=out_scale, rngs=rngs, dtype=dtype)
     self.ffn_norm = RMSNorm(config.d_model, config.norm_eps)
     self.is_moe = config.is_moe_layer(layer)
     if self.is_moe:
@@ -69,10 +71,16 @@ class Transformer(nnx.Module):
       self.lm_head_DV = None
     else:
       self.lm_head_DV = nnx.Param(fan_in_init(config.d_model)(rngs.params(), (config.d_model, config.vocab_size), dtype))
+    # MTP drafter heads (model/mtp.py): an optional sub-tree, created after the target so that
+    # the target's parameters do not depend on num_mtp_modules.
+    self.mtp = None
+    if config.num_mtp_modules:
+      from moespec_jax.model.mtp import MTPModule
+      self.mtp = nnx.List([MTPModule(config, rngs=rngs, dtype=dtype) for _ in range(config.num_mtp_modules)])
 
   def new_cache(self, batch: int, max_len: int) -> KVCache:
     c = self.config
-    return KVCache.zeros(c.n_layers, batch, max_len, c.n_kv_heads, c.head_dim, jnp.dtype(c.dtype))
+    return KVCache.for_config(c, batch, max_len, jnp.dtype(c.dtype))
 
   def head(self, hidden_BTD):
     """Output logits (f32) from final hidden states."""

@@ -97,7 +97,7 @@ def make_train_step(graphdef, optimizer, tc: TrainConfig, config: ModelConfig):
     (loss, (ce, aux, routing)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, biases, batch_BT1)
     updates, opt_state = optimizer.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
-    metrics = {"loss": loss, "ce": ce, "aux": aux, "grad_norm": optax.global_norm(grads)}
+    metrics = {"loss": loss, "ce": ce, "aux": aux, "grad_norm": optax.tree.norm(grads)}
     if routing is not None:
       load_LE = losses.expert_load(routing.expert_ids, config.n_routed_experts)
       metrics["max_expert_load"] = jnp.max(load_LE) * config.n_routed_experts
@@ -240,3 +240,14 @@ def train(config: ModelConfig, tc: TrainConfig, workdir, *, config_name: str = "
   atomic.write_json_atomic(workdir / "metrics.json", metrics)
   plot_curves(metrics, workdir / "loss.png")
   return model, metrics
+
+
+def validation_bits_per_byte(model: Model, *, batch_size: int = 8, seq_len: int = 256,
+                             max_batches: int = 8) -> float:
+  """Bits per byte of `model` on the first `max_batches` validation windows."""
+  graphdef, params, biases = split_module(model.module())
+  tc = TrainConfig(batch_size=batch_size, seq_len=min(seq_len, model.config.max_seq_len),
+                   eval_batches=max_batches)
+  val_tokens = batches_lib.corpus_tokens(model.tokenizer, "validation")
+  return evaluate(make_eval_step(graphdef), params, biases, val_tokens, tc,
+                  model.tokenizer.token_byte_lengths())

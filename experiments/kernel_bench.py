@@ -1,0 +1,228 @@
+"""Kernel benchmark: one MoE layer's routed experts, dedup vs per_slot vs xla, n_tokens 1..16.
+
+  python -m experiments.kernel_bench --workdir=DIR [--quick] [--shapes=...] [--n_list=...]
+
+Writes DIR/metrics.json (key `kernel_bench`) atomically and PNG plots of time and effective
+bandwidth (requested bytes / time, pallas_kernels.bytes) vs n per method, crossover marked.
+The streaming read bandwidth (jnp.sum over 256 MB, f32) is measured in the same run, around
+every shape. Layers whose f32 weights exceed --max_weight_gb are benchmarked on a subset of
+their experts (top_k unchanged); rows and stdout say so.
+"""
+
+import json
+import os
+import time
+
+from absl import app
+from absl import flags
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import pallas_kernels
+from pallas_kernels import bytes as kbytes
+
+SHAPES = {
+    # name: (d_model, n_routed_experts, top_k, expert_hidden)
+    "tiny": (256, 32, 4, 128),
+    "deepseek_v2_lite": (2048, 64, 6, 1408),
+    "qwen3_30b_a3b": (2048, 128, 8, 768),
+    "mixtral_8x7b": (4096, 8, 2, 14336),
+}
+METHODS = ("dedup", "per_slot", "xla")
+
+_WORKDIR = flags.DEFINE_string("workdir", None, "Output directory.", required=True)
+_SHAPES = flags.DEFINE_list("shapes", list(SHAPES), f"Layer shapes among {list(SHAPES)}.")
+_N_LIST = flags.DEFINE_list("n_list", [str(n) for n in range(1, 17)], "Tokens per pass.")
+_ROUTINGS = flags.DEFINE_list("routings", ["uniform", "correlated"], "uniform and/or correlated.")
+_METHODS = flags.DEFINE_list("methods", list(METHODS), "Methods to time.")
+_REPEATS = flags.DEFINE_integer("repeats", 7, "Timed repeats (median reported).")
+_OVERLAP = flags.DEFINE_float("overlap", 0.38, "Correlated routing: share of a token's experts "
+                              "taken from the previous token.")
+_MAX_WEIGHT_GB = flags.DEFINE_float("max_weight_gb", 3.0, "Benchmark a subset of experts above this.")
+_BACKEND = flags.DEFINE_string("backend", "auto", "Kernel backend for dedup/per_slot.")
+_QUICK = flags.DEFINE_bool("quick", False, "Small run (tiny shape, n 1,2,4, 3 repeats) for tests.")
+_SEED = flags.DEFINE_integer("seed", 0, "Routing and weight seed.")
+
+
+def stream_read_gbps(repeats=7):
+  """Streaming read bandwidth: jnp.sum over a 256 MB f32 array (median of repeats)."""
+  a = jnp.ones((64 * 1024 * 1024,), jnp.float32)
+  f = jax.jit(jnp.sum)
+  t = _median_time(f, (a,), repeats)
+  return a.nbytes / t / 1e9
+
+
+def _median_time(f, args, repeats):
+  jax.block_until_ready(f(*args))
+  ts = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    jax.block_until_ready(f(*args))
+    ts.append(time.perf_counter() - t0)
+  return float(np.median(ts))
+
+
+def make_routing(rng, n_tokens, n_experts, top_k, kind, overlap=0.38):
+  """Expert ids [n, K]: uniform (independent tokens) or correlated (share with the previous token)."""
+  ids = np.zeros((n_tokens, top_k), np.int32)
+  for t in range(n_tokens):
+    chosen = []
+    if kind == "correlated" and t > 0:
+      prev = list(ids[t - 1])
+      n_keep = rng.binomial(top_k, overlap)
+      chosen = list(rng.choice(prev, n_keep, replace=False))
+    rest = [e for e in range(n_experts) if e not in chosen]
+    chosen += list(rng.choice(rest, top_k - len(chosen), replace=False))
+    ids[t] = rng.permutation(chosen)
+  return ids
+
+
+def _layer(shape, max_weight_gb, seed):
+  d, e, k, f = SHAPES[shape]
+  per_expert = kbytes.expert_bytes(d, f, 4)
+  e_bench = int(min(e, max(k, max_weight_gb * 1e9 // per_expert)))
+  keys = jax.random.split(jax.random.key(seed), 3)
+  w = (jax.random.normal(keys[0], (e_bench, d, f)) / np.sqrt(d),
+       jax.random.normal(keys[1], (e_bench, d, f)) / np.sqrt(d),
+       jax.random.normal(keys[2], (e_bench, f, d)) / np.sqrt(f))
+  return (d, e, e_bench, k, f), jax.block_until_ready(w)
+
+
+def bench_shape(shape, n_list, routings, methods, repeats, overlap, max_weight_gb, backend, seed, log):
+  (d, e, e_bench, k, f), w = _layer(shape, max_weight_gb, seed)
+  note = "" if e_bench == e else f" (benchmarking {e_bench} of {e} experts to fit memory)"
+  log(f"[{shape}] d_model {d}, {e} experts top-{k}, hidden {f}{note}")
+  fns = {m: jax.jit(lambda *a, m=m: pallas_kernels.expert_ffn(*a, method=m, backend=backend)) for m in methods}
+  rng = np.random.default_rng(seed)
+  rows = []
+  for routing in routings:
+    for n in n_list:
+      ids = make_routing(rng, n, e_bench, k, routing, overlap)
+      x = jnp.asarray(rng.standard_normal((n, d)), jnp.float32)
+      g = jnp.full((n, k), 1.0 / k, jnp.float32)
+      u = kbytes.unique_experts(ids)
+      parts = []
+      for m in methods:
+        t = _median_time(fns[m], (x, jnp.asarray(ids), g, *w), repeats)
+        b = kbytes.bytes_requested(ids, d, f, 4, m)
+        rows.append(dict(shape=shape, n_tokens=n, method=m, routing=routing, unique_experts=u,
+                         bytes_requested=int(b), time_ms=t * 1e3, effective_gbps=b / t / 1e9,
+                         experts_benchmarked=e_bench, n_experts=e))
+        parts.append(f"{m} {t * 1e3:8.3f} ms {b / t / 1e9:6.1f} GB/s")
+      log(f"  {routing:10s} n={n:2d} unique={u:3d}  " + "  ".join(parts))
+  del w
+  return rows
+
+
+def summarize(rows, stream_gbps):
+  """r(n) = BW_dedup / BW_per_slot, u(n) = dedup bytes / per-slot bytes, crossover per shape."""
+  ratio, crossover = [], []
+  by = {(r["shape"], r["routing"], r["n_tokens"], r["method"]): r for r in rows}
+  for shape in sorted({r["shape"] for r in rows}):
+    for routing in sorted({r["routing"] for r in rows if r["shape"] == shape}):
+      ns = sorted({r["n_tokens"] for r in rows if r["shape"] == shape and r["routing"] == routing})
+      first = None
+      for n in ns:
+        dd, ps = by.get((shape, routing, n, "dedup")), by.get((shape, routing, n, "per_slot"))
+        if dd is None or ps is None:
+          continue
+        ratio.append(dict(shape=shape, routing=routing, n_tokens=n,
+                          r=dd["effective_gbps"] / ps["effective_gbps"],
+                          u=dd["bytes_requested"] / ps["bytes_requested"],
+                          dedup_faster=dd["time_ms"] < ps["time_ms"]))
+        if first is None and dd["time_ms"] < ps["time_ms"]:
+          first = n
+      best = {}
+      for n in ns:
+        cands = [by[(shape, routing, n, m)] for m in ("dedup", "per_slot") if (shape, routing, n, m) in by]
+        if cands:
+          best[n] = max(c["effective_gbps"] for c in cands) / stream_gbps
+      crossover.append(dict(shape=shape, routing=routing, measured_n=first,
+                            best_fraction_of_stream={str(n): v for n, v in best.items()}))
+  return ratio, crossover
+
+
+def plot(rows, crossover, workdir):
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  paths = []
+  for shape in sorted({r["shape"] for r in rows}):
+    for routing in sorted({r["routing"] for r in rows if r["shape"] == shape}):
+      fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+      for m in METHODS:
+        sel = sorted((r for r in rows if r["shape"] == shape and r["routing"] == routing and r["method"] == m),
+                     key=lambda r: r["n_tokens"])
+        if not sel:
+          continue
+        ns = [r["n_tokens"] for r in sel]
+        axes[0].plot(ns, [r["time_ms"] for r in sel], "o-", label=m)
+        axes[1].plot(ns, [r["effective_gbps"] for r in sel], "o-", label=m)
+      cross = next((c["measured_n"] for c in crossover if c["shape"] == shape and c["routing"] == routing), None)
+      for ax, yl in zip(axes, ("time per layer (ms)", "effective bandwidth (GB/s)")):
+        if cross is not None:
+          ax.axvline(cross, color="gray", ls="--", label=f"crossover n={cross}")
+        ax.set_xlabel("tokens per pass n")
+        ax.set_ylabel(yl)
+        ax.legend()
+      fig.suptitle(f"{shape}, {routing} routing")
+      fig.tight_layout()
+      p = os.path.join(workdir, f"kernel_bench_{shape}_{routing}.png")
+      fig.savefig(p, dpi=90)
+      plt.close(fig)
+      paths.append(p)
+  return paths
+
+
+def write_json_atomic(path, obj):
+  tmp = path + ".tmp"
+  with open(tmp, "w") as fh:
+    json.dump(obj, fh, indent=1)
+  os.replace(tmp, path)
+
+
+def run(workdir, shapes, n_list, routings, methods, repeats, overlap, max_weight_gb, backend, seed):
+  os.makedirs(workdir, exist_ok=True)
+  log = lambda s: print(s, flush=True)
+  for s in shapes:
+    if s not in SHAPES:
+      raise ValueError(f"unknown shape {s!r}; known: {list(SHAPES)}")
+  log(f"backend {jax.default_backend()}; kernels: {pallas_kernels.resolve_backend(backend)}")
+  streams = [stream_read_gbps()]
+  log(f"stream read: {streams[-1]:.1f} GB/s")
+  rows = []
+  for shape in shapes:
+    rows += bench_shape(shape, n_list, routings, methods, repeats, overlap, max_weight_gb, backend, seed, log)
+    streams.append(stream_read_gbps())
+    log(f"stream read: {streams[-1]:.1f} GB/s")
+  stream = float(np.median(streams))
+  ratio, crossover = summarize(rows, stream)
+  for c in crossover:
+    fr = c["best_fraction_of_stream"]
+    log(f"[{c['shape']}/{c['routing']}] crossover n={c['measured_n']}; best/stream: "
+        + " ".join(f"{n}:{v:.2f}" for n, v in fr.items()))
+  metrics = {"kernel_bench": dict(
+      stream_read_gbps=stream, stream_read_gbps_samples=streams, platform=jax.default_backend(),
+      kernel_backend=pallas_kernels.resolve_backend(backend), repeats=repeats, dtype="float32",
+      rows=rows, ratio=ratio, crossover=crossover,
+      note="effective_gbps = bytes_requested / time; bytes per pallas_kernels.bytes; "
+           "experts_benchmarked < n_experts means a subset of the layer's experts (memory)")}
+  metrics["kernel_bench"]["plots"] = plot(rows, crossover, workdir)
+  write_json_atomic(os.path.join(workdir, "metrics.json"), metrics)
+  log(f"wrote {os.path.join(workdir, 'metrics.json')}")
+  return metrics
+
+
+def main(argv):
+  del argv
+  if _QUICK.value:
+    shapes, n_list, repeats = ["tiny"], [1, 2, 4], 3
+  else:
+    shapes, n_list, repeats = _SHAPES.value, [int(n) for n in _N_LIST.value], _REPEATS.value
+  run(_WORKDIR.value, shapes, n_list, _ROUTINGS.value, _METHODS.value, repeats, _OVERLAP.value,
+      _MAX_WEIGHT_GB.value, _BACKEND.value, _SEED.value)
+
+
+if __name__ == "__main__":
+  app.run(main)

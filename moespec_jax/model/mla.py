@@ -1,0 +1,132 @@
+"""Multi-head latent attention (MLA, DeepSeek-V2/V3) with a compressed KV cache.
+
+Per token the cache holds only the normalised KV latent c [kv_lora_rank] and the shared
+rotary key k_r [qk_rope_head_dim] (stored as the cache's keys [B, S, 1, C] and values
+[B, S, 1, R]). Attention runs in the latent space with the up-projections absorbed:
+
+    score(t, s) = (q_nope_t W_uk) . c_s + q_rope_t . k_r_s
+    out_t       = (sum_s p(t, s) c_s) W_uv W_o
+
+which equals expanding per-head keys/values from c (up to float rounding) without
+materialising them. RoPE uses the half-split layout; checkpoints with interleaved rotary
+pairs are permuted at import (`moespec_jax.hf`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from moespec_jax.config import ModelConfig
+from moespec_jax.model import cache as cache_lib
+from moespec_jax.model.layers import RMSNorm, apply_rope, fan_in_init
+
+# DeepSeek's q/kv latent norms use their own epsilon, not the config's rms_norm_eps.
+LATENT_NORM_EPS = 1e-6
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+  return 1.0 if scale <= 1.0 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def rope_inv_freq(config: ModelConfig) -> tuple[np.ndarray, float]:
+  """Inverse frequencies [R / 2] of the rotary dims and the cos/sin scale (YaRN)."""
+  dim, base = config.qk_rope_head_dim, config.rope_theta
+  pos_freqs = base ** (np.arange(0, dim, 2, dtype=np.float32) / dim)
+  if config.rope_scaling == "none":
+    return (1.0 / pos_freqs).astype(np.float32), 1.0
+  factor, orig = config.rope_factor, config.rope_original_max_len
+
+  def correction_dim(rotations):
+    return dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+  low = max(math.floor(correction_dim(config.rope_beta_fast)), 0)
+  high = min(math.ceil(correction_dim(config.rope_beta_slow)), dim - 1)
+  if low == high:
+    high += 0.001
+  ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+  extrapolation = 1.0 - ramp
+  inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+  if config.rope_mscale and config.rope_mscale_all_dim:
+    attn_factor = _yarn_mscale(factor, config.rope_mscale) / _yarn_mscale(factor, config.rope_mscale_all_dim)
+  else:
+    attn_factor = _yarn_mscale(factor)
+  return inv_freq.astype(np.float32), float(attn_factor)
+
+
+def softmax_scale(config: ModelConfig) -> float:
+  """1/sqrt(qk head dim), times mscale^2 under YaRN with mscale_all_dim (DeepSeek)."""
+  scale = (config.qk_nope_head_dim + config.qk_rope_head_dim) ** -0.5
+  if config.rope_scaling == "yarn" and config.rope_mscale_all_dim:
+    m = _yarn_mscale(config.rope_factor, config.rope_mscale_all_dim)
+    scale = scale * m * m
+  return scale
+
+
+class MLAttention(nnx.Module):
+  """Causal MLA; same call contract as `Attention` (the cache holds latents)."""
+
+  def __init__(self, config: ModelConfig, *, out_scale: float, rngs: nnx.Rngs, dtype=jnp.float32):
+    d, h = config.d_model, config.n_heads
+    n, r, v = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
+    c, ql = config.kv_lora_rank, config.q_lora_rank
+    self.config = config
+    init = fan_in_init(d)
+    if ql:
+      self.w_qa_DQ = nnx.Param(init(rngs.params(), (d, ql), dtype))
+      self.q_norm = RMSNorm(ql, LATENT_NORM_EPS, dtype=dtype)
+      self.w_qb_QHK = nnx.Param(fan_in_init(ql)(rngs.params(), (ql, h, n + r), dtype))
+      self.w_q_DHK = None
+    else:
+      self.w_qa_DQ = self.q_norm = self.w_qb_QHK = None
+      self.w_q_DHK = nnx.Param(init(rngs.params(), (d, h, n + r), dtype))
+    self.w_kv_DC = nnx.Param(init(rngs.params(), (d, c), dtype))
+    self.w_kr_DR = nnx.Param(init(rngs.params(), (d, r), dtype))
+    self.kv_norm = RMSNorm(c, LATENT_NORM_EPS, dtype=dtype)
+    self.w_uk_CHN = nnx.Param(fan_in_init(c)(rngs.params(), (c, h, n), dtype))
+    self.w_uv_CHV = nnx.Param(fan_in_init(c)(rngs.params(), (c, h, v), dtype))
+    self.w_o_HVD = nnx.Param(fan_in_init(h * v, out_scale)(rngs.params(), (h, v, d), dtype))
+
+  def __call__(self, x_BTD, positions_BT, rope=None, layer_cache=None):
+    """Returns (out_BTD, (latent_BSGC, rope_key_BSGR) or None); `rope` is unused (own tables)."""
+    del rope
+    cfg = self.config
+    n = cfg.qk_nope_head_dim
+    inv_freq_F, attn_factor = rope_inv_freq(cfg)
+    angles_BTF = positions_BT.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq_F)
+    cos, sin = jnp.cos(angles_BTF) * attn_factor, jnp.sin(angles_BTF) * attn_factor
+
+    if self.w_q_DHK is not None:
+      q_BTHK = jnp.einsum("btd,dhk->bthk", x_BTD, self.w_q_DHK[...])
+    else:
+      q_BTQ = self.q_norm(jnp.einsum("btd,dq->btq", x_BTD, self.w_qa_DQ[...]))
+      q_BTHK = jnp.einsum("btq,qhk->bthk", q_BTQ, self.w_qb_QHK[...])
+    q_nope_BTHN, q_rope_BTHR = q_BTHK[..., :n], apply_rope(q_BTHK[..., n:], cos, sin)
+    latent_BTGC = self.kv_norm(jnp.einsum("btd,dc->btc", x_BTD, self.w_kv_DC[...]))[:, :, None]
+    k_rope_BTGR = apply_rope(jnp.einsum("btd,dr->btr", x_BTD, self.w_kr_DR[...])[:, :, None], cos, sin)
+
+    if layer_cache is None:
+      latent, k_rope, key_pos_BS = latent_BTGC, k_rope_BTGR, positions_BT
+      new_cache = None
+    else:
+      start_B = positions_BT[:, 0]
+      latent = cache_lib.write_rows(layer_cache[0], latent_BTGC, start_B)
+      k_rope = cache_lib.write_rows(layer_cache[1], k_rope_BTGR, start_B)
+      key_pos_BS = jnp.broadcast_to(jnp.arange(latent.shape[1]), latent.shape[:2])
+      new_cache = (latent, k_rope)
+    latent_BSC, k_rope_BSR = latent[:, :, 0], k_rope[:, :, 0]
+
+    q_lat_BTHC = jnp.einsum("bthn,chn->bthc", q_nope_BTHN, self.w_uk_CHN[...])
+    scores_BHTS = (jnp.einsum("bthc,bsc->bhts", q_lat_BTHC, latent_BSC)
+                   + jnp.einsum("bthr,bsr->bhts", q_rope_BTHR, k_rope_BSR)).astype(jnp.float32)
+    scores_BHTS = scores_BHTS * jnp.float32(softmax_scale(cfg))
+    visible_BTS = key_pos_BS[:, None, :] <= positions_BT[:, :, None]
+    scores_BHTS = jnp.where(visible_BTS[:, None], scores_BHTS, -1e30)
+    probs_BHTS = jax.nn.softmax(scores_BHTS, axis=-1).astype(latent_BSC.dtype)
+    out_lat_BTHC = jnp.einsum("bhts,bsc->bthc", probs_BHTS, latent_BSC)
+    out_BTHV = jnp.einsum("bthc,chv->bthv", out_lat_BTHC, self.w_uv_CHV[...])
+    return jnp.einsum("bthv,hvd->btd", out_BTHV, self.w_o_HVD[...]), new_cache

@@ -1,0 +1,122 @@
+"""Multi-token-prediction (MTP) drafter modules in the style of DeepSeek-V3.
+
+Module k (k = 1..M, M = `num_mtp_modules`) combines the previous depth's hidden state with
+the embedding of the next token and runs one transformer block:
+
+  h'_i^k = W_p [RMSNorm(h_i^{k-1}); RMSNorm(Emb(t_{i+k}))]
+  h_i^k = Block_k(h'^k)_i      (causal over the module's own stream, with its own KV cache)
+  logits_i^k = head(final_norm(h_i^k))      predicts t_{i+k+1}
+
+h^0 is the target's final hidden state (`ForwardOutput.hidden`); the embedding, the final
+norm and the output head are the target's (shared, frozen while the heads train). The block
+is MoE when the target has MoE layers, dense otherwise.
+
+Depths beyond M (K > M drafts) reuse the last module recursively, EAGLE-style: depth k > M
+continues module M's stream one index further, taking the previous depth's output as the
+stand-in for the next target hidden state (h_i^M predicts t_{i+M+1}, as h_{i+1}^{M-1} does).
+
+KV caches during generation (one cache layer per module, rolled back by position only,
+as the target's): after each verify pass of K+1 tokens at positions [p, p+K+1) of which a
+drafts were accepted and token y was committed, `fill` runs modules 1..M over those K+1
+indices with the target's hidden states and the committed next tokens
+[d_1..d_a, y]. Entries at indices whose next token is not yet known hold placeholders; they
+lie at or beyond the next pass's first index (module 1, 2) or are overwritten by the next
+drafting chain (index p+a for modules 2..M), so a query never reads them except, for modules
+k >= 3, the k-2 indices before p+a, which keep a placeholder token (draft quality only: the
+verification stays exact whatever the drafter computes). The output of module 1 at index p+a
+is the depth-1 draft; deeper drafts are single-token steps. Training (`forward_train`) runs
+the same modules over whole sequences with teacher forcing.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from moespec_jax.config import ModelConfig
+from moespec_jax.model.cache import KVCache
+from moespec_jax.model.layers import RMSNorm, fan_in_init, rope_tables
+
+
+class MTPModule(nnx.Module):
+  """One MTP depth: norms, the [hidden; embedding] projection W_p, one transformer block."""
+
+  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
+    from moespec_jax.model.transformer import Block  # transformer imports this module
+    d = config.d_model
+    self.hidden_norm = RMSNorm(d, config.norm_eps)
+    self.embed_norm = RMSNorm(d, config.norm_eps)
+    self.w_proj_CD = nnx.Param(fan_in_init(2 * d)(rngs.params(), (2 * d, d), dtype))
+    # MoE block when the target has MoE layers (layer index n_layers is MoE iff any layer is).
+    layer = config.n_layers if config.n_moe_layers else 0
+    self.block = Block(config, layer, rngs=rngs, dtype=dtype)
+
+  def __call__(self, hidden_BTD, next_emb_BTD, positions_BT, rope, layer_cache, *, expert_method):
+    """Returns (h_BTD, new layer cache, routing)."""
+    x_BTC = jnp.concatenate([self.hidden_norm(hidden_BTD), self.embed_norm(next_emb_BTD)], axis=-1)
+    x_BTD = jnp.einsum("btc,cd->btd", x_BTC, self.w_proj_CD[...])
+    return self.block(x_BTD, positions_BT, rope, layer_cache, expert_method=expert_method)
+
+
+def new_cache(config: ModelConfig, batch: int, max_len: int) -> KVCache:
+  """One cache layer per MTP module."""
+  return KVCache.zeros(config.num_mtp_modules, batch, max_len, config.n_kv_heads, config.head_dim,
+                       jnp.dtype(config.dtype))
+
+
+def module_for_depth(depth: int, num_modules: int) -> tuple[int, int]:
+  """(module index, position offset) of draft depth `depth` (1-based); see the module docstring."""
+  m = min(depth, num_modules)
+  return m - 1, depth - m
+
+
+def run_module(model, m: int, hidden_BTD, next_tokens_BT, positions_BT, cache: KVCache | None, *,
+               expert_method: str):
+  """Module `m` (0-based) over T tokens; returns (h_BTD, logits_BTV, new cache or None)."""
+  c = model.config
+  emb_BTD = jnp.take(model.embed_VD[...], next_tokens_BT, axis=0)
+  rope = rope_tables(positions_BT, c.head_dim, c.rope_theta)
+  layer_cache = None if cache is None else (cache.keys[m], cache.values[m])
+  h_BTD, layer_new, _ = model.mtp[m](hidden_BTD, emb_BTD, positions_BT, rope, layer_cache,
+                                     expert_method=expert_method)
+  logits_BTV = model.head(model.final_norm(h_BTD))
+  if cache is not None:
+    cache = KVCache(keys=cache.keys[:m] + (layer_new[0],) + cache.keys[m + 1:],
+                    values=cache.values[:m] + (layer_new[1],) + cache.values[m + 1:])
+  return h_BTD, logits_BTV, cache
+
+
+def fill(model, target_hidden_BTD, seq_BT, positions_BT, cache: KVCache, *, expert_method: str):
+  """Runs modules 1..M over T indices; module k reads next tokens `seq_BT[:, k:]`.
+
+  `seq_BT` holds T + M tokens per row: the tokens at positions [p+1, p+T+M) (unknown ones
+  are placeholders). Returns (module-1 hidden h_BTD, module-1 logits_BTV, new cache).
+  """
+  t = target_hidden_BTD.shape[1]
+  hidden, first = target_hidden_BTD, None
+  for m in range(model.config.num_mtp_modules):
+    hidden, logits, cache = run_module(model, m, hidden, seq_BT[:, m:m + t], positions_BT, cache,
+                                       expert_method=expert_method)
+    if first is None:
+      first = (hidden, logits)
+  return first[0], first[1], cache
+
+
+def forward_train(model, target_hidden_BTD, tokens_BT, depths: int, *, expert_method: str | None = None):
+  """Teacher-forced MTP logits for depths 1..`depths` (<= M) over a whole sequence.
+
+  Depth k at index i predicts tokens_BT[:, i + k + 1]; returns a list of logits
+  [B, T - k - 1, V] aligned so that entry i predicts tokens_BT[:, i + k + 1].
+  """
+  c = model.config
+  method = expert_method or c.expert_method
+  b, t = tokens_BT.shape
+  out, hidden = [], target_hidden_BTD
+  for k in range(1, depths + 1):
+    n = t - k  # indices with a known next token t_{i+k}
+    positions_BT = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (b, n))
+    hidden, logits, _ = run_module(model, k - 1, hidden[:, :n], tokens_BT[:, k:k + n], positions_BT,
+                                   None, expert_method=method)
+    out.append(logits[:, :n - 1])
+  return out

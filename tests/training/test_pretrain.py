@@ -1,0 +1,69 @@
+"""Pretraining: loss goes down, resume after interruption reproduces an uninterrupted run."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from moespec_jax.config import ModelConfig
+from moespec_jax.data import batches as batches_lib
+from moespec_jax.training import losses, pretrain
+from tests.conftest import TINY
+
+TC = dict(batch_size=2, seq_len=16, steps=4, warmup_steps=1, eval_every=2, eval_batches=1,
+          checkpoint_every=2, log_every_seconds=1000.0, learning_rate=1e-2)
+
+
+@pytest.fixture(autouse=True)
+def _isolated_cache(tmp_path_factory, monkeypatch):
+  monkeypatch.setenv("MOESPEC_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
+
+
+def _leaves(model):
+  return [np.asarray(x) for x in jax.tree.leaves(model.state)]
+
+
+def test_resume_after_interruption_matches_an_uninterrupted_run(tmp_path, monkeypatch):
+  config = ModelConfig(**TINY)
+  tc = pretrain.TrainConfig(**TC)
+  full, metrics = pretrain.train(config, tc, tmp_path / "full", log=lambda *_: None)
+  assert metrics["val_curve"] and np.isfinite(metrics["final_val_bits_per_byte"])
+  assert (tmp_path / "full" / "loss.png").stat().st_size > 0
+  saved = json.loads((tmp_path / "full" / "metrics.json").read_text())
+  assert [r["step"] for r in saved["val_curve"]] == [2, 4]
+
+  real_batch = batches_lib.train_batch
+
+  def crash_at_step_3(tokens, b, t, seed, step):
+    if step == 3:
+      raise KeyboardInterrupt("simulated interruption")
+    return real_batch(tokens, b, t, seed, step)
+
+  monkeypatch.setattr(batches_lib, "train_batch", crash_at_step_3)
+  with pytest.raises(KeyboardInterrupt):
+    pretrain.train(config, tc, tmp_path / "resumed", log=lambda *_: None)
+  assert not (tmp_path / "resumed" / "model").exists()
+  monkeypatch.setattr(batches_lib, "train_batch", real_batch)
+  logs = []
+  resumed, _ = pretrain.train(config, tc, tmp_path / "resumed", log=logs.append)
+  assert any("resuming from step 2" in line for line in logs)
+  for a, b in zip(_leaves(full), _leaves(resumed)):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_load_balance_loss_is_one_when_uniform_and_larger_when_skewed():
+  e, k = 4, 1
+  ids_uniform = np.arange(8).reshape(1, 1, 8, k) % e
+  probs_uniform = np.full((1, 1, 8, e), 1 / e, np.float32)
+  assert float(losses.load_balance_loss(ids_uniform, probs_uniform)) == pytest.approx(1.0)
+  ids_skewed = np.zeros((1, 1, 8, k), np.int32)
+  probs_skewed = np.tile(np.array([0.7, 0.1, 0.1, 0.1], np.float32), (1, 1, 8, 1))
+  assert float(losses.load_balance_loss(ids_skewed, probs_skewed)) == pytest.approx(4 * 0.7)
+
+
+def test_train_config_rejects_bad_values():
+  with pytest.raises(ValueError, match="steps"):
+    pretrain.TrainConfig(steps=0)
+  with pytest.raises(ValueError, match="unknown"):
+    pretrain.TrainConfig.from_dict({"stepz": 3})
