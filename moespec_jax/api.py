@@ -70,8 +70,13 @@ class Model:
     return path
 
   @classmethod
-  def load(cls, path) -> "Model":
-    """Loads a directory written by `save` (a Hugging Face directory: see `moespec_jax.hf`)."""
+  def load(cls, path, dtype: str | None = None) -> "Model":
+    """Loads a directory written by `save`, or a Hugging Face model directory.
+
+    A Hugging Face directory (config.json with a `model_type`, safetensors weights) is
+    imported by `moespec_jax.hf`; `dtype` ("float32" / "bfloat16") casts its weights
+    (default: kept, float32 on CPU). `dtype` is for Hugging Face directories only.
+    """
     path = pathlib.Path(path).expanduser()
     config_file = path / "config.json"
     if not config_file.is_file():
@@ -79,9 +84,14 @@ class Model:
     meta = json.loads(config_file.read_text())
     if meta.get("format") != FORMAT:
       if "model_type" in meta:
-        raise ValueError(f"{path} is a Hugging Face model ({meta['model_type']}); "
-                         "Hugging Face import is not implemented yet")
+        from moespec_jax import hf  # pylint: disable=g-import-not-at-top
+        config, graphdef, state, tokenizer, extras = hf.load_checkpoint(path, dtype=dtype)
+        model = cls(config, graphdef, state, tokenizer)
+        model.hf_extras = extras
+        return model
       raise ValueError(f"{config_file} is not a moespec_jax model config")
+    if dtype is not None:
+      raise ValueError("dtype is an option for Hugging Face directories only")
     config = ModelConfig.from_dict(meta["model_config"])
     abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
     graphdef, abstract_state = nnx.split(abstract)

@@ -70,7 +70,7 @@ def test_block_groups_static_bound_and_layout():
 
 
 def test_entry_point_xla_uses_grouped_for_large_t():
-  x_TD, ids_TK, gates_TK, w = _problem(0, 96, 8, 2)
+  x_TD, ids_TK, gates_TK, w = _problem(0, 160, 8, 2)
   y = pallas_kernels.expert_ffn(x_TD, ids_TK, gates_TK, *w, method="xla")
   np.testing.assert_allclose(y, expert_ffn_reference(x_TD, ids_TK, gates_TK, *w), rtol=1e-5, atol=1e-5)
   g = jax.jit(_loss(functools.partial(pallas_kernels.expert_ffn, method="xla"), ids_TK))(x_TD, gates_TK, *w)

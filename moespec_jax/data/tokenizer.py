@@ -283,4 +283,8 @@ def load_tokenizer(dir_or_name: PathLike) -> ByteTokenizer | BpeTokenizer:
     return ByteTokenizer.load(directory)
   if kind == "bpe":
     return BpeTokenizer.load(directory)
+  if kind in ("pretrained", "missing"):  # a Hugging Face checkpoint's tokenizer
+    from moespec_jax.hf import tokenizer as hf_tokenizer  # pylint: disable=g-import-not-at-top
+    cls = hf_tokenizer.PretrainedTokenizer if kind == "pretrained" else hf_tokenizer.MissingTokenizer
+    return cls.load(directory)
   raise ValueError(f"{directory / META_FILE}: unknown tokenizer type {kind!r}")

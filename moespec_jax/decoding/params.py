@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 DRAFTERS = ("none", "mtp", "ngram")
-AVAILABLE_DRAFTERS = ("none",)
+AVAILABLE_DRAFTERS = ("none", "mtp", "ngram")
 MODES = ("exact", "budgeted")
 KERNELS = ("auto", "dedup", "per_slot", "xla")
 

@@ -24,19 +24,19 @@ class Attention(nnx.Module):
     self.w_k_DHK = nnx.Param(init(rngs.params(), (d, hkv, dh), dtype))
     self.w_v_DHK = nnx.Param(init(rngs.params(), (d, hkv, dh), dtype))
     self.w_o_HKD = nnx.Param(fan_in_init(h * dh, out_scale)(rngs.params(), (h, dh, d), dtype))
-    self.b_q_HK = self.b_k_GK = self.b_v_GK = None
     if config.qkv_bias:
       self.b_q_HK = nnx.Param(jnp.zeros((h, dh), dtype))
       self.b_k_GK = nnx.Param(jnp.zeros((hkv, dh), dtype))
       self.b_v_GK = nnx.Param(jnp.zeros((hkv, dh), dtype))
+    else:
+      self.b_q_HK = self.b_k_GK = self.b_v_GK = None
     self.qk_norm = config.qk_norm
-    self.q_norm = self.k_norm = None
-    if config.qk_norm == "head":
-      self.q_norm = RMSNorm(dh, config.norm_eps, dtype=dtype)
-      self.k_norm = RMSNorm(dh, config.norm_eps, dtype=dtype)
-    elif config.qk_norm == "full":
-      self.q_norm = RMSNorm(h * dh, config.norm_eps, dtype=dtype)
-      self.k_norm = RMSNorm(hkv * dh, config.norm_eps, dtype=dtype)
+    if config.qk_norm == "none":
+      self.q_norm = self.k_norm = None
+    else:
+      q_dim, k_dim = (dh, dh) if config.qk_norm == "head" else (h * dh, hkv * dh)
+      self.q_norm = RMSNorm(q_dim, config.norm_eps, dtype=dtype)
+      self.k_norm = RMSNorm(k_dim, config.norm_eps, dtype=dtype)
 
   def _project(self, x_BTD):
     """Queries, keys and values before RoPE: [B, T, H, K], [B, T, G, K], [B, T, G, K]."""

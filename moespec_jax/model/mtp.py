@@ -18,13 +18,17 @@ stand-in for the next target hidden state (h_i^M predicts t_{i+M+1}, as h_{i+1}^
 KV caches during generation (one cache layer per module, rolled back by position only,
 as the target's): after each verify pass of K+1 tokens at positions [p, p+K+1) of which a
 drafts were accepted and token y was committed, `fill` runs modules 1..M over those K+1
-indices with the target's hidden states and the committed next tokens
-[d_1..d_a, y]. Entries at indices whose next token is not yet known hold placeholders; they
-lie at or beyond the next pass's first index (module 1, 2) or are overwritten by the next
-drafting chain (index p+a for modules 2..M), so a query never reads them except, for modules
-k >= 3, the k-2 indices before p+a, which keep a placeholder token (draft quality only: the
-verification stays exact whatever the drafter computes). The output of module 1 at index p+a
-is the depth-1 draft; deeper drafts are single-token steps. Training (`forward_train`) runs
+indices with the target's hidden states and the committed next tokens [d_1..d_a, y]
+(placeholders where the next token is not known yet). The output of module 1 at index p+a
+is the depth-1 draft for the next pass; deeper drafts are single-token steps that write
+at index p+a (modules 2..M) or beyond (recursive depths). Module 1's entries below the next
+pass's first index p+a+1 are then exactly what teacher forcing computes in training, and
+everything at or beyond it is rewritten by the next fill before it can be read: causal
+attention by position makes this rollback copy-free. For modules k >= 2, the entries at the
+k-1 indices before p+a+1 keep the token they were given (a draft or a placeholder) when it
+was not the committed one; this only affects draft quality (DeepSeek-V3 and the default model
+use M = 1), never exactness, since verification does not depend on what the drafter computes.
+Training (`forward_train`) runs
 the same modules over whole sequences with teacher forcing.
 """
 

@@ -73,10 +73,11 @@ class Transformer(nnx.Module):
       self.lm_head_DV = nnx.Param(fan_in_init(config.d_model)(rngs.params(), (config.d_model, config.vocab_size), dtype))
     # MTP drafter heads (model/mtp.py): an optional sub-tree, created after the target so that
     # the target's parameters do not depend on num_mtp_modules.
-    self.mtp = None
     if config.num_mtp_modules:
       from moespec_jax.model.mtp import MTPModule
       self.mtp = nnx.List([MTPModule(config, rngs=rngs, dtype=dtype) for _ in range(config.num_mtp_modules)])
+    else:
+      self.mtp = None
 
   def new_cache(self, batch: int, max_len: int) -> KVCache:
     c = self.config

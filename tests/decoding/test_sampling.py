@@ -87,7 +87,8 @@ def test_bad_spec_params_name_the_argument(kwargs, name):
     SpecParams(**kwargs)
 
 
-def test_unimplemented_drafters_are_refused_not_ignored():
-  for drafter in ("mtp", "ngram"):
-    with pytest.raises(ValueError, match="not implemented"):
-      SpecParams(drafter=drafter)
+def test_all_drafters_are_accepted_and_budgeted_mode_is_refused_not_ignored():
+  for drafter in ("none", "mtp", "ngram"):
+    assert SpecParams(drafter=drafter).drafter == drafter
+  with pytest.raises(ValueError, match="not implemented"):
+    SpecParams(mode="budgeted")

@@ -1,0 +1,54 @@
+"""Routing statistics of the default trained model on held-out code.
+
+  python -m experiments.routing_stats --workdir=runs/routing_stats [--checkpoint=DIR]
+      [--source=heldout|generated] [--n_segments=64] [--seq_len=256]
+
+Writes DIR/metrics.json (key `routing_stats`), DIR/trace.npz and DIR/routing.png.
+"""
+
+import pathlib
+
+from absl import flags
+
+from moespec_jax import cli
+from moespec_jax.analysis import routing_report, traces
+from moespec_jax.api import Model
+from moespec_jax.default_model import ensure_default_model
+from moespec_jax.io import atomic
+
+_WORKDIR = flags.DEFINE_string("workdir", "runs/routing_stats", "Output directory.")
+_CHECKPOINT = flags.DEFINE_string("checkpoint", None, "Model directory (default: the default model).")
+_SOURCE = flags.DEFINE_enum("source", "heldout", ["heldout", "generated"], "Where the routing comes from.")
+_SEGMENTS = flags.DEFINE_integer("n_segments", 64, "Held-out windows (or prompts for 'generated').")
+_SEQ_LEN = flags.DEFINE_integer("seq_len", 256, "Tokens per window (or generated tokens per prompt).")
+_MAX_TOKENS = flags.DEFINE_integer("max_tokens", 16, "Largest pass size n.")
+_IPF_MAX = flags.DEFINE_integer("ipf_max_tokens", 9, "Largest n for the IPF model (2^n states).")
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise ValueError(f"unexpected arguments: {argv[1:]}")
+  workdir = pathlib.Path(_WORKDIR.value)
+  model = Model.load(_CHECKPOINT.value) if _CHECKPOINT.value else ensure_default_model()
+  if _SOURCE.value == "heldout":
+    trace = traces.heldout_trace(model, n_segments=_SEGMENTS.value, seq_len=_SEQ_LEN.value)
+  else:
+    trace = traces.generated_trace(model, n_prompts=_SEGMENTS.value, max_new_tokens=_SEQ_LEN.value)
+  workdir.mkdir(parents=True, exist_ok=True)
+  trace.save(workdir / "trace.npz")
+  stats = routing_report.routing_stats(trace, max_tokens=_MAX_TOKENS.value, ipf_max_tokens=_IPF_MAX.value)
+  atomic.write_json_atomic(workdir / "metrics.json", {"routing_stats": stats})
+  routing_report.plot_routing(stats, workdir / "routing.png")
+  print(f"{'n':>3}{'empirical':>11}{'IPF':>9}{'independent':>13}{'uniform':>9}")
+  for r in stats["unique_experts"]:
+    ipf_text = f"{r['ipf']:9.2f}" if r["ipf"] is not None else f"{'-':>9}"
+    print(f"{r['n_tokens']:>3}{r['empirical']:>11.2f}{ipf_text}{r['independent']:>13.2f}{r['uniform']:>9.2f}")
+  print("overlap by distance:", ", ".join(f"d={o['distance']}: {o['overlap']:.3f}" for o in stats["overlap_by_distance"]),
+        f"(independent {stats['overlap_by_distance'][0]['independent']:.3f})")
+  print(f"mean abs relative error ({stats['error_range']}): IPF {stats['ipf_mean_abs_rel_error']:.2%}, "
+        f"independent {stats['independent_mean_abs_rel_error']:.2%}")
+  print(f"wrote {workdir / 'metrics.json'}")
+
+
+if __name__ == "__main__":
+  cli.run(main)

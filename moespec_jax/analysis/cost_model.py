@@ -1,0 +1,114 @@
+"""The bytes/bandwidth step-time model and what it predicts (seed 000, seed 002's Amdahl split).
+
+- A kernel's time for a pass: bytes it requests / its effective bandwidth + a fixed time,
+  both fitted on single-layer expert runs (`fit_kernel`).
+- Dedup beats per-slot exactly where u(n) = bytes_dedup / bytes_per_slot < r(n) =
+  BW_dedup / BW_per_slot; the crossover is the first pass size where it does.
+- A verification pass of n tokens: the non-expert fixed time plus each MoE layer's expert time
+  (`verify_time`); Amdahl: T(n)/T(1) = f * unique(n)/k + (1 - f).
+- Geometric acceptance with rate a: tokens per pass (1 - a^(K+1)) / (1 - a); speedup =
+  tokens per pass * T_plain / (T_draft(K) + T_verify(K+1)); the best K is a monotone
+  staircase in a, and speculation pays only where that speedup exceeds 1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Sequence
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelFit:
+  """time_ms = bytes / (gbps * 1e9) * 1e3 + fixed_ms."""
+  gbps: float
+  fixed_ms: float
+
+  def time_ms(self, n_bytes):
+    return np.asarray(n_bytes, float) / (self.gbps * 1e6) + self.fixed_ms
+
+
+def fit_kernel(bytes_requested: Sequence[float], time_ms: Sequence[float]) -> KernelFit:
+  """Least-squares fit of time = bytes / bandwidth + fixed (fixed clipped at >= 0)."""
+  b, t = np.asarray(bytes_requested, float), np.asarray(time_ms, float)
+  if b.size < 2 or np.ptp(b) == 0:
+    raise ValueError("need at least two distinct byte counts to fit a bandwidth")
+  slope, fixed = np.polyfit(b, t, 1)
+  if fixed < 0:
+    slope, fixed = float(np.sum(b * t) / np.sum(b * b)), 0.0
+  if slope <= 0:
+    raise ValueError("time does not grow with bytes: no bandwidth can be fitted")
+  return KernelFit(gbps=float(1.0 / slope / 1e6), fixed_ms=float(fixed))
+
+
+def bandwidth_ratio(dedup: KernelFit, per_slot: KernelFit) -> float:
+  """r = BW_dedup / BW_per_slot."""
+  return dedup.gbps / per_slot.gbps
+
+
+def crossover(pass_sizes: Sequence[int], time_dedup_ms: Sequence[float],
+              time_per_slot_ms: Sequence[float]) -> int | None:
+  """The first pass size at which dedup is faster (None if it never is)."""
+  for n, td, tp in zip(pass_sizes, time_dedup_ms, time_per_slot_ms):
+    if td < tp:
+      return int(n)
+  return None
+
+
+def amdahl_ratio(f: float, unique_n: float, top_k: int) -> float:
+  """T(n)/T(1) = f * unique(n)/k + (1 - f), f the routed-expert share of a one-token pass."""
+  return f * unique_n / top_k + (1.0 - f)
+
+
+def amdahl_fraction(t1_ms: float, expert_t1_ms: float) -> float:
+  """f: the share of a one-token pass spent in routed experts."""
+  if t1_ms <= 0:
+    raise ValueError("t1_ms must be > 0")
+  return float(np.clip(expert_t1_ms / t1_ms, 0.0, 1.0))
+
+
+def tokens_per_pass(a, k: int):
+  """Expected committed tokens per pass with K drafts under geometric acceptance a."""
+  a = np.asarray(a, float)
+  if k == 0:
+    return np.ones_like(a)
+  with np.errstate(divide="ignore", invalid="ignore"):
+    out = (1 - a ** (k + 1)) / (1 - a)
+  return np.where(np.isclose(a, 1.0), k + 1.0, out)
+
+
+def speedup(a, k: int, t_plain_ms: float, t_draft_ms: Callable[[int], float],
+            t_verify_ms: Callable[[int], float]):
+  """Tokens per pass * T_plain / (T_draft(K) + T_verify(K + 1)); K = 0 is plain decoding (1.0)."""
+  if k == 0:
+    return np.ones_like(np.asarray(a, float))
+  return tokens_per_pass(a, k) * t_plain_ms / (t_draft_ms(k) + t_verify_ms(k + 1))
+
+
+def best_k(a, max_k: int, t_plain_ms: float, t_draft_ms, t_verify_ms) -> tuple[int, float]:
+  """(argmax_K speedup, that speedup) over K = 0..max_k; K = 0 when speculation does not pay."""
+  values = [float(speedup(a, k, t_plain_ms, t_draft_ms, t_verify_ms)) for k in range(max_k + 1)]
+  k = int(np.argmax(values))
+  return k, values[k]
+
+
+def staircase(alphas: Sequence[float], max_k: int, t_plain_ms: float, t_draft_ms, t_verify_ms) -> list[int]:
+  """The best K for each acceptance rate."""
+  return [best_k(a, max_k, t_plain_ms, t_draft_ms, t_verify_ms)[0] for a in alphas]
+
+
+def break_even_acceptance(k: int, t_plain_ms: float, t_draft_ms, t_verify_ms, tol: float = 1e-6) -> float | None:
+  """The acceptance rate above which K drafts beat plain decoding (None if never below a = 1)."""
+  lo, hi = 0.0, 1.0
+  if speedup(hi, k, t_plain_ms, t_draft_ms, t_verify_ms) <= 1.0:
+    return None
+  if speedup(lo, k, t_plain_ms, t_draft_ms, t_verify_ms) > 1.0:
+    return 0.0
+  while hi - lo > tol:
+    mid = (lo + hi) / 2
+    if speedup(mid, k, t_plain_ms, t_draft_ms, t_verify_ms) > 1.0:
+      hi = mid
+    else:
+      lo = mid
+  return hi

@@ -1,0 +1,66 @@
+"""Hugging Face import: config mapping, safetensors loading, weight mapping, tokenizer.
+
+`moespec_jax.Model.load(hf_dir)` calls `load_checkpoint` for a directory whose
+config.json has a `model_type`. Nothing here imports torch or transformers.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import pathlib
+
+import jax
+import numpy as np
+from flax import nnx
+
+from moespec_jax.hf.config import FAMILIES, ImportSpec, to_model_config
+from moespec_jax.hf.tokenizer import MissingTokenizer, PretrainedTokenizer, load_for_checkpoint
+from moespec_jax.hf.weights import TensorSource, map_mtp, map_params
+
+__all__ = ["FAMILIES", "ImportSpec", "MissingTokenizer", "PretrainedTokenizer", "TensorSource",
+           "load_checkpoint", "to_model_config"]
+
+_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float32"}
+
+
+def _resolve_dtype(hf: dict, dtype: str | None) -> str:
+  if dtype is not None:
+    if dtype not in ("float32", "bfloat16"):
+      raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {dtype!r}")
+    return dtype
+  if jax.default_backend() == "cpu":
+    return "float32"  # bf16 matmuls are ~10x slower than f32 on CPU.
+  stored = str(hf.get("dtype") or hf.get("torch_dtype") or "float32")
+  return _DTYPES.get(stored, "float32")
+
+
+def load_checkpoint(path, dtype: str | None = None):
+  """Reads an HF model directory.
+
+  Args:
+    path: directory with config.json and *.safetensors (optionally sharded with an index).
+    dtype: "float32" or "bfloat16"; None keeps the checkpoint's (float32 on a CPU backend).
+
+  Returns:
+    (config, graphdef, state, tokenizer, extras); extras["mtp"] holds DeepSeek-V3's MTP
+    layers as nested parameter dicts ([] when absent), extras["spec"] the ImportSpec.
+  """
+  from moespec_jax.model import Transformer  # pylint: disable=g-import-not-at-top
+
+  path = pathlib.Path(path).expanduser()
+  hf = json.loads((path / "config.json").read_text())
+  config, spec = to_model_config(hf, _resolve_dtype(hf, dtype))
+  src = TensorSource(path)
+  abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
+  graphdef, state = nnx.split(abstract)
+  pure = map_params(src, config, spec, nnx.to_pure_dict(state))
+  nnx.replace_by_pure_dict(state, jax.tree.map(jax.numpy.asarray, pure))
+  mtp = map_mtp(src, config, spec, np.dtype(config.dtype) if config.dtype == "float32" else jax.numpy.bfloat16)
+  unused = sorted(n for n in src.names() - src.used if not n.endswith("rotary_emb.inv_freq"))
+  if unused:
+    logging.warning("Hugging Face import of %s: %d checkpoint tensors unused, e.g. %s",
+                    path, len(unused), unused[:3])
+  tokenizer = load_for_checkpoint(path, vocab_size=config.vocab_size, eos_id=config.eos_id,
+                                  bos_id=config.bos_id)
+  return config, graphdef, state, tokenizer, {"mtp": mtp, "spec": spec}

@@ -1,0 +1,248 @@
+"""Safetensors reading and the Hugging Face -> moespec-jax parameter mapping.
+
+Checkpoints come as one `*.safetensors` file or as shards listed by
+`model.safetensors.index.json`. Routed experts may be stored one tensor per expert
+(`experts.{e}.gate_proj.weight`, Mixtral `w1/w3/w2`) or fused
+(`experts.gate_up_proj [E, 2F, D]`, `experts.down_proj [E, D, F]`, as transformers 5 holds
+them in memory). Linear weights are [out, in] on disk and become [in, ...] here.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from typing import Any
+
+import numpy as np
+from safetensors import safe_open
+
+from moespec_jax.config import ModelConfig
+from moespec_jax.hf.config import ImportSpec
+
+INDEX_FILE = "model.safetensors.index.json"
+
+
+class TensorSource:
+  """Lazy access to the tensors of a checkpoint directory (single file or sharded)."""
+
+  def __init__(self, directory: pathlib.Path):
+    directory = pathlib.Path(directory)
+    index = directory / INDEX_FILE
+    if index.is_file():
+      weight_map = json.loads(index.read_text())["weight_map"]
+      self._file_of = {name: directory / f for name, f in weight_map.items()}
+    else:
+      files = sorted(directory.glob("*.safetensors"))
+      if not files:
+        raise FileNotFoundError(f"no *.safetensors file (nor {INDEX_FILE}) in {directory}")
+      self._file_of = {}
+      for f in files:
+        with safe_open(str(f), "numpy") as handle:
+          for name in handle.keys():
+            self._file_of[name] = f
+    self._handles: dict[pathlib.Path, Any] = {}
+    self.used: set[str] = set()
+
+  def names(self) -> set[str]:
+    return set(self._file_of)
+
+  def __contains__(self, name: str) -> bool:
+    return name in self._file_of
+
+  def get(self, name: str) -> np.ndarray:
+    if name not in self._file_of:
+      raise KeyError(f"checkpoint tensor {name!r} is missing")
+    f = self._file_of[name]
+    if f not in self._handles:
+      if not f.is_file():
+        raise FileNotFoundError(f"shard {f} listed in {INDEX_FILE} is missing")
+      self._handles[f] = safe_open(str(f), "numpy")
+    self.used.add(name)
+    return self._handles[f].get_tensor(name)
+
+
+def _lin(w_OI: np.ndarray) -> np.ndarray:
+  """[out, in] -> [in, out]."""
+  return np.ascontiguousarray(w_OI.T)
+
+
+def _rope_perm(rope_dim: int) -> np.ndarray:
+  """Index order that turns interleaved rotary pairs into the half-split layout."""
+  return np.concatenate([np.arange(0, rope_dim, 2), np.arange(1, rope_dim, 2)])
+
+
+class _Mapper:
+  """Builds {path tuple: array} for one checkpoint."""
+
+  def __init__(self, src: TensorSource, config: ModelConfig, spec: ImportSpec):
+    self.src, self.c, self.spec = src, config, spec
+
+  def attention(self, p: str) -> dict[tuple, np.ndarray]:
+    c, g = self.c, self.src.get
+    h = c.n_heads
+    if c.attention_type == "mla":
+      return self._mla(p)
+    hkv, dh, d = c.n_kv_heads, c.head_dim, c.d_model
+    out = {
+        ("w_q_DHK",): _lin(g(f"{p}.q_proj.weight")).reshape(d, h, dh),
+        ("w_k_DHK",): _lin(g(f"{p}.k_proj.weight")).reshape(d, hkv, dh),
+        ("w_v_DHK",): _lin(g(f"{p}.v_proj.weight")).reshape(d, hkv, dh),
+        ("w_o_HKD",): _lin(g(f"{p}.o_proj.weight")).reshape(h, dh, d),
+    }
+    if c.qkv_bias:
+      out[("b_q_HK",)] = g(f"{p}.q_proj.bias").reshape(h, dh)
+      out[("b_k_GK",)] = g(f"{p}.k_proj.bias").reshape(hkv, dh)
+      out[("b_v_GK",)] = g(f"{p}.v_proj.bias").reshape(hkv, dh)
+    if c.qk_norm != "none":
+      out[("q_norm", "weight")] = g(f"{p}.q_norm.weight")
+      out[("k_norm", "weight")] = g(f"{p}.k_norm.weight")
+    return out
+
+  def _mla(self, p: str) -> dict[tuple, np.ndarray]:
+    c, g = self.c, self.src.get
+    h, d = c.n_heads, c.d_model
+    n, r, v, kv = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank
+    perm = _rope_perm(r) if self.spec.rope_interleaved else np.arange(r)
+    head_perm = np.concatenate([np.arange(n), n + perm])
+    out = {}
+    if c.q_lora_rank:
+      ql = c.q_lora_rank
+      out[("w_qa_DQ",)] = _lin(g(f"{p}.q_a_proj.weight"))
+      out[("q_norm", "weight")] = g(f"{p}.q_a_layernorm.weight")
+      out[("w_qb_QHK",)] = _lin(g(f"{p}.q_b_proj.weight")).reshape(ql, h, n + r)[..., head_perm]
+    else:
+      out[("w_q_DHK",)] = _lin(g(f"{p}.q_proj.weight")).reshape(d, h, n + r)[..., head_perm]
+    kv_a = _lin(g(f"{p}.kv_a_proj_with_mqa.weight"))  # [D, C + R]
+    out[("w_kv_DC",)] = np.ascontiguousarray(kv_a[:, :kv])
+    out[("w_kr_DR",)] = np.ascontiguousarray(kv_a[:, kv:][:, perm])
+    out[("kv_norm", "weight")] = g(f"{p}.kv_a_layernorm.weight")
+    kv_b_HXC = g(f"{p}.kv_b_proj.weight").reshape(h, n + v, kv)
+    out[("w_uk_CHN",)] = np.ascontiguousarray(kv_b_HXC[:, :n].transpose(2, 0, 1))
+    out[("w_uv_CHV",)] = np.ascontiguousarray(kv_b_HXC[:, n:].transpose(2, 0, 1))
+    out[("w_o_HVD",)] = _lin(g(f"{p}.o_proj.weight")).reshape(h, v, d)
+    return out
+
+  def dense(self, p: str) -> dict[tuple, np.ndarray]:
+    g = self.src.get
+    return {("w_gate_DF",): _lin(g(f"{p}.gate_proj.weight")),
+            ("w_up_DF",): _lin(g(f"{p}.up_proj.weight")),
+            ("w_down_FD",): _lin(g(f"{p}.down_proj.weight"))}
+
+  def _experts(self, p: str) -> dict[tuple, np.ndarray]:
+    c, g, src = self.c, self.src.get, self.src
+    e, f, d = c.n_routed_experts, c.expert_hidden, c.d_model
+    gate_n, up_n, down_n = self.spec.expert_names
+    if f"{p}.experts.gate_up_proj" in src:
+      gu = g(f"{p}.experts.gate_up_proj")
+      down = g(f"{p}.experts.down_proj")
+      if gu.shape == (e, 2 * f, d):  # transformers 5: [E, 2F, D], gate rows first.
+        gate_EDF, up_EDF = gu[:, :f].transpose(0, 2, 1), gu[:, f:].transpose(0, 2, 1)
+      elif gu.shape == (e, d, 2 * f):
+        gate_EDF, up_EDF = gu[..., :f], gu[..., f:]
+      else:
+        raise ValueError(f"{p}.experts.gate_up_proj has shape {gu.shape}, expected "
+                         f"{(e, 2 * f, d)} or {(e, d, 2 * f)}")
+      if down.shape == (e, d, f):
+        down_EFD = down.transpose(0, 2, 1)
+      elif down.shape == (e, f, d):
+        down_EFD = down
+      else:
+        raise ValueError(f"{p}.experts.down_proj has shape {down.shape}, expected {(e, d, f)}")
+    else:
+      gate_EDF = np.stack([_lin(g(f"{p}.experts.{i}.{gate_n}.weight")) for i in range(e)])
+      up_EDF = np.stack([_lin(g(f"{p}.experts.{i}.{up_n}.weight")) for i in range(e)])
+      down_EFD = np.stack([_lin(g(f"{p}.experts.{i}.{down_n}.weight")) for i in range(e)])
+    return {("w_gate_EDF",): np.ascontiguousarray(gate_EDF), ("w_up_EDF",): np.ascontiguousarray(up_EDF),
+            ("w_down_EFD",): np.ascontiguousarray(down_EFD)}
+
+  def moe(self, layer_prefix: str) -> dict[tuple, np.ndarray]:
+    c, g, src = self.c, self.src.get, self.src
+    p = f"{layer_prefix}.{self.spec.moe_prefix}"
+    if f"{p}.gate.weight" not in src:
+      p = f"{layer_prefix}.mlp"  # in-memory naming of transformers 5 (fused experts)
+    out = {("w_router_DE",): _lin(g(f"{p}.gate.weight")).astype(np.float32)}
+    if c.use_score_bias:
+      out[("score_bias_E",)] = g(f"{p}.gate.e_score_correction_bias").astype(np.float32)
+    out.update(self._experts(p))
+    if c.n_shared_experts:
+      name = "shared_expert" if self.spec.family == "qwen2_moe" else "shared_experts"
+      out.update({("shared",) + k: v for k, v in self.dense(f"{p}.{name}").items()})
+    if c.shared_expert_gate:
+      out[("w_shared_gate_D",)] = g(f"{p}.shared_expert_gate.weight").reshape(-1)
+    return out
+
+  def block(self, i: int) -> dict[tuple, np.ndarray]:
+    g = self.src.get
+    p = f"model.layers.{i}"
+    out = {("attn_norm", "weight"): g(f"{p}.input_layernorm.weight"),
+           ("ffn_norm", "weight"): g(f"{p}.post_attention_layernorm.weight")}
+    out.update({("attn",) + k: v for k, v in self.attention(f"{p}.self_attn").items()})
+    ffn = self.moe(p) if self.c.is_moe_layer(i) else self.dense(f"{p}.mlp")
+    out.update({("ffn",) + k: v for k, v in ffn.items()})
+    return out
+
+  def model(self) -> dict[tuple, np.ndarray]:
+    c, g = self.c, self.src.get
+    out = {("embed_VD",): g("model.embed_tokens.weight"), ("final_norm", "weight"): g("model.norm.weight")}
+    if not c.tie_embeddings:
+      out[("lm_head_DV",)] = _lin(g("lm_head.weight"))
+    for i in range(c.n_layers):
+      out.update({("layers", i) + k: v for k, v in self.block(i).items()})
+    return out
+
+  def mtp(self, k: int) -> dict[tuple, np.ndarray]:
+    """DeepSeek-V3's k-th MTP layer (stored as decoder layer n_layers + k).
+
+    Keys: enorm/hnorm weights, eh_proj_2DD ([2D, D], input cat[enorm(emb), hnorm(h)]),
+    block (a moespec Block's parameters), head_norm, and head_DV when the layer has its own.
+    """
+    c, g, src = self.c, self.src.get, self.src
+    i = c.n_layers + k
+    p = f"model.layers.{i}"
+    out = {("enorm", "weight"): g(f"{p}.enorm.weight"), ("hnorm", "weight"): g(f"{p}.hnorm.weight"),
+           ("eh_proj_2DD",): _lin(g(f"{p}.eh_proj.weight")),
+           ("head_norm", "weight"): g(f"{p}.shared_head.norm.weight")}
+    if f"{p}.shared_head.head.weight" in src:
+      out[("head_DV",)] = _lin(g(f"{p}.shared_head.head.weight"))
+    if f"{p}.embed_tokens.weight" in src:
+      src.used.add(f"{p}.embed_tokens.weight")  # DeepSeek-V3 repeats the shared embedding here.
+    out.update({("block",) + key: v for key, v in self.block(i).items()})
+    return out
+
+
+def _fill(abstract: Any, flat: dict[tuple, np.ndarray], path=()) -> Any:
+  """A pure dict shaped like `abstract` with the mapped arrays (shape- and completeness-checked)."""
+  if isinstance(abstract, dict):
+    return {k: _fill(v, flat, path + (k,)) for k, v in abstract.items()}
+  name = "/".join(map(str, path))
+  if path not in flat:
+    raise ValueError(f"Hugging Face import: no checkpoint tensor maps to parameter {name}")
+  value = np.asarray(flat.pop(path))
+  if tuple(value.shape) != tuple(abstract.shape):
+    raise ValueError(f"Hugging Face import: {name} has shape {value.shape}, expected {abstract.shape}")
+  return value.astype(abstract.dtype)
+
+
+def map_params(src: TensorSource, config: ModelConfig, spec: ImportSpec, abstract_pure: dict) -> dict:
+  """The model's pure parameter dict from the checkpoint, in the abstract state's dtypes."""
+  flat = _Mapper(src, config, spec).model()
+  pure = _fill(abstract_pure, flat)
+  if flat:
+    raise ValueError(f"Hugging Face import: mapped tensors without a parameter: {sorted(flat)[:5]}")
+  return pure
+
+
+def map_mtp(src: TensorSource, config: ModelConfig, spec: ImportSpec, dtype) -> list[dict]:
+  """The MTP layers' parameters as nested dicts (see `_Mapper.mtp`), [] when absent."""
+  out = []
+  for k in range(spec.num_mtp_layers):
+    if f"model.layers.{config.n_layers + k}.eh_proj.weight" not in src:
+      break
+    nested: dict = {}
+    for path, value in _Mapper(src, config, spec).mtp(k).items():
+      node = nested
+      for key in path[:-1]:
+        node = node.setdefault(key, {})
+      node[path[-1]] = np.asarray(value).astype(dtype)
+    out.append(nested)
+  return out

@@ -1,0 +1,56 @@
+"""The cost model's mathematics."""
+
+import numpy as np
+import pytest
+
+from moespec_jax.analysis import cost_model as cm
+
+
+def _times(fixed=1.0, per_token=0.3, draft=0.1):
+  return (lambda k: draft * k), (lambda n: fixed + per_token * n)
+
+
+def test_fit_kernel_recovers_bandwidth_and_fixed_time():
+  b = np.array([1e6, 2e6, 4e6, 8e6])
+  t = b / (20e9) * 1e3 + 0.05
+  fit = cm.fit_kernel(b, t)
+  assert fit.gbps == pytest.approx(20.0, rel=1e-6)
+  assert fit.fixed_ms == pytest.approx(0.05, rel=1e-6)
+  with pytest.raises(ValueError, match="two distinct"):
+    cm.fit_kernel([1e6, 1e6], [1.0, 1.0])
+
+
+def test_tokens_per_pass_limits():
+  assert cm.tokens_per_pass(0.0, 4) == pytest.approx(1.0)
+  assert cm.tokens_per_pass(1.0, 4) == pytest.approx(5.0)
+  assert cm.tokens_per_pass(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
+  assert cm.tokens_per_pass(0.9, 0) == pytest.approx(1.0)
+
+
+def test_best_k_limits_and_monotone_staircase():
+  draft, verify = _times()
+  t_plain = verify(1)
+  assert cm.best_k(0.0, 8, t_plain, draft, verify)[0] == 0  # nothing accepted: don't speculate
+  assert cm.best_k(1.0 - 1e-9, 8, t_plain, draft, verify)[0] == 8  # everything accepted: draft the most
+  alphas = np.linspace(0, 0.999, 200)
+  ks = cm.staircase(alphas, 8, t_plain, draft, verify)
+  assert all(b >= a for a, b in zip(ks, ks[1:])), "the best K must not decrease with acceptance"
+  assert len(set(ks)) > 3
+
+
+def test_speculation_pays_only_above_break_even():
+  draft, verify = _times()
+  t_plain = verify(1)
+  a0 = cm.break_even_acceptance(3, t_plain, draft, verify)
+  assert 0 < a0 < 1
+  assert cm.speedup(a0 - 1e-3, 3, t_plain, draft, verify) < 1 < cm.speedup(a0 + 1e-3, 3, t_plain, draft, verify)
+  # An expensive verify never pays.
+  assert cm.break_even_acceptance(3, 1.0, lambda k: 0.0, lambda n: 10.0 * n) is None
+
+
+def test_crossover_and_amdahl():
+  assert cm.crossover([1, 2, 4, 8], [5, 4, 3, 2], [1, 2, 3.5, 6]) == 4
+  assert cm.crossover([1, 2], [5, 5], [1, 1]) is None
+  assert cm.amdahl_ratio(0.3, 2.55 * 8, 8) == pytest.approx(1.465)
+  assert cm.amdahl_ratio(0.0, 20, 8) == 1.0
+  assert cm.amdahl_fraction(4.0, 1.0) == 0.25
