@@ -27,9 +27,19 @@ def train_config() -> ml_collections.ConfigDict:
   ))
 
 
+def mtp_config() -> ml_collections.ConfigDict:
+  """MTP drafter heads trained on the frozen target (experiments/train_mtp.py, `make demo`)."""
+  return ml_collections.ConfigDict(dict(
+      seed=0, num_mtp_modules=1, loss="distill", batch_size=8, seq_len=256, steps=400,
+      learning_rate=3e-3, min_lr_ratio=0.1, warmup_steps=30, weight_decay=0.0, grad_clip=1.0,
+      eval_batches=8, checkpoint_every=100, log_every_seconds=10.0, time_budget_s=0.0,
+  ))
+
+
 def get_config() -> ml_collections.ConfigDict:
   cfg = ml_collections.ConfigDict()
   cfg.name = "tiny"
   cfg.model = model_config()
   cfg.train = train_config()
+  cfg.mtp = mtp_config()
   return cfg

@@ -8,7 +8,7 @@ Usage in `experiments/NAME.py`:
   if __name__ == "__main__":
     cli.run(main)
 
-A bad flag, a `ValueError`, `FileNotFoundError` or `app.UsageError` prints a
+A bad flag, a `ValueError`, an `OSError` (missing file...) or `app.UsageError` prints a
 single `error: <message>` line on stderr and exits with status 2, without a
 traceback or usage text. Other exceptions keep their traceback (they are bugs).
 """
@@ -23,7 +23,8 @@ from absl import app
 from absl import flags
 
 EXIT_USAGE = 2
-_USER_ERRORS = (ValueError, FileNotFoundError, app.UsageError)
+# OSError covers missing files and a --config file that ml_collections failed to load.
+_USER_ERRORS = (ValueError, OSError, app.UsageError)
 
 
 def one_line(message: object) -> str:

@@ -19,17 +19,40 @@ def training_workdir() -> pathlib.Path:
   return paths.cache_dir() / "runs" / "pretrain-tiny"
 
 
-def ensure_default_model(log=print) -> Model:
-  """Loads the default model, training it first (about 6-10 minutes on 2 CPU cores) if missing."""
+def mtp_workdir() -> pathlib.Path:
+  """Where the default model's MTP heads train (resumable if interrupted)."""
+  return paths.cache_dir() / "runs" / "train-mtp-tiny"
+
+
+def ensure_default_model(log=print, *, train_heads: bool = True) -> Model:
+  """Loads the default model, training it first (about 6-10 minutes on 2 CPU cores) if missing.
+
+  With `train_heads`, a cached model without MTP heads gets them trained (about 3 minutes,
+  configs/tiny.py `mtp` section) and saved with it, atomically, in the same directory.
+  """
   target = paths.default_model_dir()
-  if (target / "config.json").exists():
-    return Model.load(target)
-  from moespec_jax.training import pretrain
   cfg = default_config()
-  log(f"no default model at {target}: training it (configs/tiny.py, {cfg.train.steps} steps; "
-      f"resumable in {training_workdir()})")
-  model, _ = pretrain.train(model_config_from(cfg.model), pretrain.TrainConfig.from_dict(cfg.train),
-                            training_workdir(), config_name="tiny", log=log)
-  model.save(target)
-  log(f"default model saved to {target}")
-  return Model.load(target)
+  if (target / "config.json").exists():
+    model = Model.load(target)
+  else:
+    from moespec_jax.training import pretrain
+    log(f"no default model at {target}: training it (configs/tiny.py, {cfg.train.steps} steps; "
+        f"resumable in {training_workdir()})")
+    model, _ = pretrain.train(model_config_from(cfg.model), pretrain.TrainConfig.from_dict(cfg.train),
+                              training_workdir(), config_name="tiny", log=log)
+    model.save(target)
+    log(f"default model saved to {target}")
+    model = Model.load(target)
+  if train_heads and model.config.num_mtp_modules == 0:
+    from moespec_jax.training import mtp
+    tc = mtp.MTPTrainConfig.from_dict(cfg.mtp)
+    log(f"the default model has no MTP heads: training {tc.num_mtp_modules} ({tc.loss} loss, "
+        f"{tc.steps} steps; resumable in {mtp_workdir()})")
+    with_heads, metrics = mtp.train(model, tc, mtp_workdir(), log=log)
+    for row in metrics["teacher_forced"]:
+      log(f"MTP depth {row['depth']}: held-out greedy acceptance {row['greedy_acceptance']:.3f}, "
+          f"expected acceptance at T=1 {row['expected_acceptance_t1']:.3f}")
+    with_heads.save(target)
+    log(f"default model saved with its MTP heads to {target}")
+    model = Model.load(target)
+  return model

@@ -31,9 +31,9 @@ from pallas_kernels.reference import expert_ffn_dense, expert_ffn_reference
 METHODS = ("xla", "dedup", "per_slot", "auto")
 BACKENDS = ("auto", "cpu", "tpu", "gpu", "interpret")
 
-# At or above this many (token, slot) rows (above any decode pass: 16 tokens x top-8 = 128) the
-# XLA path uses the sort-based grouped matmul (the
-# training path: fastest measured fwd+bwd on CPU), and `auto` picks it too.
+# At or above this many (token, slot) rows (more than any decode pass: 16 tokens x top-8 = 128)
+# the XLA path uses the sort-based grouped matmul (the training path: fastest measured fwd+bwd
+# on CPU), and `auto` picks it too.
 GROUPED_MIN_ROWS = 256
 
 

@@ -114,3 +114,11 @@ def test_load_errors_are_clear(tmp_path):
   (tmp_path / "hf" / "config.json").write_text('{"model_type": "mixtral"}')
   with pytest.raises(ValueError, match="Hugging Face"):
     msj.Model.load(tmp_path / "hf")
+
+
+def test_greedy_tokens_are_the_same_whichever_expert_kernel(tiny_model):
+  prompts = [[5, 9, 30, 41], [7, 8], [1, 2, 3, 4, 5, 6]]
+  ref = msj.generate(tiny_model, prompts, max_new_tokens=8, spec=msj.SpecParams(kernel="xla"))
+  for kernel in ("dedup", "per_slot", "auto"):
+    out = msj.generate(tiny_model, prompts, max_new_tokens=8, spec=msj.SpecParams(kernel=kernel))
+    np.testing.assert_array_equal(out.tokens, ref.tokens, err_msg=kernel)

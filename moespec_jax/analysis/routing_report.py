@@ -48,6 +48,7 @@ def routing_stats(trace: RoutingTrace, *, max_tokens: int = 16, ipf_max_tokens: 
   ind_overlap_L = routing.independent_overlap(p_LE, k)
   overlap = [{"distance": d, "overlap": float(overlap_LD[:, d - 1].mean()),
               "per_layer": overlap_LD[:, d - 1].tolist(), "independent": float(ind_overlap_L.mean()),
+              "independent_per_layer": ind_overlap_L.tolist(),
               "uniform": k / e} for d in range(1, max_distance + 1)]
   reuse_by_n = []
   for n in (2, 4, 8):
@@ -87,9 +88,11 @@ def plot_routing(stats: dict[str, Any], path) -> None:
   ov = stats["overlap_by_distance"]
   ds = [o["distance"] for o in ov]
   per_layer = np.array([o["per_layer"] for o in ov]).T
+  ind_layer = ov[0]["independent_per_layer"]
   for l, curve in enumerate(per_layer):
-    ax2.plot(ds, curve, alpha=0.6, label=f"MoE layer {l}")
-  ax2.plot(ds, [o["independent"] for o in ov], "k--", label="independent")
+    line, = ax2.plot(ds, curve, "-o", ms=3, alpha=0.8, label=f"MoE layer {l}")
+    ax2.axhline(ind_layer[l], color=line.get_color(), ls="--", alpha=0.6)
+  ax2.plot([], [], "k--", label="independent (per layer)")
   ax2.plot(ds, [o["uniform"] for o in ov], "k:", label="uniform")
   ax2.set_xlabel("token distance")
   ax2.set_ylabel("overlap |E(t) ∩ E(t+d)| / k")

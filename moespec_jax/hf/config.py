@@ -72,7 +72,14 @@ def _check_sparse_layout(hf: dict[str, Any], family: str):
 
 
 def to_model_config(hf: dict[str, Any], dtype: str = "float32") -> tuple[ModelConfig, ImportSpec]:
-  """Maps a Hugging Face config dict to (ModelConfig, ImportSpec)."""
+  """Maps a Hugging Face config dict to (ModelConfig, ImportSpec); ValueError when unsupported."""
+  try:
+    return _to_model_config(hf, dtype)
+  except KeyError as e:
+    raise ValueError(f"Hugging Face config ({hf.get('model_type')}) lacks the field {e}") from None
+
+
+def _to_model_config(hf: dict[str, Any], dtype: str) -> tuple[ModelConfig, ImportSpec]:
   family = hf.get("model_type")
   if family not in FAMILIES:
     raise ValueError(f"unsupported Hugging Face model_type {family!r}; supported: {', '.join(FAMILIES)}")

@@ -1,0 +1,185 @@
+"""Side by side with transformers: plain greedy and prompt-lookup decoding on imported checkpoints.
+
+  python -m experiments.peer_bench --workdir=runs/peer_bench [--quick]
+
+For one random checkpoint per family (built offline with transformers, ~20-50M parameters;
+--quick: tiny ones), loaded by `moespec_jax.Model.load`:
+- plain greedy tokens/s of moespec-jax vs transformers `generate` at batch 1 and 8;
+- n-gram prompt lookup (`SpecParams(drafter="ngram")`) vs transformers'
+  `prompt_lookup_num_tokens` at batch 1 (transformers' assisted generation is batch 1 only);
+on code prompts (UTF-8 bytes of standard-library sources as token ids). Each measurement is
+repeated, moespec-jax and transformers alternating, and the median reported; compilation and
+a warm-up call are excluded. Writes DIR/metrics.json and DIR/table.md. Needs the dev extra.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import pathlib
+import statistics
+import time
+
+from absl import flags
+import numpy as np
+
+from moespec_jax import cli
+from moespec_jax.io import atomic
+
+_WORKDIR = flags.DEFINE_string("workdir", "runs/peer_bench", "Where metrics.json and table.md go.")
+_QUICK = flags.DEFINE_bool("quick", False, "Tiny checkpoints, fewer tokens and repeats.")
+_FAMILIES = flags.DEFINE_list("families", [], "Families to run (default: all).")
+_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 64, "Tokens generated per prompt.")
+_REPEATS = flags.DEFINE_integer("repeats", 3, "Timed repeats per measurement (median).")
+_NUM_DRAFT = flags.DEFINE_integer("num_draft", 4, "Draft length of both prompt-lookup decoders.")
+_PROMPT_LEN = flags.DEFINE_integer("prompt_len", 192, "Prompt tokens per row.")
+
+# ~20-50M parameters per family (embeddings included).
+BENCH_SIZE = dict(vocab=8192, hidden=256, layers=4, heads=8, experts=16, top_k=2, moe_hidden=320,
+                  max_len=1024)
+QUICK_SIZE = dict(vocab=512, hidden=64, layers=2, heads=4, experts=8, top_k=2, moe_hidden=64,
+                  max_len=512)
+
+
+def code_prompts(n: int, length: int) -> list[list[int]]:
+  """`n` prompts of `length` token ids: UTF-8 bytes of standard-library code."""
+  import argparse, json.encoder, textwrap  # pylint: disable=g-import-not-at-top,multiple-import
+  text = "".join(inspect.getsource(m) for m in (json.encoder, textwrap, argparse))
+  data = np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.int32)
+  starts = np.linspace(0, len(data) - length - 1, n).astype(int)
+  return [data[s:s + length].tolist() for s in starts]
+
+
+def _median_time(fn, repeats: int) -> tuple[float, list[float], object]:
+  times, out = [], None
+  for _ in range(repeats):
+    start = time.perf_counter()
+    out = fn()
+    times.append(time.perf_counter() - start)
+  return statistics.median(times), times, out
+
+
+def bench_family(family: str, ckpt: pathlib.Path, size: dict, *, max_new: int, repeats: int,
+                 num_draft: int, prompt_len: int) -> list[dict]:
+  import torch  # pylint: disable=g-import-not-at-top
+  import transformers  # pylint: disable=g-import-not-at-top
+  import moespec_jax as msj  # pylint: disable=g-import-not-at-top
+  from moespec_jax.hf import tiny_families  # pylint: disable=g-import-not-at-top
+
+  if not (ckpt / "config.json").is_file():
+    tiny_families.build(family, ckpt, **size)
+  ref = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+  model = msj.Model.load(ckpt)
+  n_params = sum(p.numel() for p in ref.parameters())
+  rows = []
+
+  def hf_generate(prompts, **kw):
+    ids = torch.tensor(prompts, dtype=torch.long)
+    with torch.no_grad():
+      out = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
+                         do_sample=False, eos_token_id=None, pad_token_id=0, **kw)
+    return out[:, ids.shape[1]:].numpy()
+
+  for batch, drafter in ((1, "none"), (8, "none"), (1, "ngram")):
+    prompts = code_prompts(batch, prompt_len)
+    spec = msj.SpecParams(drafter=drafter, num_draft=num_draft if drafter == "ngram" else 3)
+    hf_kw = {"prompt_lookup_num_tokens": num_draft} if drafter == "ngram" else {}
+    ours_fn = lambda: msj.generate(model, prompts, max_new_tokens=max_new, spec=spec)  # noqa: E731
+    hf_fn = lambda: hf_generate(prompts, **hf_kw)  # noqa: E731
+    ours_fn(), hf_fn()  # compile / warm up
+    ours_t, hf_t, ours_out, hf_out = [], [], None, None
+    for _ in range(repeats):  # alternate so that both see the same machine load
+      t, _, ours_out = _median_time(ours_fn, 1)
+      ours_t.append(t)
+      t, _, hf_out = _median_time(hf_fn, 1)
+      hf_t.append(t)
+    ours_tokens = ours_out.tokens
+    ours_n = int(np.sum(ours_tokens >= 0))
+    match = [bool(np.array_equal(ours_tokens[b][ours_tokens[b] >= 0],
+                                 hf_out[b][:int(np.sum(ours_tokens[b] >= 0))])) for b in range(batch)]
+    common = dict(family=family, params=n_params, batch_size=batch, drafter=drafter,
+                  num_draft=num_draft if drafter == "ngram" else 0, max_new_tokens=max_new,
+                  prompt_len=prompt_len)
+    rows.append({**common, "impl": "moespec_jax", "tokens_per_second": ours_n / statistics.median(ours_t),
+                 "seconds": ours_t, "mean_accepted_length": ours_out.stats.get("mean_accepted_length"),
+                 "tokens_identical_to_transformers": all(match)})
+    rows.append({**common, "impl": "transformers", "tokens_per_second": hf_out.size / statistics.median(hf_t),
+                 "seconds": hf_t, "mean_accepted_length": None,
+                 "tokens_identical_to_transformers": True})
+  return rows
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+  """Per family: speed ratios (ours / transformers) and each side's n-gram speedup over plain."""
+  out = []
+  for family in dict.fromkeys(r["family"] for r in rows):
+    tps = {(r["impl"], r["batch_size"], r["drafter"]): r["tokens_per_second"]
+           for r in rows if r["family"] == family}
+    ident = all(r["tokens_identical_to_transformers"] for r in rows if r["family"] == family)
+    out.append(dict(
+        family=family,
+        plain_ratio_b1=tps[("moespec_jax", 1, "none")] / tps[("transformers", 1, "none")],
+        plain_ratio_b8=tps[("moespec_jax", 8, "none")] / tps[("transformers", 8, "none")],
+        ngram_speedup_ours=tps[("moespec_jax", 1, "ngram")] / tps[("moespec_jax", 1, "none")],
+        ngram_speedup_transformers=tps[("transformers", 1, "ngram")] / tps[("transformers", 1, "none")],
+        tokens_identical=ident))
+  return out
+
+
+def table(rows: list[dict], summary: list[dict]) -> str:
+  lines = ["| family | params | batch | drafter | moespec-jax tok/s | transformers tok/s | ratio | "
+           "identical tokens |", "|---|---|---|---|---|---|---|---|"]
+  by = {(r["family"], r["batch_size"], r["drafter"], r["impl"]): r for r in rows}
+  for (family, batch, drafter, impl), r in by.items():
+    if impl != "moespec_jax":
+      continue
+    h = by[(family, batch, drafter, "transformers")]
+    lines.append(f"| {family} | {r['params'] / 1e6:.1f}M | {batch} | {drafter} | "
+                 f"{r['tokens_per_second']:.1f} | {h['tokens_per_second']:.1f} | "
+                 f"{r['tokens_per_second'] / h['tokens_per_second']:.2f}x | "
+                 f"{r['tokens_identical_to_transformers']} |")
+  lines += ["", "| family | plain b1 ratio | plain b8 ratio | n-gram speedup (ours) | "
+            "prompt-lookup speedup (transformers) | identical |", "|---|---|---|---|---|---|"]
+  for s in summary:
+    lines.append(f"| {s['family']} | {s['plain_ratio_b1']:.2f}x | {s['plain_ratio_b8']:.2f}x | "
+                 f"{s['ngram_speedup_ours']:.2f}x | {s['ngram_speedup_transformers']:.2f}x | "
+                 f"{s['tokens_identical']} |")
+  return "\n".join(lines) + "\n"
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise ValueError(f"unexpected arguments: {argv[1:]}")
+  try:
+    import torch  # pylint: disable=g-import-not-at-top,unused-import
+    import transformers  # pylint: disable=g-import-not-at-top,unused-import
+  except ImportError as e:
+    raise ValueError(f"peer_bench needs the dev extra (torch, transformers): {e}") from None
+  from moespec_jax import hf  # pylint: disable=g-import-not-at-top
+  workdir = pathlib.Path(_WORKDIR.value)
+  quick = _QUICK.value
+  families = _FAMILIES.value or list(hf.FAMILIES)
+  unknown = sorted(set(families) - set(hf.FAMILIES))
+  if unknown:
+    raise ValueError(f"--families: unknown {unknown}; choose from {hf.FAMILIES}")
+  size = QUICK_SIZE if quick else BENCH_SIZE
+  max_new = min(_MAX_NEW.value, 16) if quick else _MAX_NEW.value
+  repeats = 1 if quick else _REPEATS.value
+  prompt_len = min(_PROMPT_LEN.value, 64) if quick else _PROMPT_LEN.value
+  rows = []
+  for family in families:
+    ckpt = workdir / "checkpoints" / (f"{family}-quick" if quick else family)
+    rows += bench_family(family, ckpt, size, max_new=max_new, repeats=repeats,
+                         num_draft=_NUM_DRAFT.value, prompt_len=prompt_len)
+    print(f"{family}: done", flush=True)
+  summary = summarize(rows)
+  text = table(rows, summary)
+  print(text)
+  atomic.write_json_atomic(workdir / "metrics.json", {
+      "experiment": "peer_bench", "quick": quick, "size": size, "repeats": repeats,
+      "rows": rows, "summary": summary})
+  atomic.write_text_atomic(workdir / "table.md", text)
+
+
+if __name__ == "__main__":
+  cli.run(main)

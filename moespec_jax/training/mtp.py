@@ -1,0 +1,240 @@
+"""Training MTP drafter heads on a frozen target: cross-entropy or distillation, optax, orbax.
+
+Only the MTP modules train; the target (embedding, blocks, final norm, output head, shared
+with the heads) is frozen. Losses, per depth k (module k at index i predicts t_{i+k+1}):
+- "ce": cross-entropy on the true next tokens of the corpus;
+- "distill": cross-entropy toward the target's own distribution at the same position
+  (equivalently KL(p_target || q), the quantity that drives acceptance).
+Evaluation on held-out text (teacher forcing): per depth, the greedy acceptance (argmax of
+the head equals the target's argmax) and the expected sampled acceptance at temperature 1,
+sum_x min(p(x), q(x)).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from moespec_jax import cli
+from moespec_jax.api import Model
+from moespec_jax.data import batches as batches_lib
+from moespec_jax.io import atomic, checkpoint
+from moespec_jax.model import Transformer
+from moespec_jax.model import mtp as mtp_lib
+from moespec_jax.training import losses
+
+LOSSES = ("ce", "distill")
+
+
+@dataclasses.dataclass(frozen=True)
+class MTPTrainConfig:
+  seed: int = 0
+  num_mtp_modules: int = 1
+  loss: str = "distill"
+  batch_size: int = 8
+  seq_len: int = 256
+  steps: int = 400
+  learning_rate: float = 3e-3
+  min_lr_ratio: float = 0.1
+  warmup_steps: int = 30
+  weight_decay: float = 0.0
+  grad_clip: float = 1.0
+  eval_batches: int = 8
+  checkpoint_every: int = 100
+  log_every_seconds: float = 10.0
+  # Stops early (keeping what is trained) after this many seconds; 0 disables.
+  time_budget_s: float = 0.0
+
+  def __post_init__(self):
+    if self.loss not in LOSSES:
+      raise ValueError(f"mtp.loss must be one of {LOSSES}, got {self.loss!r}")
+    for name in ("num_mtp_modules", "batch_size", "seq_len", "steps", "eval_batches", "checkpoint_every"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"mtp.{name} must be >= 1, got {getattr(self, name)}")
+    if self.learning_rate <= 0:
+      raise ValueError(f"mtp.learning_rate must be > 0, got {self.learning_rate}")
+
+  @classmethod
+  def from_dict(cls, d) -> "MTPTrainConfig":
+    d = d.to_dict() if hasattr(d, "to_dict") else dict(d)
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - known)
+    if unknown:
+      raise ValueError(f"unknown mtp config fields {unknown}")
+    return cls(**d)
+
+
+def _is_mtp_param(path, value) -> bool:
+  return isinstance(value, nnx.Param) and "mtp" in path
+
+
+def with_fresh_heads(target: Model, num_mtp_modules: int, seed: int) -> Transformer:
+  """A module holding `target`'s parameters and newly initialised MTP heads."""
+  config = target.config.replace(num_mtp_modules=num_mtp_modules)
+  module = Transformer(config, rngs=nnx.Rngs(seed))
+  state = nnx.state(module)
+  pure = nnx.to_pure_dict(state)
+  old = nnx.to_pure_dict(target.state)
+  for key in old:
+    if key != "mtp":
+      pure[key] = old[key]
+  nnx.replace_by_pure_dict(state, pure)
+  nnx.update(module, state)
+  return module
+
+
+def split_heads(module: Transformer):
+  """(graphdef, trainable MTP params, frozen rest)."""
+  return nnx.split(module, _is_mtp_param, ...)
+
+
+def depth_losses(module, tokens_BT, depths: int):
+  """Per depth: (ce on true tokens, distillation ce toward the target, greedy match, min(p, q) mass)."""
+  out = module(tokens_BT)
+  hidden = jax.lax.stop_gradient(out.hidden)
+  target_logits_BTV = jax.lax.stop_gradient(out.logits)
+  t = tokens_BT.shape[1]
+  results = []
+  for k, logits_BNV in enumerate(mtp_lib.forward_train(module, hidden, tokens_BT, depths), start=1):
+    n = t - k - 1
+    truth_BN = tokens_BT[:, k + 1:]
+    p_logits_BNV = target_logits_BTV[:, k:k + n]
+    logq_BNV = jax.nn.log_softmax(logits_BNV.astype(jnp.float32), axis=-1)
+    p_BNV = jax.nn.softmax(p_logits_BNV, axis=-1)
+    ce = jnp.mean(losses.cross_entropy(logits_BNV, truth_BN))
+    distill = jnp.mean(-jnp.sum(p_BNV * logq_BNV, axis=-1))
+    greedy = jnp.mean(jnp.argmax(logits_BNV, -1) == jnp.argmax(p_logits_BNV, -1))
+    expected = jnp.mean(jnp.sum(jnp.minimum(p_BNV, jnp.exp(logq_BNV)), axis=-1))
+    results.append((ce, distill, greedy, expected))
+  return results
+
+
+def make_steps(graphdef, rest, optimizer, tc: MTPTrainConfig):
+  depths = tc.num_mtp_modules
+
+  def loss_fn(heads, batch_BT):
+    module = nnx.merge(graphdef, heads, rest)
+    per_depth = depth_losses(module, batch_BT, depths)
+    pick = 0 if tc.loss == "ce" else 1
+    loss = sum(r[pick] for r in per_depth) / depths
+    return loss, per_depth
+
+  @jax.jit
+  def train_step(heads, opt_state, batch_BT):
+    (loss, per_depth), grads = jax.value_and_grad(loss_fn, has_aux=True)(heads, batch_BT)
+    updates, opt_state = optimizer.update(grads, opt_state, heads)
+    heads = optax.apply_updates(heads, updates)
+    return heads, opt_state, {"loss": loss, "ce_1": per_depth[0][0], "greedy_1": per_depth[0][2]}
+
+  @jax.jit
+  def eval_step(heads, batch_BT):
+    module = nnx.merge(graphdef, heads, rest)
+    return jnp.asarray(depth_losses(module, batch_BT, depths))  # [depths, 4]
+
+  return train_step, eval_step
+
+
+def evaluate(eval_step, heads, val_tokens, tc: MTPTrainConfig) -> list[dict[str, float]]:
+  """Teacher-forced per-depth figures on held-out windows."""
+  rows = []
+  for vb in batches_lib.validation_batches(val_tokens, tc.batch_size, tc.seq_len - 1,
+                                           max_batches=tc.eval_batches):
+    rows.append(np.asarray(eval_step(heads, jnp.asarray(vb.tokens))))
+  mean = np.mean(rows, axis=0)
+  return [{"depth": k + 1, "ce": float(m[0]), "distill_ce": float(m[1]),
+           "greedy_acceptance": float(m[2]), "expected_acceptance_t1": float(m[3])}
+          for k, m in enumerate(mean)]
+
+
+def train(target: Model, tc: MTPTrainConfig, workdir, *, log=print) -> tuple[Model, dict[str, Any]]:
+  """Trains (or resumes) MTP heads on the frozen `target`; returns target + heads and metrics.
+
+  `workdir/checkpoints` holds resumable state, `workdir/model` the model with heads.
+  """
+  workdir = pathlib.Path(workdir)
+  workdir.mkdir(parents=True, exist_ok=True)
+  if tc.seq_len > target.config.max_seq_len:
+    raise ValueError(f"mtp.seq_len ({tc.seq_len}) exceeds the model's max_seq_len "
+                     f"({target.config.max_seq_len})")
+  tokenizer = target.tokenizer
+  train_tokens = batches_lib.corpus_tokens(tokenizer, "train")
+  val_tokens = batches_lib.corpus_tokens(tokenizer, "validation")
+
+  module = with_fresh_heads(target, tc.num_mtp_modules, tc.seed)
+  graphdef, heads, rest = split_heads(module)
+  warmup = min(tc.warmup_steps, tc.steps - 1)
+  schedule = optax.warmup_cosine_decay_schedule(
+      0.0, tc.learning_rate, warmup, max(tc.steps, warmup + 1), tc.learning_rate * tc.min_lr_ratio)
+  optimizer = optax.chain(optax.clip_by_global_norm(tc.grad_clip),
+                          optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=tc.weight_decay))
+  opt_state = optimizer.init(heads)
+  train_step, eval_step = make_steps(graphdef, rest, optimizer, tc)
+
+  metrics: dict[str, Any] = {"train_config": dataclasses.asdict(tc), "train_curve": []}
+  manager = checkpoint.CheckpointManager(workdir / "checkpoints", max_to_keep=2,
+                                         save_interval_steps=tc.checkpoint_every)
+  start = 0
+  if manager.latest_step() is not None:
+    start = manager.latest_step()
+    state = manager.restore(start, checkpoint.abstract_tree(
+        {"heads": heads, "opt_state": opt_state, "step": 0}))
+    heads, opt_state = state["heads"], state["opt_state"]
+    prev = workdir / "metrics.json"
+    if prev.exists():
+      old = json.loads(prev.read_text()).get("train_mtp", {})
+      metrics["train_curve"] = [r for r in old.get("train_curve", []) if r["step"] <= start]
+    log(f"resuming MTP training from step {start}")
+
+  tokens_per_step = tc.batch_size * tc.seq_len
+  progress = cli.Progress(tc.steps, desc="mtp", unit="tokens", every_s=tc.log_every_seconds,
+                          start_step=start)
+  began = time.perf_counter()
+  step = start
+  for step in range(start + 1, tc.steps + 1):
+    batch = batches_lib.train_batch(train_tokens, tc.batch_size, tc.seq_len - 1, tc.seed + 1, step)
+    heads, opt_state, m = train_step(heads, opt_state, jnp.asarray(batch))
+    m = {k: float(v) for k, v in m.items()}
+    if not np.isfinite(m["loss"]):
+      raise FloatingPointError(f"MTP loss is {m['loss']} at step {step}")
+    if step % 10 == 0 or step == tc.steps:
+      metrics["train_curve"].append({"step": step, **m})
+    progress.update(step, tokens_per_step, loss=m["loss"], greedy_1=m["greedy_1"])
+    over_budget = tc.time_budget_s and time.perf_counter() - began > tc.time_budget_s
+    if manager.should_save(step) or step == tc.steps or over_budget:
+      manager.save(step, {"heads": heads, "opt_state": opt_state, "step": step}, force=True)
+      atomic.write_json_atomic(workdir / "metrics.json", {"train_mtp": metrics})
+    if over_budget:
+      log(f"time budget of {tc.time_budget_s:.0f}s reached at step {step}: stopping")
+      break
+  manager.close()
+
+  metrics["steps_done"] = step
+  metrics["teacher_forced"] = evaluate(eval_step, heads, val_tokens, tc)
+  model = Model.from_module(nnx.merge(graphdef, heads, rest), tokenizer)
+  model.save(workdir / "model")
+  atomic.write_json_atomic(workdir / "metrics.json", {"train_mtp": metrics})
+  return model, metrics
+
+
+def decoding_acceptance(model: Model, *, num_draft: int = 4, n_prompts: int = 8,
+                        max_new_tokens: int = 96) -> dict[str, Any]:
+  """Acceptance by depth measured by speculative decoding of held-out code prompts."""
+  import moespec_jax as msj
+  from moespec_jax.data import corpus
+  prompts = corpus.held_out_prompts(n_prompts, prompt_bytes=192, seed=1)
+  out = {}
+  for name, sampling in (("greedy", msj.SamplingParams()), ("t1", msj.SamplingParams(temperature=1.0))):
+    res = msj.generate(model, prompts, max_new_tokens=max_new_tokens, sampling=sampling,
+                       spec=msj.SpecParams(drafter="mtp", num_draft=num_draft))
+    out[name] = {"acceptance_by_depth": res.stats["acceptance_by_depth"],
+                 "mean_accepted_length": res.stats["mean_accepted_length"]}
+  return out

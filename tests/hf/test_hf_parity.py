@@ -1,0 +1,203 @@
+"""Hugging Face import: logits, cached decoding and greedy tokens against transformers."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="the HF parity tests need torch (dev extra)")
+transformers = pytest.importorskip("transformers", reason="the HF parity tests need transformers (dev extra)")
+
+import moespec_jax as msj  # noqa: E402
+from moespec_jax import hf  # noqa: E402
+from moespec_jax.hf import tiny_families  # noqa: E402
+
+SEQ = 24
+ATOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory):
+  """family -> (transformers model, moespec Model, checkpoint dir)."""
+  out = {}
+  for family in hf.FAMILIES:
+    path = tmp_path_factory.mktemp(family)
+    ref = tiny_families.build(family, path)
+    out[family] = (ref, msj.Model.load(path), path)
+  return out
+
+
+def _tokens(batch=2, seq=SEQ, seed=0):
+  return np.random.default_rng(seed).integers(0, 250, size=(batch, seq)).astype(np.int32)
+
+
+def _ref_logits(ref, tokens):
+  with torch.no_grad():
+    return ref(torch.tensor(tokens, dtype=torch.long)).logits.float().numpy()
+
+
+@pytest.mark.parametrize("family", hf.FAMILIES)
+def test_logits_match_transformers(pairs, family):
+  ref, model, _ = pairs[family]
+  tokens = _tokens()
+  diff = np.abs(np.asarray(model.forward(tokens)) - _ref_logits(ref, tokens)).max()
+  assert diff <= ATOL, f"{family}: max |logit diff| {diff}"
+
+
+@pytest.mark.parametrize("family", hf.FAMILIES)
+def test_cached_decoding_matches_transformers(pairs, family):
+  ref, model, _ = pairs[family]
+  tokens = _tokens(seed=1)
+  want = _ref_logits(ref, tokens)
+  module = model.module()
+  prefill = SEQ - 8
+  out = module(jnp.asarray(tokens[:, :prefill]), None, module.new_cache(2, 32))
+  got = [np.asarray(out.logits)]
+  cache = out.cache
+  # Two passes of 4 tokens each: the verify-pass shape of speculative decoding.
+  for start in (prefill, prefill + 4):
+    pos = jnp.broadcast_to(jnp.arange(start, start + 4, dtype=jnp.int32), (2, 4))
+    out = module(jnp.asarray(tokens[:, start:start + 4]), pos, cache)
+    got.append(np.asarray(out.logits))
+    cache = out.cache
+  diff = np.abs(np.concatenate(got, axis=1) - want).max()
+  assert diff <= ATOL, f"{family}: cached max |logit diff| {diff}"
+
+
+@pytest.mark.parametrize("family", hf.FAMILIES)
+def test_greedy_tokens_match_transformers(pairs, family):
+  ref, model, _ = pairs[family]
+  prompts = _tokens(batch=2, seq=10, seed=2)
+  ours = msj.generate(model, [list(p) for p in prompts], max_new_tokens=16).tokens
+  with torch.no_grad():
+    theirs = ref.generate(torch.tensor(prompts, dtype=torch.long), max_new_tokens=16, do_sample=False,
+                          eos_token_id=None, pad_token_id=0)[:, prompts.shape[1]:].numpy()
+  for row in range(2):
+    valid = ours[row][ours[row] >= 0]  # -1 after our EOS
+    assert len(valid) >= 1
+    np.testing.assert_array_equal(valid, theirs[row, :len(valid)], err_msg=family)
+
+
+def test_mapped_config_fields(pairs):
+  c = pairs["deepseek_v3"][1].config
+  assert (c.attention_type, c.score_func, c.use_score_bias, c.n_groups, c.topk_groups) == (
+      "mla", "sigmoid", True, 4, 2)
+  assert c.first_k_dense == 1 and c.routed_scaling_factor == 2.5 and c.rope_scaling == "yarn"
+  c2 = pairs["deepseek_v2"][1].config
+  assert c2.q_lora_rank == 0 and c2.score_func == "softmax" and c2.n_shared_experts == 2
+  q2 = pairs["qwen2_moe"][1].config
+  assert q2.qkv_bias and q2.shared_expert_gate and q2.tie_embeddings and q2.shared_width == 40
+  assert pairs["qwen3_moe"][1].config.qk_norm == "head"
+  assert pairs["olmoe"][1].config.qk_norm == "full"
+  assert pairs["mixtral"][1].config.norm_topk_prob
+
+
+def test_mla_cache_holds_latent_and_rope_key(pairs):
+  model = pairs["deepseek_v2"][1]
+  cache = model.module().new_cache(1, 16)
+  c = model.config
+  assert cache.keys[0].shape == (1, 16, 1, c.kv_lora_rank)
+  assert cache.values[0].shape == (1, 16, 1, c.qk_rope_head_dim)
+
+
+def test_sharded_and_fused_checkpoints_load_identically(pairs, tmp_path):
+  from safetensors.torch import save_file
+  ref, model, path = pairs["qwen2_moe"]
+  want = np.asarray(model.forward(_tokens()))
+  sharded = tmp_path / "sharded"
+  ref.save_pretrained(sharded, max_shard_size="40KB")
+  assert (sharded / "model.safetensors.index.json").is_file()
+  assert len(list(sharded.glob("*.safetensors"))) > 1
+  np.testing.assert_array_equal(np.asarray(msj.Model.load(sharded).forward(_tokens())), want)
+  # Fused experts, as transformers 5 holds them in memory: experts.gate_up_proj [E, 2F, D].
+  fused = tmp_path / "fused"
+  fused.mkdir()
+  state = {k: v.contiguous() for k, v in ref.state_dict().items() if k != "lm_head.weight"}
+  assert any(k.endswith("experts.gate_up_proj") for k in state)
+  save_file(state, str(fused / "model.safetensors"))
+  (fused / "config.json").write_text((path / "config.json").read_text())
+  np.testing.assert_allclose(np.asarray(msj.Model.load(fused).forward(_tokens())), want, atol=1e-6)
+
+
+def test_bfloat16_cast_option(pairs):
+  _, _, path = pairs["mixtral"]
+  m = msj.Model.load(path, dtype="bfloat16")
+  assert m.config.dtype == "bfloat16"
+  assert m.state["embed_VD"][...].dtype == jnp.bfloat16
+  with pytest.raises(ValueError, match="dtype"):
+    msj.Model.load(path, dtype="float64")
+
+
+def test_tokenizer_json_and_missing_tokenizer(pairs, tmp_path):
+  from tokenizers import Tokenizer, models, pre_tokenizers, decoders, trainers
+  _, model, path = pairs["olmoe"]
+  with pytest.raises(ValueError, match="tokenizer.json"):
+    model.tokenizer.encode("def f(x):")
+  tok = Tokenizer(models.BPE())
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = decoders.ByteLevel()
+  tok.train_from_iterator(["def f(x):\n    return x + 1\n"] * 20, trainers.BpeTrainer(
+      vocab_size=120, special_tokens=["<|endoftext|>"], show_progress=False))
+  with_tok = tmp_path / "with_tok"
+  with_tok.mkdir()
+  for f in path.iterdir():
+    (with_tok / f.name).write_bytes(f.read_bytes())
+  tok.save(str(with_tok / "tokenizer.json"))
+  loaded = msj.Model.load(with_tok)
+  text = "def f(x):\n    return x"
+  ids = loaded.tokenizer.encode(text)
+  assert loaded.tokenizer.decode(ids) == text and max(ids) < loaded.config.vocab_size
+  out = msj.generate(loaded, [text], max_new_tokens=4)
+  assert out.tokens.shape == (1, 4)
+  saved = loaded.save(tmp_path / "resaved")
+  again = msj.Model.load(saved)
+  assert again.tokenizer.encode(text) == ids
+  np.testing.assert_array_equal(np.asarray(again.forward([ids])), np.asarray(loaded.forward([ids])))
+
+
+
+
+def test_unsupported_layouts_are_refused(pairs):
+  q2 = json.loads((pairs["qwen2_moe"][2] / "config.json").read_text())
+  with pytest.raises(ValueError, match="mlp_only_layers"):
+    hf.to_model_config({**q2, "mlp_only_layers": [0]})
+  with pytest.raises(ValueError, match="decoder_sparse_step"):
+    hf.to_model_config({**q2, "decoder_sparse_step": 2})
+  mx = json.loads((pairs["mixtral"][2] / "config.json").read_text())
+  with pytest.raises(ValueError, match="rope scaling type 'linear'"):
+    hf.to_model_config({**mx, "rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}})
+  with pytest.raises(ValueError, match="sliding_window"):
+    hf.to_model_config({**mx, "sliding_window": 16})
+  with pytest.raises(ValueError, match="model_type"):
+    hf.to_model_config({**mx, "model_type": "llama"})
+  v3 = json.loads((pairs["deepseek_v3"][2] / "config.json").read_text())
+  with pytest.raises(ValueError, match="moe_layer_freq"):
+    hf.to_model_config({**v3, "moe_layer_freq": 2})
+
+
+def test_deepseek_v3_mtp_layer_is_loaded(pairs, tmp_path):
+  from safetensors.numpy import load_file, save_file
+  _, model, path = pairs["deepseek_v3"]
+  c = model.config
+  tensors = load_file(str(path / "model.safetensors"))
+  rng = np.random.default_rng(0)
+  last, mtp = f"model.layers.{c.n_layers - 1}.", f"model.layers.{c.n_layers}."
+  for name in [n for n in tensors if n.startswith(last)]:
+    tensors[mtp + name[len(last):]] = tensors[name].copy()
+  d, v = c.d_model, c.vocab_size
+  tensors.update({mtp + "enorm.weight": np.ones(d, np.float32), mtp + "hnorm.weight": np.ones(d, np.float32),
+                  mtp + "eh_proj.weight": rng.normal(size=(d, 2 * d)).astype(np.float32),
+                  mtp + "shared_head.norm.weight": np.ones(d, np.float32),
+                  mtp + "shared_head.head.weight": rng.normal(size=(v, d)).astype(np.float32)})
+  out = tmp_path / "v3_mtp"
+  out.mkdir()
+  save_file(tensors, str(out / "model.safetensors"))
+  (out / "config.json").write_text((path / "config.json").read_text())
+  loaded = msj.Model.load(out)
+  (layer,) = loaded.hf_extras["mtp"]
+  assert layer["eh_proj_2DD"].shape == (2 * d, d) and layer["head_DV"].shape == (d, v)
+  block = jax.tree.map(np.shape, layer["block"])
+  assert block["attn"]["w_kv_DC"] == (d, c.kv_lora_rank) and "w_router_DE" in block["ffn"]
+  np.testing.assert_array_equal(np.asarray(loaded.forward(_tokens())), np.asarray(model.forward(_tokens())))

@@ -1,0 +1,46 @@
+"""The experiment CLIs as a user runs them: bad flags and bad values give one line and exit 2."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import moespec_jax as msj
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(*args, env=None, timeout=300):
+  return subprocess.run([sys.executable, "-m", *args], cwd=ROOT, capture_output=True, text=True,
+                        timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def _one_line_error(proc, fragment):
+  assert proc.returncode == 2, proc.stderr
+  lines = [l for l in proc.stderr.splitlines() if l.strip()]
+  assert len(lines) == 1, proc.stderr
+  assert "Traceback" not in proc.stderr and fragment in lines[0]
+
+
+@pytest.mark.parametrize("module", ["experiments.generate", "experiments.pretrain", "experiments.demo",
+                                    "experiments.routing_stats"])
+def test_unknown_flag_exits_2_with_one_line(module):
+  _one_line_error(_run(module, "--no_such_flag=1"), "no_such_flag")
+
+
+def test_pretrain_bad_config_file_exits_2():
+  _one_line_error(_run("experiments.pretrain", "--config=configs/does_not_exist.py"), "does_not_exist")
+
+
+def test_generate_cli_end_to_end_and_bad_values(tiny_model, tmp_path):
+  path = str(tiny_model.save(tmp_path / "model"))
+  proc = _run("experiments.generate", f"--checkpoint={path}", "--prompt=def f(x):",
+              "--max_new_tokens=5")
+  assert proc.returncode == 0, proc.stderr
+  assert proc.stdout.startswith("def f(x):") and "tokens/s" in proc.stdout
+  _one_line_error(_run("experiments.generate", f"--checkpoint={path}", "--top_p=0"), "top_p")
+  _one_line_error(_run("experiments.generate", f"--checkpoint={path}", "--max_new_tokens=500"),
+                  "max_seq_len")
+  _one_line_error(_run("experiments.generate", f"--checkpoint={tmp_path / 'missing'}"), "config.json")
