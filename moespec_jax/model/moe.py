@@ -18,6 +18,7 @@ from flax import nnx
 
 import pallas_kernels
 from moespec_jax.config import ModelConfig
+from moespec_jax.model import budget as budget_lib
 from moespec_jax.model.layers import SwiGLU, fan_in_init
 
 
@@ -25,11 +26,13 @@ class RouterBias(nnx.Variable):
   """DeepSeek-V3's load-balancing correction bias: not a trained parameter."""
 
 
-def route(logits_TE, config: ModelConfig, score_bias_E=None):
+def route(logits_TE, config: ModelConfig, score_bias_E=None, *, allowed_TE=None,
+          budget_policy: str = "truncate"):
   """Top-k routing. Returns expert_ids [T, K] int32, gates [T, K] f32, probs [T, E] f32.
 
   `probs` are the per-token routing probabilities (scores normalised to sum 1), used by
-  the load-balancing loss and the routing analysis.
+  the load-balancing loss and the routing analysis. With `allowed_TE` (expert budgeting,
+  model/budget.py) only allowed experts are used, by `budget_policy`; probs are unchanged.
   """
   logits_TE = logits_TE.astype(jnp.float32)
   if config.score_func == "softmax":
@@ -52,11 +55,16 @@ def route(logits_TE, config: ModelConfig, score_bias_E=None):
     choice_TE = jnp.where(expert_mask_TE, choice_TE, -jnp.inf)
 
   _, expert_ids_TK = jax.lax.top_k(choice_TE, config.top_k)
+  probs_TE = scores_TE / jnp.sum(scores_TE, axis=-1, keepdims=True)
+  if allowed_TE is not None:
+    ids_TK, gates_TK = budget_lib.restrict(
+        scores_TE, choice_TE, expert_ids_TK, allowed_TE, top_k=config.top_k,
+        norm_topk_prob=config.norm_topk_prob, scale=config.routed_scaling_factor, policy=budget_policy)
+    return ids_TK, gates_TK, probs_TE
   gates_TK = jnp.take_along_axis(scores_TE, expert_ids_TK, axis=-1)
   if config.norm_topk_prob:
     gates_TK = gates_TK / (jnp.sum(gates_TK, axis=-1, keepdims=True) + 1e-20)
   gates_TK = gates_TK * config.routed_scaling_factor
-  probs_TE = scores_TE / jnp.sum(scores_TE, axis=-1, keepdims=True)
   return expert_ids_TK.astype(jnp.int32), gates_TK, probs_TE
 
 
@@ -78,12 +86,20 @@ class MoE(nnx.Module):
     # Qwen2-MoE: the shared-expert output is scaled by sigmoid(x . w) per token.
     self.w_shared_gate_D = nnx.Param(jnp.zeros((d,), dtype)) if config.shared_expert_gate else None
 
-  def __call__(self, x_BTD, *, expert_method: str):
+  def __call__(self, x_BTD, *, expert_method: str, expert_budget: "budget_lib.ExpertBudget | None" = None,
+               valid_BT=None):
+    """Routed + shared experts. With `expert_budget` (approximate), at most that many routed
+    experts are used, ranked over the pass's `valid_BT` tokens (default: all)."""
     b, t, d = x_BTD.shape
     x_ND = x_BTD.reshape(b * t, d)
     logits_NE = jnp.einsum("nd,de->ne", x_ND.astype(jnp.float32), self.w_router_DE[...])
     bias = None if self.score_bias_E is None else self.score_bias_E[...]
     ids_NK, gates_NK, probs_NE = route(logits_NE, self.config, bias)
+    if expert_budget is not None:
+      valid_BT = jnp.ones((b, t), bool) if valid_BT is None else valid_BT
+      allowed_BTE = budget_lib.kept_experts(probs_NE.reshape(b, t, -1), valid_BT, expert_budget)
+      ids_NK, gates_NK, _ = route(logits_NE, self.config, bias, allowed_TE=allowed_BTE.reshape(b * t, -1),
+                                  budget_policy=expert_budget.policy)
     y_ND = pallas_kernels.expert_ffn(
         x_ND, ids_NK, gates_NK, self.w_gate_EDF[...], self.w_up_EDF[...], self.w_down_EFD[...],
         method=expert_method)

@@ -47,12 +47,14 @@ class Block(nnx.Module):
     else:
       self.ffn = SwiGLU(config.d_model, config.dense_hidden, out_scale=out_scale, rngs=rngs, dtype=dtype)
 
-  def __call__(self, x_BTD, positions_BT, rope, layer_cache, *, expert_method):
+  def __call__(self, x_BTD, positions_BT, rope, layer_cache, *, expert_method, expert_budget=None,
+               valid_BT=None):
     attn_out, new_cache = self.attn(self.attn_norm(x_BTD), positions_BT, rope, layer_cache)
     x_BTD = x_BTD + attn_out
     h = self.ffn_norm(x_BTD)
     if self.is_moe:
-      ffn_out, routing = self.ffn(h, expert_method=expert_method)
+      ffn_out, routing = self.ffn(h, expert_method=expert_method, expert_budget=expert_budget,
+                                  valid_BT=valid_BT)
     else:
       ffn_out, routing = self.ffn(h), None
     return x_BTD + ffn_out, new_cache, routing
@@ -89,11 +91,13 @@ class Transformer(nnx.Module):
     return jnp.einsum("btd,dv->btv", hidden_BTD, w_DV).astype(jnp.float32)
 
   def __call__(self, tokens_BT, positions_BT=None, cache: KVCache | None = None, *,
-               expert_method: str | None = None) -> ForwardOutput:
+               expert_method: str | None = None, expert_budget=None, valid_BT=None) -> ForwardOutput:
     """One pass over `tokens_BT` at `positions_BT` (default 0..T-1 for every row).
 
     Without a cache this is the full causal forward; with one, the pass's keys/values are
     written at its positions (contiguous per row) and the updated cache is returned.
+    `expert_budget` (a `model.budget.ExpertBudget`) makes the pass APPROXIMATE: each MoE layer
+    uses at most that many routed experts, ranked over the `valid_BT` tokens.
     """
     c = self.config
     method = expert_method or c.expert_method
@@ -104,7 +108,8 @@ class Transformer(nnx.Module):
     new_keys, new_values, routings = [], [], []
     for i, block in enumerate(self.layers):
       layer_cache = None if cache is None else (cache.keys[i], cache.values[i])
-      x_BTD, layer_new, routing = block(x_BTD, positions_BT, rope, layer_cache, expert_method=method)
+      x_BTD, layer_new, routing = block(x_BTD, positions_BT, rope, layer_cache, expert_method=method,
+                                        expert_budget=expert_budget, valid_BT=valid_BT)
       if layer_new is not None:
         new_keys.append(layer_new[0])
         new_values.append(layer_new[1])

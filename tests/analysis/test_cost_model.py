@@ -54,3 +54,15 @@ def test_crossover_and_amdahl():
   assert cm.amdahl_ratio(0.3, 2.55 * 8, 8) == pytest.approx(1.465)
   assert cm.amdahl_ratio(0.0, 20, 8) == 1.0
   assert cm.amdahl_fraction(4.0, 1.0) == 0.25
+
+
+def test_quality_figures():
+  import jax.numpy as jnp
+  from moespec_jax.analysis import quality
+  exact = jnp.asarray([[2.0, 1.0, 0.0], [0.0, 3.0, 1.0]])
+  agree, kl, n = quality.logit_agreement(exact, exact, jnp.asarray([True, True]))
+  assert float(agree) == 2 and float(kl) == pytest.approx(0.0, abs=1e-6) and float(n) == 2
+  other = jnp.asarray([[0.0, 1.0, 2.0], [0.0, 3.0, 1.0]])
+  agree, kl, n = quality.logit_agreement(exact, other, jnp.asarray([True, False]))
+  assert float(agree) == 0 and float(kl) > 0.5 and float(n) == 1
+  assert quality.first_divergence(np.array([[1, 2, 3], [4, 5, 6]]), np.array([[1, 2, 3], [4, 0, 6]])) == [None, 1]
