@@ -171,14 +171,15 @@ def main(argv):
     ckpt = workdir / "checkpoints" / (f"{family}-quick" if quick else family)
     rows += bench_family(family, ckpt, size, max_new=max_new, repeats=repeats,
                          num_draft=_NUM_DRAFT.value, prompt_len=prompt_len)
+    # Written after each family, so that a long run leaves its finished part.
+    summary = summarize(rows)
+    text = table(rows, summary)
+    atomic.write_json_atomic(workdir / "metrics.json", {
+        "experiment": "peer_bench", "quick": quick, "size": size, "repeats": repeats,
+        "families_done": sorted({r["family"] for r in rows}), "rows": rows, "summary": summary})
+    atomic.write_text_atomic(workdir / "table.md", text)
     print(f"{family}: done", flush=True)
-  summary = summarize(rows)
-  text = table(rows, summary)
   print(text)
-  atomic.write_json_atomic(workdir / "metrics.json", {
-      "experiment": "peer_bench", "quick": quick, "size": size, "repeats": repeats,
-      "rows": rows, "summary": summary})
-  atomic.write_text_atomic(workdir / "table.md", text)
 
 
 if __name__ == "__main__":

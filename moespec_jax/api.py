@@ -38,6 +38,8 @@ class Model:
     self.graphdef = graphdef
     self.state = state
     self.tokenizer = tokenizer
+    # Hugging Face import only: {"spec": ImportSpec, "mtp": [DeepSeek-V3 MTP layer params]}.
+    self.hf_extras: dict[str, Any] = {}
 
   # Construction -----------------------------------------------------------------------
   @classmethod

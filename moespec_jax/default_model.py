@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 
 from moespec_jax.api import Model
@@ -46,6 +47,8 @@ def ensure_default_model(log=print, *, train_heads: bool = True) -> Model:
   if train_heads and model.config.num_mtp_modules == 0:
     from moespec_jax.training import mtp
     tc = mtp.MTPTrainConfig.from_dict(cfg.mtp)
+    if not tc.time_budget_s:  # the demo's budget for the heads: about 3 minutes
+      tc = dataclasses.replace(tc, time_budget_s=180.0)
     log(f"the default model has no MTP heads: training {tc.num_mtp_modules} ({tc.loss} loss, "
         f"{tc.steps} steps; resumable in {mtp_workdir()})")
     with_heads, metrics = mtp.train(model, tc, mtp_workdir(), log=log)

@@ -6,8 +6,11 @@ import pathlib
 import statistics
 from typing import Any
 
+import numpy as np
+
 import moespec_jax as msj
 from moespec_jax.data import corpus
+from moespec_jax.decoding import bench
 from moespec_jax.io import atomic
 
 
@@ -20,28 +23,58 @@ def _timed_generate(model, prompts, max_new_tokens, spec, repeats: int):
   return statistics.median(rates), out
 
 
+def _row(drafter, k, batch, tps, speedup, out, plain_out):
+  return {
+      "mode": "exact", "drafter": drafter, "num_draft": k, "expert_budget": None,
+      "batch_size": batch, "tokens_per_second": tps, "speedup_vs_plain": speedup,
+      "mean_accepted_length": out.stats["mean_accepted_length"], "top1_agreement_vs_exact": 1.0,
+      "approximate": False, "acceptance_by_depth": out.stats["acceptance_by_depth"],
+      # Exact greedy speculation must reproduce plain greedy decoding token for token.
+      "tokens_equal_plain": bool(np.array_equal(out.tokens, plain_out.tokens)),
+  }
+
+
 def run_demo(model, workdir, *, max_new_tokens: int = 128, batch_sizes=(1, 8), repeats: int = 3,
-             log=print) -> dict[str, Any]:
-  """Generates from held-out prompts and writes `workdir/metrics.json` (key `demo`)."""
+             candidate_k=(1, 2, 3, 4), log=print) -> dict[str, Any]:
+  """Generates from held-out prompts and writes `workdir/metrics.json` (key `demo`).
+
+  Rows: plain decoding, then exact speculative decoding with the n-gram drafter and (when the
+  model has heads) the MTP drafter, each at its best K (highest batch-1 greedy speedup among
+  `candidate_k`), with the speedup over plain decoding measured by alternating plain and
+  speculative runs (`decoding.bench.paired`).
+  """
   from moespec_jax.training import pretrain
   workdir = pathlib.Path(workdir)
   prompts = corpus.held_out_prompts(max(batch_sizes), prompt_bytes=192, seed=0)
   bpb = pretrain.validation_bits_per_byte(model)
-  rows = []
-  sample_text = ""
+  drafters = (["mtp"] if model.config.num_mtp_modules else []) + ["ngram"]
+  plain = {}
   for batch in batch_sizes:
-    spec = msj.SpecParams(drafter="none")
-    tps, out = _timed_generate(model, prompts[:batch], max_new_tokens, spec, repeats)
-    rows.append({
-        "mode": "exact", "drafter": "none", "num_draft": 0, "expert_budget": None,
-        "batch_size": batch, "tokens_per_second": tps, "speedup_vs_plain": 1.0,
-        "mean_accepted_length": out.stats["mean_accepted_length"], "top1_agreement_vs_exact": 1.0,
-        "approximate": False,
-    })
-    if batch == 1:
-      sample_text = prompts[0] + model.tokenizer.decode(out.tokens[0].tolist())
+    plain[batch] = _timed_generate(model, prompts[:batch], max_new_tokens, msj.SpecParams(drafter="none"), repeats)
+  sample_text = prompts[0] + model.tokenizer.decode([t for t in plain[min(batch_sizes)][1].tokens[0].tolist() if t >= 0])
+  k_sweep, best_k = [], {}
+  for drafter in drafters:
+    for k in candidate_k:
+      tps, plain_tps, speedup, acc_len, _ = bench.paired(
+          model, prompts[:1], max_new_tokens, msj.SamplingParams(), msj.SpecParams(drafter=drafter, num_draft=k),
+          repeats)
+      k_sweep.append({"drafter": drafter, "num_draft": k, "batch_size": 1, "tokens_per_second": tps,
+                      "plain_tokens_per_second": plain_tps, "speedup_vs_plain": speedup,
+                      "mean_accepted_length": acc_len})
+    best_k[drafter] = max((r for r in k_sweep if r["drafter"] == drafter),
+                          key=lambda r: r["speedup_vs_plain"])["num_draft"]
+  rows = []
+  for batch in batch_sizes:
+    plain_tps, plain_out = plain[batch]
+    rows.append(_row("none", 0, batch, plain_tps, 1.0, plain_out, plain_out))
+    for drafter in drafters:
+      spec = msj.SpecParams(drafter=drafter, num_draft=best_k[drafter])
+      tps, _, speedup, _, _ = bench.paired(model, prompts[:batch], max_new_tokens, msj.SamplingParams(),
+                                           spec, repeats)
+      out = msj.generate(model, prompts[:batch], max_new_tokens=max_new_tokens, spec=spec)
+      rows.append(_row(drafter, best_k[drafter], batch, tps, speedup, out, plain_out))
   params = model.param_counts()
-  result = {"demo": {"rows": rows, "validation_bits_per_byte": bpb, "params_total": params["total"],
+  result = {"demo": {"rows": rows, "k_sweep": k_sweep, "best_k": best_k, "validation_bits_per_byte": bpb, "params_total": params["total"],
                      "params_active": params["active"], "max_new_tokens": max_new_tokens,
                      "sample": sample_text}}
   atomic.write_json_atomic(workdir / "metrics.json", result)

@@ -15,13 +15,17 @@ from moespec_jax.model import mtp as mtp_lib
 
 # Longest suffix the n-gram drafter tries to match (bytes or tokens).
 NGRAM_MAX = 8
+# Matches at least this long count as equally good before the number of known followers.
+NGRAM_PREFER = 4
 
 
 def ngram_propose(seq_BS, n_B, num_draft: int, max_ngram: int = NGRAM_MAX):
   """Prompt lookup: the longest suffix (<= max_ngram) of seq[:n] that occurred earlier.
 
-  Among the earlier occurrences of that longest suffix the most recent wins; the tokens that
-  followed it (up to `num_draft`, never past n) are the drafts. Returns (drafts_BK, valid_BK).
+  Matches of at least NGRAM_PREFER tokens rank equal, so that one followed by `num_draft`
+  known tokens wins over a longer one that is not (in a run of equal tokens the most recent
+  match has a single follower); then longer, then more recent. The tokens that followed the
+  match (up to `num_draft`, never past n) are the drafts. Returns (drafts_BK, valid_BK).
   """
   s = seq_BS.shape[1]
   idx_S = jnp.arange(s, dtype=jnp.int32)
@@ -36,7 +40,12 @@ def ngram_propose(seq_BS, n_B, num_draft: int, max_ngram: int = NGRAM_MAX):
       run_S = run_S & eq
       length_S = length_S + run_S.astype(jnp.int32)
     eligible = (idx_S < n - 1) & (length_S > 0)
-    score_S = jnp.where(eligible, length_S * s + idx_S, -1)
+    # Ranking: match length up to NGRAM_PREFER; then being followed by num_draft known tokens
+    # (in a run of equal tokens the most recent match has a single follower); then the full
+    # match length; then recency.
+    full = (idx_S + num_draft < n).astype(jnp.int32)
+    key_S = (jnp.minimum(length_S, NGRAM_PREFER) * 2 + full) * (max_ngram + 1) + length_S
+    score_S = jnp.where(eligible, key_S * s + idx_S, -1)
     j = jnp.argmax(score_S)
     found = score_S[j] >= 0
     follow_K = j + 1 + jnp.arange(num_draft, dtype=jnp.int32)
@@ -60,20 +69,40 @@ def mtp_propose(model, cache, h1_BD, logits1_BV, index_B, keys_BK, num_draft: in
                 sampling: SamplingParams, *, expert_method: str):
   """K drafts from the MTP heads: depth 1 from the last fill, deeper depths one step each.
 
-  `index_B` is the stream index of depth 1 (the position before the pending token).
-  Returns (drafts_BK, q_BKV or None, cache).
+  `index_B` is the stream index of depth 1 (the position before the pending token). Depths
+  2..M run modules 2..M; the recursive depths beyond M share module M in one `lax.scan`
+  (compiled once whatever K). Returns (drafts_BK, q_BKV or None, cache).
   """
   m_total = model.config.num_mtp_modules
   tok_B, q_BV = choose(keys_BK[:, 0], logits1_BV, sampling)
   drafts, qs, hidden_BD = [tok_B], [q_BV], h1_BD
-  for depth in range(2, num_draft + 1):
-    m, offset = mtp_lib.module_for_depth(depth, m_total)
+
+  def step(m, offset, hidden_BD, prev_B, key_B, cache):
     pos_B1 = (index_B + offset)[:, None]
     h_B1D, logits_B1V, cache = mtp_lib.run_module(
-        model, m, hidden_BD[:, None], drafts[-1][:, None], pos_B1, cache, expert_method=expert_method)
-    hidden_BD = h_B1D[:, 0]
-    tok_B, q_BV = choose(keys_BK[:, depth - 1], logits_B1V[:, 0], sampling)
+        model, m, hidden_BD[:, None], prev_B[:, None], pos_B1, cache, expert_method=expert_method)
+    tok_B, q_BV = choose(key_B, logits_B1V[:, 0], sampling)
+    return h_B1D[:, 0], tok_B, q_BV, cache
+
+  for depth in range(2, min(num_draft, m_total) + 1):
+    m, offset = mtp_lib.module_for_depth(depth, m_total)
+    hidden_BD, tok_B, q_BV, cache = step(m, offset, hidden_BD, drafts[-1], keys_BK[:, depth - 1], cache)
     drafts.append(tok_B)
     qs.append(q_BV)
+  first_recursive = max(2, m_total + 1)
+  if num_draft >= first_recursive:
+    def scan_body(carry, xs):
+      hidden_BD, prev_B, cache = carry
+      offset, key_B = xs
+      hidden_BD, tok_B, q_BV, cache = step(m_total - 1, offset, hidden_BD, prev_B, key_B, cache)
+      return (hidden_BD, tok_B, cache), (tok_B, q_BV)
+
+    offsets = jnp.arange(first_recursive, num_draft + 1, dtype=jnp.int32) - m_total
+    keys_KB = jnp.moveaxis(keys_BK[:, first_recursive - 1:], 1, 0)
+    (_, _, cache), (toks_KB, qs_KBV) = jax.lax.scan(scan_body, (hidden_BD, drafts[-1], cache),
+                                                    (offsets, keys_KB))
+    drafts.extend(list(toks_KB))
+    if qs_KBV is not None:
+      qs.extend(list(qs_KBV))
   q_BKV = None if sampling.greedy else jnp.stack(qs, axis=1)
   return jnp.stack(drafts, axis=1), q_BKV, cache

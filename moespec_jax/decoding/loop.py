@@ -1,7 +1,11 @@
-"""Generation: validation of the inputs, a jitted prefill, and one `lax.while_loop` decode.
+"""Generation: validation, then one compiled program per call shape: prefill and one
+`lax.while_loop` of speculative passes (draft K, verify K+1 in one target pass, exact rejection
+sampling or greedy matching, bonus token, rollback by position). `drafter="none"` is plain
+decoding through the same loop with K = 0.
 
-The whole generation of a batch is one compiled program: no host round trip per token.
-Params and the KV cache are explicit pytrees; the NNX module is merged inside the jit.
+Params and the KV caches are explicit pytrees; the NNX module is merged inside the jit.
+Every row has its own PRNG key (folded with the pass index), its own position and accepted
+count; a row stops at its first committed EOS or after exactly max_new_tokens tokens.
 """
 
 from __future__ import annotations
@@ -16,12 +20,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from moespec_jax.analysis import quality as quality_lib
 from moespec_jax.decoding import drafters as drafters_lib
 from moespec_jax.decoding import rejection
 from moespec_jax.decoding import sampling as sampling_lib
 from moespec_jax.decoding.params import SamplingParams, SpecParams
 from moespec_jax.model import cache as cache_lib
 from moespec_jax.model import mtp as mtp_lib
+from moespec_jax.model.budget import ExpertBudget
 
 
 @dataclasses.dataclass
@@ -88,7 +94,7 @@ def _commit(cand_BS, n_acc_B, active_B, gen_B, eos_id: int, max_new_tokens: int)
 
 def _generate_spec(graphdef, state, tokens_BT, lengths_B, key, *, max_new_tokens: int,
                    cache_len: int, sampling: SamplingParams, expert_method: str, drafter: str,
-                   num_draft: int):
+                   num_draft: int, expert_budget=None, measure_quality: bool = False):
   """Prefill, then one `lax.while_loop` of draft K / verify K+1 / accept / roll back.
 
   `drafter="none"` (or K = 0) is plain decoding: each pass verifies the pending token only.
@@ -139,6 +145,7 @@ def _generate_spec(graphdef, state, tokens_BT, lengths_B, key, *, max_new_tokens
       "reached_K": jnp.zeros((k_draft,), jnp.float32),
       "accepted_K": jnp.zeros((k_draft,), jnp.float32),
       "unique_L": jnp.zeros((n_moe,), jnp.float32),
+      "quality": jnp.zeros((3,), jnp.float32),  # top-1 agreements, KL sum, positions (budgeted)
   }
 
   def cond(carry):
@@ -173,7 +180,9 @@ def _generate_spec(graphdef, state, tokens_BT, lengths_B, key, *, max_new_tokens
     # Verify K + 1 tokens in one target pass.
     inputs_BS = jnp.concatenate([pend_B[:, None], drafts_BK], axis=1)
     positions_BS = pos_B[:, None] + jnp.arange(k_draft + 1, dtype=jnp.int32)[None]
-    vout = model(inputs_BS, positions_BS, carry["cache"], expert_method=expert_method)
+    active_BS = jnp.broadcast_to(active_B[:, None], inputs_BS.shape)
+    vout = model(inputs_BS, positions_BS, carry["cache"], expert_method=expert_method,
+                 expert_budget=expert_budget, valid_BT=active_BS)
     if sampling.greedy:
       accept_BK, n_acc_B, next_B = rejection.verify_greedy(vout.logits, drafts_BK, valid_BK)
     else:
@@ -219,8 +228,14 @@ def _generate_spec(graphdef, state, tokens_BT, lengths_B, key, *, max_new_tokens
     stats["accepted_tokens"] = stats["accepted_tokens"] + jnp.sum(act * (n_acc_B + 1))
     stats["reached_K"] = stats["reached_K"] + jnp.sum(reached_BK, axis=0)
     stats["accepted_K"] = stats["accepted_K"] + jnp.sum(reached_BK & accept_BK, axis=0)
+    if measure_quality:
+      # The exact pass over the same cache: how far the budget moved the verified logits.
+      exact_logits_BSV = model(inputs_BS, positions_BS, carry["cache"], expert_method=expert_method).logits
+      used_BS = active_BS & (j_S[None] <= n_acc_B[:, None])
+      agree, kl, count = quality_lib.logit_agreement(exact_logits_BSV.reshape(-1, vocab),
+                                                     vout.logits.reshape(-1, vocab), used_BS.reshape(-1))
+      stats["quality"] = stats["quality"] + jnp.stack([agree, kl, count])
     if n_moe:
-      active_BS = jnp.broadcast_to(active_B[:, None], inputs_BS.shape)
       stats["unique_L"] = stats["unique_L"] + _count_unique_experts(
           vout.routing.expert_ids, active_BS, config.n_routed_experts)
     return {"step": step + 1, "cache": vout.cache, "pos": new_pos_B, "pending": new_pend_B,
@@ -279,8 +294,10 @@ def generate(model, prompts, max_new_tokens: int = 64, sampling: SamplingParams 
 
   expert_method = model.expert_method(spec.kernel)
   drafter = spec.drafter if k_draft else "none"
+  budget = resolve_budget(spec, config)
   statics = dict(max_new_tokens=int(max_new_tokens), cache_len=cache_len, sampling=sampling,
-                 expert_method=expert_method, drafter=drafter, num_draft=k_draft)
+                 expert_method=expert_method, drafter=drafter, num_draft=k_draft,
+                 expert_budget=budget, measure_quality=bool(spec.measure_quality and budget is not None))
   args = (model.graphdef, model.state, jnp.asarray(tokens), jnp.asarray(lengths),
           jax.random.key(int(seed)))
   fn = _compiled(_generate_spec, statics, *args)
@@ -310,5 +327,32 @@ def generate(model, prompts, max_new_tokens: int = 64, sampling: SamplingParams 
       "drafter": spec.drafter,
       "num_draft": k_draft,
       "expert_method": expert_method,
+      "mode": spec.mode,
+      "approximate": budget is not None,
+      "expert_budget": None if budget is None else budget.budget,
   }
+  if budget is not None:
+    stats["budget_policy"], stats["budget_scope"] = budget.policy, budget.scope
+  if statics["measure_quality"]:
+    agree, kl, count = (float(x) for x in raw["quality"])
+    stats["top1_agreement"] = agree / count if count else float("nan")
+    stats["mean_kl"] = kl / count if count else float("nan")
+    stats["quality_positions"] = int(count)
   return GenerateOutput(tokens=tokens_BN, stats=stats)
+
+
+def resolve_budget(spec: SpecParams, config) -> ExpertBudget | None:
+  """The verification-pass expert budget of `spec` for this model (None: exact mode).
+
+  expert_budget < top_k is refused; expert_budget >= n_routed_experts cuts nothing and is
+  treated as exact mode (bit-identical).
+  """
+  if spec.mode != "budgeted":
+    return None
+  if config.n_moe_layers == 0:
+    raise ValueError("mode='budgeted' needs a model with MoE layers")
+  if spec.expert_budget < config.top_k:
+    raise ValueError(f"expert_budget ({spec.expert_budget}) must be >= the model's top_k ({config.top_k})")
+  if spec.expert_budget >= config.n_routed_experts:
+    return None
+  return ExpertBudget(spec.expert_budget, spec.budget_policy, spec.budget_scope)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from moespec_jax.model.budget import ExpertBudget
+
 DRAFTERS = ("none", "mtp", "ngram")
 AVAILABLE_DRAFTERS = ("none", "mtp", "ngram")
 MODES = ("exact", "budgeted")
@@ -40,6 +42,13 @@ class SpecParams:
   mode: str = "exact"
   expert_budget: int | None = None
   kernel: str = "auto"
+  # Budgeted (APPROXIMATE) mode only: what happens to a token whose expert was cut, and whether
+  # the budget holds for the whole batch's pass (what the kernels read) or per row.
+  budget_policy: str = "truncate"
+  budget_scope: str = "batch"
+  # Budgeted mode: also run the exact pass on the same cache to measure top-1 agreement and KL
+  # (doubles the target cost; off for speed measurements).
+  measure_quality: bool = False
 
   def __post_init__(self):
     if self.drafter not in DRAFTERS:
@@ -49,9 +58,14 @@ class SpecParams:
     if self.mode not in MODES:
       raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
     if self.mode == "budgeted":
-      raise ValueError("mode 'budgeted' is not implemented yet; use mode='exact'")
-    if self.expert_budget is not None:
-      raise ValueError("expert_budget applies to mode='budgeted' only, which is not implemented yet")
+      if self.expert_budget is None:
+        raise ValueError("mode='budgeted' needs expert_budget (an int >= the model's top_k)")
+      # Validates expert_budget, budget_policy and budget_scope.
+      ExpertBudget(self.expert_budget, self.budget_policy, self.budget_scope)
+    elif self.expert_budget is not None:
+      raise ValueError("expert_budget applies to mode='budgeted' only (exact mode loads every expert)")
+    if self.measure_quality and self.mode != "budgeted":
+      raise ValueError("measure_quality applies to mode='budgeted' only")
     if self.kernel not in KERNELS:
       raise ValueError(f"kernel must be one of {KERNELS}, got {self.kernel!r}")
     if not isinstance(self.num_draft, int) or self.num_draft < 0:

@@ -52,7 +52,8 @@ def family_config(family: str, **size):
   if family == "deepseek_v3":
     return transformers.DeepseekV3Config(
         **deep, **mla, n_shared_experts=1, q_lora_rank=d * 3 // 4, n_group=4, topk_group=2,
-        routed_scaling_factor=2.5, norm_topk_prob=True, rope_parameters=dict(YARN))
+        routed_scaling_factor=2.5, norm_topk_prob=True,
+        rope_parameters={**YARN, "original_max_position_embeddings": s["max_len"] // 4})
   raise ValueError(f"unknown family {family!r}")
 
 

@@ -1,8 +1,10 @@
 """MoE-Spec expert budgeting: an APPROXIMATE mode for verification passes.
 
 Each MoE layer may load at most `budget` distinct routed experts in a pass. Experts are ranked
-by their aggregate routing probability over the pass's valid tokens (per batch row, or across
-the whole batch), the top `budget` kept. A token whose chosen expert was cut then either
+by their aggregate routing probability over the pass's valid tokens that selected them (per
+batch row, or across the whole batch), the top `budget` kept; experts no token selected rank
+last. So a budget at least as large as the pass's union of selected experts cuts nothing and
+the pass is bit-identical to exact mode. A token whose chosen expert was cut then either
 
 - `truncate`: drops it (its gate becomes 0) and, where the model renormalises its top-k gates
   (`norm_topk_prob`), renormalises the remaining ones; a token that lost every expert keeps
@@ -43,10 +45,14 @@ class ExpertBudget:
       raise ValueError(f"budget_scope must be one of {SCOPES}, got {self.scope!r}")
 
 
-def kept_experts(probs_BTE, valid_BT, budget: ExpertBudget):
+def kept_experts(probs_BTE, expert_ids_BTK, valid_BT, budget: ExpertBudget):
   """bool [B, T, E]: the experts each token may use, top-`budget` by aggregate probability."""
   b, t, e = probs_BTE.shape
-  weight_BTE = probs_BTE * valid_BT[..., None].astype(probs_BTE.dtype)
+  chosen_BTE = jnp.any(jax.nn.one_hot(expert_ids_BTK, e, dtype=jnp.bool_), axis=-2)
+  # Selected experts first (their summed probability, in [0, T] per token set), then the rest
+  # by probability (scaled below any selected expert's weight).
+  weight_BTE = jnp.where(chosen_BTE, probs_BTE + 1.0, probs_BTE * 1e-3)
+  weight_BTE = weight_BTE * valid_BT[..., None].astype(probs_BTE.dtype)
   if budget.scope == "batch":
     agg_GE = jnp.sum(weight_BTE, axis=(0, 1))[None]
   else:

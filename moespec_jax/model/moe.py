@@ -97,7 +97,8 @@ class MoE(nnx.Module):
     ids_NK, gates_NK, probs_NE = route(logits_NE, self.config, bias)
     if expert_budget is not None:
       valid_BT = jnp.ones((b, t), bool) if valid_BT is None else valid_BT
-      allowed_BTE = budget_lib.kept_experts(probs_NE.reshape(b, t, -1), valid_BT, expert_budget)
+      allowed_BTE = budget_lib.kept_experts(probs_NE.reshape(b, t, -1), ids_NK.reshape(b, t, -1),
+                                            valid_BT, expert_budget)
       ids_NK, gates_NK, _ = route(logits_NE, self.config, bias, allowed_TE=allowed_BTE.reshape(b * t, -1),
                                   budget_policy=expert_budget.policy)
     y_ND = pallas_kernels.expert_ffn(

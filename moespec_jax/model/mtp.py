@@ -34,7 +34,6 @@ the same modules over whole sequences with teacher forcing.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 

@@ -1,1 +1,1 @@
-"""Training: the target LM on the embedded corpus (and, later, MTP drafter heads)."""
+"""Training: the target LM on the embedded corpus, and MTP drafter heads on the frozen target."""

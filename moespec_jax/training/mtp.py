@@ -13,6 +13,7 @@ sum_x min(p(x), q(x)).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import pathlib
 import time
@@ -118,37 +119,43 @@ def depth_losses(module, tokens_BT, depths: int):
   return results
 
 
-def make_steps(graphdef, rest, optimizer, tc: MTPTrainConfig):
-  depths = tc.num_mtp_modules
-
-  def loss_fn(heads, batch_BT):
-    module = nnx.merge(graphdef, heads, rest)
-    per_depth = depth_losses(module, batch_BT, depths)
-    pick = 0 if tc.loss == "ce" else 1
-    loss = sum(r[pick] for r in per_depth) / depths
-    return loss, per_depth
-
-  @jax.jit
-  def train_step(heads, opt_state, batch_BT):
-    (loss, per_depth), grads = jax.value_and_grad(loss_fn, has_aux=True)(heads, batch_BT)
-    updates, opt_state = optimizer.update(grads, opt_state, heads)
-    heads = optax.apply_updates(heads, updates)
-    return heads, opt_state, {"loss": loss, "ce_1": per_depth[0][0], "greedy_1": per_depth[0][2]}
-
-  @jax.jit
-  def eval_step(heads, batch_BT):
-    module = nnx.merge(graphdef, heads, rest)
-    return jnp.asarray(depth_losses(module, batch_BT, depths))  # [depths, 4]
-
-  return train_step, eval_step
+def make_optimizer(tc: MTPTrainConfig) -> optax.GradientTransformation:
+  warmup = min(tc.warmup_steps, tc.steps - 1)
+  schedule = optax.warmup_cosine_decay_schedule(
+      0.0, tc.learning_rate, warmup, max(tc.steps, warmup + 1), tc.learning_rate * tc.min_lr_ratio)
+  return optax.chain(optax.clip_by_global_norm(tc.grad_clip),
+                     optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=tc.weight_decay))
 
 
-def evaluate(eval_step, heads, val_tokens, tc: MTPTrainConfig) -> list[dict[str, float]]:
+def _loss_fn(heads, rest, batch_BT, graphdef, tc: MTPTrainConfig):
+  module = nnx.merge(graphdef, heads, rest)
+  per_depth = depth_losses(module, batch_BT, tc.num_mtp_modules)
+  pick = 0 if tc.loss == "ce" else 1
+  loss = sum(r[pick] for r in per_depth) / tc.num_mtp_modules
+  return loss, per_depth
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def train_step(graphdef, tc: MTPTrainConfig, heads, rest, opt_state, batch_BT):
+  """One optimizer step on the heads; the frozen target (`rest`) is an argument, not a constant."""
+  (loss, per_depth), grads = jax.value_and_grad(_loss_fn, has_aux=True)(heads, rest, batch_BT, graphdef, tc)
+  updates, opt_state = make_optimizer(tc).update(grads, opt_state, heads)
+  heads = optax.apply_updates(heads, updates)
+  return heads, opt_state, {"loss": loss, "ce_1": per_depth[0][0], "greedy_1": per_depth[0][2]}
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def eval_step(graphdef, depths: int, heads, rest, batch_BT):
+  module = nnx.merge(graphdef, heads, rest)
+  return jnp.asarray(depth_losses(module, batch_BT, depths))  # [depths, 4]
+
+
+def evaluate(graphdef, heads, rest, val_tokens, tc: MTPTrainConfig) -> list[dict[str, float]]:
   """Teacher-forced per-depth figures on held-out windows."""
   rows = []
   for vb in batches_lib.validation_batches(val_tokens, tc.batch_size, tc.seq_len - 1,
                                            max_batches=tc.eval_batches):
-    rows.append(np.asarray(eval_step(heads, jnp.asarray(vb.tokens))))
+    rows.append(np.asarray(eval_step(graphdef, tc.num_mtp_modules, heads, rest, jnp.asarray(vb.tokens))))
   mean = np.mean(rows, axis=0)
   return [{"depth": k + 1, "ce": float(m[0]), "distill_ce": float(m[1]),
            "greedy_acceptance": float(m[2]), "expected_acceptance_t1": float(m[3])}
@@ -171,13 +178,7 @@ def train(target: Model, tc: MTPTrainConfig, workdir, *, log=print) -> tuple[Mod
 
   module = with_fresh_heads(target, tc.num_mtp_modules, tc.seed)
   graphdef, heads, rest = split_heads(module)
-  warmup = min(tc.warmup_steps, tc.steps - 1)
-  schedule = optax.warmup_cosine_decay_schedule(
-      0.0, tc.learning_rate, warmup, max(tc.steps, warmup + 1), tc.learning_rate * tc.min_lr_ratio)
-  optimizer = optax.chain(optax.clip_by_global_norm(tc.grad_clip),
-                          optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=tc.weight_decay))
-  opt_state = optimizer.init(heads)
-  train_step, eval_step = make_steps(graphdef, rest, optimizer, tc)
+  opt_state = make_optimizer(tc).init(heads)
 
   metrics: dict[str, Any] = {"train_config": dataclasses.asdict(tc), "train_curve": []}
   manager = checkpoint.CheckpointManager(workdir / "checkpoints", max_to_keep=2,
@@ -201,7 +202,7 @@ def train(target: Model, tc: MTPTrainConfig, workdir, *, log=print) -> tuple[Mod
   step = start
   for step in range(start + 1, tc.steps + 1):
     batch = batches_lib.train_batch(train_tokens, tc.batch_size, tc.seq_len - 1, tc.seed + 1, step)
-    heads, opt_state, m = train_step(heads, opt_state, jnp.asarray(batch))
+    heads, opt_state, m = train_step(graphdef, tc, heads, rest, opt_state, jnp.asarray(batch))
     m = {k: float(v) for k, v in m.items()}
     if not np.isfinite(m["loss"]):
       raise FloatingPointError(f"MTP loss is {m['loss']} at step {step}")
@@ -218,7 +219,7 @@ def train(target: Model, tc: MTPTrainConfig, workdir, *, log=print) -> tuple[Mod
   manager.close()
 
   metrics["steps_done"] = step
-  metrics["teacher_forced"] = evaluate(eval_step, heads, val_tokens, tc)
+  metrics["teacher_forced"] = evaluate(graphdef, heads, rest, val_tokens, tc)
   model = Model.from_module(nnx.merge(graphdef, heads, rest), tokenizer)
   model.save(workdir / "model")
   atomic.write_json_atomic(workdir / "metrics.json", {"train_mtp": metrics})

@@ -87,8 +87,9 @@ def test_bad_spec_params_name_the_argument(kwargs, name):
     SpecParams(**kwargs)
 
 
-def test_all_drafters_are_accepted_and_budgeted_mode_is_refused_not_ignored():
+def test_all_drafters_are_accepted_and_a_budget_needs_budgeted_mode():
   for drafter in ("none", "mtp", "ngram"):
     assert SpecParams(drafter=drafter).drafter == drafter
-  with pytest.raises(ValueError, match="not implemented"):
+  with pytest.raises(ValueError, match="expert_budget"):
     SpecParams(mode="budgeted")
+  assert SpecParams(mode="budgeted", expert_budget=8).expert_budget == 8

@@ -49,10 +49,10 @@ def test_tight_budget_uses_only_kept_experts(name, scope, policy):
   cfg = _cfg(name)
   logits, bias = _inputs(1)
   bias = bias if cfg.use_score_bias else None
-  _, _, probs = route(logits, cfg, bias)
+  ids0, _, probs = route(logits, cfg, bias)
   budget = ExpertBudget(4, policy=policy, scope=scope)
   valid = jnp.ones((2, 5), bool)
-  allowed = kept_experts(probs.reshape(2, 5, 16), valid, budget).reshape(10, 16)
+  allowed = kept_experts(probs.reshape(2, 5, 16), ids0.reshape(2, 5, -1), valid, budget).reshape(10, 16)
   ids, gates, _ = route(logits, cfg, bias, allowed_TE=allowed, budget_policy=policy)
   ids, gates, allowed = np.asarray(ids), np.asarray(gates), np.asarray(allowed)
   assert np.all(allowed[np.arange(10)[:, None], ids]), "a kernel would read a cut expert"
@@ -66,13 +66,22 @@ def test_tight_budget_uses_only_kept_experts(name, scope, policy):
     assert all(len(set(row)) == cfg.top_k for row in ids.tolist()), "substitutes must be distinct"
 
 
-def test_kept_experts_rank_by_aggregate_probability_of_valid_tokens():
+def test_kept_experts_rank_selected_experts_by_aggregate_probability_of_valid_tokens():
   probs = np.full((1, 3, 4), 0.0, np.float32)
   probs[0, 0] = [0.7, 0.1, 0.1, 0.1]
   probs[0, 1] = [0.1, 0.6, 0.2, 0.1]
   probs[0, 2] = [0.0, 0.0, 0.0, 1.0]  # an invalid token: must not count
-  kept = kept_experts(jnp.asarray(probs), jnp.asarray([[True, True, False]]), ExpertBudget(2))
+  ids = jnp.asarray([[[0], [1], [3]]])
+  valid = jnp.asarray([[True, True, False]])
+  kept = kept_experts(jnp.asarray(probs), ids, valid, ExpertBudget(2))
   assert np.asarray(kept)[0, 0].tolist() == [True, True, False, False]
+  # Both valid tokens chose expert 0: it ranks first; the unselected follow by probability
+  # (expert 1: 0.7 > expert 2: 0.3), whatever the invalid token chose.
+  ids = jnp.asarray([[[0], [0], [3]]])
+  kept = kept_experts(jnp.asarray(probs), ids, valid, ExpertBudget(2))
+  assert np.asarray(kept)[0, 0].tolist() == [True, True, False, False]
+  kept = kept_experts(jnp.asarray(probs), ids, valid, ExpertBudget(1))
+  assert np.asarray(kept)[0, 0].tolist() == [True, False, False, False]
 
 
 def test_truncation_renormalises_the_remaining_gates():

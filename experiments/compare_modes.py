@@ -1,0 +1,47 @@
+"""Exact vs budgeted (approximate) speculative decoding on the default trained model.
+
+  python -m experiments.compare_modes --workdir=runs/compare_modes
+      [--drafter=mtp] [--num_drafts=2,3,4] [--batch_sizes=1,4] [--temperatures=0,1]
+      [--policies=truncate,substitute] [--scope=batch] [--kernel=dedup] [--quick]
+
+Budgets: top_k x {1, 1.5, 2, 3, 4} and none. Writes DIR/metrics.json (`compare_modes`) and
+DIR/pareto.png; budgeted rows are labelled approximate and carry their quality figures.
+"""
+
+from absl import flags
+
+from moespec_jax import cli
+from moespec_jax.api import Model
+from moespec_jax.decoding import compare_modes
+from moespec_jax.default_model import ensure_default_model
+
+_WORKDIR = flags.DEFINE_string("workdir", "runs/compare_modes", "Output directory.")
+_CHECKPOINT = flags.DEFINE_string("checkpoint", None, "Model directory (default: the default model).")
+_DRAFTER = flags.DEFINE_enum("drafter", "mtp", ["mtp", "ngram", "none"], "Drafter.")
+_NUM_DRAFTS = flags.DEFINE_list("num_drafts", ["2", "3", "4"], "Draft lengths K.")
+_BATCHES = flags.DEFINE_list("batch_sizes", ["1", "4"], "Batch sizes.")
+_TEMPS = flags.DEFINE_list("temperatures", ["0", "1"], "Temperatures (0 = greedy).")
+_POLICIES = flags.DEFINE_list("policies", ["truncate", "substitute"], "Budget policies.")
+_SCOPE = flags.DEFINE_enum("scope", "batch", ["batch", "row"], "Budget per pass of the batch or per row.")
+_KERNEL = flags.DEFINE_enum("kernel", "dedup", ["auto", "dedup", "per_slot", "xla"], "Expert kernel (both modes).")
+_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 64, "Tokens per prompt.")
+_REPEATS = flags.DEFINE_integer("repeats", 3, "Timed repeats (median).")
+_QUICK = flags.DEFINE_bool("quick", False, "A small sweep (K=2, batch 1, greedy, budgets 1x and 2x top_k).")
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise ValueError(f"unexpected arguments: {argv[1:]}")
+  model = Model.load(_CHECKPOINT.value) if _CHECKPOINT.value else ensure_default_model()
+  kwargs = dict(drafter=_DRAFTER.value, num_drafts=[int(k) for k in _NUM_DRAFTS.value],
+                batch_sizes=[int(b) for b in _BATCHES.value], temperatures=[float(t) for t in _TEMPS.value],
+                policies=list(_POLICIES.value), scope=_SCOPE.value, kernel=_KERNEL.value, max_new_tokens=_MAX_NEW.value,
+                repeats=_REPEATS.value)
+  if _QUICK.value:
+    kwargs.update(num_drafts=[2], batch_sizes=[1], temperatures=[0.0], budget_multipliers=(1.0, 2.0),
+                  max_new_tokens=16, repeats=1)
+  compare_modes.run_compare_modes(model, _WORKDIR.value, **kwargs)
+
+
+if __name__ == "__main__":
+  cli.run(main)

@@ -1,0 +1,66 @@
+"""Tokens/s of plain vs speculative decoding (mtp and ngram drafters, K = 1..6), batch 1, 2, 4
+and 8, greedy and temperature 1, on held-out code prompts with the default trained model and
+its MTP heads (trained when missing).
+
+  python -m experiments.spec_bench --workdir=runs/spec_bench [--quick] [--model=PATH] \
+      [--batch_sizes=1,8] [--temperatures=0,1] [--drafters=mtp,ngram] [--num_draft=1,2,3] \
+      [--max_new_tokens=64]
+
+Writes `workdir/metrics.json` (key `spec_bench`) and `workdir/speedup_vs_k.png`.
+"""
+
+from absl import flags
+
+from moespec_jax import cli
+from moespec_jax.api import Model
+from moespec_jax.decoding import bench
+
+_WORKDIR = flags.DEFINE_string("workdir", "runs/spec_bench", "Where metrics.json and the plot go.")
+_MODEL = flags.DEFINE_string("model", None, "Model directory (default: the default trained model).")
+_QUICK = flags.DEFINE_bool("quick", False, "A small sweep (batch 1, K = 2, greedy, short outputs).")
+_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 64, "Tokens generated per prompt.")
+_REPEATS = flags.DEFINE_integer("repeats", 3, "Timed runs per row (median reported).")
+_BATCHES = flags.DEFINE_list("batch_sizes", ["1", "2", "4", "8"], "Batch sizes.")
+_TEMPS = flags.DEFINE_list("temperatures", ["0", "1"], "Temperatures (0: greedy).")
+_DRAFTERS = flags.DEFINE_list("drafters", ["mtp", "ngram"], "Drafters (mtp needs MTP heads).")
+_KS = flags.DEFINE_list("num_draft", ["1", "2", "3", "4", "5", "6"], "Draft lengths K.")
+
+
+def _ints(name, values):
+  try:
+    out = [int(v) for v in values]
+  except ValueError:
+    raise ValueError(f"--{name} must be a list of integers, got {values}") from None
+  if not out or min(out) < 1:
+    raise ValueError(f"--{name} values must be >= 1, got {values}")
+  return out
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise ValueError(f"unexpected arguments: {argv[1:]}")
+  if _MODEL.value:
+    model = Model.load(_MODEL.value)
+  else:
+    from moespec_jax.default_model import ensure_default_model
+    model = ensure_default_model()
+  bad = [d for d in _DRAFTERS.value if d not in ("mtp", "ngram")]
+  if bad:
+    raise ValueError(f"--drafters must be among mtp, ngram; got {bad}")
+  drafters = [d for d in _DRAFTERS.value if d != "mtp" or model.config.num_mtp_modules]
+  if _QUICK.value:
+    bench.run_spec_bench(model, _WORKDIR.value, batch_sizes=(1,), temperatures=(0.0,), drafters=drafters,
+                         num_drafts=(2,), max_new_tokens=8, repeats=1)
+  else:
+    try:
+      temperatures = [float(t) for t in _TEMPS.value]
+    except ValueError:
+      raise ValueError(f"--temperatures must be a list of numbers, got {_TEMPS.value}") from None
+    bench.run_spec_bench(model, _WORKDIR.value, batch_sizes=_ints("batch_sizes", _BATCHES.value),
+                         temperatures=temperatures, drafters=drafters,
+                         num_drafts=_ints("num_draft", _KS.value), max_new_tokens=_MAX_NEW.value,
+                         repeats=_REPEATS.value)
+
+
+if __name__ == "__main__":
+  cli.run(main)

@@ -1,0 +1,155 @@
+"""Speculative vs plain decoding throughput on held-out code prompts (experiments/spec_bench.py).
+
+For each batch size and temperature, plain decoding and every (drafter, K) run on the same
+prompts. Each row alternates `repeats` plain and speculative runs with the same seeds
+(compilation excluded: `generate` compiles ahead of time), so that both see the same load on
+a shared machine, and reports the medians of tokens/s and of the per-pair speedups.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import statistics
+import time
+from typing import Any, Sequence
+
+import jax
+
+import moespec_jax as msj
+from moespec_jax import cli
+from moespec_jax.data import corpus
+from moespec_jax.decoding import loop
+from moespec_jax.io import atomic
+
+
+def timed(model, prompts, max_new_tokens: int, sampling, spec, repeats: int):
+  """(median tokens/s, median mean accepted length, last stats) over `repeats` seeded runs."""
+  rates, lengths, stats = [], [], {}
+  for r in range(repeats):
+    out = msj.generate(model, prompts, max_new_tokens=max_new_tokens, sampling=sampling, spec=spec, seed=r)
+    stats = out.stats
+    rates.append(stats["tokens_per_second"])
+    lengths.append(stats["mean_accepted_length"])
+  return statistics.median(rates), statistics.median(lengths), stats
+
+
+def paired(model, prompts, max_new_tokens: int, sampling, spec, repeats: int):
+  """Alternates plain and speculative runs (same seeds) so that both see the same machine load.
+
+  Returns (median spec tokens/s, median plain tokens/s, median of the per-pair speedups,
+  median mean accepted length, last spec stats).
+  """
+  plain_spec = msj.SpecParams(drafter="none", kernel=spec.kernel)
+  spec_rates, plain_rates, ratios, lengths, stats = [], [], [], [], {}
+  for r in range(repeats):
+    plain = msj.generate(model, prompts, max_new_tokens=max_new_tokens, sampling=sampling,
+                         spec=plain_spec, seed=r).stats
+    stats = msj.generate(model, prompts, max_new_tokens=max_new_tokens, sampling=sampling, spec=spec,
+                         seed=r).stats
+    spec_rates.append(stats["tokens_per_second"])
+    plain_rates.append(plain["tokens_per_second"])
+    ratios.append(stats["tokens_per_second"] / plain["tokens_per_second"])
+    lengths.append(stats["mean_accepted_length"])
+  return (statistics.median(spec_rates), statistics.median(plain_rates), statistics.median(ratios),
+          statistics.median(lengths), stats)
+
+
+def run_spec_bench(model, workdir, *, batch_sizes: Sequence[int] = (1, 2, 4, 8),
+                   temperatures: Sequence[float] = (0.0, 1.0), drafters: Sequence[str] = ("mtp", "ngram"),
+                   num_drafts: Sequence[int] = (1, 2, 3, 4, 5, 6), max_new_tokens: int = 64,
+                   repeats: int = 3, prompt_bytes: int = 192, log=print) -> dict[str, Any]:
+  """Runs the sweep and writes `workdir/metrics.json` (key `spec_bench`) and `speedup_vs_k.png`."""
+  workdir = pathlib.Path(workdir)
+  workdir.mkdir(parents=True, exist_ok=True)
+  if "mtp" in drafters and model.config.num_mtp_modules == 0:
+    raise ValueError("drafter 'mtp' needs a model with MTP heads (num_mtp_modules > 0)")
+  prompts = corpus.held_out_prompts(max(batch_sizes), prompt_bytes=prompt_bytes, seed=0)
+  total = len(batch_sizes) * len(temperatures) * (1 + len(drafters) * len(num_drafts))
+  progress = cli.Progress(total, desc="spec_bench", unit="rows", every_s=15.0)
+  rows, plain_rows, done = [], [], 0
+  began = time.perf_counter()
+  for temperature in temperatures:
+    sampling = msj.SamplingParams(temperature=float(temperature))
+    for batch in batch_sizes:
+      batch_prompts = prompts[:batch]
+      plain_tps, _, _ = timed(model, batch_prompts, max_new_tokens, sampling,
+                              msj.SpecParams(drafter="none"), repeats)
+      plain_rows.append({"batch_size": batch, "temperature": float(temperature),
+                         "tokens_per_second": plain_tps})
+      done += 1
+      progress.update(done)
+      plain_programs = set(loop._COMPILED)
+      for drafter in drafters:
+        for k in num_drafts:
+          tps, row_plain_tps, speedup, acc_len, stats = paired(
+              model, batch_prompts, max_new_tokens, sampling, msj.SpecParams(drafter=drafter, num_draft=k),
+              repeats)
+          rows.append({
+              "drafter": drafter, "num_draft": k, "batch_size": batch, "temperature": float(temperature),
+              "tokens_per_second": tps, "plain_tokens_per_second": row_plain_tps,
+              "speedup": speedup, "mean_accepted_length": acc_len,
+              "acceptance_by_depth": stats["acceptance_by_depth"],
+              "unique_experts_per_pass": stats["unique_experts_per_pass"],
+          })
+          done += 1
+          progress.update(done, speedup=speedup)
+          _write(workdir, rows, plain_rows, max_new_tokens, repeats, batch_sizes, prompt_bytes, model,
+                 began, complete=False)
+          # ~100 compiled loops do not fit in memory together: keep only the plain program.
+          for sig in set(loop._COMPILED) - plain_programs:
+            del loop._COMPILED[sig]
+          jax.clear_caches()
+      loop._COMPILED.clear()
+  result = _write(workdir, rows, plain_rows, max_new_tokens, repeats, batch_sizes, prompt_bytes, model,
+                  began, complete=True)
+  plot_speedup(rows, workdir / "speedup_vs_k.png")
+  log(format_table(rows))
+  return result
+
+
+def _write(workdir, rows, plain_rows, max_new_tokens, repeats, batch_sizes, prompt_bytes, model, began,
+           *, complete: bool):
+  """Writes the metrics so far (a long sweep leaves usable partial results)."""
+  result = {"spec_bench": {
+      "rows": rows, "plain": plain_rows, "complete": complete, "max_new_tokens": max_new_tokens,
+      "repeats": repeats, "n_prompts": max(batch_sizes), "prompt_bytes": prompt_bytes,
+      "num_mtp_modules": model.config.num_mtp_modules, "seconds": time.perf_counter() - began,
+  }}
+  atomic.write_json_atomic(workdir / "metrics.json", result)
+  return result
+
+
+def format_table(rows) -> str:
+  lines = [f"{'drafter':<8}{'T':>5}{'batch':>7}{'K':>4}{'tok/s':>10}{'plain':>10}{'speedup':>9}{'acc.len':>9}"]
+  for r in rows:
+    lines.append(f"{r['drafter']:<8}{r['temperature']:>5.1f}{r['batch_size']:>7}{r['num_draft']:>4}"
+                 f"{r['tokens_per_second']:>10.1f}{r['plain_tokens_per_second']:>10.1f}"
+                 f"{r['speedup']:>9.2f}{r['mean_accepted_length']:>9.2f}")
+  return "\n".join(lines)
+
+
+def plot_speedup(rows, path: pathlib.Path) -> None:
+  """Speedup vs K, one line per batch size; one panel per (drafter, temperature)."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  panels = sorted({(r["drafter"], r["temperature"]) for r in rows})
+  if not panels:
+    return
+  fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), squeeze=False)
+  for ax, (drafter, temperature) in zip(axes[0], panels):
+    for batch in sorted({r["batch_size"] for r in rows}):
+      sel = sorted((r for r in rows if r["drafter"] == drafter and r["temperature"] == temperature
+                    and r["batch_size"] == batch), key=lambda r: r["num_draft"])
+      ax.plot([r["num_draft"] for r in sel], [r["speedup"] for r in sel], "o-", label=f"batch {batch}")
+    ax.axhline(1.0, color="gray", lw=0.8, ls="--")
+    ax.set_title(f"{drafter}, {'greedy' if temperature == 0 else f'T={temperature:g}'}")
+    ax.set_xlabel("K (drafted tokens)")
+    ax.set_ylabel("speedup over plain")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+  fig.tight_layout()
+  tmp = path.with_name(f".{path.name}.tmp.png")
+  fig.savefig(tmp, dpi=110)
+  plt.close(fig)
+  tmp.replace(path)

@@ -1,0 +1,35 @@
+"""experiments.spec_bench: the --quick sweep end to end, and one-line CLI errors."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import moespec_jax as msj
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def _run(*args):
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  return subprocess.run([sys.executable, "-m", "experiments.spec_bench", *args], cwd=ROOT, env=env,
+                        capture_output=True, text=True, timeout=600)
+
+
+def test_quick_sweep_writes_the_documented_metrics(tiny_config, tmp_path):
+  msj.Model.init(tiny_config.replace(num_mtp_modules=1, max_seq_len=512), seed=0).save(tmp_path / "m")
+  res = _run(f"--workdir={tmp_path / 'out'}", f"--model={tmp_path / 'm'}", "--quick")
+  assert res.returncode == 0, res.stderr
+  rows = json.loads((tmp_path / "out" / "metrics.json").read_text())["spec_bench"]["rows"]
+  assert {r["drafter"] for r in rows} == {"mtp", "ngram"}
+  for r in rows:
+    for key in ("drafter", "num_draft", "batch_size", "temperature", "tokens_per_second",
+                "plain_tokens_per_second", "speedup", "mean_accepted_length"):
+      assert key in r
+  assert (tmp_path / "out" / "speedup_vs_k.png").stat().st_size > 0
+
+
+def test_bad_flag_is_one_line_and_exit_2(tmp_path):
+  res = _run(f"--workdir={tmp_path}", "--max_new_tokens=notanumber")
+  assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1
