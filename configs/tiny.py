@@ -14,7 +14,7 @@ def model_config() -> ml_collections.ConfigDict:
       dense_hidden=768, first_k_dense=1, score_func="softmax", norm_topk_prob=True,
       routed_scaling_factor=1.0, n_groups=1, topk_groups=1, use_score_bias=False,
       num_mtp_modules=0, tie_embeddings=False, eos_id=256, bos_id=257, tokenizer="byte",
-      dtype="float32", expert_method="xla",
+      dtype="float32", expert_method="auto",
   ))
 
 

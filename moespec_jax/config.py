@@ -48,7 +48,7 @@ class ModelConfig:
   tokenizer: str = "byte"
   # Numerics and the expert-FFN implementation used at inference.
   dtype: str = "float32"
-  expert_method: str = "xla"
+  expert_method: str = "auto"
   # Variants of the imported Hugging Face families (the defaults keep the plain model).
   # Attention: "gqa" (grouped-query) or "mla" (DeepSeek multi-head latent attention).
   attention_type: str = "gqa"
@@ -105,6 +105,8 @@ class ModelConfig:
       need(self.dense_hidden > 0, "dense_hidden must be > 0 when first_k_dense > 0")
     need(self.num_mtp_modules >= 0, "num_mtp_modules must be >= 0")
     need(self.dtype in ("float32", "bfloat16"), f"dtype must be float32 or bfloat16, got {self.dtype!r}")
+    need(self.expert_method in ("auto", "xla", "dedup", "per_slot"),
+         f"expert_method must be auto, xla, dedup or per_slot, got {self.expert_method!r}")
     need(0 <= self.eos_id < self.vocab_size, f"eos_id {self.eos_id} outside the vocabulary")
     need(self.attention_type in ("gqa", "mla"),
          f"attention_type must be 'gqa' or 'mla', got {self.attention_type!r}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 import statistics
 from typing import Any
@@ -23,25 +24,28 @@ def _timed_generate(model, prompts, max_new_tokens, spec, repeats: int):
   return statistics.median(rates), out
 
 
-def _row(drafter, k, batch, tps, speedup, out, plain_out):
+def _row(drafter, k, batch, tps, plain_tps, speedup, out, plain_out, *, budget=None, top1=1.0):
   return {
-      "mode": "exact", "drafter": drafter, "num_draft": k, "expert_budget": None,
-      "batch_size": batch, "tokens_per_second": tps, "speedup_vs_plain": speedup,
-      "mean_accepted_length": out.stats["mean_accepted_length"], "top1_agreement_vs_exact": 1.0,
-      "approximate": False, "acceptance_by_depth": out.stats["acceptance_by_depth"],
+      "mode": "exact" if budget is None else "budgeted", "drafter": drafter, "num_draft": k,
+      "expert_budget": budget, "kernel": out.stats["expert_method"],
+      "batch_size": batch, "tokens_per_second": tps, "plain_tokens_per_second": plain_tps,
+      "speedup_vs_plain": speedup,
+      "mean_accepted_length": out.stats["mean_accepted_length"], "top1_agreement_vs_exact": top1,
+      "approximate": budget is not None, "acceptance_by_depth": out.stats["acceptance_by_depth"],
       # Exact greedy speculation must reproduce plain greedy decoding token for token.
       "tokens_equal_plain": bool(np.array_equal(out.tokens, plain_out.tokens)),
   }
 
 
 def run_demo(model, workdir, *, max_new_tokens: int = 128, batch_sizes=(1, 8), repeats: int = 3,
-             candidate_k=(1, 2, 3, 4), log=print) -> dict[str, Any]:
+             candidate_k=(1, 2, 3, 4), budget_multiplier: int = 2, log=print) -> dict[str, Any]:
   """Generates from held-out prompts and writes `workdir/metrics.json` (key `demo`).
 
   Rows: plain decoding, then exact speculative decoding with the n-gram drafter and (when the
   model has heads) the MTP drafter, each at its best K (highest batch-1 greedy speedup among
   `candidate_k`), with the speedup over plain decoding measured by alternating plain and
-  speculative runs (`decoding.bench.paired`).
+  speculative runs (`decoding.bench.paired`: `plain_tokens_per_second` is the plain side of
+  those pairs), and one budgeted row (approximate: expert budget `budget_multiplier` x top_k).
   """
   from moespec_jax.training import pretrain
   workdir = pathlib.Path(workdir)
@@ -64,15 +68,28 @@ def run_demo(model, workdir, *, max_new_tokens: int = 128, batch_sizes=(1, 8), r
     best_k[drafter] = max((r for r in k_sweep if r["drafter"] == drafter),
                           key=lambda r: r["speedup_vs_plain"])["num_draft"]
   rows = []
+  budget = budget_multiplier * model.config.top_k
   for batch in batch_sizes:
     plain_tps, plain_out = plain[batch]
-    rows.append(_row("none", 0, batch, plain_tps, 1.0, plain_out, plain_out))
+    rows.append(_row("none", 0, batch, plain_tps, plain_tps, 1.0, plain_out, plain_out))
     for drafter in drafters:
       spec = msj.SpecParams(drafter=drafter, num_draft=best_k[drafter])
-      tps, _, speedup, _, _ = bench.paired(model, prompts[:batch], max_new_tokens, msj.SamplingParams(),
-                                           spec, repeats)
+      tps, paired_plain_tps, speedup, _, _ = bench.paired(model, prompts[:batch], max_new_tokens,
+                                                          msj.SamplingParams(), spec, repeats)
       out = msj.generate(model, prompts[:batch], max_new_tokens=max_new_tokens, spec=spec)
-      rows.append(_row(drafter, best_k[drafter], batch, tps, speedup, out, plain_out))
+      rows.append(_row(drafter, best_k[drafter], batch, tps, paired_plain_tps, speedup, out, plain_out))
+    if model.config.n_moe_layers and budget < model.config.n_routed_experts:
+      # The APPROXIMATE row: MoE-Spec budget on the first drafter, read by the dedup kernel (the
+      # kernel whose bytes a budget lowers), with its agreement against exact logits.
+      drafter = drafters[0]
+      spec = msj.SpecParams(drafter=drafter, num_draft=best_k[drafter], mode="budgeted",
+                            expert_budget=budget, kernel="dedup")
+      tps, paired_plain_tps, speedup, _, _ = bench.paired(model, prompts[:batch], max_new_tokens,
+                                                          msj.SamplingParams(), spec, repeats)
+      measured = msj.generate(model, prompts[:batch], max_new_tokens=max_new_tokens,
+                              spec=dataclasses.replace(spec, measure_quality=True))
+      rows.append(_row(drafter, best_k[drafter], batch, tps, paired_plain_tps, speedup, measured, plain_out,
+                       budget=budget, top1=measured.stats["top1_agreement"]))
   params = model.param_counts()
   result = {"demo": {"rows": rows, "k_sweep": k_sweep, "best_k": best_k, "validation_bits_per_byte": bpb, "params_total": params["total"],
                      "params_active": params["active"], "max_new_tokens": max_new_tokens,
@@ -82,12 +99,20 @@ def run_demo(model, workdir, *, max_new_tokens: int = 128, batch_sizes=(1, 8), r
   log(f"default model: {params['total'] / 1e6:.1f}M parameters, {params['active'] / 1e6:.1f}M active per token; "
       f"validation {bpb:.3f} bits/byte")
   log("\nsample (greedy, held-out prompt):\n" + "-" * 60 + f"\n{sample_text}\n" + "-" * 60)
-  header = f"{'mode':<8}{'drafter':<9}{'K':>3}{'budget':>8}{'batch':>7}{'tokens/s':>11}{'speedup':>9}{'acc.len':>9}{'top1':>7}"
-  log(header)
-  for r in rows:
-    budget = "-" if r["expert_budget"] is None else str(r["expert_budget"])
-    log(f"{r['mode']:<8}{r['drafter']:<9}{r['num_draft']:>3}{budget:>8}{r['batch_size']:>7}"
-        f"{r['tokens_per_second']:>11.1f}{r['speedup_vs_plain']:>9.2f}{r['mean_accepted_length']:>9.2f}"
-        f"{r['top1_agreement_vs_exact']:>7.3f}")
+  header = (f"{'mode':<10}{'drafter':<8}{'K':>3}{'budget':>7}{'kernel':>9}{'batch':>6}{'tokens/s':>10}"
+            f"{'plain':>8}{'speedup':>9}{'acc.len':>8}{'top1':>7}")
+  for approximate in (False, True):
+    part = [r for r in rows if r["approximate"] == approximate]
+    if not part:
+      continue
+    log("\nAPPROXIMATE (expert budget; top1 = agreement with exact target logits)" if approximate
+        else "EXACT (the target's distribution; greedy tokens equal plain greedy)")
+    log(header)
+    for r in part:
+      budget = "-" if r["expert_budget"] is None else str(r["expert_budget"])
+      log(f"{r['mode']:<10}{r['drafter']:<8}{r['num_draft']:>3}{budget:>7}{r['kernel']:>9}{r['batch_size']:>6}"
+          f"{r['tokens_per_second']:>10.1f}{r['plain_tokens_per_second']:>8.1f}{r['speedup_vs_plain']:>9.2f}"
+          f"{r['mean_accepted_length']:>8.2f}{r['top1_agreement_vs_exact']:>7.3f}")
+  log("speedup: median over runs alternating plain and speculative decoding (plain: their plain side).")
   log(f"\nmetrics written to {workdir / 'metrics.json'}")
   return result
