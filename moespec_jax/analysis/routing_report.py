@@ -8,6 +8,7 @@ import numpy as np
 
 from moespec_jax.analysis import ipf, routing
 from moespec_jax.analysis.routing import RoutingTrace
+from moespec_jax.io import atomic
 
 
 def routing_stats(trace: RoutingTrace, *, max_tokens: int = 16, ipf_max_tokens: int = 9,
@@ -100,7 +101,4 @@ def plot_routing(stats: dict[str, Any], path) -> None:
   ax2.legend(fontsize=7)
   ax2.grid(alpha=0.3)
   fig.tight_layout()
-  tmp = path.with_name(f".{path.name}.tmp.png")
-  fig.savefig(tmp, dpi=110)
-  plt.close(fig)
-  tmp.replace(path)
+  atomic.save_figure_atomic(fig, path)

@@ -149,7 +149,4 @@ def plot_speedup(rows, path: pathlib.Path) -> None:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
   fig.tight_layout()
-  tmp = path.with_name(f".{path.name}.tmp.png")
-  fig.savefig(tmp, dpi=110)
-  plt.close(fig)
-  tmp.replace(path)
+  atomic.save_figure_atomic(fig, path)

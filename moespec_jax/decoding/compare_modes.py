@@ -155,7 +155,4 @@ def plot_pareto(rows, path) -> None:
   ax.grid(alpha=0.3)
   ax.legend(fontsize=8)
   fig.tight_layout()
-  tmp = path.with_name(f".{path.name}.tmp.png")
-  fig.savefig(tmp, dpi=110)
-  plt.close(fig)
-  tmp.replace(path)
+  atomic.save_figure_atomic(fig, path)

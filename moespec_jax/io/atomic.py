@@ -175,3 +175,18 @@ def atomic_dir(path: PathLike, *, overwrite: bool = True
   except BaseException:
     shutil.rmtree(tmp, ignore_errors=True)
     raise
+
+
+def save_figure_atomic(fig, path: PathLike, *, dpi: int = 110) -> pathlib.Path:
+  """Saves a matplotlib figure as PNG atomically (temporary sibling, then rename) and closes it."""
+  import matplotlib.pyplot as plt
+  path = pathlib.Path(path)
+  tmp = path.with_name(f".{path.name}.tmp.png")
+  try:
+    fig.savefig(tmp, dpi=dpi)
+    os.replace(tmp, path)
+  finally:
+    plt.close(fig)
+    if tmp.exists():
+      tmp.unlink()
+  return path

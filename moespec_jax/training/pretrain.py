@@ -148,10 +148,7 @@ def plot_curves(metrics: dict, path: pathlib.Path) -> None:
   ax.grid(alpha=0.3)
   ax.legend()
   fig.tight_layout()
-  tmp = path.with_name(f".{path.name}.tmp.png")
-  fig.savefig(tmp, dpi=110)
-  plt.close(fig)
-  tmp.replace(path)
+  atomic.save_figure_atomic(fig, path)
 
 
 def train(config: ModelConfig, tc: TrainConfig, workdir, *, config_name: str = "",
