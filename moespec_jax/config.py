@@ -158,11 +158,7 @@ class ModelConfig:
 
   @classmethod
   def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(d) - known)
-    if unknown:
-      raise ValueError(f"ModelConfig: unknown fields {unknown}")
-    return cls(**d)
+    return dataclass_from_dict(cls, d, "ModelConfig: unknown fields")
 
   def param_counts(self) -> dict[str, int]:
     """Total and per-token active parameter counts (embeddings included)."""
@@ -190,6 +186,15 @@ class ModelConfig:
     total += self.first_k_dense * dense_ffn + self.n_moe_layers * (router + shared + e * expert)
     active += self.first_k_dense * dense_ffn + self.n_moe_layers * (router + shared + self.top_k * expert)
     return {"total": total, "active": active}
+
+
+def dataclass_from_dict(cls, d: Any, unknown_message: str):
+  """`cls(**d)` from a mapping or ConfigDict, refusing fields `cls` does not have."""
+  d = d.to_dict() if hasattr(d, "to_dict") else dict(d)
+  unknown = sorted(set(d) - {f.name for f in dataclasses.fields(cls)})
+  if unknown:
+    raise ValueError(f"{unknown_message} {unknown}")
+  return cls(**d)
 
 
 def model_config_from(cfg: Any) -> ModelConfig:

@@ -66,3 +66,10 @@ def block_groups(expert_ids_TK, n_experts, block_rows):
   block_expert_N = jnp.searchsorted(block_end_E, b_N, side="right").astype(jnp.int32)
   block_expert_N = jnp.minimum(block_expert_N, n_experts - 1)
   return BlockGroups(slot_of_row_R, row_of_slot_M, block_expert_N, used.astype(jnp.int32))
+
+
+def combine(y_RD, gates_TK, out_dtype):
+  """y_t = sum_k g_tk * y_(t*K+k): the gated sum of per-(token, slot) expert outputs."""
+  T, K = gates_TK.shape
+  y_TKD = y_RD.reshape(T, K, -1)
+  return jnp.einsum("tk,tkd->td", gates_TK.astype(jnp.float32), y_TKD.astype(jnp.float32)).astype(out_dtype)

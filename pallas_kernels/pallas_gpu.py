@@ -209,6 +209,4 @@ def expert_ffn_gpu(x_TD, expert_ids_TK, gates_TK, w_gate_EDF, w_up_EDF, w_down_E
                          interpret=interpret)
   else:
     raise ValueError(f"method must be 'dedup' or 'per_slot', got {method!r}")
-  T, K = gates_TK.shape
-  y_TKD = y_RD.reshape(T, K, -1)
-  return jnp.einsum("tk,tkd->td", gates_TK.astype(jnp.float32), y_TKD.astype(jnp.float32)).astype(x_TD.dtype)
+  return metadata.combine(y_RD, gates_TK, x_TD.dtype)

@@ -149,13 +149,6 @@ def per_slot_rows(x_TD, expert_ids_TK, w_gate_EDF, w_up_EDF, w_down_EFD, *, hidd
   return out_R1D.reshape(T * K, D)
 
 
-def combine(y_RD, gates_TK, out_dtype):
-  """y_t = sum_k g_tk * y_(t*K+k)."""
-  T, K = gates_TK.shape
-  y_TKD = y_RD.reshape(T, K, -1)
-  return jnp.einsum("tk,tkd->td", gates_TK.astype(jnp.float32), y_TKD.astype(jnp.float32)).astype(out_dtype)
-
-
 @functools.partial(jax.jit, static_argnames=("method", "interpret", "block_rows", "hidden_tile"))
 def expert_ffn_tpu(x_TD, expert_ids_TK, gates_TK, w_gate_EDF, w_up_EDF, w_down_EFD, *, method="dedup",
                    interpret=False, block_rows=None, hidden_tile=None):
@@ -168,4 +161,4 @@ def expert_ffn_tpu(x_TD, expert_ids_TK, gates_TK, w_gate_EDF, w_up_EDF, w_down_E
                          interpret=interpret)
   else:
     raise ValueError(f"method must be 'dedup' or 'per_slot', got {method!r}")
-  return combine(y_RD, gates_TK, x_TD.dtype)
+  return metadata.combine(y_RD, gates_TK, x_TD.dtype)

@@ -27,6 +27,7 @@ from flax import nnx
 
 from moespec_jax import cli
 from moespec_jax.api import Model
+from moespec_jax.config import dataclass_from_dict
 from moespec_jax.data import batches as batches_lib
 from moespec_jax.io import atomic, checkpoint
 from moespec_jax.model import Transformer
@@ -66,12 +67,7 @@ class MTPTrainConfig:
 
   @classmethod
   def from_dict(cls, d) -> "MTPTrainConfig":
-    d = d.to_dict() if hasattr(d, "to_dict") else dict(d)
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(d) - known)
-    if unknown:
-      raise ValueError(f"unknown mtp config fields {unknown}")
-    return cls(**d)
+    return dataclass_from_dict(cls, d, "unknown mtp config fields")
 
 
 def _is_mtp_param(path, value) -> bool:

@@ -17,7 +17,7 @@ from flax import nnx
 
 from moespec_jax import cli
 from moespec_jax.api import Model
-from moespec_jax.config import ModelConfig
+from moespec_jax.config import ModelConfig, dataclass_from_dict
 from moespec_jax.data import batches as batches_lib
 from moespec_jax.data import tokenizer as tokenizer_lib
 from moespec_jax.io import atomic, checkpoint
@@ -55,12 +55,7 @@ class TrainConfig:
 
   @classmethod
   def from_dict(cls, d) -> "TrainConfig":
-    d = d.to_dict() if hasattr(d, "to_dict") else dict(d)
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(d) - known)
-    if unknown:
-      raise ValueError(f"unknown train config fields {unknown}")
-    return cls(**d)
+    return dataclass_from_dict(cls, d, "unknown train config fields")
 
 
 def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
