@@ -147,6 +147,17 @@ def table(rows: list[dict], summary: list[dict]) -> str:
   return "\n".join(lines) + "\n"
 
 
+def _finished_rows(path: pathlib.Path, *, quick, size, repeats, max_new, prompt_len, num_draft) -> list[dict]:
+  """Rows of an earlier, interrupted run with the same settings (resume), else []."""
+  if not path.exists():
+    return []
+  old = json.loads(path.read_text())
+  same = (old.get("quick") == quick and old.get("size") == size and old.get("repeats") == repeats
+          and all(r["max_new_tokens"] == max_new and r["prompt_len"] == prompt_len
+                  and r["num_draft"] in (0, num_draft) for r in old.get("rows", [])))
+  return list(old.get("rows", [])) if same else []
+
+
 def main(argv):
   if len(argv) > 1:
     raise ValueError(f"unexpected arguments: {argv[1:]}")
@@ -166,8 +177,14 @@ def main(argv):
   max_new = min(_MAX_NEW.value, 16) if quick else _MAX_NEW.value
   repeats = 1 if quick else _REPEATS.value
   prompt_len = min(_PROMPT_LEN.value, 64) if quick else _PROMPT_LEN.value
-  rows = []
+  rows = _finished_rows(workdir / "metrics.json", quick=quick, size=size, repeats=repeats, max_new=max_new,
+                        prompt_len=prompt_len, num_draft=_NUM_DRAFT.value)
+  done = {r["family"] for r in rows}
+  if done:
+    print(f"resuming: {sorted(done)} already measured in {workdir / 'metrics.json'}", flush=True)
   for family in families:
+    if family in done:
+      continue
     ckpt = workdir / "checkpoints" / (f"{family}-quick" if quick else family)
     rows += bench_family(family, ckpt, size, max_new=max_new, repeats=repeats,
                          num_draft=_NUM_DRAFT.value, prompt_len=prompt_len)

@@ -41,6 +41,10 @@ class ModelConfig:
   use_score_bias: bool = False
   # Drafting and output.
   num_mtp_modules: int = 0
+  # DeepSeek-V3 MTP layers: their own RMSNorm before the output head (shared_head.norm) instead
+  # of the target's final norm, and (when the checkpoint's differs from lm_head) their own head.
+  mtp_head_norm: bool = False
+  mtp_own_head: bool = False
   tie_embeddings: bool = False
   # Special tokens of the tokenizer the model was trained with.
   eos_id: int = 256

@@ -25,7 +25,7 @@ def _timed_generate(model, prompts, max_new_tokens, spec, repeats: int):
 
 
 def _row(drafter, k, batch, tps, plain_tps, speedup, out, plain_out, *, budget=None, top1=1.0):
-  return {
+  row = {
       "mode": "exact" if budget is None else "budgeted", "drafter": drafter, "num_draft": k,
       "expert_budget": budget, "kernel": out.stats["expert_method"],
       "batch_size": batch, "tokens_per_second": tps, "plain_tokens_per_second": plain_tps,
@@ -34,18 +34,24 @@ def _row(drafter, k, batch, tps, plain_tps, speedup, out, plain_out, *, budget=N
       "approximate": budget is not None, "acceptance_by_depth": out.stats["acceptance_by_depth"],
       # Exact greedy speculation must reproduce plain greedy decoding token for token.
       "tokens_equal_plain": bool(np.array_equal(out.tokens, plain_out.tokens)),
+      "auto_num_draft": out.stats["num_draft"] == "auto",
   }
+  if row["auto_num_draft"]:
+    row["mean_num_draft"] = out.stats["mean_num_draft"]
+    row["passes_by_num_draft"] = out.stats["passes_by_num_draft"]
+  return row
 
 
 def run_demo(model, workdir, *, max_new_tokens: int = 128, batch_sizes=(1, 8), repeats: int = 3,
-             candidate_k=(1, 2, 3, 4), budget_multiplier: int = 2, log=print) -> dict[str, Any]:
+             max_draft: int = 8, budget_multiplier: int = 2, log=print) -> dict[str, Any]:
   """Generates from held-out prompts and writes `workdir/metrics.json` (key `demo`).
 
-  Rows: plain decoding, then exact speculative decoding with the n-gram drafter and (when the
-  model has heads) the MTP drafter, each at its best K (highest batch-1 greedy speedup among
-  `candidate_k`), with the speedup over plain decoding measured by alternating plain and
-  speculative runs (`decoding.bench.paired`: `plain_tokens_per_second` is the plain side of
-  those pairs), and one budgeted row (approximate: expert budget `budget_multiplier` x top_k).
+  Rows: plain decoding, then exact speculative decoding with the MTP drafter (when the model
+  has heads) and the n-gram drafter, each with `num_draft="auto"` (K chosen every pass by the
+  cost model, up to `max_draft`; `num_draft` in a row is the K chosen most often), with the
+  speedup over plain decoding measured by alternating plain and speculative runs
+  (`decoding.bench.paired`: `plain_tokens_per_second` is the plain side of those pairs), and one
+  budgeted row (approximate: expert budget `budget_multiplier` x top_k, at the K auto chose).
   """
   from moespec_jax.training import pretrain
   workdir = pathlib.Path(workdir)
@@ -56,42 +62,34 @@ def run_demo(model, workdir, *, max_new_tokens: int = 128, batch_sizes=(1, 8), r
   for batch in batch_sizes:
     plain[batch] = _timed_generate(model, prompts[:batch], max_new_tokens, msj.SpecParams(drafter="none"), repeats)
   sample_text = prompts[0] + model.tokenizer.decode([t for t in plain[min(batch_sizes)][1].tokens[0].tolist() if t >= 0])
-  k_sweep, best_k = [], {}
-  for drafter in drafters:
-    for k in candidate_k:
-      tps, plain_tps, speedup, acc_len, _ = bench.paired(
-          model, prompts[:1], max_new_tokens, msj.SamplingParams(), msj.SpecParams(drafter=drafter, num_draft=k),
-          repeats)
-      k_sweep.append({"drafter": drafter, "num_draft": k, "batch_size": 1, "tokens_per_second": tps,
-                      "plain_tokens_per_second": plain_tps, "speedup_vs_plain": speedup,
-                      "mean_accepted_length": acc_len})
-    best_k[drafter] = max((r for r in k_sweep if r["drafter"] == drafter),
-                          key=lambda r: r["speedup_vs_plain"])["num_draft"]
   rows = []
   budget = budget_multiplier * model.config.top_k
   for batch in batch_sizes:
     plain_tps, plain_out = plain[batch]
     rows.append(_row("none", 0, batch, plain_tps, plain_tps, 1.0, plain_out, plain_out))
+    chosen = {}
     for drafter in drafters:
-      spec = msj.SpecParams(drafter=drafter, num_draft=best_k[drafter])
+      spec = msj.SpecParams(drafter=drafter, num_draft="auto", max_draft=max_draft)
       tps, paired_plain_tps, speedup, _, _ = bench.paired(model, prompts[:batch], max_new_tokens,
                                                           msj.SamplingParams(), spec, repeats)
       out = msj.generate(model, prompts[:batch], max_new_tokens=max_new_tokens, spec=spec)
-      rows.append(_row(drafter, best_k[drafter], batch, tps, paired_plain_tps, speedup, out, plain_out))
+      chosen[drafter] = out.stats["chosen_num_draft"]
+      rows.append(_row(drafter, chosen[drafter], batch, tps, paired_plain_tps, speedup, out, plain_out))
     if model.config.n_moe_layers and budget < model.config.n_routed_experts:
-      # The APPROXIMATE row: MoE-Spec budget on the first drafter, read by the dedup kernel (the
-      # kernel whose bytes a budget lowers), with its agreement against exact logits.
+      # The APPROXIMATE row: MoE-Spec budget on the first drafter at the K auto chose, read by
+      # the dedup kernel (the kernel whose bytes a budget lowers), with its agreement against
+      # exact logits.
       drafter = drafters[0]
-      spec = msj.SpecParams(drafter=drafter, num_draft=best_k[drafter], mode="budgeted",
-                            expert_budget=budget, kernel="dedup")
+      k = max(1, chosen[drafter])
+      spec = msj.SpecParams(drafter=drafter, num_draft=k, mode="budgeted", expert_budget=budget, kernel="dedup")
       tps, paired_plain_tps, speedup, _, _ = bench.paired(model, prompts[:batch], max_new_tokens,
                                                           msj.SamplingParams(), spec, repeats)
       measured = msj.generate(model, prompts[:batch], max_new_tokens=max_new_tokens,
                               spec=dataclasses.replace(spec, measure_quality=True))
-      rows.append(_row(drafter, best_k[drafter], batch, tps, paired_plain_tps, speedup, measured, plain_out,
+      rows.append(_row(drafter, k, batch, tps, paired_plain_tps, speedup, measured, plain_out,
                        budget=budget, top1=measured.stats["top1_agreement"]))
   params = model.param_counts()
-  result = {"demo": {"rows": rows, "k_sweep": k_sweep, "best_k": best_k, "validation_bits_per_byte": bpb, "params_total": params["total"],
+  result = {"demo": {"rows": rows, "max_draft": max_draft, "validation_bits_per_byte": bpb, "params_total": params["total"],
                      "params_active": params["active"], "max_new_tokens": max_new_tokens,
                      "sample": sample_text}}
   atomic.write_json_atomic(workdir / "metrics.json", result)
@@ -99,7 +97,7 @@ def run_demo(model, workdir, *, max_new_tokens: int = 128, batch_sizes=(1, 8), r
   log(f"default model: {params['total'] / 1e6:.1f}M parameters, {params['active'] / 1e6:.1f}M active per token; "
       f"validation {bpb:.3f} bits/byte")
   log("\nsample (greedy, held-out prompt):\n" + "-" * 60 + f"\n{sample_text}\n" + "-" * 60)
-  header = (f"{'mode':<10}{'drafter':<8}{'K':>3}{'budget':>7}{'kernel':>9}{'batch':>6}{'tokens/s':>10}"
+  header = (f"{'mode':<10}{'drafter':<8}{'K':>7}{'budget':>7}{'kernel':>9}{'batch':>6}{'tokens/s':>10}"
             f"{'plain':>8}{'speedup':>9}{'acc.len':>8}{'top1':>7}")
   for approximate in (False, True):
     part = [r for r in rows if r["approximate"] == approximate]
@@ -110,9 +108,11 @@ def run_demo(model, workdir, *, max_new_tokens: int = 128, batch_sizes=(1, 8), r
     log(header)
     for r in part:
       budget = "-" if r["expert_budget"] is None else str(r["expert_budget"])
-      log(f"{r['mode']:<10}{r['drafter']:<8}{r['num_draft']:>3}{budget:>7}{r['kernel']:>9}{r['batch_size']:>6}"
+      k = f"auto:{r['num_draft']}" if r["auto_num_draft"] else str(r["num_draft"])
+      log(f"{r['mode']:<10}{r['drafter']:<8}{k:>7}{budget:>7}{r['kernel']:>9}{r['batch_size']:>6}"
           f"{r['tokens_per_second']:>10.1f}{r['plain_tokens_per_second']:>8.1f}{r['speedup_vs_plain']:>9.2f}"
           f"{r['mean_accepted_length']:>8.2f}{r['top1_agreement_vs_exact']:>7.3f}")
   log("speedup: median over runs alternating plain and speculative decoding (plain: their plain side).")
+  log(f"K auto:N: num_draft='auto' (cost model, K = 0..{max_draft} each pass); N is the K it chose most often.")
   log(f"\nmetrics written to {workdir / 'metrics.json'}")
   return result

@@ -34,7 +34,7 @@ def generated_trace(model, *, n_prompts: int = 16, max_new_tokens: int = 128, se
   out = msj.generate(model, prompts, max_new_tokens=max_new_tokens)
   segments = []
   for prompt, row in zip(prompts, out.tokens):
-    ids = [model.config.eos_id] + model.tokenizer.encode(prompt)
+    ids = list(model.tokenizer.prompt_ids(prompt))
     new = [int(t) for t in row if t >= 0]
     full = np.asarray([ids + new], np.int32)
     routing = np.asarray(model.forward_full(full).routing.expert_ids)[:, 0]

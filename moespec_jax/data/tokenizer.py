@@ -58,6 +58,7 @@ class Tokenizer(Protocol):
   vocab_size: int
 
   def encode(self, text: str) -> list[int]: ...
+  def prompt_ids(self, text: str) -> list[int]: ...
   def decode(self, ids: Iterable[int]) -> str: ...
   def save(self, directory: PathLike) -> pathlib.Path: ...
   def encode_corpus(self, data_u8: np.ndarray) -> np.ndarray: ...
@@ -78,6 +79,10 @@ class ByteTokenizer:
     if not isinstance(text, str):
       raise ValueError(f"text must be a str, got {type(text).__name__}")
     return list(text.encode("utf-8"))
+
+  def prompt_ids(self, text: str) -> list[int]:
+    """A generation prompt: EOS (the document boundary seen in training), then `text`."""
+    return [self.eos_id] + self.encode(text)
 
   def decode(self, ids: Iterable[int]) -> str:
     """Text of the byte ids; special, padding and negative ids are dropped."""
@@ -163,6 +168,10 @@ class BpeTokenizer:
     if not isinstance(text, str):
       raise ValueError(f"text must be a str, got {type(text).__name__}")
     return self._tok.encode(text, add_special_tokens=False).ids
+
+  def prompt_ids(self, text: str) -> list[int]:
+    """A generation prompt: EOS (the document boundary seen in training), then `text`."""
+    return [self.eos_id] + self.encode(text)
 
   def decode(self, ids: Iterable[int]) -> str:
     """Text of `ids`; special, padding and negative ids are dropped."""

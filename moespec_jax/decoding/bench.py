@@ -78,7 +78,7 @@ def run_spec_bench(model, workdir, *, batch_sizes: Sequence[int] = (1, 2, 4, 8),
                          "tokens_per_second": plain_tps})
       done += 1
       progress.update(done)
-      plain_programs = set(loop._COMPILED)
+      plain_programs = loop.compiled_signatures()
       for drafter in drafters:
         for k in num_drafts:
           tps, row_plain_tps, speedup, acc_len, stats = paired(
@@ -96,10 +96,8 @@ def run_spec_bench(model, workdir, *, batch_sizes: Sequence[int] = (1, 2, 4, 8),
           _write(workdir, rows, plain_rows, max_new_tokens, repeats, batch_sizes, prompt_bytes, model,
                  began, complete=False)
           # ~100 compiled loops do not fit in memory together: keep only the plain program.
-          for sig in set(loop._COMPILED) - plain_programs:
-            del loop._COMPILED[sig]
-          jax.clear_caches()
-      loop._COMPILED.clear()
+          loop.forget_compiled(plain_programs)
+      loop.forget_compiled()
   result = _write(workdir, rows, plain_rows, max_new_tokens, repeats, batch_sizes, prompt_bytes, model,
                   began, complete=True)
   plot_speedup(rows, workdir / "speedup_vs_k.png")

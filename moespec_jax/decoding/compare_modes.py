@@ -24,6 +24,7 @@ import moespec_jax as msj
 from moespec_jax import cli
 from moespec_jax.analysis import quality
 from moespec_jax.data import corpus
+from moespec_jax.decoding import loop
 from moespec_jax.io import atomic
 
 BUDGET_MULTIPLIERS = (1.0, 1.5, 2.0, 3.0, 4.0, None)  # x top_k; None = no budget
@@ -102,6 +103,7 @@ def run_compare_modes(model, workdir, *, drafter: str = "mtp", num_drafts: Seque
                          "first_divergence": divergence})
             progress.update(len(rows), speedup=rows[-1]["speedup_vs_exact"])
             _write(workdir, rows, began, complete=False)
+        loop.forget_compiled()  # ~300 programs in a full sweep do not fit in memory together
   result = _write(workdir, rows, began, complete=True)
   plot_pareto(rows, workdir / "pareto.png")
   log(format_table(rows))

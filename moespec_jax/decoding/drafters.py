@@ -106,3 +106,24 @@ def mtp_propose(model, cache, h1_BD, logits1_BV, index_B, keys_BK, num_draft: in
       qs.extend(list(qs_KBV))
   q_BKV = None if sampling.greedy else jnp.stack(qs, axis=1)
   return jnp.stack(drafts, axis=1), q_BKV, cache
+
+
+def controlled_propose(reference_BN, gen_B, key_B, acceptance, num_draft: int, vocab_size: int):
+  """Research drafter with controllable acceptance (cost-model validation).
+
+  Draft j of a row is the reference (the target's plain greedy output) at the row's next
+  j-th index with probability `acceptance`, else a uniformly chosen different token; under
+  greedy verification the accepted length is then exactly geometric in `acceptance`.
+  """
+  n = reference_BN.shape[1]
+  idx_BK = jnp.clip(gen_B[:, None] + jnp.arange(num_draft, dtype=jnp.int32)[None], 0, n - 1)
+  target_BK = jnp.take_along_axis(reference_BN, idx_BK, axis=1)
+
+  def one_row(key):
+    k_hit, k_other = jax.random.split(key)
+    hit_K = jax.random.uniform(k_hit, (num_draft,)) < acceptance
+    offset_K = jax.random.randint(k_other, (num_draft,), 1, vocab_size)
+    return hit_K, offset_K
+
+  hit_BK, offset_BK = jax.vmap(one_row)(key_B)
+  return jnp.where(hit_BK, target_BK, (target_BK + offset_BK) % vocab_size).astype(jnp.int32)

@@ -3,6 +3,10 @@
 sampling or greedy matching, bonus token, rollback by position). `drafter="none"` is plain
 decoding through the same loop with K = 0.
 
+`num_draft="auto"`: every few passes K in 0..max_draft is chosen by the cost model from the
+running acceptance estimate and the per-pass times measured for this model, batch and drafter
+(`calibrate_step_ms`, once per program); one inner loop per K, of which the chosen one runs.
+
 Params and the KV caches are explicit pytrees; the NNX module is merged inside the jit.
 Every row has its own PRNG key (folded with the pass index), its own position and accepted
 count; a row stops at its first committed EOS or after exactly max_new_tokens tokens.
@@ -11,6 +15,7 @@ count; a row stops at its first committed EOS or after exactly max_new_tokens to
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 from typing import Any, Sequence
@@ -21,6 +26,7 @@ import numpy as np
 from flax import nnx
 
 from moespec_jax.analysis import quality as quality_lib
+from moespec_jax.decoding import auto_draft
 from moespec_jax.decoding import drafters as drafters_lib
 from moespec_jax.decoding import rejection
 from moespec_jax.decoding import sampling as sampling_lib
@@ -36,6 +42,20 @@ class GenerateOutput:
   stats: dict[str, Any]
 
 
+@dataclasses.dataclass(frozen=True)
+class LoopSpec:
+  """The static choices of one compiled generation program."""
+  max_new_tokens: int
+  cache_len: int
+  sampling: SamplingParams
+  expert_method: str
+  drafter: str  # none | mtp | ngram | controlled
+  num_draft: int  # K; with `auto`, the largest K a pass may choose
+  auto: bool = False
+  expert_budget: ExpertBudget | None = None
+  measure_quality: bool = False
+
+
 def _bucket(n: int, minimum: int = 8) -> int:
   """Rounds up to a power of two so that nearby shapes share one compiled program."""
   return max(minimum, 1 << math.ceil(math.log2(max(n, 1))))
@@ -44,8 +64,8 @@ def _bucket(n: int, minimum: int = 8) -> int:
 def encode_prompts(prompts, tokenizer, vocab_size: int, eos_id: int) -> list[list[int]]:
   """Validates prompts (strings or token-id lists) and returns token-id lists.
 
-  A string prompt is encoded by the tokenizer and preceded by the EOS token, the document
-  boundary the model saw in training.
+  A string prompt becomes `tokenizer.prompt_ids`: after EOS, the document boundary our models
+  saw in training; framed by its own special tokens (e.g. BOS) for an imported checkpoint.
   """
   if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or len(prompts) == 0:
     raise ValueError("prompts must be a non-empty list of strings or of token-id lists")
@@ -54,7 +74,7 @@ def encode_prompts(prompts, tokenizer, vocab_size: int, eos_id: int) -> list[lis
     if isinstance(p, str):
       if not p:
         raise ValueError(f"prompts[{i}] is an empty string")
-      ids = [eos_id] + list(tokenizer.encode(p))
+      ids = list(tokenizer.prompt_ids(p))
     else:
       ids = [int(t) for t in np.asarray(p).reshape(-1)] if len(p) else []
       if not ids:
@@ -92,177 +112,308 @@ def _commit(cand_BS, n_acc_B, active_B, gen_B, eos_id: int, max_new_tokens: int)
   return n_B, active_B & (first_eos_B < n_B)
 
 
-def _generate_spec(graphdef, state, tokens_BT, lengths_B, key, *, max_new_tokens: int,
-                   cache_len: int, sampling: SamplingParams, expert_method: str, drafter: str,
-                   num_draft: int, expert_budget=None, measure_quality: bool = False):
-  """Prefill, then one `lax.while_loop` of draft K / verify K+1 / accept / roll back.
-
-  `drafter="none"` (or K = 0) is plain decoding: each pass verifies the pending token only.
-  The pending token (committed, not yet fed to the target) sits at position pos_B; a pass
-  feeds [pending, d_1..d_K] at positions [pos, pos+K] and commits a+1 tokens; the cache
-  rolls back by position only (entries beyond the committed length are rewritten before any
-  query can read them).
-  """
-  model = nnx.merge(graphdef, state)
+def _init(model, tokens_BT, lengths_B, key, draft_inputs, ls: LoopSpec):
+  """Prefill, the first token, the drafter's state and zeroed statistics: the loop's carry."""
   config = model.config
-  k_draft = 0 if drafter == "none" else num_draft
+  k_max = ls.num_draft
   batch, prompt_len = tokens_BT.shape
-  vocab, eos = config.vocab_size, config.eos_id
-  n_moe = config.n_moe_layers
-  row_keys_B = jax.random.split(key, batch)
   b_idx = jnp.arange(batch)
+  row_keys_B = jax.random.split(key, batch)
 
-  # Prefill: the prompt, then the first token from the logits at each row's last position.
-  cache = model.new_cache(batch, cache_len)
-  out = model(tokens_BT, None, cache, expert_method=expert_method)
+  cache = model.new_cache(batch, ls.cache_len)
+  out = model(tokens_BT, None, cache, expert_method=ls.expert_method)
   last_logits_BV = out.logits[b_idx, lengths_B - 1]
-  first_B = sampling_lib.sample(_row_keys(row_keys_B, 0), last_logits_BV, sampling)
-  out_BN = jnp.full((batch, max_new_tokens + k_draft + 1), -1, jnp.int32).at[:, 0].set(first_B)
-  done_B = (first_B == eos) | (max_new_tokens <= 1)
-  gen_B = jnp.ones((batch,), jnp.int32)
-  pos_B = lengths_B
+  first_B = sampling_lib.sample(_row_keys(row_keys_B, 0), last_logits_BV, ls.sampling)
+  out_BN = jnp.full((batch, ls.max_new_tokens + k_max + 1), -1, jnp.int32).at[:, 0].set(first_B)
 
   dstate = {}
-  if drafter == "ngram":
-    seq_BS = jnp.zeros((batch, cache_len + k_draft + 1), jnp.int32)
+  if ls.drafter == "ngram":
+    seq_BS = jnp.zeros((batch, ls.cache_len + k_max + 1), jnp.int32)
     seq_BS = seq_BS.at[:, :prompt_len].set(tokens_BT).at[b_idx, lengths_B].set(first_B)
     dstate = {"seq": seq_BS}
-  elif drafter == "mtp":
+  elif ls.drafter == "mtp":
     m_total = config.num_mtp_modules
     j_P = jnp.arange(prompt_len + m_total - 1, dtype=jnp.int32)
     shifted_BP = jnp.concatenate([tokens_BT[:, 1:], jnp.zeros((batch, m_total), jnp.int32)], axis=1)
     next_BP = jnp.where(j_P[None] < (lengths_B - 1)[:, None], shifted_BP, first_B[:, None])
     positions_BP = jnp.broadcast_to(jnp.arange(prompt_len, dtype=jnp.int32), (batch, prompt_len))
     h_BPD, logits_BPV, mcache = mtp_lib.fill(model, out.hidden, next_BP, positions_BP,
-                                             mtp_lib.new_cache(config, batch, cache_len),
-                                             expert_method=expert_method)
+                                             mtp_lib.new_cache(config, batch, ls.cache_len),
+                                             expert_method=ls.expert_method)
     dstate = {"cache": mcache, "h1": h_BPD[b_idx, lengths_B - 1], "logits1": logits_BPV[b_idx, lengths_B - 1]}
+  elif ls.drafter == "controlled":
+    ref_BN = jnp.maximum(draft_inputs["reference"], 0)
+    pad = ls.max_new_tokens + k_max + 1 - ref_BN.shape[1]
+    dstate = {"reference": jnp.pad(ref_BN, ((0, 0), (0, max(pad, 0))))[:, :ls.max_new_tokens + k_max + 1],
+              "acceptance": jnp.asarray(draft_inputs["acceptance"], jnp.float32)}
 
   stats = {
       "verify_passes": jnp.int32(0),
       "row_passes": jnp.float32(0),
       "accepted_tokens": jnp.float32(0),
-      "reached_K": jnp.zeros((k_draft,), jnp.float32),
-      "accepted_K": jnp.zeros((k_draft,), jnp.float32),
-      "unique_L": jnp.zeros((n_moe,), jnp.float32),
+      "reached_K": jnp.zeros((k_max,), jnp.float32),
+      "accepted_K": jnp.zeros((k_max,), jnp.float32),
+      "unique_L": jnp.zeros((config.n_moe_layers,), jnp.float32),
       "quality": jnp.zeros((3,), jnp.float32),  # top-1 agreements, KL sum, positions (budgeted)
+      "passes_by_K": jnp.zeros((k_max + 1,), jnp.float32),
+      # auto K: decayed (accepted, tried) draft counts and the current run of K = 0 passes.
+      "acceptance_evidence": jnp.zeros((2,), jnp.float32),
+      "plain_run": jnp.int32(0),
   }
+  return {"step": jnp.int32(1), "cache": out.cache, "pos": lengths_B, "pending": first_B,
+          "gen": jnp.ones((batch,), jnp.int32), "done": (first_B == config.eos_id) | (ls.max_new_tokens <= 1),
+          "out": out_BN, "dstate": dstate, "stats": stats, "row_keys": row_keys_B}
 
-  def cond(carry):
-    return ~jnp.all(carry["done"])
 
-  def body(carry):
-    step = carry["step"]
-    pos_B, pend_B, gen_B, done_B = carry["pos"], carry["pending"], carry["gen"], carry["done"]
-    dstate, stats = carry["dstate"], carry["stats"]
-    active_B = ~done_B
-    keys_B = _row_keys(row_keys_B, step)
-    split = jax.vmap(lambda k: jax.random.split(k, 2))(keys_B)
-    draft_keys_B, verify_keys_B = split[:, 0], split[:, 1]
+def _draft(model, carry, k: int, draft_keys_B, ls: LoopSpec):
+  """K drafts per row: (drafts_BK, valid_BK, q_BKV or None, dstate)."""
+  batch, vocab = carry["pos"].shape[0], model.config.vocab_size
+  dstate = carry["dstate"]
+  if k == 0:
+    return jnp.zeros((batch, 0), jnp.int32), jnp.zeros((batch, 0), jnp.bool_), None, dstate
+  if ls.drafter == "ngram":
+    drafts_BK, valid_BK = drafters_lib.ngram_propose(dstate["seq"], carry["pos"] + 1, k)
+    q_BKV = None if ls.sampling.greedy else jax.nn.one_hot(drafts_BK, vocab, dtype=jnp.float32)
+    return drafts_BK, valid_BK, q_BKV, dstate
+  if ls.drafter == "controlled":
+    drafts_BK = drafters_lib.controlled_propose(dstate["reference"], carry["gen"], draft_keys_B,
+                                                dstate["acceptance"], k, vocab)
+    return drafts_BK, jnp.ones((batch, k), jnp.bool_), None, dstate
+  keys_BK = jax.vmap(lambda key: jax.random.split(key, k))(draft_keys_B)
+  drafts_BK, q_BKV, mcache = drafters_lib.mtp_propose(
+      model, dstate["cache"], dstate["h1"], dstate["logits1"], carry["pos"] - 1, keys_BK, k,
+      ls.sampling, expert_method=ls.expert_method)
+  return drafts_BK, jnp.ones((batch, k), jnp.bool_), q_BKV, dict(dstate, cache=mcache)
 
-    # Draft.
-    q_BKV = None
-    if k_draft == 0:
-      drafts_BK = jnp.zeros((batch, 0), jnp.int32)
-      valid_BK = jnp.zeros((batch, 0), jnp.bool_)
-    elif drafter == "ngram":
-      drafts_BK, valid_BK = drafters_lib.ngram_propose(dstate["seq"], pos_B + 1, k_draft)
-      if not sampling.greedy:
-        q_BKV = jax.nn.one_hot(drafts_BK, vocab, dtype=jnp.float32)
-    else:
-      keys_BK = jax.vmap(lambda k: jax.random.split(k, k_draft))(draft_keys_B)
-      drafts_BK, q_BKV, mcache = drafters_lib.mtp_propose(
-          model, dstate["cache"], dstate["h1"], dstate["logits1"], pos_B - 1, keys_BK, k_draft,
-          sampling, expert_method=expert_method)
-      dstate = dict(dstate, cache=mcache)
-      valid_BK = jnp.ones((batch, k_draft), jnp.bool_)
 
-    # Verify K + 1 tokens in one target pass.
-    inputs_BS = jnp.concatenate([pend_B[:, None], drafts_BK], axis=1)
-    positions_BS = pos_B[:, None] + jnp.arange(k_draft + 1, dtype=jnp.int32)[None]
-    active_BS = jnp.broadcast_to(active_B[:, None], inputs_BS.shape)
-    vout = model(inputs_BS, positions_BS, carry["cache"], expert_method=expert_method,
-                 expert_budget=expert_budget, valid_BT=active_BS)
-    if sampling.greedy:
-      accept_BK, n_acc_B, next_B = rejection.verify_greedy(vout.logits, drafts_BK, valid_BK)
-    else:
-      logp_BSV = sampling_lib.filtered_logprobs(vout.logits.reshape(-1, vocab), sampling)
-      logp_BSV = logp_BSV.reshape(batch, k_draft + 1, vocab)
-      if q_BKV is None:
-        q_BKV = jnp.zeros((batch, 0, vocab), jnp.float32)
-      accept_BK, n_acc_B, next_B = rejection.verify_sampled(verify_keys_B, logp_BSV, drafts_BK,
-                                                            q_BKV, valid_BK)
+def _pass(model, carry, k: int, ls: LoopSpec):
+  """One speculative pass with K = k drafts: draft, verify k + 1 tokens, commit, roll back."""
+  config = model.config
+  vocab, eos, k_max = config.vocab_size, config.eos_id, ls.num_draft
+  step = carry["step"]
+  pos_B, pend_B, gen_B, done_B = carry["pos"], carry["pending"], carry["gen"], carry["done"]
+  batch = pos_B.shape[0]
+  b_idx = jnp.arange(batch)
+  active_B = ~done_B
+  keys_B = _row_keys(carry["row_keys"], step)
+  split = jax.vmap(lambda key: jax.random.split(key, 2))(keys_B)
+  drafts_BK, valid_BK, q_BKV, dstate = _draft(model, carry, k, split[:, 0], ls)
 
-    # Commit [d_1..d_a, y], cut at EOS and at max_new_tokens.
-    j_S = jnp.arange(k_draft + 1, dtype=jnp.int32)
-    drafts_pad_BS = jnp.concatenate([drafts_BK, jnp.zeros((batch, 1), jnp.int32)], axis=1)
-    cand_BS = jnp.where(j_S[None] < n_acc_B[:, None], drafts_pad_BS, next_B[:, None])
-    n_commit_B, hit_eos_B = _commit(cand_BS, n_acc_B, active_B, gen_B, eos, max_new_tokens)
-    write_BS = jnp.where(j_S[None] < n_commit_B[:, None], cand_BS, -1)
-    out_BN = cache_lib.write_rows(carry["out"][..., None], write_BS[..., None], gen_B)[..., 0]
-    new_gen_B = gen_B + n_commit_B
-    new_done_B = done_B | hit_eos_B | (new_gen_B >= max_new_tokens)
-    new_pos_B = jnp.where(active_B, pos_B + n_acc_B + 1, pos_B)
-    new_pend_B = jnp.where(active_B, next_B, pend_B)
+  # Verify K + 1 tokens in one target pass.
+  inputs_BS = jnp.concatenate([pend_B[:, None], drafts_BK], axis=1)
+  positions_BS = pos_B[:, None] + jnp.arange(k + 1, dtype=jnp.int32)[None]
+  active_BS = jnp.broadcast_to(active_B[:, None], inputs_BS.shape)
+  vout = model(inputs_BS, positions_BS, carry["cache"], expert_method=ls.expert_method,
+               expert_budget=ls.expert_budget, valid_BT=active_BS)
+  if ls.sampling.greedy:
+    accept_BK, n_acc_B, next_B = rejection.verify_greedy(vout.logits, drafts_BK, valid_BK)
+  else:
+    logp_BSV = sampling_lib.filtered_logprobs(vout.logits.reshape(-1, vocab), ls.sampling)
+    logp_BSV = logp_BSV.reshape(batch, k + 1, vocab)
+    if q_BKV is None:
+      q_BKV = jnp.zeros((batch, 0, vocab), jnp.float32)
+    accept_BK, n_acc_B, next_B = rejection.verify_sampled(split[:, 1], logp_BSV, drafts_BK, q_BKV, valid_BK)
 
-    # Drafter state for the next pass.
-    if drafter == "ngram" and k_draft:
-      seq_BS = cache_lib.write_rows(dstate["seq"][..., None], cand_BS[..., None], pos_B + 1)[..., 0]
-      dstate = dict(dstate, seq=seq_BS)
-    elif drafter == "mtp" and k_draft:
-      m_total = config.num_mtp_modules
-      j_T = jnp.arange(k_draft + m_total, dtype=jnp.int32)
-      base_BT = jnp.concatenate([drafts_BK, jnp.zeros((batch, m_total), jnp.int32)], axis=1)
-      next_BT = jnp.where(j_T[None] < n_acc_B[:, None], base_BT, next_B[:, None])
-      h_BSD, logits_BSV, mcache = mtp_lib.fill(model, vout.hidden, next_BT, positions_BS,
-                                               dstate["cache"], expert_method=expert_method)
-      dstate = {"cache": mcache, "h1": h_BSD[b_idx, n_acc_B], "logits1": logits_BSV[b_idx, n_acc_B]}
+  # Commit [d_1..d_a, y], cut at EOS and at max_new_tokens.
+  j_S = jnp.arange(k + 1, dtype=jnp.int32)
+  drafts_pad_BS = jnp.concatenate([drafts_BK, jnp.zeros((batch, 1), jnp.int32)], axis=1)
+  cand_BS = jnp.where(j_S[None] < n_acc_B[:, None], drafts_pad_BS, next_B[:, None])
+  n_commit_B, hit_eos_B = _commit(cand_BS, n_acc_B, active_B, gen_B, eos, ls.max_new_tokens)
+  write_BS = jnp.where(j_S[None] < n_commit_B[:, None], cand_BS, -1)
+  out_BN = cache_lib.write_rows(carry["out"][..., None], write_BS[..., None], gen_B)[..., 0]
+  new_gen_B = gen_B + n_commit_B
+  new_done_B = done_B | hit_eos_B | (new_gen_B >= ls.max_new_tokens)
+  new_pos_B = jnp.where(active_B, pos_B + n_acc_B + 1, pos_B)
+  new_pend_B = jnp.where(active_B, next_B, pend_B)
 
-    # Statistics over the active rows.
-    act = active_B.astype(jnp.float32)
-    depth_K = jnp.arange(k_draft, dtype=jnp.int32)
-    reached_BK = (depth_K[None] <= n_acc_B[:, None]) & active_B[:, None]
-    stats = dict(stats)
-    stats["verify_passes"] = stats["verify_passes"] + 1
-    stats["row_passes"] = stats["row_passes"] + jnp.sum(act)
-    stats["accepted_tokens"] = stats["accepted_tokens"] + jnp.sum(act * (n_acc_B + 1))
-    stats["reached_K"] = stats["reached_K"] + jnp.sum(reached_BK, axis=0)
-    stats["accepted_K"] = stats["accepted_K"] + jnp.sum(reached_BK & accept_BK, axis=0)
-    if measure_quality:
-      # The exact pass over the same cache: how far the budget moved the verified logits.
-      exact_logits_BSV = model(inputs_BS, positions_BS, carry["cache"], expert_method=expert_method).logits
-      used_BS = active_BS & (j_S[None] <= n_acc_B[:, None])
-      agree, kl, count = quality_lib.logit_agreement(exact_logits_BSV.reshape(-1, vocab),
-                                                     vout.logits.reshape(-1, vocab), used_BS.reshape(-1))
-      stats["quality"] = stats["quality"] + jnp.stack([agree, kl, count])
-    if n_moe:
-      stats["unique_L"] = stats["unique_L"] + _count_unique_experts(
-          vout.routing.expert_ids, active_BS, config.n_routed_experts)
-    return {"step": step + 1, "cache": vout.cache, "pos": new_pos_B, "pending": new_pend_B,
-            "gen": new_gen_B, "done": new_done_B, "out": out_BN, "dstate": dstate, "stats": stats}
+  # Drafter state for the next pass. (MTP with K = 0, possible only under auto K, skips the heads:
+  # their state goes stale and auto K does not draft with them again.)
+  if ls.drafter == "ngram":
+    seq_BS = cache_lib.write_rows(dstate["seq"][..., None], cand_BS[..., None], pos_B + 1)[..., 0]
+    dstate = dict(dstate, seq=seq_BS)
+  elif ls.drafter == "mtp" and k:
+    m_total = config.num_mtp_modules
+    j_T = jnp.arange(k + m_total, dtype=jnp.int32)
+    base_BT = jnp.concatenate([drafts_BK, jnp.zeros((batch, m_total), jnp.int32)], axis=1)
+    next_BT = jnp.where(j_T[None] < n_acc_B[:, None], base_BT, next_B[:, None])
+    h_BSD, logits_BSV, mcache = mtp_lib.fill(model, vout.hidden, next_BT, positions_BS,
+                                             dstate["cache"], expert_method=ls.expert_method)
+    dstate = {"cache": mcache, "h1": h_BSD[b_idx, n_acc_B], "logits1": logits_BSV[b_idx, n_acc_B]}
 
-  carry = {"step": jnp.int32(1), "cache": out.cache, "pos": pos_B, "pending": first_B, "gen": gen_B,
-           "done": done_B, "out": out_BN, "dstate": dstate, "stats": stats}
-  carry = jax.lax.while_loop(cond, body, carry)
-  return carry["out"][:, :max_new_tokens], carry["stats"]
+  # Statistics over the active rows.
+  stats = dict(carry["stats"])
+  act = active_B.astype(jnp.float32)
+  depth_K = jnp.arange(k, dtype=jnp.int32)
+  reached_BK = (depth_K[None] <= n_acc_B[:, None]) & active_B[:, None]
+  pad = (0, k_max - k)
+  stats["verify_passes"] = stats["verify_passes"] + 1
+  stats["row_passes"] = stats["row_passes"] + jnp.sum(act)
+  stats["accepted_tokens"] = stats["accepted_tokens"] + jnp.sum(act * (n_acc_B + 1))
+  stats["reached_K"] = stats["reached_K"] + jnp.pad(jnp.sum(reached_BK, axis=0).astype(jnp.float32), pad)
+  stats["accepted_K"] = stats["accepted_K"] + jnp.pad(
+      jnp.sum(reached_BK & accept_BK, axis=0).astype(jnp.float32), pad)
+  stats["passes_by_K"] = stats["passes_by_K"].at[k].add(1.0)
+  if k:
+    tried = jnp.sum(reached_BK & valid_BK).astype(jnp.float32)
+    accepted = jnp.sum(reached_BK & accept_BK).astype(jnp.float32)
+    stats["acceptance_evidence"] = (auto_draft.EVIDENCE_DECAY * stats["acceptance_evidence"]
+                                    + jnp.stack([accepted, tried]))
+    stats["plain_run"] = jnp.int32(0)
+  else:
+    stats["plain_run"] = stats["plain_run"] + 1
+  if ls.measure_quality:
+    # The exact pass over the same cache: how far the budget moved the verified logits.
+    exact_logits_BSV = model(inputs_BS, positions_BS, carry["cache"], expert_method=ls.expert_method).logits
+    used_BS = active_BS & (j_S[None] <= n_acc_B[:, None])
+    agree, kl, count = quality_lib.logit_agreement(exact_logits_BSV.reshape(-1, vocab),
+                                                   vout.logits.reshape(-1, vocab), used_BS.reshape(-1))
+    stats["quality"] = stats["quality"] + jnp.stack([agree, kl, count])
+  if config.n_moe_layers:
+    stats["unique_L"] = stats["unique_L"] + _count_unique_experts(
+        vout.routing.expert_ids, active_BS, config.n_routed_experts)
+  return dict(carry, step=step + 1, cache=vout.cache, pos=new_pos_B, pending=new_pend_B, gen=new_gen_B,
+              done=new_done_B, out=out_BN, dstate=dstate, stats=stats)
+
+
+def _run_passes(model, carry, k: int, run_k, n_passes, ls: LoopSpec):
+  """Up to `n_passes` passes with K = k when `run_k == k` (none otherwise), stopping early
+  when every row is done."""
+  def cond(state):
+    c, i = state
+    return (run_k == k) & (i < n_passes) & ~jnp.all(c["done"])
+
+  def body(state):
+    c, i = state
+    return _pass(model, c, k, ls), i + 1
+
+  return jax.lax.while_loop(cond, body, (carry, jnp.int32(0)))[0]
+
+
+def _auto_segment(model, carry, step_ms_K, ls: LoopSpec):
+  """A few passes at the K the cost model chooses from the running acceptance estimate.
+
+  One inner `while_loop` per K, in sequence, of which only the chosen one iterates: unlike a
+  `lax.switch`, whose branches copy the carry (the KV caches included) on this backend, loops
+  update the state in place.
+  """
+  stats = carry["stats"]
+  k, n_passes = auto_draft.choose_k(stats["acceptance_evidence"], stats["plain_run"], step_ms_K,
+                                    explore=ls.drafter != "mtp")
+  for kk in range(ls.num_draft + 1):
+    carry = _run_passes(model, carry, kk, k, n_passes, ls)
+  return carry
+
+
+def _generate_spec(graphdef, state, tokens_BT, lengths_B, key, draft_inputs, step_ms_K, *, ls: LoopSpec):
+  """Prefill, then one `lax.while_loop` of passes; returns (tokens_BN, raw statistics)."""
+  model = nnx.merge(graphdef, state)
+  carry = _init(model, tokens_BT, lengths_B, key, draft_inputs, ls)
+  if ls.auto:
+    body = lambda c: _auto_segment(model, c, step_ms_K, ls)
+  else:
+    body = lambda c: _pass(model, c, ls.num_draft if ls.drafter != "none" else 0, ls)
+  carry = jax.lax.while_loop(lambda c: ~jnp.all(c["done"]), body, carry)
+  return carry["out"][:, :ls.max_new_tokens], carry["stats"]
 
 
 _COMPILED: dict[Any, Any] = {}
 
 
-def _compiled(fn, statics: dict, *args):
-  """AOT-compiles `fn` once per (statics, argument shapes) so timing excludes compilation."""
-  sig = (fn.__name__, tuple(sorted(statics.items())), args[0],
-         tuple((a.shape, a.dtype) for a in jax.tree.leaves(args[1:])))
+def forget_compiled(keep=frozenset()) -> None:
+  """Drops the compiled programs whose signatures are not in `keep` (a set of earlier
+  `compiled_signatures()`): a sweep over dozens of programs does not fit in memory otherwise."""
+  for sig in set(_COMPILED) - set(keep):
+    del _COMPILED[sig]
+  jax.clear_caches()
+
+
+def compiled_signatures() -> frozenset:
+  return frozenset(_COMPILED)
+
+
+def _signature(fn, ls: LoopSpec, graphdef, *args):
+  return (fn.__name__, ls, graphdef, tuple((a.shape, a.dtype) for a in jax.tree.leaves(args)))
+
+
+def _compiled(fn, ls: LoopSpec, *args, donate_argnums=()):
+  """AOT-compiles `fn` once per (LoopSpec, argument shapes) so timing excludes compilation."""
+  sig = _signature(fn, ls, *args)
   if sig not in _COMPILED:
-    jitted = jax.jit(fn, static_argnums=(0,), static_argnames=tuple(statics))
-    _COMPILED[sig] = jitted.lower(*args, **statics).compile()
+    jitted = jax.jit(fn, static_argnums=(0,), static_argnames=("ls",), donate_argnums=donate_argnums)
+    _COMPILED[sig] = jitted.lower(*args, ls=ls).compile()
   return _COMPILED[sig]
 
 
-def generate(model, prompts, max_new_tokens: int = 64, sampling: SamplingParams | None = None,
-             spec: SpecParams | None = None, seed: int = 0) -> GenerateOutput:
-  """Generates `max_new_tokens` tokens per prompt (fewer where a row emits EOS: -1 after it)."""
+def _init_program(graphdef, state, tokens_BT, lengths_B, key, draft_inputs, *, ls: LoopSpec):
+  return _init(nnx.merge(graphdef, state), tokens_BT, lengths_B, key, draft_inputs, ls)
+
+
+def _passes_program(graphdef, state, carry, k, *, ls: LoopSpec):
+  """CALIBRATION_PASSES passes with K = k from the same positions (the cache keeps changing)."""
+  model = nnx.merge(graphdef, state)
+  start = {name: carry[name] for name in ("pos", "pending", "gen", "done")}
+  for kk in range(ls.num_draft + 1):
+    carry = jax.lax.fori_loop(0, jnp.where(k == kk, CALIBRATION_PASSES, 0),
+                              lambda _, c, kk=kk: dict(_pass(model, c, kk, ls), **start), carry)
+  return carry
+
+
+CALIBRATION_PASSES = 8
+_CALIBRATED: dict[Any, np.ndarray] = {}
+
+
+def measure_step_ms(ls: LoopSpec, args, repeats: int = 7) -> np.ndarray:
+  """Median time (ms) of one pass for each K in 0..ls.num_draft.
+
+  One pass is what the loop runs per iteration (draft K, verify K + 1, drafter upkeep),
+  timed in a compiled loop of CALIBRATION_PASSES passes (so that call overhead is not
+  counted) from the carry after the real prefill of these prompts, K values interleaved.
+  """
+  graphdef, state = args[0], args[1]
+  carry0 = jax.block_until_ready(_compiled(_init_program, ls, *args)(*args[1:]))
+  run = _compiled(_passes_program, ls, graphdef, state, carry0, jnp.int32(0), donate_argnums=(2,))
+  times_KR = np.zeros((ls.num_draft + 1, repeats))
+  for r in range(-1, repeats):  # r = -1: warm-up
+    for k in range(ls.num_draft + 1):
+      carry = jax.block_until_ready(jax.tree.map(jnp.copy, carry0))
+      k_arr = jnp.int32(k)
+      start = time.perf_counter()
+      jax.block_until_ready(run(state, carry, k_arr))
+      if r >= 0:
+        times_KR[k, r] = (time.perf_counter() - start) * 1e3 / CALIBRATION_PASSES
+  return np.median(times_KR, axis=1)
+
+
+def calibrate_step_ms(ls: LoopSpec, args) -> np.ndarray:
+  """`measure_step_ms` smoothed and made non-decreasing in K (`auto_draft.smooth_step_times`),
+  once per program (cached, like compilation)."""
+  sig = _signature(_generate_spec, ls, *args)
+  if sig not in _CALIBRATED:
+    _CALIBRATED[sig] = auto_draft.smooth_step_times(measure_step_ms(ls, args)).astype(np.float32)
+  return _CALIBRATED[sig]
+
+
+def _check_controlled(spec: SpecParams, sampling: SamplingParams, reference_tokens, n_rows: int,
+                      max_new_tokens: int):
+  if spec.drafter != "controlled":
+    if reference_tokens is not None:
+      raise ValueError("reference_tokens is used by drafter='controlled' only")
+    return None
+  if not sampling.greedy:
+    raise ValueError("drafter='controlled' needs greedy sampling (temperature 0): its acceptance is "
+                     "geometric in controlled_acceptance only against the target's greedy tokens")
+  if reference_tokens is None:
+    raise ValueError("drafter='controlled' needs reference_tokens: the plain greedy output "
+                     "(generate(...).tokens) for the same prompts")
+  ref = np.asarray(reference_tokens)
+  if ref.ndim != 2 or ref.shape[0] != n_rows or ref.shape[1] < max_new_tokens or not np.issubdtype(ref.dtype, np.integer):
+    raise ValueError(f"reference_tokens must be an int array [{n_rows}, >= {max_new_tokens}], got "
+                     f"shape {ref.shape} and dtype {ref.dtype}")
+  return ref[:, :max_new_tokens].astype(np.int32)
+
+
+def _prepare(model, prompts, max_new_tokens, sampling, spec, seed, reference_tokens):
+  """Validates a generate() call; returns its LoopSpec and the compiled program's arguments."""
   sampling = SamplingParams() if sampling is None else sampling
   spec = SpecParams() if spec is None else spec
   if not isinstance(sampling, SamplingParams):
@@ -274,11 +425,13 @@ def generate(model, prompts, max_new_tokens: int = 64, sampling: SamplingParams 
   if not isinstance(seed, (int, np.integer)):
     raise ValueError(f"seed must be an int, got {seed!r}")
   config = model.config
-  k_draft = 0 if spec.drafter == "none" else spec.num_draft
+  auto = spec.num_draft == "auto"
+  k_draft = 0 if spec.drafter == "none" else (spec.max_draft if auto else spec.num_draft)
   if spec.drafter == "mtp" and config.num_mtp_modules == 0:
     raise ValueError("drafter 'mtp' needs MTP heads, but the model has num_mtp_modules=0 "
                      "(train them with experiments.train_mtp, or use drafter='ngram' or 'none')")
   ids = encode_prompts(prompts, model.tokenizer, config.vocab_size, config.eos_id)
+  reference = _check_controlled(spec, sampling, reference_tokens, len(ids), int(max_new_tokens))
   lengths = np.array([len(p) for p in ids], np.int32)
   longest = int(lengths.max())
   if longest + max_new_tokens + k_draft > config.max_seq_len:
@@ -292,25 +445,61 @@ def generate(model, prompts, max_new_tokens: int = 64, sampling: SamplingParams 
   for i, p in enumerate(ids):
     tokens[i, :len(p)] = p
 
-  expert_method = model.expert_method(spec.kernel)
-  drafter = spec.drafter if k_draft else "none"
   budget = resolve_budget(spec, config)
-  statics = dict(max_new_tokens=int(max_new_tokens), cache_len=cache_len, sampling=sampling,
-                 expert_method=expert_method, drafter=drafter, num_draft=k_draft,
-                 expert_budget=budget, measure_quality=bool(spec.measure_quality and budget is not None))
-  args = (model.graphdef, model.state, jnp.asarray(tokens), jnp.asarray(lengths),
-          jax.random.key(int(seed)))
-  fn = _compiled(_generate_spec, statics, *args)
+  ls = LoopSpec(max_new_tokens=int(max_new_tokens), cache_len=cache_len, sampling=sampling,
+                expert_method=model.expert_method(spec.kernel), drafter=spec.drafter if k_draft else "none",
+                num_draft=k_draft, auto=auto and k_draft > 0, expert_budget=budget,
+                measure_quality=bool(spec.measure_quality and budget is not None))
+  draft_inputs = {}
+  if reference is not None:
+    draft_inputs = {"reference": jnp.asarray(reference),
+                    "acceptance": jnp.float32(spec.controlled_acceptance)}
+  args = (model.graphdef, model.state, jnp.asarray(tokens), jnp.asarray(lengths), jax.random.key(int(seed)),
+          draft_inputs)
+  return spec, ls, args
+
+
+def generate(model, prompts, max_new_tokens: int = 64, sampling: SamplingParams | None = None,
+             spec: SpecParams | None = None, seed: int = 0, reference_tokens=None) -> GenerateOutput:
+  """Generates `max_new_tokens` tokens per prompt (fewer where a row emits EOS: -1 after it).
+
+  `reference_tokens` (drafter='controlled' only): the plain greedy output for these prompts,
+  which the controlled drafter proposes with probability `spec.controlled_acceptance`.
+  With num_draft='auto', the first call for a program also measures its per-K pass times
+  (`calibrate_step_ms`; seconds, like compilation, and excluded from the timing).
+  """
+  spec, ls, args = _prepare(model, prompts, max_new_tokens, sampling, spec, seed, reference_tokens)
+  step_ms_K = calibrate_step_ms(ls, args) if ls.auto else np.zeros((ls.num_draft + 1,), np.float32)
+  args = args + (jnp.asarray(step_ms_K, jnp.float32),)
+  fn = _compiled(_generate_spec, ls, *args)
   start = time.perf_counter()
   tokens_BN, raw = fn(*args[1:])
   tokens_BN = np.asarray(jax.block_until_ready(tokens_BN))
   seconds = time.perf_counter() - start
+  return GenerateOutput(tokens=tokens_BN, stats=_stats(raw, tokens_BN, seconds, spec, ls, step_ms_K))
 
+
+def step_times_ms(model, prompts, max_new_tokens: int = 64, sampling: SamplingParams | None = None,
+                  spec: SpecParams | None = None, reference_tokens=None, repeats: int = 7) -> np.ndarray:
+  """Measured time (ms) of one loop pass for each K in 0..K of `spec` (raw medians, not smoothed).
+
+  What `num_draft='auto'` calibrates with (there made non-decreasing); the cost-model
+  validation's measured verification time per pass size n = K + 1.
+  """
+  spec = SpecParams() if spec is None else spec
+  if spec.num_draft == "auto":
+    spec = dataclasses.replace(spec, num_draft=spec.max_draft)
+  _, ls, args = _prepare(model, prompts, max_new_tokens, sampling, spec, 0, reference_tokens)
+  return measure_step_ms(ls, args, repeats)
+
+
+def _stats(raw, tokens_BN, seconds: float, spec: SpecParams, ls: LoopSpec, step_ms_K) -> dict[str, Any]:
   raw = jax.tree.map(np.asarray, raw)
   verify_passes = int(raw["verify_passes"])
   row_passes = float(raw["row_passes"])
   generated = int(np.sum(tokens_BN >= 0))
   reached = raw["reached_K"]
+  budget = ls.expert_budget
   stats = {
       "passes": verify_passes + 1,  # the prefill pass included
       "verify_passes": verify_passes,
@@ -325,20 +514,28 @@ def generate(model, prompts, max_new_tokens: int = 64, sampling: SamplingParams 
       # Distinct experts per MoE layer among the verified tokens of the active rows, per pass.
       "unique_experts_per_pass": (raw["unique_L"] / max(verify_passes, 1)).tolist(),
       "drafter": spec.drafter,
-      "num_draft": k_draft,
-      "expert_method": expert_method,
+      "num_draft": "auto" if ls.auto else ls.num_draft,
+      "expert_method": ls.expert_method,
       "mode": spec.mode,
       "approximate": budget is not None,
       "expert_budget": None if budget is None else budget.budget,
   }
+  if ls.auto:
+    by_k = raw["passes_by_K"]
+    stats["max_draft"] = ls.num_draft
+    stats["passes_by_num_draft"] = [int(c) for c in by_k]
+    # The K auto chose most often, and the mean K over passes.
+    stats["chosen_num_draft"] = int(np.argmax(by_k))
+    stats["mean_num_draft"] = float(np.sum(np.arange(by_k.size) * by_k) / max(by_k.sum(), 1))
+    stats["calibrated_step_ms"] = [float(t) for t in step_ms_K]
   if budget is not None:
     stats["budget_policy"], stats["budget_scope"] = budget.policy, budget.scope
-  if statics["measure_quality"]:
+  if ls.measure_quality:
     agree, kl, count = (float(x) for x in raw["quality"])
     stats["top1_agreement"] = agree / count if count else float("nan")
     stats["mean_kl"] = kl / count if count else float("nan")
     stats["quality_positions"] = int(count)
-  return GenerateOutput(tokens=tokens_BN, stats=stats)
+  return stats
 
 
 def resolve_budget(spec: SpecParams, config) -> ExpertBudget | None:

@@ -6,8 +6,10 @@ import dataclasses
 
 from moespec_jax.model.budget import ExpertBudget
 
-DRAFTERS = ("none", "mtp", "ngram")
-AVAILABLE_DRAFTERS = ("none", "mtp", "ngram")
+# `controlled` is a research drafter: it proposes the target's own greedy token with probability
+# `controlled_acceptance` (else another token), for cost-model validation; see generate().
+DRAFTERS = ("none", "mtp", "ngram", "controlled")
+AVAILABLE_DRAFTERS = DRAFTERS
 MODES = ("exact", "budgeted")
 KERNELS = ("auto", "dedup", "per_slot", "xla")
 
@@ -35,10 +37,16 @@ class SamplingParams:
 
 @dataclasses.dataclass(frozen=True)
 class SpecParams:
-  """How to draft and verify. `drafter="none"` is plain decoding through the same loop."""
+  """How to draft and verify. `drafter="none"` is plain decoding through the same loop.
+
+  num_draft: K, or "auto": each pass chooses K in 0..max_draft with the cost model from the
+  running acceptance estimate (decoding/auto_draft.py; K = 0 where speculation does not pay).
+  """
 
   drafter: str = "none"
-  num_draft: int = 3
+  num_draft: int | str = 3
+  max_draft: int = 8
+  controlled_acceptance: float = 0.5
   mode: str = "exact"
   expert_budget: int | None = None
   kernel: str = "auto"
@@ -68,5 +76,11 @@ class SpecParams:
       raise ValueError("measure_quality applies to mode='budgeted' only")
     if self.kernel not in KERNELS:
       raise ValueError(f"kernel must be one of {KERNELS}, got {self.kernel!r}")
-    if not isinstance(self.num_draft, int) or self.num_draft < 0:
-      raise ValueError(f"num_draft must be an int >= 0, got {self.num_draft!r}")
+    if self.num_draft != "auto" and (isinstance(self.num_draft, bool) or not isinstance(self.num_draft, int)
+                                     or self.num_draft < 0):
+      raise ValueError(f"num_draft must be an int >= 0 or 'auto', got {self.num_draft!r}")
+    if isinstance(self.max_draft, bool) or not isinstance(self.max_draft, int) or not 1 <= self.max_draft <= 16:
+      raise ValueError(f"max_draft (the largest K of num_draft='auto') must be an int in [1, 16], "
+                       f"got {self.max_draft!r}")
+    if not isinstance(self.controlled_acceptance, (int, float)) or not 0.0 <= self.controlled_acceptance <= 1.0:
+      raise ValueError(f"controlled_acceptance must be in [0, 1], got {self.controlled_acceptance!r}")

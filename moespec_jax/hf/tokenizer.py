@@ -30,6 +30,14 @@ class PretrainedTokenizer(tokenizer_lib.BpeTokenizer):
     added = hf_tokenizer.get_added_tokens_decoder()
     self._special = {int(i) for i, t in added.items() if t.special} | {self.eos_id, self.bos_id}
 
+  def prompt_ids(self, text: str) -> list[int]:
+    """A generation prompt as the checkpoint's tokenizer frames one (its post-processor's
+    special tokens, e.g. BOS for Mixtral and DeepSeek, none for Qwen), as transformers'
+    `tokenizer(text)` does."""
+    if not isinstance(text, str):
+      raise ValueError(f"text must be a str, got {type(text).__name__}")
+    return self._tok.encode(text, add_special_tokens=True).ids
+
   def save(self, directory) -> pathlib.Path:
     """Writes `directory/tokenizer.json` and `directory/tokenizer_meta.json`."""
     directory = pathlib.Path(directory)
@@ -66,7 +74,7 @@ class MissingTokenizer:
     raise ValueError(f"the model at {self.source} has no tokenizer.json: pass prompts as token-id "
                      "lists, or add the model's tokenizer.json to its directory")
 
-  encode = decode = encode_corpus = token_byte_lengths = _fail
+  encode = prompt_ids = decode = encode_corpus = token_byte_lengths = _fail
 
   def save(self, directory) -> pathlib.Path:
     directory = pathlib.Path(directory)

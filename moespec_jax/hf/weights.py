@@ -246,3 +246,31 @@ def map_mtp(src: TensorSource, config: ModelConfig, spec: ImportSpec, dtype) -> 
       node[path[-1]] = np.asarray(value).astype(dtype)
     out.append(nested)
   return out
+
+
+def mtp_module_params(layer: dict, config: ModelConfig, abstract: dict) -> dict:
+  """One DeepSeek-V3 MTP layer (`map_mtp` naming) as an `MTPModule` pure dict.
+
+  DeepSeek-V3 projects cat[enorm(embedding), hnorm(hidden)]; MTPModule projects
+  cat[hidden_norm(hidden), embed_norm(embedding)], so the two halves of eh_proj swap.
+  """
+  d = config.d_model
+  eh_2DD = np.asarray(layer["eh_proj_2DD"])
+  flat = {("hidden_norm", "weight"): layer["hnorm"]["weight"], ("embed_norm", "weight"): layer["enorm"]["weight"],
+          ("w_proj_CD",): np.concatenate([eh_2DD[d:], eh_2DD[:d]], axis=0),
+          ("head_norm", "weight"): layer["head_norm"]["weight"]}
+  if config.mtp_own_head:
+    flat[("head_DV",)] = layer["head_DV"]
+
+  def walk(node, path=()):
+    for key, value in node.items():
+      if isinstance(value, dict):
+        walk(value, path + (key,))
+      else:
+        flat[("block",) + path + (key,)] = value
+
+  walk(layer["block"])
+  pure = _fill(abstract, flat)
+  if flat:
+    raise ValueError(f"Hugging Face import: MTP tensors without a parameter: {sorted(flat)[:5]}")
+  return pure

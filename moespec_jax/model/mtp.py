@@ -54,6 +54,17 @@ class MTPModule(nnx.Module):
     # MoE block when the target has MoE layers (layer index n_layers is MoE iff any layer is).
     layer = config.n_layers if config.n_moe_layers else 0
     self.block = Block(config, layer, rngs=rngs, dtype=dtype)
+    # Imported DeepSeek-V3 layers: their own norm (and maybe head) before the logits.
+    self.head_norm = RMSNorm(d, config.norm_eps) if config.mtp_head_norm else None
+    self.head_DV = (nnx.Param(fan_in_init(d)(rngs.params(), (d, config.vocab_size), dtype))
+                    if config.mtp_own_head else None)
+
+  def logits(self, model, h_BTD):
+    """Output logits of the module's hidden state (the target's head unless it has its own)."""
+    normed_BTD = self.head_norm(h_BTD) if self.head_norm is not None else model.final_norm(h_BTD)
+    if self.head_DV is None:
+      return model.head(normed_BTD)
+    return jnp.einsum("btd,dv->btv", normed_BTD, self.head_DV[...])
 
   def __call__(self, hidden_BTD, next_emb_BTD, positions_BT, rope, layer_cache, *, expert_method):
     """Returns (h_BTD, new layer cache, routing)."""
@@ -63,9 +74,12 @@ class MTPModule(nnx.Module):
 
 
 def new_cache(config: ModelConfig, batch: int, max_len: int) -> KVCache:
-  """One cache layer per MTP module."""
-  return KVCache.zeros(config.num_mtp_modules, batch, max_len, config.n_kv_heads, config.head_dim,
-                       jnp.dtype(config.dtype))
+  """One cache layer per MTP module, shaped like the target's (MLA: latent and rope key)."""
+  heads, key_dim, value_dim = config.cache_dims
+  dtype = jnp.dtype(config.dtype)
+  n = config.num_mtp_modules
+  return KVCache(keys=tuple(jnp.zeros((batch, max_len, heads, key_dim), dtype) for _ in range(n)),
+                 values=tuple(jnp.zeros((batch, max_len, heads, value_dim), dtype) for _ in range(n)))
 
 
 def module_for_depth(depth: int, num_modules: int) -> tuple[int, int]:
@@ -83,7 +97,7 @@ def run_module(model, m: int, hidden_BTD, next_tokens_BT, positions_BT, cache: K
   layer_cache = None if cache is None else (cache.keys[m], cache.values[m])
   h_BTD, layer_new, _ = model.mtp[m](hidden_BTD, emb_BTD, positions_BT, rope, layer_cache,
                                      expert_method=expert_method)
-  logits_BTV = model.head(model.final_norm(h_BTD))
+  logits_BTV = model.mtp[m].logits(model, h_BTD)
   if cache is not None:
     cache = KVCache(keys=cache.keys[:m] + (layer_new[0],) + cache.keys[m + 1:],
                     values=cache.values[:m] + (layer_new[1],) + cache.values[m + 1:])

@@ -11,6 +11,9 @@ torch = pytest.importorskip("torch", reason="the HF parity tests need torch (dev
 transformers = pytest.importorskip("transformers", reason="the HF parity tests need transformers (dev extra)")
 
 import moespec_jax as msj  # noqa: E402
+from flax import nnx  # noqa: E402
+from moespec_jax.model import mtp as mtp_lib  # noqa: E402
+from moespec_jax.model.layers import rope_tables  # noqa: E402
 from moespec_jax import hf  # noqa: E402
 from moespec_jax.hf import tiny_families  # noqa: E402
 
@@ -151,6 +154,18 @@ def test_tokenizer_json_and_missing_tokenizer(pairs, tmp_path):
   again = msj.Model.load(saved)
   assert again.tokenizer.encode(text) == ids
   np.testing.assert_array_equal(np.asarray(again.forward([ids])), np.asarray(loaded.forward([ids])))
+  # A string prompt is framed as the checkpoint's tokenizer frames it (as transformers'
+  # tokenizer(text) does): no special token here; a BOS where its post-processor adds one.
+  assert loaded.tokenizer.prompt_ids(text) == ids
+  from tokenizers import processors
+  bos = tok.token_to_id("<|endoftext|>")
+  tok.post_processor = processors.TemplateProcessing(single="<|endoftext|> $A",
+                                                     special_tokens=[("<|endoftext|>", bos)])
+  tok.save(str(with_tok / "tokenizer.json"))
+  framed = msj.Model.load(with_tok)
+  assert framed.tokenizer.prompt_ids(text) == [bos] + ids
+  out = msj.generate(framed, [text], max_new_tokens=3)
+  np.testing.assert_array_equal(out.tokens, msj.generate(framed, [[bos] + ids], max_new_tokens=3).tokens)
 
 
 
@@ -197,3 +212,35 @@ def test_deepseek_v3_mtp_layer_is_loaded(pairs, tmp_path):
   block = jax.tree.map(np.shape, layer["block"])
   assert block["attn"]["w_kv_DC"] == (d, c.kv_lora_rank) and "w_router_DE" in block["ffn"]
   np.testing.assert_array_equal(np.asarray(loaded.forward(_tokens())), np.asarray(model.forward(_tokens())))
+
+  # The layer is the model's MTP drafter module, with its own norm and (here, differing) head.
+  lc = loaded.config
+  assert (lc.num_mtp_modules, lc.mtp_head_norm, lc.mtp_own_head) == (1, True, True)
+  pure = nnx.to_pure_dict(loaded.state)
+  for a, b in zip(jax.tree.leaves(pure["mtp"][0]["block"]), jax.tree.leaves(pure["layers"][c.n_layers - 1])):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  # Depth-1 logits against DeepSeek-V3's formula written from the raw tensors:
+  # head(norm(Block(eh_proj(cat[enorm(emb(t_{i+1})), hnorm(h_i)])))), h the target's final hidden.
+  tokens = _tokens(batch=1, seed=3)
+  target = loaded.forward_full(tokens)
+  (got,) = mtp_lib.forward_train(loaded.module(), target.hidden, jnp.asarray(tokens), 1)
+
+  def rms(x):
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + c.norm_eps)
+
+  emb = tensors["model.embed_tokens.weight"][tokens[0, 1:]]
+  h = np.asarray(target.hidden)[0, :-1]
+  x = np.concatenate([rms(emb), rms(h)], axis=-1) @ tensors[mtp + "eh_proj.weight"].T
+  module = loaded.module()
+  n = x.shape[0]
+  positions = jnp.arange(n, dtype=jnp.int32)[None]
+  rope = rope_tables(positions, c.head_dim, c.rope_theta)
+  y, _, _ = module.layers[c.n_layers - 1](jnp.asarray(x[None], jnp.float32), positions, rope, None,
+                                          expert_method="xla")
+  want = rms(np.asarray(y)[0]) @ tensors[mtp + "shared_head.head.weight"].T
+  np.testing.assert_allclose(np.asarray(got)[0], want[:n - 1], atol=1e-4, rtol=1e-4)
+  # Usable by the mtp drafter: greedy speculation reproduces plain greedy decoding.
+  prompts = [list(range(3, 19)), list(range(40, 52))]
+  plain = msj.generate(loaded, prompts, max_new_tokens=12).tokens
+  spec = msj.generate(loaded, prompts, max_new_tokens=12, spec=msj.SpecParams(drafter="mtp", num_draft=2))
+  np.testing.assert_array_equal(spec.tokens, plain)

@@ -1,0 +1,52 @@
+"""The bytes/bandwidth cost model against measurements on the trained model: best draft length
+per acceptance rate (controlled drafter, K = 0..8), verification time per pass size, the
+dedup/per-slot crossover, and num_draft='auto' against plain decoding and the best fixed K.
+
+  python -m experiments.cost_model --workdir=runs/cost_model [--quick] [--model=PATH] \
+      [--n_alphas=21] [--max_k=8] [--repeats=3] [--max_new_tokens=128]
+
+Writes `workdir/metrics.json` (key `cost_model`), `staircase.png`, `verify_time.png` and
+`unique_experts.png`. Batch 1, greedy (the controlled drafter's acceptance is geometric only
+against greedy verification).
+"""
+
+import numpy as np
+from absl import flags
+
+from moespec_jax import cli
+from moespec_jax.analysis import cost_validation
+from moespec_jax.api import Model
+
+_WORKDIR = flags.DEFINE_string("workdir", "runs/cost_model", "Where metrics.json and the plots go.")
+_MODEL = flags.DEFINE_string("model", None, "Model directory (default: the default trained model).")
+_QUICK = flags.DEFINE_bool("quick", False, "A small run (5 acceptance rates, K <= 2, short outputs).")
+_N_ALPHAS = flags.DEFINE_integer("n_alphas", 21, "Acceptance rates, evenly spaced in [0, 1].")
+_MAX_K = flags.DEFINE_integer("max_k", 8, "Largest draft length K.")
+_REPEATS = flags.DEFINE_integer("repeats", 3, "Paired plain/speculative runs per (a, K) (median).")
+_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 128, "Tokens generated per run.")
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise ValueError(f"unexpected arguments: {argv[1:]}")
+  if _N_ALPHAS.value < 2:
+    raise ValueError(f"--n_alphas must be >= 2, got {_N_ALPHAS.value}")
+  if _MODEL.value:
+    model = Model.load(_MODEL.value)
+  else:
+    from moespec_jax.default_model import ensure_default_model
+    model = ensure_default_model()
+  if _QUICK.value:
+    cfg = cost_validation.CostValidationConfig(
+        alphas=(0.0, 0.25, 0.5, 0.75, 1.0), max_k=2, max_new_tokens=16, repeats=1, kernel_n=(1, 2, 4),
+        kernel_repeats=2, crossover_windows=2, trace_segments=4, auto_alphas=(0.0, 1.0), auto_repeats=1,
+        real_drafters=("ngram",))
+  else:
+    alphas = tuple(float(a) for a in np.round(np.linspace(0.0, 1.0, _N_ALPHAS.value), 3))
+    cfg = cost_validation.CostValidationConfig(alphas=alphas, max_k=_MAX_K.value, repeats=_REPEATS.value,
+                                               max_new_tokens=_MAX_NEW.value)
+  cost_validation.run_cost_model(model, _WORKDIR.value, cfg)
+
+
+if __name__ == "__main__":
+  cli.run(main)

@@ -1,0 +1,439 @@
+"""The cost model against measurements on the trained model (experiments/cost_model.py).
+
+Prediction (the bytes/bandwidth model of analysis/cost_model.py, batch 1):
+  T_verify(n) = fixed + sum over MoE layers of fit[method(n)].time(bytes(n)),
+  with each kernel's effective bandwidth and fixed time fitted on single-layer expert runs
+  (uniform random routing, this model's expert shape), bytes(n) from the unique experts the
+  model's own routing traces show for n consecutive tokens, and `fixed` (everything but the
+  routed experts) from one measured plain pass: fixed = T_measured(1) - expert time(1).
+Measurement:
+  - T_verify(n): one loop pass with K = n - 1 (`decoding.loop.step_times_ms`) with the
+    controlled drafter, whose drafting costs next to nothing;
+  - speedup(a, K): tokens/s of the controlled drafter (acceptance a, greedy, so exactly
+    geometric) over plain decoding, runs alternating on the same prompts;
+  - the crossover: dedup vs per-slot single-layer times on windows of the traces' real routing.
+Then best K per a predicted vs measured, and num_draft='auto' against plain and the best
+fixed K, with the controlled drafter and with the model's real drafters.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import pathlib
+import statistics
+import time
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import moespec_jax as msj
+import pallas_kernels
+from moespec_jax import cli
+from moespec_jax.analysis import cost_model, routing, routing_report, traces
+from moespec_jax.data import corpus
+from moespec_jax.decoding import loop
+from moespec_jax.io import atomic
+from pallas_kernels import bytes as kbytes
+
+FITTED_METHODS = ("dedup", "per_slot")
+
+
+@dataclasses.dataclass(frozen=True)
+class CostValidationConfig:
+  alphas: tuple[float, ...] = tuple(float(a) for a in np.round(np.linspace(0.0, 1.0, 21), 3))
+  max_k: int = 8
+  max_new_tokens: int = 128
+  repeats: int = 3
+  kernel_n: tuple[int, ...] = tuple(range(1, 17))
+  kernel_repeats: int = 9
+  crossover_windows: int = 8
+  trace_segments: int = 32
+  auto_alphas: tuple[float, ...] = (0.0, 0.2, 0.4, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
+  auto_repeats: int = 9
+  real_drafters: tuple[str, ...] = ("mtp", "ngram")
+  prompt_bytes: int = 192
+  seed: int = 0
+
+  def __post_init__(self):
+    if not self.alphas or any(not 0.0 <= a <= 1.0 for a in self.alphas):
+      raise ValueError(f"alphas must be acceptance rates in [0, 1], got {self.alphas}")
+    if any(not 0.0 <= a <= 1.0 for a in self.auto_alphas):
+      raise ValueError(f"auto_alphas must be in [0, 1], got {self.auto_alphas}")
+    if not 1 <= self.max_k <= 16:
+      raise ValueError(f"max_k must be in [1, 16], got {self.max_k}")
+    if min(self.repeats, self.kernel_repeats, self.auto_repeats) < 1:
+      raise ValueError("repeats, kernel_repeats and auto_repeats must be >= 1")
+    if not self.kernel_n or min(self.kernel_n) < 1 or len(set(self.kernel_n)) < 2:
+      raise ValueError(f"kernel_n needs at least two distinct pass sizes >= 1, got {self.kernel_n}")
+    bad = [d for d in self.real_drafters if d not in ("mtp", "ngram")]
+    if bad:
+      raise ValueError(f"real_drafters must be among mtp, ngram; got {bad}")
+
+
+# Single-layer expert timings ------------------------------------------------------------------
+def median_time_ms(fn, args, repeats: int) -> float:
+  """Median wall time (ms) of `fn(*args)` after one warm-up call."""
+  jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - start)
+  return float(np.median(times)) * 1e3
+
+
+def _layer_weights(config, seed: int):
+  d, f, e = config.d_model, config.expert_hidden, config.n_routed_experts
+  keys = jax.random.split(jax.random.key(seed), 3)
+  return (jax.random.normal(keys[0], (e, d, f)) / np.sqrt(d), jax.random.normal(keys[1], (e, d, f)) / np.sqrt(d),
+          jax.random.normal(keys[2], (e, f, d)) / np.sqrt(f))
+
+
+def _layer_fns():
+  return {m: jax.jit(lambda *a, m=m: pallas_kernels.expert_ffn(*a, method=m)) for m in FITTED_METHODS}
+
+
+def time_layer(fns, weights, ids_TK: np.ndarray, method: str, repeats: int, rng) -> float:
+  n, k = ids_TK.shape
+  x = jnp.asarray(rng.standard_normal((n, weights[0].shape[1])), jnp.float32)
+  gates = jnp.full((n, k), 1.0 / k, jnp.float32)
+  return median_time_ms(fns[method], (x, jnp.asarray(ids_TK, jnp.int32), gates, *weights), repeats)
+
+
+def fit_kernels(config, n_list: Sequence[int], repeats: int, seed: int = 0):
+  """Per method, bandwidth and fixed time fitted on uniform-routing single-layer runs."""
+  rng = np.random.default_rng(seed)
+  weights, fns = _layer_weights(config, seed), _layer_fns()
+  d, f, e, k = config.d_model, config.expert_hidden, config.n_routed_experts, config.top_k
+  rows = []
+  for n in n_list:
+    ids = np.stack([rng.choice(e, k, replace=False) for _ in range(n)]).astype(np.int32)
+    for m in FITTED_METHODS:
+      rows.append({"method": m, "n_tokens": int(n), "bytes": int(kbytes.bytes_requested(ids, d, f, 4, m)),
+                   "time_ms": time_layer(fns, weights, ids, m, repeats, rng)})
+  fits = {}
+  for m in FITTED_METHODS:
+    b = [r["bytes"] for r in rows if r["method"] == m]
+    t = [r["time_ms"] for r in rows if r["method"] == m]
+    try:
+      fits[m] = cost_model.fit_kernel(b, t)
+    except ValueError:
+      # Overhead-bound (tiny layers): time does not grow with bytes over these pass sizes.
+      fits[m] = cost_model.KernelFit(gbps=math.inf, fixed_ms=float(np.median(t)))
+  return fits, rows
+
+
+def layer_bytes(config, unique: float, n: int, method: str) -> float:
+  """Expected bytes one MoE layer's experts request for a pass of n tokens."""
+  reads = unique if method == "dedup" else n * config.top_k
+  return (reads * kbytes.expert_bytes(config.d_model, config.expert_hidden, 4)
+          + kbytes.activation_bytes(n, config.top_k, config.d_model, 4))
+
+
+def expert_time_ms(config, fits, unique_L: Sequence[float], n: int, method: str | None = None) -> float:
+  """Predicted routed-expert time of one pass of n tokens, summed over MoE layers."""
+  method = method or pallas_kernels.choose_method(n, config.top_k)
+  if method not in fits:
+    raise ValueError(f"no kernel fit for method {method!r} (fitted: {sorted(fits)})")
+  return float(sum(fits[method].time_ms(layer_bytes(config, u, n, method)) for u in unique_L))
+
+
+def measured_crossover(config, trace, n_list, windows: int, repeats: int, seed: int = 0):
+  """Dedup vs per-slot single-layer times on windows of real routing; the first n dedup wins."""
+  rng = np.random.default_rng(seed)
+  weights, fns = _layer_weights(config, seed), _layer_fns()
+  rows = []
+  for n in n_list:
+    t = {m: [] for m in FITTED_METHODS}
+    for w in range(windows):
+      seg = trace.segments[w % len(trace.segments)]
+      layer = w % trace.n_layers
+      start = int(rng.integers(0, max(1, seg.shape[1] - n)))
+      ids = seg[layer, start:start + n]
+      for m in FITTED_METHODS:
+        t[m].append(time_layer(fns, weights, ids, m, repeats, rng))
+    rows.append({"n_tokens": int(n), "dedup_ms": float(np.median(t["dedup"])),
+                 "per_slot_ms": float(np.median(t["per_slot"]))})
+  measured_n = cost_model.crossover([r["n_tokens"] for r in rows], [r["dedup_ms"] for r in rows],
+                                    [r["per_slot_ms"] for r in rows])
+  return measured_n, rows
+
+
+# Generation-level measurements --------------------------------------------------------------
+def prefill_seconds(model, prompts, repeats: int) -> float:
+  """Median time of the prefill (and first token) alone: a generate() of one token."""
+  msj.generate(model, prompts, max_new_tokens=1)
+  return statistics.median(msj.generate(model, prompts, max_new_tokens=1, seed=r).stats["seconds"]
+                           for r in range(repeats))
+
+
+def paired_speedup(model, prompts, max_new_tokens: int, spec, repeats: int, prefill_s: float, reference=None):
+  """Decode-phase speedup over plain decoding: median over alternating plain / `spec` runs
+  (same seeds) of (plain seconds - prefill) / (spec seconds - prefill). The cost model
+  predicts per-token decoding; the prefill, the same for both, is measured apart.
+
+  Returns (speedup, median tokens/s of the whole spec runs, last spec stats).
+  """
+  ratios, stats, rates = [], {}, []
+  for r in range(repeats):
+    plain = msj.generate(model, prompts, max_new_tokens=max_new_tokens, seed=r).stats
+    out = msj.generate(model, prompts, max_new_tokens=max_new_tokens, spec=spec, seed=r,
+                       reference_tokens=reference if spec.drafter == "controlled" else None)
+    stats = out.stats
+    rates.append(stats["tokens_per_second"])
+    ratios.append(max(plain["seconds"] - prefill_s, 1e-9) / max(stats["seconds"] - prefill_s, 1e-9))
+  return statistics.median(ratios), statistics.median(rates), stats
+
+
+# The run -------------------------------------------------------------------------------------
+def run_cost_model(model, workdir, cfg: CostValidationConfig = CostValidationConfig(), log=print) -> dict[str, Any]:
+  """Runs the validation; writes `workdir/metrics.json` (key `cost_model`) and three plots."""
+  config = model.config
+  if config.n_moe_layers == 0:
+    raise ValueError("the cost model needs a model with MoE layers")
+  workdir = pathlib.Path(workdir)
+  workdir.mkdir(parents=True, exist_ok=True)
+  began = time.perf_counter()
+  prompts = corpus.held_out_prompts(1, prompt_bytes=cfg.prompt_bytes, seed=cfg.seed)
+  ks = list(range(cfg.max_k + 1))
+
+  log(f"[1/6] routing traces ({cfg.trace_segments} held-out windows) and unique experts under four models")
+  trace = traces.heldout_trace(model, n_segments=cfg.trace_segments)
+  rstats = routing_report.routing_stats(trace, max_tokens=max(max(cfg.kernel_n), cfg.max_k + 1))
+  unique_by_n = {r["n_tokens"]: r["empirical_per_layer"] for r in rstats["unique_experts"]}
+
+  log(f"[2/6] single-layer kernel fits ({', '.join(FITTED_METHODS)}, n = {min(cfg.kernel_n)}..{max(cfg.kernel_n)})")
+  fits, kernel_rows = fit_kernels(config, cfg.kernel_n, cfg.kernel_repeats, cfg.seed)
+  for m, fit in fits.items():
+    if math.isinf(fit.gbps):
+      log(f"  {m}: time does not grow with bytes here (overhead-bound): {fit.fixed_ms * 1e3:.0f} us per layer")
+    else:
+      log(f"  {m}: {fit.gbps:.1f} GB/s effective, fixed {fit.fixed_ms * 1e3:.0f} us per layer")
+  n_list = sorted(cfg.kernel_n)
+  predicted_cross = cost_model.crossover(
+      n_list, [expert_time_ms(config, fits, unique_by_n[n], n, "dedup") for n in n_list],
+      [expert_time_ms(config, fits, unique_by_n[n], n, "per_slot") for n in n_list])
+  measured_cross, cross_rows = measured_crossover(config, trace, n_list, cfg.crossover_windows,
+                                                  cfg.kernel_repeats, cfg.seed)
+  log(f"  dedup/per-slot crossover: predicted n = {predicted_cross}, measured n = {measured_cross}")
+
+  log(f"[3/6] measured pass times, K = 0..{cfg.max_k} (controlled drafter, batch 1)")
+  plain = msj.generate(model, prompts, max_new_tokens=cfg.max_new_tokens)
+  reference = plain.tokens
+  prefill_s = prefill_seconds(model, prompts, max(cfg.repeats, 5))
+  step_spec = msj.SpecParams(drafter="controlled", num_draft=cfg.max_k, controlled_acceptance=0.5)
+  measured_step = loop.step_times_ms(model, prompts, cfg.max_new_tokens, spec=step_spec,
+                                     reference_tokens=reference, repeats=cfg.kernel_repeats)
+  n_max = cfg.max_k + 1
+  expert_ms = {n: expert_time_ms(config, fits, unique_by_n[n], n) for n in range(1, n_max + 1)}
+  fixed_ms = float(measured_step[0] - expert_ms[1])
+  predicted_verify = {n: fixed_ms + expert_ms[n] for n in expert_ms}
+  # A second model: the non-expert time linear in n, calibrated at n = 1 and n = max_k + 1.
+  slope_ms = float((measured_step[n_max - 1] - expert_ms[n_max]) - fixed_ms) / (n_max - 1)
+  predicted_linear = {n: fixed_ms + slope_ms * (n - 1) + expert_ms[n] for n in expert_ms}
+  verify_rows = [{"n_tokens": n, "predicted_ms": predicted_verify[n], "measured_ms": float(measured_step[n - 1]),
+                  "predicted_linear_ms": predicted_linear[n],
+                  "method": pallas_kernels.choose_method(n, config.top_k),
+                  "predicted_expert_ms": expert_ms[n]} for n in range(1, n_max + 1)]
+  rel_err = [abs(r["predicted_ms"] - r["measured_ms"]) / r["measured_ms"] for r in verify_rows[1:]]
+  rel_err_linear = [abs(r["predicted_linear_ms"] - r["measured_ms"]) / r["measured_ms"] for r in verify_rows[1:-1]]
+  log(f"  fixed (non-expert) time {fixed_ms:.3f} ms; verify time median relative error "
+      f"{np.median(rel_err):.1%} (n = 2..{n_max}); with a linear non-expert term "
+      f"({slope_ms * 1e3:.0f} us per token, fitted at n = 1 and {n_max}): "
+      f"{np.median(rel_err_linear) if rel_err_linear else float('nan'):.1%} (n = 2..{n_max - 1})")
+  log(f"  prefill {prefill_s * 1e3:.1f} ms (subtracted from every run's time: decode-phase speedups)")
+
+  log(f"[4/6] measured speedups: {len(cfg.alphas)} acceptance rates x K = 1..{cfg.max_k}, {cfg.repeats} paired runs each")
+  keep = loop.compiled_signatures()
+  speedups = {(a, 0): 1.0 for a in cfg.alphas}
+  sweep_rows = []
+  progress = cli.Progress(cfg.max_k * len(cfg.alphas), desc="cost_model sweep", unit="rows", every_s=20.0)
+  for k in ks[1:]:
+    for a in cfg.alphas:
+      spec = msj.SpecParams(drafter="controlled", num_draft=k, controlled_acceptance=a)
+      ratio, tps, stats = paired_speedup(model, prompts, cfg.max_new_tokens, spec, cfg.repeats, prefill_s, reference)
+      if not np.array_equal(msj.generate(model, prompts, max_new_tokens=cfg.max_new_tokens, spec=spec,
+                                         reference_tokens=reference).tokens, reference):
+        raise AssertionError(f"speculative greedy output differs from plain (K={k}, a={a})")
+      speedups[(a, k)] = ratio
+      sweep_rows.append({"alpha": a, "num_draft": k, "speedup": ratio, "tokens_per_second": tps,
+                         "mean_accepted_length": stats["mean_accepted_length"],
+                         "predicted_accepted_length": float(cost_model.tokens_per_pass(a, k))})
+      progress.update(len(sweep_rows), speedup=ratio)
+    loop.forget_compiled(keep)
+
+  def t_verify_pred(n):
+    return predicted_verify[n]
+
+  def t_step(n):
+    return float(measured_step[n - 1])
+
+  def t_verify_linear(n):
+    return predicted_linear[n]
+
+  best_rows = []
+  for a in cfg.alphas:
+    measured_k = max(ks, key=lambda k: speedups[(a, k)])
+    pred_k, pred_s = cost_model.best_k(a, cfg.max_k, predicted_verify[1], lambda k: 0.0, t_verify_pred)
+    step_k, _ = cost_model.best_k(a, cfg.max_k, t_step(1), lambda k: 0.0, t_step)
+    linear_k, _ = cost_model.best_k(a, cfg.max_k, predicted_linear[1], lambda k: 0.0, t_verify_linear)
+    best_rows.append({"alpha": a, "predicted": pred_k, "measured": measured_k, "predicted_from_step_times": step_k,
+                      "predicted_linear_nonexpert": linear_k,
+                      "predicted_speedup": float(pred_s), "measured_speedup": speedups[(a, measured_k)],
+                      "measured_speedup_at_predicted": speedups[(a, pred_k)]})
+  within = float(np.mean([abs(r["predicted"] - r["measured"]) <= 1 for r in best_rows]))
+  within_step = float(np.mean([abs(r["predicted_from_step_times"] - r["measured"]) <= 1 for r in best_rows]))
+  within_linear = float(np.mean([abs(r["predicted_linear_nonexpert"] - r["measured"]) <= 1 for r in best_rows]))
+  log(f"  best K within 1 of measured: {within:.0%} (bytes model), {within_linear:.0%} (bytes model, "
+      f"linear non-expert), {within_step:.0%} (measured pass times)")
+
+  log(f"[5/6] num_draft='auto' with the controlled drafter ({len(cfg.auto_alphas)} acceptance rates)")
+  auto_rows = []
+  for a in cfg.auto_alphas:
+    spec = msj.SpecParams(drafter="controlled", num_draft="auto", max_draft=cfg.max_k, controlled_acceptance=a)
+    ratio, tps, stats = paired_speedup(model, prompts, cfg.max_new_tokens, spec, cfg.auto_repeats, prefill_s, reference)
+    best_fixed = _best_fixed(speedups, a, ks) if a in cfg.alphas else None
+    auto_rows.append(_auto_row("controlled", a, ratio, tps, stats, best_fixed))
+    log(f"  a={a:.2f}: auto {ratio:.3f}x plain (chosen K {stats['chosen_num_draft']}, mean "
+        f"{stats['mean_num_draft']:.2f})" + (f", best fixed K={best_fixed[0]} {best_fixed[1]:.3f}x" if best_fixed else ""))
+
+  log("[6/6] num_draft='auto' with the model's drafters, against every fixed K")
+  drafters = [d for d in cfg.real_drafters if d != "mtp" or config.num_mtp_modules]
+  for drafter in drafters:
+    fixed = {0: 1.0}
+    for k in ks[1:]:
+      fixed[k], _, _ = paired_speedup(model, prompts, cfg.max_new_tokens,
+                                      msj.SpecParams(drafter=drafter, num_draft=k), cfg.auto_repeats, prefill_s)
+    loop.forget_compiled(keep)
+    spec = msj.SpecParams(drafter=drafter, num_draft="auto", max_draft=cfg.max_k)
+    ratio, tps, stats = paired_speedup(model, prompts, cfg.max_new_tokens, spec, cfg.auto_repeats, prefill_s)
+    best = max(ks, key=lambda k: fixed[k])
+    row = _auto_row(drafter, None, ratio, tps, stats, (best, fixed[best]))
+    row["fixed_speedups"] = [fixed[k] for k in ks]
+    auto_rows.append(row)
+    log(f"  {drafter}: auto {ratio:.3f}x plain (chosen K {stats['chosen_num_draft']}), best fixed K={best} "
+        f"{fixed[best]:.3f}x; fixed K=1..{cfg.max_k}: " + " ".join(f"{fixed[k]:.2f}" for k in ks[1:]))
+    loop.forget_compiled(keep)
+
+  result = {"cost_model": {
+      # gbps None: time did not grow with bytes over the fitted pass sizes (overhead-bound).
+      "fitted": [{"method": m, "gbps": None if math.isinf(f.gbps) else f.gbps, "fixed_ms": f.fixed_ms}
+                 for m, f in fits.items()],
+      "kernel_rows": kernel_rows,
+      "fixed_ms": fixed_ms,
+      "verify_time": verify_rows,
+      "verify_time_median_rel_error": float(np.median(rel_err)),
+      "verify_time_median_rel_error_linear_nonexpert": float(np.median(rel_err_linear)) if rel_err_linear else None,
+      "nonexpert_ms_per_token": slope_ms,
+      "prefill_ms": prefill_s * 1e3,
+      "speedup_definition": "decode phase: (plain seconds - prefill) / (speculative seconds - prefill)",
+      "best_k": best_rows,
+      "best_k_within_one_fraction": within,
+      "best_k_within_one_fraction_from_step_times": within_step,
+      "best_k_within_one_fraction_linear_nonexpert": within_linear,
+      "crossover": {"predicted_n": predicted_cross, "measured_n": measured_cross, "rows": cross_rows},
+      "speedups": sweep_rows,
+      "auto": auto_rows,
+      "unique_experts": [{k: r[k] for k in ("n_tokens", "empirical", "independent", "uniform", "ipf")}
+                         for r in rstats["unique_experts"]],
+      "ipf_mean_abs_rel_error": rstats["ipf_mean_abs_rel_error"],
+      "config": dataclasses.asdict(cfg),
+      "batch_size": 1,
+      "expert_method": model.expert_method("auto"),
+      "seconds": time.perf_counter() - began,
+  }}
+  atomic.write_json_atomic(workdir / "metrics.json", result)
+  plot_staircase(result["cost_model"], workdir / "staircase.png")
+  plot_verify_time(result["cost_model"], workdir / "verify_time.png")
+  routing_report.plot_routing(rstats, workdir / "unique_experts.png")
+  log(format_summary(result["cost_model"]))
+  log(f"wrote {workdir / 'metrics.json'} and plots (staircase, verify_time, unique_experts)")
+  return result
+
+
+def _best_fixed(speedups, a, ks):
+  k = max(ks, key=lambda kk: speedups[(a, kk)])
+  return k, speedups[(a, k)]
+
+
+def _auto_row(drafter, alpha, ratio, tps, stats, best_fixed):
+  row = {"drafter": drafter, "alpha": alpha, "speedup_vs_plain": ratio, "tokens_per_second": tps,
+         "chosen_num_draft": stats["chosen_num_draft"], "mean_num_draft": stats["mean_num_draft"],
+         "passes_by_num_draft": stats["passes_by_num_draft"],
+         "mean_accepted_length": stats["mean_accepted_length"]}
+  if best_fixed is not None:
+    row["best_fixed_num_draft"], row["best_fixed_speedup"] = best_fixed
+    row["vs_best_fixed"] = ratio / best_fixed[1]
+  return row
+
+
+def format_summary(cm) -> str:
+  lines = ["", "best K: predicted by the bytes model (fixed non-expert time / linear non-expert term), "
+           "by the measured pass times, and measured (decode-phase speedup at the measured best K)",
+           f"{'alpha':>6}{'bytes':>7}{'linear':>8}{'passes':>8}{'measured':>10}{'speedup':>9}"]
+  for r in cm["best_k"]:
+    lines.append(f"{r['alpha']:>6.2f}{r['predicted']:>7}{r['predicted_linear_nonexpert']:>8}"
+                 f"{r['predicted_from_step_times']:>8}{r['measured']:>10}{r['measured_speedup']:>9.2f}")
+  lines.append(f"best K within 1: {cm['best_k_within_one_fraction']:.0%} (bytes model), "
+               f"{cm['best_k_within_one_fraction_linear_nonexpert']:.0%} (linear non-expert), "
+               f"{cm['best_k_within_one_fraction_from_step_times']:.0%} (measured pass times)")
+  lines.append(f"verify time median relative error: {cm['verify_time_median_rel_error']:.1%}; crossover "
+               f"predicted n = {cm['crossover']['predicted_n']}, measured n = {cm['crossover']['measured_n']}")
+  for r in cm["auto"]:
+    who = r["drafter"] + (f" a={r['alpha']:.2f}" if r["alpha"] is not None else "")
+    vs = f", {r['vs_best_fixed']:.3f} of best fixed K={r['best_fixed_num_draft']}" if "vs_best_fixed" in r else ""
+    lines.append(f"auto {who}: {r['speedup_vs_plain']:.3f}x plain{vs} (K {r['chosen_num_draft']})")
+  return "\n".join(lines)
+
+
+def plot_staircase(cm, path) -> None:
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+  rows = cm["best_k"]
+  alphas = [r["alpha"] for r in rows]
+  ax1.step(alphas, [r["predicted"] for r in rows], where="mid", label="predicted (bytes model)")
+  ax1.step(alphas, [r["predicted_linear_nonexpert"] for r in rows], where="mid", ls="-.",
+           label="predicted (bytes model, linear non-expert)")
+  ax1.step(alphas, [r["predicted_from_step_times"] for r in rows], where="mid", ls="--",
+           label="predicted (measured pass times)")
+  ax1.plot(alphas, [r["measured"] for r in rows], "o", label="measured")
+  ax1.set_xlabel("acceptance rate a")
+  ax1.set_ylabel("best K")
+  ax1.set_title("best draft length")
+  ax1.legend(fontsize=8)
+  ax1.grid(alpha=0.3)
+  for k in sorted({r["num_draft"] for r in cm["speedups"]}):
+    sel = [r for r in cm["speedups"] if r["num_draft"] == k]
+    ax2.plot([r["alpha"] for r in sel], [r["speedup"] for r in sel], "-", lw=1, label=f"K={k}")
+  ax2.axhline(1.0, color="gray", ls="--", lw=0.8)
+  ax2.set_xlabel("acceptance rate a")
+  ax2.set_ylabel("measured decode-phase speedup over plain")
+  ax2.legend(fontsize=7, ncol=2)
+  ax2.grid(alpha=0.3)
+  fig.tight_layout()
+  atomic.save_figure_atomic(fig, path)
+
+
+def plot_verify_time(cm, path) -> None:
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  fig, ax = plt.subplots(figsize=(6, 4))
+  rows = cm["verify_time"]
+  ns = [r["n_tokens"] for r in rows]
+  ax.plot(ns, [r["measured_ms"] for r in rows], "o-", label="measured (one loop pass)")
+  ax.plot(ns, [r["predicted_ms"] for r in rows], "s--", label="predicted: fixed + expert bytes / bandwidth")
+  ax.plot(ns, [r["predicted_linear_ms"] for r in rows], "^-.", label="predicted, linear non-expert term")
+  ax.plot(ns, [r["predicted_expert_ms"] for r in rows], ":", label="predicted routed-expert part")
+  ax.set_xlabel("tokens per pass n (K + 1)")
+  ax.set_ylabel("ms per pass")
+  ax.set_ylim(bottom=0)
+  ax.legend(fontsize=8)
+  ax.grid(alpha=0.3)
+  fig.tight_layout()
+  atomic.save_figure_atomic(fig, path)

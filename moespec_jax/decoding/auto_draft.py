@@ -1,0 +1,95 @@
+"""`num_draft="auto"`: the draft length chosen each pass by the cost model.
+
+Under geometric acceptance with rate a, a pass with K drafts commits (1 - a^(K+1)) / (1 - a)
+tokens per row (analysis/cost_model.tokens_per_pass) and costs step_ms[K] (draft K, verify
+K + 1, drafter upkeep), measured once per compiled program by `loop.calibrate_step_ms`. Each
+segment of passes picks the K with the most tokens per millisecond: one pass while the estimate
+rests on few drafts, then SEGMENT_PASSES (PLAIN_SEGMENT_PASSES at K = 0; each choice runs one
+loop per K, a small cost kept off most passes); K = 0 is plain decoding, chosen where
+speculation does not pay.
+
+a is estimated from decayed counts of accepted and tried drafts, starting from a weak prior,
+and read optimistically (plus OPTIMISM standard errors): K = 0 stops the evidence, so it is
+chosen only when speculation does not pay even then, and only after MIN_EVIDENCE tried drafts.
+While K = 0, after about EXPLORE_EVERY plain passes one pass tries K = 1 (drafters whose state
+is cheap to keep current; the MTP heads skip their upkeep at K = 0, so with them auto stays
+plain once it got there).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+PRIOR_ACCEPTANCE = 0.5
+PRIOR_WEIGHT = 2.0  # in tried drafts
+EVIDENCE_DECAY = 0.95  # per drafting pass
+MIN_EVIDENCE = 6.0  # tried drafts before K = 0 may be chosen
+OPTIMISM = 0.5  # standard errors added to the acceptance estimate when choosing K
+SEGMENT_PASSES = 4  # passes per choice of K once the estimate is settled
+PLAIN_SEGMENT_PASSES = 16  # the same at K = 0
+SETTLED_EVIDENCE = 16.0  # tried drafts before segments grow from 1 pass to SEGMENT_PASSES
+EXPLORE_EVERY = 64
+MAX_ACCEPTANCE = 0.999
+
+
+def acceptance_estimate(evidence_2):
+  """(accepted + prior) / (tried + prior weight), from decayed (accepted, tried) counts."""
+  a = (evidence_2[0] + PRIOR_ACCEPTANCE * PRIOR_WEIGHT) / (evidence_2[1] + PRIOR_WEIGHT)
+  return jnp.clip(a, 0.0, MAX_ACCEPTANCE)
+
+
+def optimistic_acceptance(evidence_2):
+  """The estimate plus OPTIMISM binomial standard errors."""
+  a = acceptance_estimate(evidence_2)
+  spread = jnp.sqrt(a * (1.0 - a) / (evidence_2[1] + PRIOR_WEIGHT))
+  return jnp.clip(a + OPTIMISM * spread, 0.0, MAX_ACCEPTANCE)
+
+
+def tokens_per_ms(a, step_ms_K):
+  """Expected committed tokens per millisecond of each K in 0..len(step_ms_K) - 1."""
+  k_K = jnp.arange(step_ms_K.shape[0], dtype=jnp.float32)
+  return (1.0 - a ** (k_K + 1.0)) / (1.0 - a) / step_ms_K
+
+
+def choose_k(evidence_2, plain_run, step_ms_K, *, explore: bool):
+  """(K, passes) for the next segment: the best K for one pass while the estimate rests on few
+  drafts, then for SEGMENT_PASSES passes (PLAIN_SEGMENT_PASSES at K = 0); one exploring pass at
+  K = 1 after about EXPLORE_EVERY plain passes (int32 scalars)."""
+  rate_K = tokens_per_ms(optimistic_acceptance(evidence_2), step_ms_K)
+  rate_K = rate_K.at[0].set(jnp.where(evidence_2[1] >= MIN_EVIDENCE, rate_K[0], -1.0))
+  k = jnp.argmax(rate_K).astype(jnp.int32)
+  settled = jnp.where(k == 0, jnp.int32(PLAIN_SEGMENT_PASSES), jnp.int32(SEGMENT_PASSES))
+  passes = jnp.where(evidence_2[1] >= SETTLED_EVIDENCE, settled, jnp.int32(1))
+  if explore:
+    exploring = (k == 0) & (plain_run + PLAIN_SEGMENT_PASSES >= EXPLORE_EVERY)
+    k = jnp.where(exploring, jnp.int32(1), k)
+    passes = jnp.where(exploring, jnp.int32(1), passes)
+  return k, passes
+
+
+def monotone_step_times(step_ms_K) -> np.ndarray:
+  """The non-decreasing sequence closest to the measured step times (pool adjacent violators).
+
+  A longer pass never costs less; measurement noise can say otherwise.
+  """
+  blocks = []  # [mean, weight]
+  for t in np.asarray(step_ms_K, float):
+    blocks.append([t, 1.0])
+    while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+      (m1, w1), (m2, w2) = blocks[-2], blocks.pop()
+      blocks[-1] = [(m1 * w1 + m2 * w2) / (w1 + w2), w1 + w2]
+  return np.concatenate([np.full(int(w), m) for m, w in blocks])
+
+
+def smooth_step_times(step_ms_K) -> np.ndarray:
+  """Measured per-K pass times, denoised: a least-squares fit of c0 + c1 K + c2 K^2 + c3 [K >= 1]
+  (drafting starts at K = 1; the expert part grows sublinearly) where there are enough points,
+  then made non-decreasing. One noisy measurement must not flip the choice of K."""
+  t = np.asarray(step_ms_K, float)
+  k = np.arange(t.size, dtype=float)
+  if t.size >= 6:
+    features = np.stack([np.ones_like(k), k, k * k, (k >= 1).astype(float)], axis=1)
+    coef, *_ = np.linalg.lstsq(features, t, rcond=None)
+    t = np.maximum(features @ coef, 1e-3)
+  return monotone_step_times(t)

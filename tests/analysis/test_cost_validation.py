@@ -1,0 +1,73 @@
+"""The cost-model validation: byte accounting of a predicted pass, the --quick run end to end."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+import moespec_jax as msj
+from moespec_jax.analysis import cost_model, cost_validation
+from pallas_kernels import bytes as kbytes
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def test_predicted_expert_time_follows_bytes(tiny_config):
+  fits = {"dedup": cost_model.KernelFit(gbps=10.0, fixed_ms=0.01),
+          "per_slot": cost_model.KernelFit(gbps=20.0, fixed_ms=0.02)}
+  e_bytes = kbytes.expert_bytes(tiny_config.d_model, tiny_config.expert_hidden, 4)
+  act = kbytes.activation_bytes(3, tiny_config.top_k, tiny_config.d_model, 4)
+  assert cost_validation.layer_bytes(tiny_config, 4.0, 3, "dedup") == 4 * e_bytes + act
+  assert cost_validation.layer_bytes(tiny_config, 4.0, 3, "per_slot") == 3 * tiny_config.top_k * e_bytes + act
+  two_layers = cost_validation.expert_time_ms(tiny_config, fits, [4.0, 5.0], 3, "dedup")
+  expected = sum(fits["dedup"].time_ms(cost_validation.layer_bytes(tiny_config, u, 3, "dedup")) for u in (4.0, 5.0))
+  assert two_layers == pytest.approx(expected)
+  with pytest.raises(ValueError, match="no kernel fit"):
+    cost_validation.expert_time_ms(tiny_config, {"dedup": fits["dedup"]}, [4.0], 3, "per_slot")
+
+
+def test_flat_kernel_timings_give_an_overhead_bound_fit(tiny_config, monkeypatch):
+  times = iter([0.06, 0.06, 0.05, 0.05, 0.04, 0.04])  # n = 1, 2, 4; both methods: faster with n
+  monkeypatch.setattr(cost_validation, "time_layer", lambda *a, **k: next(times))
+  fits, rows = cost_validation.fit_kernels(tiny_config, (1, 2, 4), repeats=1)
+  assert len(rows) == 6
+  for fit in fits.values():
+    assert fit.gbps == float("inf") and fit.fixed_ms == pytest.approx(0.05)
+    assert fit.time_ms(1e6) == pytest.approx(0.05)
+
+
+def test_config_rejects_bad_values():
+  with pytest.raises(ValueError, match="alphas"):
+    cost_validation.CostValidationConfig(alphas=(0.5, 1.5))
+  with pytest.raises(ValueError, match="max_k"):
+    cost_validation.CostValidationConfig(max_k=0)
+  with pytest.raises(ValueError, match="real_drafters"):
+    cost_validation.CostValidationConfig(real_drafters=("eagle",))
+
+
+@pytest.mark.slow
+def test_quick_run_writes_the_documented_metrics(tiny_config, tmp_path):
+  msj.Model.init(tiny_config.replace(max_seq_len=512), seed=0).save(tmp_path / "m")
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  res = subprocess.run([sys.executable, "-m", "experiments.cost_model", f"--workdir={tmp_path / 'out'}",
+                        f"--model={tmp_path / 'm'}", "--quick"], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=600)
+  assert res.returncode == 0, res.stderr
+  cm = json.loads((tmp_path / "out" / "metrics.json").read_text())["cost_model"]
+  assert {f["method"] for f in cm["fitted"]} == {"dedup", "per_slot"}
+  # Tiny layers can be overhead-bound (gbps None: no growth with bytes); never a negative fit.
+  assert all((f["gbps"] is None or f["gbps"] > 0) and f["fixed_ms"] >= 0 for f in cm["fitted"])
+  assert len(cm["best_k"]) == 5 and all({"alpha", "predicted", "measured"} <= set(r) for r in cm["best_k"])
+  assert all(0 <= r["predicted"] <= 2 and 0 <= r["measured"] <= 2 for r in cm["best_k"])
+  assert 0.0 <= cm["best_k_within_one_fraction"] <= 1.0
+  assert set(cm["crossover"]) >= {"predicted_n", "measured_n"}
+  assert [r["n_tokens"] for r in cm["verify_time"]] == [1, 2, 3]
+  assert {r["drafter"] for r in cm["auto"]} == {"controlled", "ngram"}
+  for name in ("staircase.png", "verify_time.png", "unique_experts.png"):
+    assert (tmp_path / "out" / name).stat().st_size > 0
+  bad = subprocess.run([sys.executable, "-m", "experiments.cost_model", "--n_alphas=1"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=300)
+  assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "n_alphas" in bad.stderr

@@ -1,0 +1,145 @@
+"""num_draft='auto' and the controlled-acceptance drafter: the choice rule, exactness (greedy
+auto output == plain output for every drafter), geometric acceptance, step-time calibration."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import moespec_jax as msj
+from moespec_jax.analysis import cost_model
+from moespec_jax.decoding import auto_draft, drafters, loop
+
+RAGGED = [[5, 9, 30, 41], [7], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [10, 20, 30, 10, 20, 30, 10]]
+
+
+@pytest.fixture(scope="session")
+def auto_model(tiny_config):
+  return msj.Model.init(tiny_config.replace(num_mtp_modules=1), seed=2)
+
+
+@pytest.fixture(scope="session")
+def auto_plain(auto_model):
+  return msj.generate(auto_model, RAGGED, max_new_tokens=20).tokens
+
+
+def _choice(accepted, tried, step_ms, plain_run=0, explore=True):
+  k, passes = auto_draft.choose_k(jnp.asarray([accepted, tried], jnp.float32), jnp.int32(plain_run),
+                                  jnp.asarray(step_ms, jnp.float32), explore=explore)
+  return int(k), int(passes)
+
+
+def _k(*args, **kwargs):
+  return _choice(*args, **kwargs)[0]
+
+
+def test_choice_follows_the_cost_model():
+  steps = [1.0, 1.1, 1.2, 1.3, 1.4, 1.5]
+  # Acceptance near 1 with cheap extra tokens: the longest K; near 0 with evidence: plain.
+  assert _k(999, 1000, steps) == 5
+  assert _k(0, 100, steps) == 0
+  # The same as the analysis cost model's best K for the (optimistic) estimated acceptance.
+  for accepted, tried in [(30, 100), (60, 100), (80, 100), (95, 100)]:
+    a = float(auto_draft.optimistic_acceptance(jnp.asarray([accepted, tried], jnp.float32)))
+    assert a > accepted / tried
+    best, _ = cost_model.best_k(a, 5, steps[0], lambda k: 0.0, lambda n: steps[n - 1])
+    assert _k(accepted, tried, steps) == best
+  # Without enough evidence, never plain: a few early rejections do not stop speculation.
+  assert _k(0, 2, steps) >= 1
+  assert _choice(999, 1000, steps)[1] == auto_draft.SEGMENT_PASSES
+  assert _choice(3, 4, steps)[1] == 1  # one pass per choice while the estimate is young
+  # A long plain run explores K = 1 for one pass (not with the MTP heads, whose state K = 0
+  # lets go stale).
+  run = auto_draft.EXPLORE_EVERY - auto_draft.PLAIN_SEGMENT_PASSES
+  assert _choice(0, 100, steps, plain_run=run - 1) == (0, auto_draft.PLAIN_SEGMENT_PASSES)
+  assert _choice(0, 100, steps, plain_run=run) == (1, 1)
+  assert _choice(0, 100, steps, plain_run=run, explore=False) == (0, auto_draft.PLAIN_SEGMENT_PASSES)
+
+
+def test_monotone_step_times_pools_violations():
+  out = auto_draft.monotone_step_times([1.0, 2.0, 1.6, 3.0, 2.9, 2.9, 5.0])
+  assert np.all(np.diff(out) >= 0)
+  np.testing.assert_allclose(out, [1.0, 1.8, 1.8, 2.9333333, 2.9333333, 2.9333333, 5.0], rtol=1e-6)
+  np.testing.assert_array_equal(auto_draft.monotone_step_times([1, 2, 3]), [1, 2, 3])
+
+
+def test_smooth_step_times_absorbs_one_outlier():
+  k = np.arange(9)
+  clean = 2.0 + 0.4 * k - 0.01 * k * k + 0.3 * (k >= 1)
+  noisy = clean.copy()
+  noisy[3] *= 0.6  # one fast outlier
+  out = auto_draft.smooth_step_times(noisy)
+  assert np.all(np.diff(out) >= 0)
+  assert np.max(np.abs(out - clean) / clean) < 0.12
+  np.testing.assert_allclose(auto_draft.smooth_step_times(clean), clean, rtol=1e-9)
+  np.testing.assert_array_equal(auto_draft.smooth_step_times([1.0, 0.5, 2.0]), [0.75, 0.75, 2.0])
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "mtp", "controlled"])
+def test_auto_greedy_tokens_equal_plain_greedy(auto_model, auto_plain, drafter):
+  spec = msj.SpecParams(drafter=drafter, num_draft="auto", max_draft=3, controlled_acceptance=0.8)
+  out = msj.generate(auto_model, RAGGED, max_new_tokens=20, spec=spec,
+                     reference_tokens=auto_plain if drafter == "controlled" else None)
+  np.testing.assert_array_equal(out.tokens, auto_plain)
+  s = out.stats
+  assert s["num_draft"] == "auto" and s["max_draft"] == 3
+  assert len(s["passes_by_num_draft"]) == 4 and sum(s["passes_by_num_draft"]) == s["verify_passes"]
+  assert 0 <= s["chosen_num_draft"] <= 3 and len(s["calibrated_step_ms"]) == 4
+  assert np.all(np.diff(s["calibrated_step_ms"]) >= 0) and min(s["calibrated_step_ms"]) > 0
+  if drafter == "controlled":  # acceptance 0.8: speculation is used
+    assert s["mean_accepted_length"] > 1.5
+
+
+def test_controlled_acceptance_is_geometric(auto_model, auto_plain):
+  """Each draft equals the target's greedy token with probability a, independently, so
+  P(draft j accepted | j-1 accepted) = a at every depth; the output stays plain greedy."""
+  a, k = 0.6, 3
+  prompts = [RAGGED[i % 4] for i in range(32)]
+  plain = msj.generate(auto_model, prompts, max_new_tokens=20).tokens
+  out = msj.generate(auto_model, prompts, max_new_tokens=20, reference_tokens=plain,
+                     spec=msj.SpecParams(drafter="controlled", num_draft=k, controlled_acceptance=a))
+  np.testing.assert_array_equal(out.tokens, plain)
+  depth = out.stats["acceptance_by_depth"]
+  # ~190 first-depth trials: 4 standard deviations is about 0.14.
+  assert abs(depth[0] - a) < 0.14 and abs(np.mean(depth) - a) < 0.14
+  for alpha, expected in ((0.0, 1.0), (1.0, k + 1.0)):
+    out = msj.generate(auto_model, prompts, max_new_tokens=20, reference_tokens=plain,
+                       spec=msj.SpecParams(drafter="controlled", num_draft=k, controlled_acceptance=alpha))
+    if alpha == 0.0:
+      assert out.stats["mean_accepted_length"] == expected
+    else:  # every draft accepted, except where a row's remaining tokens cut the pass short
+      assert out.stats["acceptance_by_depth"] == [1.0] * k
+
+
+def test_controlled_propose_wrong_tokens_differ_from_the_reference():
+  import jax
+  ref = jnp.asarray([[5, 6, 7, 8, 9, 10]], jnp.int32)
+  keys = jax.random.split(jax.random.key(0), 1)
+  d = drafters.controlled_propose(ref, jnp.asarray([1]), keys, 0.0, 4, 264)
+  assert d.shape == (1, 4) and np.all(np.asarray(d) != np.asarray(ref[:, 1:5]))
+  d = drafters.controlled_propose(ref, jnp.asarray([1]), keys, 1.0, 4, 264)
+  np.testing.assert_array_equal(d, ref[:, 1:5])
+
+
+def test_step_times_grow_with_pass_size(auto_model):
+  times = loop.step_times_ms(auto_model, RAGGED, 8, spec=msj.SpecParams(drafter="ngram", num_draft=2),
+                             repeats=2)
+  assert times.shape == (3,) and np.all(times > 0)
+
+
+def test_bad_auto_and_controlled_arguments(auto_model, auto_plain):
+  with pytest.raises(ValueError, match="num_draft"):
+    msj.SpecParams(drafter="ngram", num_draft="best")
+  with pytest.raises(ValueError, match="max_draft"):
+    msj.SpecParams(drafter="ngram", num_draft="auto", max_draft=0)
+  with pytest.raises(ValueError, match="controlled_acceptance"):
+    msj.SpecParams(drafter="controlled", controlled_acceptance=1.5)
+  with pytest.raises(ValueError, match="reference_tokens"):
+    msj.generate(auto_model, RAGGED, max_new_tokens=4, spec=msj.SpecParams(drafter="controlled"))
+  with pytest.raises(ValueError, match="greedy"):
+    msj.generate(auto_model, RAGGED, max_new_tokens=4, sampling=msj.SamplingParams(temperature=1.0),
+                 spec=msj.SpecParams(drafter="controlled"), reference_tokens=auto_plain)
+  with pytest.raises(ValueError, match=r"reference_tokens must be an int array \[4, >= 30\]"):
+    msj.generate(auto_model, RAGGED, max_new_tokens=30, spec=msj.SpecParams(drafter="controlled"),
+                 reference_tokens=auto_plain)
+  with pytest.raises(ValueError, match="drafter='controlled' only"):
+    msj.generate(auto_model, RAGGED, max_new_tokens=4, reference_tokens=auto_plain)

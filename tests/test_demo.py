@@ -1,0 +1,33 @@
+"""What `make demo` runs, on a tiny random model: the documented rows and their checks."""
+
+import json
+
+import pytest
+
+import moespec_jax as msj
+from moespec_jax import demo
+
+
+@pytest.mark.slow
+def test_demo_rows(tiny_config, tmp_path):
+  model = msj.Model.init(tiny_config.replace(num_mtp_modules=1, max_seq_len=512), seed=0)
+  lines = []
+  demo.run_demo(model, tmp_path, max_new_tokens=8, batch_sizes=(1, 2), repeats=1, max_draft=2, log=lines.append)
+  rows = json.loads((tmp_path / "metrics.json").read_text())["demo"]["rows"]
+  assert [(r["drafter"], r["batch_size"], r["mode"]) for r in rows] == [
+      (d, b, m) for b in (1, 2) for d, m in (("none", "exact"), ("mtp", "exact"), ("ngram", "exact"),
+                                             ("mtp", "budgeted"))]
+  for r in rows:
+    for key in ("mode", "drafter", "num_draft", "expert_budget", "tokens_per_second", "speedup_vs_plain",
+                "mean_accepted_length", "top1_agreement_vs_exact"):
+      assert key in r
+    if r["mode"] == "exact":
+      assert r["tokens_equal_plain"] and r["top1_agreement_vs_exact"] == 1.0
+      assert r["auto_num_draft"] == (r["drafter"] != "none")
+    else:
+      assert r["approximate"] and r["expert_budget"] == 2 * tiny_config.top_k and r["num_draft"] >= 1
+      assert 0.0 <= r["top1_agreement_vs_exact"] <= 1.0
+  auto = [r for r in rows if r["auto_num_draft"]]
+  assert all(0 <= r["num_draft"] <= 2 and sum(r["passes_by_num_draft"]) > 0 for r in auto)
+  text = "\n".join(lines)
+  assert "APPROXIMATE" in text and "auto:" in text
