@@ -290,32 +290,35 @@ def run_cost_model(model, workdir, cfg: CostValidationConfig = CostValidationCon
   log(f"  best K within 1 of measured: {within:.0%} (bytes model), {within_linear:.0%} (bytes model, "
       f"linear non-expert), {within_step:.0%} (measured pass times)")
 
-  log(f"[5/6] num_draft='auto' with the controlled drafter ({len(cfg.auto_alphas)} acceptance rates)")
+  log(f"[5/6] num_draft='auto' with the controlled drafter ({len(cfg.auto_alphas)} acceptance rates), "
+      f"runs alternating plain / auto / the best fixed K")
   auto_rows = []
   for a in cfg.auto_alphas:
+    best_k = (max(ks, key=lambda k: speedups[(a, k)]) if a in cfg.alphas
+              else cost_model.best_k(a, cfg.max_k, t_step(1), lambda k: 0.0, t_step)[0])
     spec = msj.SpecParams(drafter="controlled", num_draft="auto", max_draft=cfg.max_k, controlled_acceptance=a)
-    ratio, tps, stats = paired_speedup(model, prompts, cfg.max_new_tokens, spec, cfg.auto_repeats, prefill_s, reference)
-    best_fixed = _best_fixed(speedups, a, ks) if a in cfg.alphas else None
-    auto_rows.append(_auto_row("controlled", a, ratio, tps, stats, best_fixed))
-    log(f"  a={a:.2f}: auto {ratio:.3f}x plain (chosen K {stats['chosen_num_draft']}, mean "
-        f"{stats['mean_num_draft']:.2f})" + (f", best fixed K={best_fixed[0]} {best_fixed[1]:.3f}x" if best_fixed else ""))
+    fixed = msj.SpecParams(drafter="controlled", num_draft=best_k, controlled_acceptance=a)
+    row = auto_against_fixed(model, prompts, cfg.max_new_tokens, spec, fixed, cfg.auto_repeats, prefill_s, reference)
+    auto_rows.append(dict(row, drafter="controlled", alpha=a))
+    log(f"  a={a:.2f}: auto {row['speedup_vs_plain']:.3f}x plain, {row['vs_best_fixed']:.3f} of fixed K={best_k} "
+        f"(K chosen most {row['chosen_num_draft']}, mean {row['mean_num_draft']:.2f})")
 
   log("[6/6] num_draft='auto' with the model's drafters, against every fixed K")
   drafters = [d for d in cfg.real_drafters if d != "mtp" or config.num_mtp_modules]
   for drafter in drafters:
-    fixed = {0: 1.0}
+    fixed_speedups = {0: 1.0}
     for k in ks[1:]:
-      fixed[k], _, _ = paired_speedup(model, prompts, cfg.max_new_tokens,
-                                      msj.SpecParams(drafter=drafter, num_draft=k), cfg.auto_repeats, prefill_s)
+      fixed_speedups[k], _, _ = paired_speedup(model, prompts, cfg.max_new_tokens,
+                                               msj.SpecParams(drafter=drafter, num_draft=k), cfg.repeats, prefill_s)
     loop.forget_compiled(keep)
+    best = max(ks, key=lambda k: fixed_speedups[k])
     spec = msj.SpecParams(drafter=drafter, num_draft="auto", max_draft=cfg.max_k)
-    ratio, tps, stats = paired_speedup(model, prompts, cfg.max_new_tokens, spec, cfg.auto_repeats, prefill_s)
-    best = max(ks, key=lambda k: fixed[k])
-    row = _auto_row(drafter, None, ratio, tps, stats, (best, fixed[best]))
-    row["fixed_speedups"] = [fixed[k] for k in ks]
-    auto_rows.append(row)
-    log(f"  {drafter}: auto {ratio:.3f}x plain (chosen K {stats['chosen_num_draft']}), best fixed K={best} "
-        f"{fixed[best]:.3f}x; fixed K=1..{cfg.max_k}: " + " ".join(f"{fixed[k]:.2f}" for k in ks[1:]))
+    fixed = msj.SpecParams(drafter=drafter if best else "none", num_draft=best)
+    row = auto_against_fixed(model, prompts, cfg.max_new_tokens, spec, fixed, cfg.auto_repeats, prefill_s)
+    auto_rows.append(dict(row, drafter=drafter, alpha=None, fixed_speedups=[fixed_speedups[k] for k in ks]))
+    log(f"  {drafter}: auto {row['speedup_vs_plain']:.3f}x plain, {row['vs_best_fixed']:.3f} of fixed K={best} "
+        f"(K chosen most {row['chosen_num_draft']}); fixed K=1..{cfg.max_k} (sweep): "
+        + " ".join(f"{fixed_speedups[k]:.2f}" for k in ks[1:]))
     loop.forget_compiled(keep)
 
   result = {"cost_model": {
@@ -354,20 +357,31 @@ def run_cost_model(model, workdir, cfg: CostValidationConfig = CostValidationCon
   return result
 
 
-def _best_fixed(speedups, a, ks):
-  k = max(ks, key=lambda kk: speedups[(a, kk)])
-  return k, speedups[(a, k)]
+def auto_against_fixed(model, prompts, max_new_tokens: int, auto_spec, fixed_spec, repeats: int, prefill_s: float,
+                       reference=None) -> dict[str, Any]:
+  """Runs alternating plain / auto / fixed-K decoding (same seeds); medians of the per-round
+  decode-phase ratios: auto over plain, fixed over plain, and auto over fixed."""
+  def seconds(spec, seed):
+    out = msj.generate(model, prompts, max_new_tokens=max_new_tokens, spec=spec, seed=seed,
+                       reference_tokens=reference if spec.drafter == "controlled" else None)
+    return max(out.stats["seconds"] - prefill_s, 1e-9), out.stats
 
-
-def _auto_row(drafter, alpha, ratio, tps, stats, best_fixed):
-  row = {"drafter": drafter, "alpha": alpha, "speedup_vs_plain": ratio, "tokens_per_second": tps,
-         "chosen_num_draft": stats["chosen_num_draft"], "mean_num_draft": stats["mean_num_draft"],
-         "passes_by_num_draft": stats["passes_by_num_draft"],
-         "mean_accepted_length": stats["mean_accepted_length"]}
-  if best_fixed is not None:
-    row["best_fixed_num_draft"], row["best_fixed_speedup"] = best_fixed
-    row["vs_best_fixed"] = ratio / best_fixed[1]
-  return row
+  plain_spec = msj.SpecParams()
+  for spec in (plain_spec, auto_spec, fixed_spec):  # compile (and calibrate) outside the timing
+    seconds(spec, 0)
+  auto_plain, fixed_plain, auto_fixed, stats = [], [], [], {}
+  for r in range(repeats):
+    t_plain, _ = seconds(plain_spec, r)
+    t_auto, stats = seconds(auto_spec, r)
+    t_fixed, _ = seconds(fixed_spec, r)
+    auto_plain.append(t_plain / t_auto)
+    fixed_plain.append(t_plain / t_fixed)
+    auto_fixed.append(t_fixed / t_auto)
+  return {"speedup_vs_plain": statistics.median(auto_plain), "best_fixed_num_draft": fixed_spec.num_draft,
+          "best_fixed_speedup": statistics.median(fixed_plain), "vs_best_fixed": statistics.median(auto_fixed),
+          "chosen_num_draft": stats["chosen_num_draft"], "mean_num_draft": stats["mean_num_draft"],
+          "passes_by_num_draft": stats["passes_by_num_draft"], "mean_accepted_length": stats["mean_accepted_length"],
+          "tokens_per_second": stats["tokens_per_second"]}
 
 
 def format_summary(cm) -> str:
@@ -385,7 +399,7 @@ def format_summary(cm) -> str:
   for r in cm["auto"]:
     who = r["drafter"] + (f" a={r['alpha']:.2f}" if r["alpha"] is not None else "")
     vs = f", {r['vs_best_fixed']:.3f} of best fixed K={r['best_fixed_num_draft']}" if "vs_best_fixed" in r else ""
-    lines.append(f"auto {who}: {r['speedup_vs_plain']:.3f}x plain{vs} (K {r['chosen_num_draft']})")
+    lines.append(f"auto {who}: {r['speedup_vs_plain']:.3f}x plain{vs} (K chosen most {r['chosen_num_draft']})")
   return "\n".join(lines)
 
 
