@@ -5,8 +5,9 @@
 For one random checkpoint per family (built offline with transformers, ~20-50M parameters;
 --quick: tiny ones), loaded by `moespec_jax.Model.load`:
 - plain greedy tokens/s of moespec-jax vs transformers `generate` at batch 1 and 8;
-- n-gram prompt lookup (`SpecParams(drafter="ngram")`) vs transformers'
-  `prompt_lookup_num_tokens` at batch 1 (transformers' assisted generation is batch 1 only);
+- n-gram prompt lookup (`SpecParams(drafter="ngram", num_draft="auto")`, up to --num_draft
+  tokens; --noauto_draft: fixed K) vs transformers' `prompt_lookup_num_tokens` at batch 1
+  (transformers' assisted generation is batch 1 only);
 on code prompts (UTF-8 bytes of standard-library sources as token ids). Each measurement is
 repeated, moespec-jax and transformers alternating, and the median reported; compilation and
 a warm-up call are excluded. Writes DIR/metrics.json and DIR/table.md. Needs the dev extra.
@@ -33,6 +34,8 @@ _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 64, "Tokens generated per prom
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Timed repeats per measurement (median).")
 _NUM_DRAFT = flags.DEFINE_integer("num_draft", 4, "Draft length of both prompt-lookup decoders.")
 _PROMPT_LEN = flags.DEFINE_integer("prompt_len", 192, "Prompt tokens per row.")
+_AUTO = flags.DEFINE_bool("auto_draft", True, "Our n-gram decoder with num_draft='auto' (K <= --num_draft, "
+                          "K = 0 where lookup does not pay); else a fixed K = --num_draft.")
 
 # ~20-50M parameters per family (embeddings included).
 BENCH_SIZE = dict(vocab=8192, hidden=256, layers=4, heads=8, experts=16, top_k=2, moe_hidden=320,
@@ -60,7 +63,7 @@ def _median_time(fn, repeats: int) -> tuple[float, list[float], object]:
 
 
 def bench_family(family: str, ckpt: pathlib.Path, size: dict, *, max_new: int, repeats: int,
-                 num_draft: int, prompt_len: int) -> list[dict]:
+                 num_draft: int, prompt_len: int, auto_draft: bool = True) -> list[dict]:
   import torch  # pylint: disable=g-import-not-at-top
   import transformers  # pylint: disable=g-import-not-at-top
   import moespec_jax as msj  # pylint: disable=g-import-not-at-top
@@ -82,7 +85,10 @@ def bench_family(family: str, ckpt: pathlib.Path, size: dict, *, max_new: int, r
 
   for batch, drafter in ((1, "none"), (8, "none"), (1, "ngram")):
     prompts = code_prompts(batch, prompt_len)
-    spec = msj.SpecParams(drafter=drafter, num_draft=num_draft if drafter == "ngram" else 3)
+    if drafter == "ngram":
+      spec = msj.SpecParams(drafter="ngram", num_draft="auto" if auto_draft else num_draft, max_draft=num_draft)
+    else:
+      spec = msj.SpecParams(drafter="none")
     hf_kw = {"prompt_lookup_num_tokens": num_draft} if drafter == "ngram" else {}
     ours_fn = lambda: msj.generate(model, prompts, max_new_tokens=max_new, spec=spec)  # noqa: E731
     hf_fn = lambda: hf_generate(prompts, **hf_kw)  # noqa: E731
@@ -99,7 +105,7 @@ def bench_family(family: str, ckpt: pathlib.Path, size: dict, *, max_new: int, r
                                  hf_out[b][:int(np.sum(ours_tokens[b] >= 0))])) for b in range(batch)]
     common = dict(family=family, params=n_params, batch_size=batch, drafter=drafter,
                   num_draft=num_draft if drafter == "ngram" else 0, max_new_tokens=max_new,
-                  prompt_len=prompt_len)
+                  prompt_len=prompt_len, auto_draft=bool(auto_draft and drafter == "ngram"))
     rows.append({**common, "impl": "moespec_jax", "tokens_per_second": ours_n / statistics.median(ours_t),
                  "seconds": ours_t, "mean_accepted_length": ours_out.stats.get("mean_accepted_length"),
                  "tokens_identical_to_transformers": all(match)})
@@ -147,14 +153,16 @@ def table(rows: list[dict], summary: list[dict]) -> str:
   return "\n".join(lines) + "\n"
 
 
-def _finished_rows(path: pathlib.Path, *, quick, size, repeats, max_new, prompt_len, num_draft) -> list[dict]:
+def _finished_rows(path: pathlib.Path, *, quick, size, repeats, max_new, prompt_len, num_draft,
+                   auto_draft) -> list[dict]:
   """Rows of an earlier, interrupted run with the same settings (resume), else []."""
   if not path.exists():
     return []
   old = json.loads(path.read_text())
   same = (old.get("quick") == quick and old.get("size") == size and old.get("repeats") == repeats
           and all(r["max_new_tokens"] == max_new and r["prompt_len"] == prompt_len
-                  and r["num_draft"] in (0, num_draft) for r in old.get("rows", [])))
+                  and r["num_draft"] in (0, num_draft) and r.get("auto_draft", False) == (
+                      auto_draft and r["drafter"] == "ngram") for r in old.get("rows", [])))
   return list(old.get("rows", [])) if same else []
 
 
@@ -178,7 +186,7 @@ def main(argv):
   repeats = 1 if quick else _REPEATS.value
   prompt_len = min(_PROMPT_LEN.value, 64) if quick else _PROMPT_LEN.value
   rows = _finished_rows(workdir / "metrics.json", quick=quick, size=size, repeats=repeats, max_new=max_new,
-                        prompt_len=prompt_len, num_draft=_NUM_DRAFT.value)
+                        prompt_len=prompt_len, num_draft=_NUM_DRAFT.value, auto_draft=_AUTO.value)
   done = {r["family"] for r in rows}
   if done:
     print(f"resuming: {sorted(done)} already measured in {workdir / 'metrics.json'}", flush=True)
@@ -187,7 +195,7 @@ def main(argv):
       continue
     ckpt = workdir / "checkpoints" / (f"{family}-quick" if quick else family)
     rows += bench_family(family, ckpt, size, max_new=max_new, repeats=repeats,
-                         num_draft=_NUM_DRAFT.value, prompt_len=prompt_len)
+                         num_draft=_NUM_DRAFT.value, prompt_len=prompt_len, auto_draft=_AUTO.value)
     # Written after each family, so that a long run leaves its finished part.
     summary = summarize(rows)
     text = table(rows, summary)

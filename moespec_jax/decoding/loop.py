@@ -254,7 +254,8 @@ def _pass(model, carry, k: int, ls: LoopSpec):
       jnp.sum(reached_BK & accept_BK, axis=0).astype(jnp.float32), pad)
   stats["passes_by_K"] = stats["passes_by_K"].at[k].add(1.0)
   if k:
-    tried = jnp.sum(reached_BK & valid_BK).astype(jnp.float32)
+    # An empty draft slot (no n-gram match) costs a verified position like a rejected draft.
+    tried = jnp.sum(reached_BK).astype(jnp.float32)
     accepted = jnp.sum(reached_BK & accept_BK).astype(jnp.float32)
     stats["acceptance_evidence"] = (auto_draft.EVIDENCE_DECAY * stats["acceptance_evidence"]
                                     + jnp.stack([accepted, tried]))
