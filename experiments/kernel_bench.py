@@ -11,7 +11,6 @@ their experts (top_k unchanged); rows and stdout say so.
 
 import json
 import os
-import time
 
 from absl import app
 from absl import flags
@@ -20,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels
+from moespec_jax.analysis import cost_validation
 from pallas_kernels import bytes as kbytes
 
 SHAPES = {
@@ -54,13 +54,8 @@ def stream_read_gbps(repeats=7):
 
 
 def _median_time(f, args, repeats):
-  jax.block_until_ready(f(*args))
-  ts = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    jax.block_until_ready(f(*args))
-    ts.append(time.perf_counter() - t0)
-  return float(np.median(ts))
+  """Median seconds of f(*args) after a warm-up call."""
+  return cost_validation.median_time_ms(f, args, repeats) / 1e3
 
 
 def make_routing(rng, n_tokens, n_experts, top_k, kind, overlap=0.38):

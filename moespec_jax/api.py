@@ -38,7 +38,7 @@ class Model:
     self.graphdef = graphdef
     self.state = state
     self.tokenizer = tokenizer
-    # Hugging Face import only: {"spec": ImportSpec, "mtp": [DeepSeek-V3 MTP layer params]}.
+    # Hugging Face import only: {"spec": ImportSpec}.
     self.hf_extras: dict[str, Any] = {}
 
   # Construction -----------------------------------------------------------------------

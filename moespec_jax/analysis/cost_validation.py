@@ -170,21 +170,26 @@ def prefill_seconds(model, prompts, repeats: int) -> float:
                            for r in range(repeats))
 
 
+def decode_seconds(model, prompts, max_new_tokens: int, spec, seed: int, prefill_s: float, reference=None):
+  """(seconds of one generation minus the prefill, its stats): the decode phase the cost model
+  predicts; the prefill, the same for every spec, is measured apart (`prefill_seconds`)."""
+  out = msj.generate(model, prompts, max_new_tokens=max_new_tokens, spec=spec, seed=seed,
+                     reference_tokens=reference if spec.drafter == "controlled" else None)
+  return max(out.stats["seconds"] - prefill_s, 1e-9), out.stats
+
+
 def paired_speedup(model, prompts, max_new_tokens: int, spec, repeats: int, prefill_s: float, reference=None):
-  """Decode-phase speedup over plain decoding: median over alternating plain / `spec` runs
-  (same seeds) of (plain seconds - prefill) / (spec seconds - prefill). The cost model
-  predicts per-token decoding; the prefill, the same for both, is measured apart.
+  """Decode-phase speedup over plain decoding: the median over alternating plain / `spec` runs
+  (same seeds) of their decode-seconds ratio.
 
   Returns (speedup, median tokens/s of the whole spec runs, last spec stats).
   """
   ratios, stats, rates = [], {}, []
   for r in range(repeats):
-    plain = msj.generate(model, prompts, max_new_tokens=max_new_tokens, seed=r).stats
-    out = msj.generate(model, prompts, max_new_tokens=max_new_tokens, spec=spec, seed=r,
-                       reference_tokens=reference if spec.drafter == "controlled" else None)
-    stats = out.stats
+    t_plain, _ = decode_seconds(model, prompts, max_new_tokens, msj.SpecParams(), r, prefill_s)
+    t_spec, stats = decode_seconds(model, prompts, max_new_tokens, spec, r, prefill_s, reference)
     rates.append(stats["tokens_per_second"])
-    ratios.append(max(plain["seconds"] - prefill_s, 1e-9) / max(stats["seconds"] - prefill_s, 1e-9))
+    ratios.append(t_plain / t_spec)
   return statistics.median(ratios), statistics.median(rates), stats
 
 
@@ -361,19 +366,11 @@ def auto_against_fixed(model, prompts, max_new_tokens: int, auto_spec, fixed_spe
                        reference=None) -> dict[str, Any]:
   """Runs alternating plain / auto / fixed-K decoding (same seeds); medians of the per-round
   decode-phase ratios: auto over plain, fixed over plain, and auto over fixed."""
-  def seconds(spec, seed):
-    out = msj.generate(model, prompts, max_new_tokens=max_new_tokens, spec=spec, seed=seed,
-                       reference_tokens=reference if spec.drafter == "controlled" else None)
-    return max(out.stats["seconds"] - prefill_s, 1e-9), out.stats
-
-  plain_spec = msj.SpecParams()
-  for spec in (plain_spec, auto_spec, fixed_spec):  # compile (and calibrate) outside the timing
-    seconds(spec, 0)
   auto_plain, fixed_plain, auto_fixed, stats = [], [], [], {}
   for r in range(repeats):
-    t_plain, _ = seconds(plain_spec, r)
-    t_auto, stats = seconds(auto_spec, r)
-    t_fixed, _ = seconds(fixed_spec, r)
+    t_plain, _ = decode_seconds(model, prompts, max_new_tokens, msj.SpecParams(), r, prefill_s)
+    t_auto, stats = decode_seconds(model, prompts, max_new_tokens, auto_spec, r, prefill_s, reference)
+    t_fixed, _ = decode_seconds(model, prompts, max_new_tokens, fixed_spec, r, prefill_s, reference)
     auto_plain.append(t_plain / t_auto)
     fixed_plain.append(t_plain / t_fixed)
     auto_fixed.append(t_fixed / t_auto)
@@ -398,7 +395,7 @@ def format_summary(cm) -> str:
                f"predicted n = {cm['crossover']['predicted_n']}, measured n = {cm['crossover']['measured_n']}")
   for r in cm["auto"]:
     who = r["drafter"] + (f" a={r['alpha']:.2f}" if r["alpha"] is not None else "")
-    vs = f", {r['vs_best_fixed']:.3f} of best fixed K={r['best_fixed_num_draft']}" if "vs_best_fixed" in r else ""
+    vs = f", {r['vs_best_fixed']:.3f} of best fixed K={r['best_fixed_num_draft']}"
     lines.append(f"auto {who}: {r['speedup_vs_plain']:.3f}x plain{vs} (K chosen most {r['chosen_num_draft']})")
   return "\n".join(lines)
 

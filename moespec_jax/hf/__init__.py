@@ -11,12 +11,11 @@ import logging
 import pathlib
 
 import jax
-import numpy as np
 from flax import nnx
 
 from moespec_jax.hf.config import FAMILIES, ImportSpec, to_model_config
 from moespec_jax.hf.tokenizer import MissingTokenizer, PretrainedTokenizer, load_for_checkpoint
-from moespec_jax.hf.weights import TensorSource, map_mtp, map_params, mtp_module_params
+from moespec_jax.hf.weights import TensorSource, count_mtp_layers, map_mtp, map_params, mtp_own_head
 
 __all__ = ["FAMILIES", "ImportSpec", "MissingTokenizer", "PretrainedTokenizer", "TensorSource",
            "load_checkpoint", "to_model_config"]
@@ -44,8 +43,8 @@ def load_checkpoint(path, dtype: str | None = None):
 
   Returns:
     (config, graphdef, state, tokenizer, extras); DeepSeek-V3's MTP layers become the model's
-    MTP modules (config.num_mtp_modules, usable by drafter="mtp"); extras["mtp"] also holds
-    them as checkpoint-named parameter dicts ([] when absent), extras["spec"] the ImportSpec.
+    MTP modules (config.num_mtp_modules, usable by drafter="mtp"); extras["spec"] is the
+    ImportSpec.
   """
   from moespec_jax.model import Transformer  # pylint: disable=g-import-not-at-top
 
@@ -56,16 +55,15 @@ def load_checkpoint(path, dtype: str | None = None):
   abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
   graphdef, state = nnx.split(abstract)
   pure = map_params(src, config, spec, nnx.to_pure_dict(state))
-  mtp = map_mtp(src, config, spec, np.dtype(config.dtype) if config.dtype == "float32" else jax.numpy.bfloat16)
-  if mtp:
+  n_mtp = count_mtp_layers(src, config, spec)
+  if n_mtp:
     # DeepSeek-V3's MTP layers become the model's MTP drafter modules (drafter="mtp").
     lm_head_DV = pure["embed_VD"].T if config.tie_embeddings else pure["lm_head_DV"]
-    own_head = any("head_DV" in layer and not np.array_equal(layer["head_DV"], lm_head_DV) for layer in mtp)
-    config = config.replace(num_mtp_modules=len(mtp), mtp_head_norm=True, mtp_own_head=own_head)
+    config = config.replace(num_mtp_modules=n_mtp, mtp_head_norm=True,
+                            mtp_own_head=mtp_own_head(src, config, n_mtp, lm_head_DV))
     abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
-    abstract_pure = nnx.to_pure_dict(state)
-    pure["mtp"] = {i: mtp_module_params(layer, config, abstract_pure["mtp"][i]) for i, layer in enumerate(mtp)}
+    pure["mtp"] = map_mtp(src, config, spec, nnx.to_pure_dict(state)["mtp"])
   nnx.replace_by_pure_dict(state, jax.tree.map(jax.numpy.asarray, pure))
   unused = sorted(n for n in src.names() - src.used if not n.endswith("rotary_emb.inv_freq"))
   if unused:
@@ -73,4 +71,4 @@ def load_checkpoint(path, dtype: str | None = None):
                     path, len(unused), unused[:3])
   tokenizer = load_for_checkpoint(path, vocab_size=config.vocab_size, eos_id=config.eos_id,
                                   bos_id=config.bos_id)
-  return config, graphdef, state, tokenizer, {"mtp": mtp, "spec": spec}
+  return config, graphdef, state, tokenizer, {"spec": spec}

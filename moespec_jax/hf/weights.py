@@ -190,23 +190,25 @@ class _Mapper:
       out.update({("layers", i) + k: v for k, v in self.block(i).items()})
     return out
 
-  def mtp(self, k: int) -> dict[tuple, np.ndarray]:
-    """DeepSeek-V3's k-th MTP layer (stored as decoder layer n_layers + k).
+  def mtp(self, k: int, own_head: bool) -> dict[tuple, np.ndarray]:
+    """DeepSeek-V3's k-th MTP layer (stored as decoder layer n_layers + k) in `MTPModule` naming.
 
-    Keys: enorm/hnorm weights, eh_proj_2DD ([2D, D], input cat[enorm(emb), hnorm(h)]),
-    block (a moespec Block's parameters), head_norm, and head_DV when the layer has its own.
+    DeepSeek-V3 projects cat[enorm(embedding), hnorm(hidden)]; MTPModule projects
+    cat[hidden_norm(hidden), embed_norm(embedding)], so the two halves of eh_proj swap.
     """
     c, g, src = self.c, self.src.get, self.src
-    i = c.n_layers + k
-    p = f"model.layers.{i}"
-    out = {("enorm", "weight"): g(f"{p}.enorm.weight"), ("hnorm", "weight"): g(f"{p}.hnorm.weight"),
-           ("eh_proj_2DD",): _lin(g(f"{p}.eh_proj.weight")),
+    p = f"model.layers.{c.n_layers + k}"
+    eh_2DD = _lin(g(f"{p}.eh_proj.weight"))
+    out = {("hidden_norm", "weight"): g(f"{p}.hnorm.weight"), ("embed_norm", "weight"): g(f"{p}.enorm.weight"),
+           ("w_proj_CD",): np.concatenate([eh_2DD[c.d_model:], eh_2DD[:c.d_model]], axis=0),
            ("head_norm", "weight"): g(f"{p}.shared_head.norm.weight")}
-    if f"{p}.shared_head.head.weight" in src:
+    if own_head:
       out[("head_DV",)] = _lin(g(f"{p}.shared_head.head.weight"))
+    elif f"{p}.shared_head.head.weight" in src:
+      src.used.add(f"{p}.shared_head.head.weight")  # equal to lm_head (checked by mtp_own_head)
     if f"{p}.embed_tokens.weight" in src:
       src.used.add(f"{p}.embed_tokens.weight")  # DeepSeek-V3 repeats the shared embedding here.
-    out.update({("block",) + key: v for key, v in self.block(i).items()})
+    out.update({("block",) + key: v for key, v in self.block(c.n_layers + k).items()})
     return out
 
 
@@ -232,45 +234,26 @@ def map_params(src: TensorSource, config: ModelConfig, spec: ImportSpec, abstrac
   return pure
 
 
-def map_mtp(src: TensorSource, config: ModelConfig, spec: ImportSpec, dtype) -> list[dict]:
-  """The MTP layers' parameters as nested dicts (see `_Mapper.mtp`), [] when absent."""
-  out = []
-  for k in range(spec.num_mtp_layers):
-    if f"model.layers.{config.n_layers + k}.eh_proj.weight" not in src:
-      break
-    nested: dict = {}
-    for path, value in _Mapper(src, config, spec).mtp(k).items():
-      node = nested
-      for key in path[:-1]:
-        node = node.setdefault(key, {})
-      node[path[-1]] = np.asarray(value).astype(dtype)
-    out.append(nested)
+def count_mtp_layers(src: TensorSource, config: ModelConfig, spec: ImportSpec) -> int:
+  """DeepSeek-V3 MTP layers present in the checkpoint (decoder layers n_layers, n_layers + 1, ...)."""
+  n = 0
+  while n < spec.num_mtp_layers and f"model.layers.{config.n_layers + n}.eh_proj.weight" in src:
+    n += 1
+  return n
+
+
+def mtp_own_head(src: TensorSource, config: ModelConfig, n_layers: int, lm_head_DV: np.ndarray) -> bool:
+  """Whether any MTP layer's output head differs from the model's lm_head."""
+  names = [f"model.layers.{config.n_layers + k}.shared_head.head.weight" for k in range(n_layers)]
+  return any(name in src and not np.array_equal(_lin(src.get(name)), lm_head_DV) for name in names)
+
+
+def map_mtp(src: TensorSource, config: ModelConfig, spec: ImportSpec, abstract_mtp: dict) -> dict:
+  """The MTP layers as the model's `mtp` pure dict (config.num_mtp_modules of them)."""
+  out = {}
+  for k in range(config.num_mtp_modules):
+    flat = _Mapper(src, config, spec).mtp(k, config.mtp_own_head)
+    out[k] = _fill(abstract_mtp[k], flat)
+    if flat:
+      raise ValueError(f"Hugging Face import: MTP tensors without a parameter: {sorted(flat)[:5]}")
   return out
-
-
-def mtp_module_params(layer: dict, config: ModelConfig, abstract: dict) -> dict:
-  """One DeepSeek-V3 MTP layer (`map_mtp` naming) as an `MTPModule` pure dict.
-
-  DeepSeek-V3 projects cat[enorm(embedding), hnorm(hidden)]; MTPModule projects
-  cat[hidden_norm(hidden), embed_norm(embedding)], so the two halves of eh_proj swap.
-  """
-  d = config.d_model
-  eh_2DD = np.asarray(layer["eh_proj_2DD"])
-  flat = {("hidden_norm", "weight"): layer["hnorm"]["weight"], ("embed_norm", "weight"): layer["enorm"]["weight"],
-          ("w_proj_CD",): np.concatenate([eh_2DD[d:], eh_2DD[:d]], axis=0),
-          ("head_norm", "weight"): layer["head_norm"]["weight"]}
-  if config.mtp_own_head:
-    flat[("head_DV",)] = layer["head_DV"]
-
-  def walk(node, path=()):
-    for key, value in node.items():
-      if isinstance(value, dict):
-        walk(value, path + (key,))
-      else:
-        flat[("block",) + path + (key,)] = value
-
-  walk(layer["block"])
-  pure = _fill(abstract, flat)
-  if flat:
-    raise ValueError(f"Hugging Face import: MTP tensors without a parameter: {sorted(flat)[:5]}")
-  return pure

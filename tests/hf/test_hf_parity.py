@@ -207,8 +207,8 @@ def test_deepseek_v3_mtp_layer_is_loaded(pairs, tmp_path):
   save_file(tensors, str(out / "model.safetensors"))
   (out / "config.json").write_text((path / "config.json").read_text())
   loaded = msj.Model.load(out)
-  (layer,) = loaded.hf_extras["mtp"]
-  assert layer["eh_proj_2DD"].shape == (2 * d, d) and layer["head_DV"].shape == (d, v)
+  (layer,) = nnx.to_pure_dict(loaded.state)["mtp"].values()
+  assert layer["w_proj_CD"].shape == (2 * d, d) and layer["head_DV"].shape == (d, v)
   block = jax.tree.map(np.shape, layer["block"])
   assert block["attn"]["w_kv_DC"] == (d, c.kv_lora_rank) and "w_router_DE" in block["ffn"]
   np.testing.assert_array_equal(np.asarray(loaded.forward(_tokens())), np.asarray(model.forward(_tokens())))
