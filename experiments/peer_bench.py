@@ -31,7 +31,7 @@ _WORKDIR = flags.DEFINE_string("workdir", "runs/peer_bench", "Where metrics.json
 _QUICK = flags.DEFINE_bool("quick", False, "Tiny checkpoints, fewer tokens and repeats.")
 _FAMILIES = flags.DEFINE_list("families", [], "Families to run (default: all).")
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 64, "Tokens generated per prompt.")
-_REPEATS = flags.DEFINE_integer("repeats", 3, "Timed repeats per measurement (median).")
+_REPEATS = flags.DEFINE_integer("repeats", 5, "Timed repeats per measurement (median).")
 _NUM_DRAFT = flags.DEFINE_integer("num_draft", 4, "Draft length of both prompt-lookup decoders.")
 _PROMPT_LEN = flags.DEFINE_integer("prompt_len", 192, "Prompt tokens per row.")
 _AUTO = flags.DEFINE_bool("auto_draft", True, "Our n-gram decoder with num_draft='auto' (K <= --num_draft, "
@@ -108,6 +108,7 @@ def bench_family(family: str, ckpt: pathlib.Path, size: dict, *, max_new: int, r
                   prompt_len=prompt_len, auto_draft=bool(auto_draft and drafter == "ngram"))
     rows.append({**common, "impl": "moespec_jax", "tokens_per_second": ours_n / statistics.median(ours_t),
                  "seconds": ours_t, "mean_accepted_length": ours_out.stats.get("mean_accepted_length"),
+                 "passes_by_num_draft": ours_out.stats.get("passes_by_num_draft"),
                  "tokens_identical_to_transformers": all(match)})
     rows.append({**common, "impl": "transformers", "tokens_per_second": hf_out.size / statistics.median(hf_t),
                  "seconds": hf_t, "mean_accepted_length": None,

@@ -8,13 +8,16 @@ method:
   dedup     each selected expert's weights are read once per pass, whatever the number of
             tokens that chose it.
   per_slot  each (token, slot) pair reads its own expert's weights.
-  auto      grouped XLA for large T (training); otherwise dedup or per_slot from the measured
-            crossover of the backend (tuning.py).
+  auto      on the CPU backend with the C++ kernel built: dedup from the measured crossover on
+            (tuning.py), at every T (the fastest forward measured, prefill included); on TPU/GPU:
+            grouped XLA for large T, otherwise dedup or per_slot from the crossover.
 backend (dedup/per_slot): auto (by jax.default_backend()), cpu (the C++ kernel of cpu_ffi.py,
   falling back to XLA with a logged warning when it cannot be built), tpu, gpu (Pallas kernels),
   interpret (the Pallas TPU kernels in interpret mode, for tests on CPU; with interpret=True the
   tpu/gpu backends also run in interpret mode).
-dedup/per_slot are differentiable: their VJP is the grouped XLA path's.
+dedup/per_slot are differentiable: under differentiation the forward and the VJP are the
+grouped XLA path's (one traced computation, no second forward); the kernel runs when not
+differentiated.
 """
 
 import functools
@@ -124,17 +127,14 @@ def _with_grouped_vjp(method, backend, interpret):
   def f(x_TD, expert_ids_TK, gates_TK, w_gate_EDF, w_up_EDF, w_down_EFD):
     return fwd_fn(x_TD, expert_ids_TK, gates_TK, w_gate_EDF, w_up_EDF, w_down_EFD)
 
-  def fwd(*args):
-    return f(*args), args
-
-  def bwd(args, dy_TD):
-    x_TD, expert_ids_TK, gates_TK, wg, wu, wd = args
-
+  def fwd(x_TD, expert_ids_TK, gates_TK, wg, wu, wd):
     def diff(x, g, a, b, c):
       return expert_ffn_xla(x, expert_ids_TK, g, a, b, c) if expert_ids_TK.size >= GROUPED_MIN_ROWS else (
           expert_ffn_grouped(x, expert_ids_TK, g, a, b, c, block_rows=8))
 
-    _, vjp = jax.vjp(diff, x_TD, gates_TK, wg, wu, wd)
+    return jax.vjp(diff, x_TD, gates_TK, wg, wu, wd)
+
+  def bwd(vjp, dy_TD):
     dx, dg, dwg, dwu, dwd = vjp(dy_TD)
     return dx, None, dg, dwg, dwu, dwd
 
@@ -144,9 +144,11 @@ def _with_grouped_vjp(method, backend, interpret):
 
 def choose_method(n_tokens, top_k, backend="auto"):
   """What `auto` runs for a pass of n_tokens: 'xla' (grouped, large T), 'dedup' or 'per_slot'."""
-  if n_tokens * top_k >= GROUPED_MIN_ROWS:
+  resolved = resolve_backend(backend)
+  cpu_kernel = resolved == "cpu" and cpu_ffi.available()
+  if n_tokens * top_k >= GROUPED_MIN_ROWS and not cpu_kernel:
     return "xla"
-  return "dedup" if n_tokens >= tuning.dedup_min_tokens(resolve_backend(backend)) else "per_slot"
+  return "dedup" if n_tokens >= tuning.dedup_min_tokens(resolved) else "per_slot"
 
 
 def expert_ffn(x_TD, expert_ids_TK, gates_TK, w_gate_EDF, w_up_EDF, w_down_EFD, *, method="xla",

@@ -163,7 +163,11 @@ def test_auto_and_xla_methods():
   ref = expert_ffn_reference(*args)
   for method in ("auto", "xla"):
     np.testing.assert_allclose(pallas_kernels.expert_ffn(*args, method=method), ref, atol=1e-4)
-  assert pallas_kernels.choose_method(4096, 4) == "xla"
+  assert pallas_kernels.choose_method(4096, 4, backend="tpu") == "xla"
+  assert pallas_kernels.choose_method(4096, 4, backend="gpu") == "xla"
+  assert pallas_kernels.choose_method(2, 4, backend="tpu") == "dedup"
+  # CPU: the C++ kernel at every pass size, prefill included (the fastest forward measured).
+  assert pallas_kernels.choose_method(4096, 4, backend="cpu") == ("dedup" if cpu_ffi.available() else "xla")
   assert pallas_kernels.choose_method(4, 4, backend="cpu") in ("dedup", "per_slot")
   with pytest.raises(ValueError, match="method"):
     pallas_kernels.expert_ffn(*args, method="nope")

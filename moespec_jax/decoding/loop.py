@@ -121,8 +121,8 @@ def _init(model, tokens_BT, lengths_B, key, draft_inputs, ls: LoopSpec):
   row_keys_B = jax.random.split(key, batch)
 
   cache = model.new_cache(batch, ls.cache_len)
-  out = model(tokens_BT, None, cache, expert_method=ls.expert_method)
-  last_logits_BV = out.logits[b_idx, lengths_B - 1]
+  out = model(tokens_BT, None, cache, expert_method=ls.expert_method, compute_logits=False, fresh_cache=True)
+  last_logits_BV = model.head(out.hidden[b_idx, lengths_B - 1][:, None])[:, 0]
   first_B = sampling_lib.sample(_row_keys(row_keys_B, 0), last_logits_BV, ls.sampling)
   out_BN = jnp.full((batch, ls.max_new_tokens + k_max + 1), -1, jnp.int32).at[:, 0].set(first_B)
 
@@ -137,10 +137,11 @@ def _init(model, tokens_BT, lengths_B, key, draft_inputs, ls: LoopSpec):
     shifted_BP = jnp.concatenate([tokens_BT[:, 1:], jnp.zeros((batch, m_total), jnp.int32)], axis=1)
     next_BP = jnp.where(j_P[None] < (lengths_B - 1)[:, None], shifted_BP, first_B[:, None])
     positions_BP = jnp.broadcast_to(jnp.arange(prompt_len, dtype=jnp.int32), (batch, prompt_len))
-    h_BPD, logits_BPV, mcache = mtp_lib.fill(model, out.hidden, next_BP, positions_BP,
+    h1_BD, logits1_BV, mcache = mtp_lib.fill(model, out.hidden, next_BP, positions_BP,
                                              mtp_lib.new_cache(config, batch, ls.cache_len),
-                                             expert_method=ls.expert_method)
-    dstate = {"cache": mcache, "h1": h_BPD[b_idx, lengths_B - 1], "logits1": logits_BPV[b_idx, lengths_B - 1]}
+                                             expert_method=ls.expert_method, at_B=lengths_B - 1,
+                                             fresh_cache=True)
+    dstate = {"cache": mcache, "h1": h1_BD, "logits1": logits1_BV}
   elif ls.drafter == "controlled":
     ref_BN = jnp.maximum(draft_inputs["reference"], 0)
     pad = ls.max_new_tokens + k_max + 1 - ref_BN.shape[1]
@@ -220,7 +221,7 @@ def _pass(model, carry, k: int, ls: LoopSpec):
   cand_BS = jnp.where(j_S[None] < n_acc_B[:, None], drafts_pad_BS, next_B[:, None])
   n_commit_B, hit_eos_B = _commit(cand_BS, n_acc_B, active_B, gen_B, eos, ls.max_new_tokens)
   write_BS = jnp.where(j_S[None] < n_commit_B[:, None], cand_BS, -1)
-  out_BN = cache_lib.write_rows(carry["out"][..., None], write_BS[..., None], gen_B)[..., 0]
+  out_BN = cache_lib.write_rows(carry["out"], write_BS, gen_B)
   new_gen_B = gen_B + n_commit_B
   new_done_B = done_B | hit_eos_B | (new_gen_B >= ls.max_new_tokens)
   new_pos_B = jnp.where(active_B, pos_B + n_acc_B + 1, pos_B)
@@ -229,16 +230,16 @@ def _pass(model, carry, k: int, ls: LoopSpec):
   # Drafter state for the next pass. (MTP with K = 0, possible only under auto K, skips the heads:
   # their state goes stale and auto K does not draft with them again.)
   if ls.drafter == "ngram":
-    seq_BS = cache_lib.write_rows(dstate["seq"][..., None], cand_BS[..., None], pos_B + 1)[..., 0]
+    seq_BS = cache_lib.write_rows(dstate["seq"], cand_BS, pos_B + 1)
     dstate = dict(dstate, seq=seq_BS)
   elif ls.drafter == "mtp" and k:
     m_total = config.num_mtp_modules
     j_T = jnp.arange(k + m_total, dtype=jnp.int32)
     base_BT = jnp.concatenate([drafts_BK, jnp.zeros((batch, m_total), jnp.int32)], axis=1)
     next_BT = jnp.where(j_T[None] < n_acc_B[:, None], base_BT, next_B[:, None])
-    h_BSD, logits_BSV, mcache = mtp_lib.fill(model, vout.hidden, next_BT, positions_BS,
-                                             dstate["cache"], expert_method=ls.expert_method)
-    dstate = {"cache": mcache, "h1": h_BSD[b_idx, n_acc_B], "logits1": logits_BSV[b_idx, n_acc_B]}
+    h1_BD, logits1_BV, mcache = mtp_lib.fill(model, vout.hidden, next_BT, positions_BS, dstate["cache"],
+                                             expert_method=ls.expert_method, at_B=n_acc_B)
+    dstate = {"cache": mcache, "h1": h1_BD, "logits1": logits1_BV}
 
   # Statistics over the active rows.
   stats = dict(carry["stats"])

@@ -54,11 +54,13 @@ class Attention(nnx.Module):
       k_BTGK = self.k_norm(k_BTGK.reshape(*k_BTGK.shape[:2], -1)).reshape(k_BTGK.shape)
     return q_BTHK, k_BTGK, v_BTGK
 
-  def __call__(self, x_BTD, positions_BT, rope, layer_cache=None):
-    """Returns (out_BTD, (keys_BSHK, values_BSHK) or None).
+  def __call__(self, x_BTD, positions_BT, rope, layer_cache=None, *, fresh_cache: bool = False):
+    """Returns (out_BTD, (keys_BGSK, values_BGSK) or None).
 
-    With `layer_cache=(keys, values)`, the pass's keys/values are written at their
-    positions (each row's positions must be contiguous) and attention reads the cache.
+    With `layer_cache=(keys, values)`, the pass's keys/values are written at their positions
+    (each row's positions must be contiguous) and queries attend to the cache (positions <=
+    their own). `fresh_cache`: the cache holds nothing yet (a prefill), so queries attend to
+    the pass's own keys only (not to the empty entries).
     """
     cos, sin = rope
     if self.b_q_HK is None and self.q_norm is None:
@@ -69,24 +71,30 @@ class Attention(nnx.Module):
       q_BTHK, k_BTGK, v_BTGK = self._project(x_BTD)
       q_BTHK, k_BTGK = apply_rope(q_BTHK, cos, sin), apply_rope(k_BTGK, cos, sin)
 
-    if layer_cache is None:
-      keys, values, key_pos_BS = k_BTGK, v_BTGK, positions_BT
-      new_cache = None
+    # Queries of one KV head stacked as Q = T * R rows (t-major): the products are then plain
+    # batched matmuls over (b, g) against the cache as it lies, the fastest form measured.
+    b, t = x_BTD.shape[:2]
+    g, r, k = self.n_kv_heads, self.n_heads // self.n_kv_heads, self.head_dim
+    scale = 1.0 / jnp.sqrt(jnp.float32(k))
+    q_BGQK = q_BTHK.reshape(b, t, g, r, k).transpose(0, 2, 1, 3, 4).reshape(b, g, t * r, k)
+    if layer_cache is None or fresh_cache:
+      k_BGTK, v_BGTK = k_BTGK.swapaxes(1, 2), v_BTGK.swapaxes(1, 2)
+      scores_BGQT = jnp.einsum("bgqk,bgtk->bgqt", q_BGQK, k_BGTK).astype(jnp.float32) * scale
+      visible_BQT = jnp.repeat(positions_BT[:, None, :] <= positions_BT[:, :, None], r, axis=1)
+      probs_BGQT = jax.nn.softmax(jnp.where(visible_BQT[:, None], scores_BGQT, -1e30), axis=-1)
+      out_BGQK = jnp.einsum("bgqt,bgtk->bgqk", probs_BGQT.astype(v_BGTK.dtype), v_BGTK)
+      new_cache = None if layer_cache is None else (
+          cache_lib.write_positions(layer_cache[0], k_BTGK, positions_BT[:, 0]),
+          cache_lib.write_positions(layer_cache[1], v_BTGK, positions_BT[:, 0]))
     else:
       start_B = positions_BT[:, 0]
-      keys = cache_lib.write_rows(layer_cache[0], k_BTGK, start_B)
-      values = cache_lib.write_rows(layer_cache[1], v_BTGK, start_B)
-      key_pos_BS = jnp.broadcast_to(jnp.arange(keys.shape[1]), keys.shape[:2])
-      new_cache = (keys, values)
-
-    b, t = x_BTD.shape[:2]
-    groups = self.n_heads // self.n_kv_heads
-    q_BTGRK = q_BTHK.reshape(b, t, self.n_kv_heads, groups, self.head_dim)
-    scores_BGRTS = jnp.einsum("btgrk,bsgk->bgrts", q_BTGRK, keys).astype(jnp.float32)
-    scores_BGRTS = scores_BGRTS / jnp.sqrt(jnp.float32(self.head_dim))
-    visible_BTS = key_pos_BS[:, None, :] <= positions_BT[:, :, None]
-    scores_BGRTS = jnp.where(visible_BTS[:, None, None], scores_BGRTS, -1e30)
-    probs_BGRTS = jax.nn.softmax(scores_BGRTS, axis=-1).astype(values.dtype)
-    out_BTGRK = jnp.einsum("bgrts,bsgk->btgrk", probs_BGRTS, values)
-    out_BTHK = out_BTGRK.reshape(b, t, self.n_heads, self.head_dim)
+      keys_BGSK = cache_lib.write_positions(layer_cache[0], k_BTGK, start_B)
+      values_BGSK = cache_lib.write_positions(layer_cache[1], v_BTGK, start_B)
+      key_pos_S = jnp.arange(keys_BGSK.shape[2])
+      visible_BQS = jnp.repeat(key_pos_S[None, None, :] <= positions_BT[:, :, None], r, axis=1)
+      scores_BGQS = jnp.einsum("bgqk,bgsk->bgqs", q_BGQK, keys_BGSK).astype(jnp.float32) * scale
+      probs_BGQS = jax.nn.softmax(jnp.where(visible_BQS[:, None], scores_BGQS, -1e30), axis=-1)
+      out_BGQK = jnp.einsum("bgqs,bgsk->bgqk", probs_BGQS.astype(values_BGSK.dtype), values_BGSK)
+      new_cache = (keys_BGSK, values_BGSK)
+    out_BTHK = out_BGQK.reshape(b, g, t, r, k).transpose(0, 2, 1, 3, 4).reshape(b, t, self.n_heads, k)
     return jnp.einsum("bthk,hkd->btd", out_BTHK, self.w_o_HKD[...]), new_cache

@@ -1,14 +1,16 @@
 """The KV cache: an explicit pytree passed into and returned from every pass.
 
-Each layer holds keys and values for `max_len` positions per row. A pass of n tokens
+Each layer holds keys and values for `max_len` positions per row, heads before positions
+([B, H, S, D]) so that attention's per-head products read the cache in place (with positions
+before heads, XLA:CPU copied the whole cache into this order on every pass). A pass of n tokens
 at positions [p, p+n) writes its keys/values there and attends to positions <= its own,
 so a rollback after rejected drafts is only a position change: stale entries beyond
 the committed length are overwritten before any query can see them.
 
 The cache does not interpret its entries: grouped-query attention stores per-head keys and
-values [B, S, H_kv, D_head]; MLA (model/mla.py) stores its compressed KV latent as `keys`
-[B, S, 1, kv_lora_rank] and the shared rotary key as `values` [B, S, 1, qk_rope_head_dim].
-Both write with `write_rows` at positions, so the speculative loop is the same for either.
+values [B, H_kv, S, D_head]; MLA (model/mla.py) stores its compressed KV latent as `keys`
+[B, 1, S, kv_lora_rank] and the shared rotary key as `values` [B, 1, S, qk_rope_head_dim].
+Both write with `write_positions`, so the speculative loop is the same for either.
 """
 
 from __future__ import annotations
@@ -20,13 +22,13 @@ from flax import struct
 
 @struct.dataclass
 class KVCache:
-  keys: tuple  # per layer [B, S, H_kv, D_head] (MLA: latent [B, S, 1, kv_lora_rank])
-  values: tuple  # per layer [B, S, H_kv, D_head] (MLA: rope key [B, S, 1, qk_rope_head_dim])
+  keys: tuple  # per layer [B, H_kv, S, D_head] (MLA: latent [B, 1, S, kv_lora_rank])
+  values: tuple  # per layer [B, H_kv, S, D_head] (MLA: rope key [B, 1, S, qk_rope_head_dim])
 
   @classmethod
   def zeros(cls, n_layers: int, batch: int, max_len: int, n_kv_heads: int, head_dim: int,
             dtype=jnp.float32) -> "KVCache":
-    shape = (batch, max_len, n_kv_heads, head_dim)
+    shape = (batch, n_kv_heads, max_len, head_dim)
     return cls(keys=tuple(jnp.zeros(shape, dtype) for _ in range(n_layers)),
                values=tuple(jnp.zeros(shape, dtype) for _ in range(n_layers)))
 
@@ -35,18 +37,29 @@ class KVCache:
     """A zero cache shaped for `config`'s attention (`ModelConfig.cache_dims`)."""
     heads, key_dim, value_dim = config.cache_dims
     n = config.n_layers
-    return cls(keys=tuple(jnp.zeros((batch, max_len, heads, key_dim), dtype) for _ in range(n)),
-               values=tuple(jnp.zeros((batch, max_len, heads, value_dim), dtype) for _ in range(n)))
+    return cls(keys=tuple(jnp.zeros((batch, heads, max_len, key_dim), dtype) for _ in range(n)),
+               values=tuple(jnp.zeros((batch, heads, max_len, value_dim), dtype) for _ in range(n)))
 
   @property
   def max_len(self) -> int:
-    return self.keys[0].shape[1]
+    return self.keys[0].shape[2]
 
 
-def write_rows(cache_BSHD, new_BTHD, start_B):
-  """Writes each row's n new entries at its own start position (no copy under jit)."""
+def write_rows(buffer_BS, new_BT, start_B):
+  """Writes each row's n new entries (axis 1) at its own start position (no copy under jit)."""
 
-  def one_row(c_SHD, n_THD, s):
-    return jax.lax.dynamic_update_slice_in_dim(c_SHD, n_THD.astype(c_SHD.dtype), s, axis=0)
+  def one_row(b_S, n_T, s):
+    return jax.lax.dynamic_update_slice_in_dim(b_S, n_T.astype(b_S.dtype), s, axis=0)
 
-  return jax.vmap(one_row)(cache_BSHD, new_BTHD, start_B)
+  return jax.vmap(one_row)(buffer_BS, new_BT, start_B)
+
+
+def write_positions(cache_BHSD, new_BTHD, start_B):
+  """Writes a pass's T new entries per row (as the projections give them, [B, T, H, D]) into the
+  [B, H, S, D] cache at each row's start position (in place under jit)."""
+
+  def one_row(c_HSD, n_THD, s):
+    return jax.lax.dynamic_update_slice_in_dim(c_HSD, jnp.swapaxes(n_THD, 0, 1).astype(c_HSD.dtype), s, axis=1)
+
+  return jax.vmap(one_row)(cache_BHSD, new_BTHD, start_B)
+

@@ -91,8 +91,12 @@ class MLAttention(nnx.Module):
     self.w_uv_CHV = nnx.Param(fan_in_init(c)(rngs.params(), (c, h, v), dtype))
     self.w_o_HVD = nnx.Param(fan_in_init(h * v, out_scale)(rngs.params(), (h, v, d), dtype))
 
-  def __call__(self, x_BTD, positions_BT, rope=None, layer_cache=None):
-    """Returns (out_BTD, (latent_BSGC, rope_key_BSGR) or None); `rope` is unused (own tables)."""
+  def __call__(self, x_BTD, positions_BT, rope=None, layer_cache=None, *, fresh_cache: bool = False):
+    """Returns (out_BTD, (latent_BGSC, rope_key_BGSR) or None), G = 1; `rope` is unused (own tables).
+
+    With a cache, the pass's entries are written first and queries attend to the cache
+    (positions <= their own); with `fresh_cache` (a prefill) only to the pass's own entries.
+    """
     del rope
     cfg = self.config
     n = cfg.qk_nope_head_dim
@@ -109,24 +113,30 @@ class MLAttention(nnx.Module):
     latent_BTGC = self.kv_norm(jnp.einsum("btd,dc->btc", x_BTD, self.w_kv_DC[...]))[:, :, None]
     k_rope_BTGR = apply_rope(jnp.einsum("btd,dr->btr", x_BTD, self.w_kr_DR[...])[:, :, None], cos, sin)
 
-    if layer_cache is None:
-      latent, k_rope, key_pos_BS = latent_BTGC, k_rope_BTGR, positions_BT
-      new_cache = None
+    latent_BTC, k_rope_BTR = latent_BTGC[:, :, 0], k_rope_BTGR[:, :, 0]
+    q_lat_BTHC = jnp.einsum("bthn,chn->bthc", q_nope_BTHN, self.w_uk_CHN[...])
+    scale = jnp.float32(softmax_scale(cfg))
+
+    def scores(latent_BSC, k_rope_BSR):
+      return (jnp.einsum("bthc,bsc->bhts", q_lat_BTHC, latent_BSC)
+              + jnp.einsum("bthr,bsr->bhts", q_rope_BTHR, k_rope_BSR)).astype(jnp.float32) * scale
+
+    if layer_cache is None or fresh_cache:  # U: the pass's own positions
+      visible_BTU = positions_BT[:, None, :] <= positions_BT[:, :, None]
+      probs_BHTU = jax.nn.softmax(jnp.where(visible_BTU[:, None], scores(latent_BTC, k_rope_BTR), -1e30), axis=-1)
+      out_lat_BTHC = jnp.einsum("bhtu,buc->bthc", probs_BHTU.astype(latent_BTC.dtype), latent_BTC)
+      new_cache = None if layer_cache is None else (
+          cache_lib.write_positions(layer_cache[0], latent_BTGC, positions_BT[:, 0]),
+          cache_lib.write_positions(layer_cache[1], k_rope_BTGR, positions_BT[:, 0]))
     else:
       start_B = positions_BT[:, 0]
-      latent = cache_lib.write_rows(layer_cache[0], latent_BTGC, start_B)
-      k_rope = cache_lib.write_rows(layer_cache[1], k_rope_BTGR, start_B)
-      key_pos_BS = jnp.broadcast_to(jnp.arange(latent.shape[1]), latent.shape[:2])
-      new_cache = (latent, k_rope)
-    latent_BSC, k_rope_BSR = latent[:, :, 0], k_rope[:, :, 0]
-
-    q_lat_BTHC = jnp.einsum("bthn,chn->bthc", q_nope_BTHN, self.w_uk_CHN[...])
-    scores_BHTS = (jnp.einsum("bthc,bsc->bhts", q_lat_BTHC, latent_BSC)
-                   + jnp.einsum("bthr,bsr->bhts", q_rope_BTHR, k_rope_BSR)).astype(jnp.float32)
-    scores_BHTS = scores_BHTS * jnp.float32(softmax_scale(cfg))
-    visible_BTS = key_pos_BS[:, None, :] <= positions_BT[:, :, None]
-    scores_BHTS = jnp.where(visible_BTS[:, None], scores_BHTS, -1e30)
-    probs_BHTS = jax.nn.softmax(scores_BHTS, axis=-1).astype(latent_BSC.dtype)
-    out_lat_BTHC = jnp.einsum("bhts,bsc->bthc", probs_BHTS, latent_BSC)
+      latent_BGSC = cache_lib.write_positions(layer_cache[0], latent_BTGC, start_B)
+      k_rope_BGSR = cache_lib.write_positions(layer_cache[1], k_rope_BTGR, start_B)
+      latent_BSC = latent_BGSC[:, 0]
+      visible_BTS = jnp.arange(latent_BSC.shape[1])[None, None, :] <= positions_BT[:, :, None]
+      scores_BHTS = scores(latent_BSC, k_rope_BGSR[:, 0])
+      probs_BHTS = jax.nn.softmax(jnp.where(visible_BTS[:, None], scores_BHTS, -1e30), axis=-1)
+      out_lat_BTHC = jnp.einsum("bhts,bsc->bthc", probs_BHTS.astype(latent_BSC.dtype), latent_BSC)
+      new_cache = (latent_BGSC, k_rope_BGSR)
     out_BTHV = jnp.einsum("bthc,chv->bthv", out_lat_BTHC, self.w_uv_CHV[...])
     return jnp.einsum("bthv,hvd->btd", out_BTHV, self.w_o_HVD[...]), new_cache

@@ -66,11 +66,13 @@ class MTPModule(nnx.Module):
       return model.head(normed_BTD)
     return jnp.einsum("btd,dv->btv", normed_BTD, self.head_DV[...])
 
-  def __call__(self, hidden_BTD, next_emb_BTD, positions_BT, rope, layer_cache, *, expert_method):
+  def __call__(self, hidden_BTD, next_emb_BTD, positions_BT, rope, layer_cache, *, expert_method,
+               fresh_cache: bool = False):
     """Returns (h_BTD, new layer cache, routing)."""
     x_BTC = jnp.concatenate([self.hidden_norm(hidden_BTD), self.embed_norm(next_emb_BTD)], axis=-1)
     x_BTD = jnp.einsum("btc,cd->btd", x_BTC, self.w_proj_CD[...])
-    return self.block(x_BTD, positions_BT, rope, layer_cache, expert_method=expert_method)
+    return self.block(x_BTD, positions_BT, rope, layer_cache, expert_method=expert_method,
+                      fresh_cache=fresh_cache)
 
 
 def new_cache(config: ModelConfig, batch: int, max_len: int) -> KVCache:
@@ -78,8 +80,8 @@ def new_cache(config: ModelConfig, batch: int, max_len: int) -> KVCache:
   heads, key_dim, value_dim = config.cache_dims
   dtype = jnp.dtype(config.dtype)
   n = config.num_mtp_modules
-  return KVCache(keys=tuple(jnp.zeros((batch, max_len, heads, key_dim), dtype) for _ in range(n)),
-                 values=tuple(jnp.zeros((batch, max_len, heads, value_dim), dtype) for _ in range(n)))
+  return KVCache(keys=tuple(jnp.zeros((batch, heads, max_len, key_dim), dtype) for _ in range(n)),
+                 values=tuple(jnp.zeros((batch, heads, max_len, value_dim), dtype) for _ in range(n)))
 
 
 def module_for_depth(depth: int, num_modules: int) -> tuple[int, int]:
@@ -89,35 +91,43 @@ def module_for_depth(depth: int, num_modules: int) -> tuple[int, int]:
 
 
 def run_module(model, m: int, hidden_BTD, next_tokens_BT, positions_BT, cache: KVCache | None, *,
-               expert_method: str):
-  """Module `m` (0-based) over T tokens; returns (h_BTD, logits_BTV, new cache or None)."""
+               expert_method: str, compute_logits: bool = True, fresh_cache: bool = False):
+  """Module `m` (0-based) over T tokens; returns (h_BTD, logits_BTV or None, new cache or None)."""
   c = model.config
   emb_BTD = jnp.take(model.embed_VD[...], next_tokens_BT, axis=0)
   rope = rope_tables(positions_BT, c.head_dim, c.rope_theta)
   layer_cache = None if cache is None else (cache.keys[m], cache.values[m])
   h_BTD, layer_new, _ = model.mtp[m](hidden_BTD, emb_BTD, positions_BT, rope, layer_cache,
-                                     expert_method=expert_method)
-  logits_BTV = model.mtp[m].logits(model, h_BTD)
+                                     expert_method=expert_method, fresh_cache=fresh_cache)
+  logits_BTV = model.mtp[m].logits(model, h_BTD) if compute_logits else None
   if cache is not None:
     cache = KVCache(keys=cache.keys[:m] + (layer_new[0],) + cache.keys[m + 1:],
                     values=cache.values[:m] + (layer_new[1],) + cache.values[m + 1:])
   return h_BTD, logits_BTV, cache
 
 
-def fill(model, target_hidden_BTD, seq_BT, positions_BT, cache: KVCache, *, expert_method: str):
+def fill(model, target_hidden_BTD, seq_BT, positions_BT, cache: KVCache, *, expert_method: str,
+         at_B=None, fresh_cache: bool = False):
   """Runs modules 1..M over T indices; module k reads next tokens `seq_BT[:, k:]`.
 
   `seq_BT` holds T + M tokens per row: the tokens at positions [p+1, p+T+M) (unknown ones
-  are placeholders). Returns (module-1 hidden h_BTD, module-1 logits_BTV, new cache).
+  are placeholders). Returns (module-1 hidden, module-1 logits, new cache): at every index
+  ([B, T, D], [B, T, V]), or with `at_B` at one index per row ([B, D], [B, V]; the head runs
+  there only). `fresh_cache`: the cache is empty (a prefill).
   """
   t = target_hidden_BTD.shape[1]
   hidden, first = target_hidden_BTD, None
   for m in range(model.config.num_mtp_modules):
-    hidden, logits, cache = run_module(model, m, hidden, seq_BT[:, m:m + t], positions_BT, cache,
-                                       expert_method=expert_method)
+    hidden, _, cache = run_module(model, m, hidden, seq_BT[:, m:m + t], positions_BT, cache,
+                                  expert_method=expert_method, compute_logits=False, fresh_cache=fresh_cache)
     if first is None:
-      first = (hidden, logits)
-  return first[0], first[1], cache
+      first = hidden
+  if at_B is not None:
+    first = first[jnp.arange(first.shape[0]), at_B][:, None]
+  logits = model.mtp[0].logits(model, first)
+  if at_B is not None:
+    return first[:, 0], logits[:, 0], cache
+  return first, logits, cache
 
 
 def forward_train(model, target_hidden_BTD, tokens_BT, depths: int, *, expert_method: str | None = None):

@@ -26,7 +26,7 @@ class Routing:
 
 @struct.dataclass
 class ForwardOutput:
-  logits: jax.Array  # [B, T, V] f32
+  logits: jax.Array | None  # [B, T, V] f32 (None with compute_logits=False)
   hidden: jax.Array  # [B, T, D] final hidden states (after the final norm), read by MTP heads
   routing: Routing | None
   cache: KVCache | None
@@ -48,8 +48,9 @@ class Block(nnx.Module):
       self.ffn = SwiGLU(config.d_model, config.dense_hidden, out_scale=out_scale, rngs=rngs, dtype=dtype)
 
   def __call__(self, x_BTD, positions_BT, rope, layer_cache, *, expert_method, expert_budget=None,
-               valid_BT=None):
-    attn_out, new_cache = self.attn(self.attn_norm(x_BTD), positions_BT, rope, layer_cache)
+               valid_BT=None, fresh_cache: bool = False):
+    attn_out, new_cache = self.attn(self.attn_norm(x_BTD), positions_BT, rope, layer_cache,
+                                    fresh_cache=fresh_cache)
     x_BTD = x_BTD + attn_out
     h = self.ffn_norm(x_BTD)
     if self.is_moe:
@@ -87,17 +88,22 @@ class Transformer(nnx.Module):
 
   def head(self, hidden_BTD):
     """Output logits (f32) from final hidden states."""
-    w_DV = self.embed_VD[...].T if self.lm_head_DV is None else self.lm_head_DV[...]
-    return jnp.einsum("btd,dv->btv", hidden_BTD, w_DV).astype(jnp.float32)
+    if self.lm_head_DV is None:  # tied: the embedding read as it lies (a .T was copied every pass)
+      return jnp.einsum("btd,vd->btv", hidden_BTD, self.embed_VD[...]).astype(jnp.float32)
+    return jnp.einsum("btd,dv->btv", hidden_BTD, self.lm_head_DV[...]).astype(jnp.float32)
 
   def __call__(self, tokens_BT, positions_BT=None, cache: KVCache | None = None, *,
-               expert_method: str | None = None, expert_budget=None, valid_BT=None) -> ForwardOutput:
+               expert_method: str | None = None, expert_budget=None, valid_BT=None,
+               compute_logits: bool = True, fresh_cache: bool = False) -> ForwardOutput:
     """One pass over `tokens_BT` at `positions_BT` (default 0..T-1 for every row).
 
     Without a cache this is the full causal forward; with one, the pass's keys/values are
     written at its positions (contiguous per row) and the updated cache is returned.
     `expert_budget` (a `model.budget.ExpertBudget`) makes the pass APPROXIMATE: each MoE layer
     uses at most that many routed experts, ranked over the `valid_BT` tokens.
+    `compute_logits=False` skips the output head (logits None): a prefill needs the head at
+    its last position only (`head(hidden)` there). `fresh_cache=True` (a prefill into an empty
+    cache): attention reads only the pass's own keys, not the cache's empty entries.
     """
     c = self.config
     method = expert_method or c.expert_method
@@ -109,7 +115,8 @@ class Transformer(nnx.Module):
     for i, block in enumerate(self.layers):
       layer_cache = None if cache is None else (cache.keys[i], cache.values[i])
       x_BTD, layer_new, routing = block(x_BTD, positions_BT, rope, layer_cache, expert_method=method,
-                                        expert_budget=expert_budget, valid_BT=valid_BT)
+                                        expert_budget=expert_budget, valid_BT=valid_BT,
+                                        fresh_cache=fresh_cache)
       if layer_new is not None:
         new_keys.append(layer_new[0])
         new_values.append(layer_new[1])
@@ -120,4 +127,5 @@ class Transformer(nnx.Module):
     if routings:
       routing = Routing(*(jnp.stack(parts) for parts in zip(*routings)))
     new_cache = None if cache is None else KVCache(tuple(new_keys), tuple(new_values))
-    return ForwardOutput(self.head(hidden_BTD), hidden_BTD, routing, new_cache)
+    logits_BTV = self.head(hidden_BTD) if compute_logits else None
+    return ForwardOutput(logits_BTV, hidden_BTD, routing, new_cache)

@@ -52,6 +52,25 @@ def test_multi_token_pass_with_cache_equals_full_forward(tiny_model):
   np.testing.assert_allclose(np.asarray(out2.logits), full[:, 7:], atol=2e-5, rtol=2e-5)
 
 
+def test_fresh_cache_prefill_equals_cached_prefill_and_skips_nothing_it_needs(tiny_model):
+  """A prefill with fresh_cache=True (own keys only) gives the same hidden states and cache
+  as one that also reads the empty cache; the next pass then sees the same cache."""
+  module = tiny_model.module()
+  tokens = np.random.default_rng(2).integers(0, 256, size=(2, 10)).astype(np.int32)
+  prompt = jnp.asarray(tokens[:, :6])
+  plain = module(prompt, None, module.new_cache(2, 16))
+  fresh = module(prompt, None, module.new_cache(2, 16), fresh_cache=True, compute_logits=False)
+  assert fresh.logits is None
+  np.testing.assert_allclose(np.asarray(fresh.hidden), np.asarray(plain.hidden), atol=1e-5, rtol=1e-5)
+  for a, b in zip(jax.tree.leaves(fresh.cache), jax.tree.leaves(plain.cache)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
+  assert fresh.cache.keys[0].shape == (2, module.config.n_kv_heads, 16, module.config.head_dim)
+  pos = jnp.broadcast_to(jnp.arange(6, 10), (2, 4))
+  nxt = module(jnp.asarray(tokens[:, 6:]), pos, fresh.cache)
+  np.testing.assert_allclose(np.asarray(nxt.logits), np.asarray(module(jnp.asarray(tokens)).logits)[:, 6:],
+                             atol=2e-5, rtol=2e-5)
+
+
 def test_forward_returns_hidden_and_routing(tiny_model, tiny_config):
   out = tiny_model.forward_full(np.zeros((2, 5), np.int32))
   c = tiny_config
