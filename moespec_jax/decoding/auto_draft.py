@@ -13,7 +13,9 @@ and read optimistically (plus OPTIMISM standard errors): K = 0 stops the evidenc
 chosen only when speculation does not pay even then, and only after MIN_EVIDENCE tried drafts.
 While K = 0, after about EXPLORE_EVERY plain passes one pass tries K = 1 (drafters whose state
 is cheap to keep current; the MTP heads skip their upkeep at K = 0, so with them auto stays
-plain once it got there).
+plain once it got there). With the n-gram drafter, a segment where no active row's context has
+a match is NO_MATCH_PASSES plain passes (nothing to verify; transformers' prompt lookup also
+decodes plainly without a match).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ SEGMENT_PASSES = 4  # passes per choice of K once the estimate is settled
 PLAIN_SEGMENT_PASSES = 16  # the same at K = 0
 SETTLED_EVIDENCE = 16.0  # tried drafts before segments grow from 1 pass to SEGMENT_PASSES
 EXPLORE_EVERY = 64
+NO_MATCH_PASSES = 4  # plain passes when no row has an n-gram match (each choice costs a little)
 MAX_ACCEPTANCE = 0.999
 
 

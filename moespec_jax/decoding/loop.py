@@ -194,7 +194,6 @@ def _pass(model, carry, k: int, ls: LoopSpec):
   step = carry["step"]
   pos_B, pend_B, gen_B, done_B = carry["pos"], carry["pending"], carry["gen"], carry["done"]
   batch = pos_B.shape[0]
-  b_idx = jnp.arange(batch)
   active_B = ~done_B
   keys_B = _row_keys(carry["row_keys"], step)
   split = jax.vmap(lambda key: jax.random.split(key, 2))(keys_B)
@@ -301,6 +300,12 @@ def _auto_segment(model, carry, step_ms_K, ls: LoopSpec):
   stats = carry["stats"]
   k, n_passes = auto_draft.choose_k(stats["acceptance_evidence"], stats["plain_run"], step_ms_K,
                                     explore=ls.drafter != "mtp")
+  if ls.drafter == "ngram":
+    # Prompt lookup with no match in any active row has nothing to verify: plain passes.
+    _, valid_B1 = drafters_lib.ngram_propose(carry["dstate"]["seq"], carry["pos"] + 1, 1)
+    any_match = jnp.any(valid_B1[:, 0] & ~carry["done"])
+    k = jnp.where(any_match, k, 0)
+    n_passes = jnp.where(any_match, n_passes, auto_draft.NO_MATCH_PASSES)
   for kk in range(ls.num_draft + 1):
     carry = _run_passes(model, carry, kk, k, n_passes, ls)
   return carry

@@ -89,6 +89,17 @@ def test_auto_greedy_tokens_equal_plain_greedy(auto_model, auto_plain, drafter):
     assert s["mean_accepted_length"] > 1.5
 
 
+def test_auto_ngram_without_a_match_runs_plain_passes(auto_model, auto_plain):
+  """A pass where no row's context has an n-gram match verifies nothing extra (K = 0)."""
+  rows = [i for i, p in enumerate(RAGGED) if int(auto_plain[i][0]) not in p]
+  assert rows, "every first token occurs in its prompt; pick other prompts"
+  prompts = [RAGGED[i] for i in rows]
+  spec = msj.SpecParams(drafter="ngram", num_draft="auto", max_draft=3)
+  out = msj.generate(auto_model, prompts, max_new_tokens=2, spec=spec)  # one verify pass
+  np.testing.assert_array_equal(out.tokens, auto_plain[rows, :2])
+  assert out.stats["passes_by_num_draft"] == [1, 0, 0, 0]
+
+
 def test_controlled_acceptance_is_geometric(auto_model, auto_plain):
   """Each draft equals the target's greedy token with probability a, independently, so
   P(draft j accepted | j-1 accepted) = a at every depth; the output stays plain greedy."""
