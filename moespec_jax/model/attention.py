@@ -77,24 +77,16 @@ class Attention(nnx.Module):
     g, r, k = self.n_kv_heads, self.n_heads // self.n_kv_heads, self.head_dim
     scale = 1.0 / jnp.sqrt(jnp.float32(k))
     q_BGQK = q_BTHK.reshape(b, t, g, r, k).transpose(0, 2, 1, 3, 4).reshape(b, g, t * r, k)
-    if layer_cache is None or fresh_cache:
-      k_BGTK, v_BGTK = k_BTGK.swapaxes(1, 2), v_BTGK.swapaxes(1, 2)
-      scores_BGQT = jnp.einsum("bgqk,bgtk->bgqt", q_BGQK, k_BGTK).astype(jnp.float32) * scale
-      visible_BQT = jnp.repeat(positions_BT[:, None, :] <= positions_BT[:, :, None], r, axis=1)
-      probs_BGQT = jax.nn.softmax(jnp.where(visible_BQT[:, None], scores_BGQT, -1e30), axis=-1)
-      out_BGQK = jnp.einsum("bgqt,bgtk->bgqk", probs_BGQT.astype(v_BGTK.dtype), v_BGTK)
-      new_cache = None if layer_cache is None else (
-          cache_lib.write_positions(layer_cache[0], k_BTGK, positions_BT[:, 0]),
-          cache_lib.write_positions(layer_cache[1], v_BTGK, positions_BT[:, 0]))
+    new_cache = None if layer_cache is None else tuple(
+        cache_lib.write_positions(c, new, positions_BT[:, 0]) for c, new in zip(layer_cache, (k_BTGK, v_BTGK)))
+    if new_cache is None or fresh_cache:  # S: the pass's own positions
+      keys_BGSK, values_BGSK, key_pos_BS = k_BTGK.swapaxes(1, 2), v_BTGK.swapaxes(1, 2), positions_BT
     else:
-      start_B = positions_BT[:, 0]
-      keys_BGSK = cache_lib.write_positions(layer_cache[0], k_BTGK, start_B)
-      values_BGSK = cache_lib.write_positions(layer_cache[1], v_BTGK, start_B)
-      key_pos_S = jnp.arange(keys_BGSK.shape[2])
-      visible_BQS = jnp.repeat(key_pos_S[None, None, :] <= positions_BT[:, :, None], r, axis=1)
-      scores_BGQS = jnp.einsum("bgqk,bgsk->bgqs", q_BGQK, keys_BGSK).astype(jnp.float32) * scale
-      probs_BGQS = jax.nn.softmax(jnp.where(visible_BQS[:, None], scores_BGQS, -1e30), axis=-1)
-      out_BGQK = jnp.einsum("bgqs,bgsk->bgqk", probs_BGQS.astype(values_BGSK.dtype), values_BGSK)
-      new_cache = (keys_BGSK, values_BGSK)
+      keys_BGSK, values_BGSK = new_cache
+      key_pos_BS = jnp.arange(keys_BGSK.shape[2])[None]
+    visible_BQS = jnp.repeat(key_pos_BS[:, None, :] <= positions_BT[:, :, None], r, axis=1)
+    scores_BGQS = jnp.einsum("bgqk,bgsk->bgqs", q_BGQK, keys_BGSK).astype(jnp.float32) * scale
+    probs_BGQS = jax.nn.softmax(jnp.where(visible_BQS[:, None], scores_BGQS, -1e30), axis=-1)
+    out_BGQK = jnp.einsum("bgqs,bgsk->bgqk", probs_BGQS.astype(values_BGSK.dtype), values_BGSK)
     out_BTHK = out_BGQK.reshape(b, g, t, r, k).transpose(0, 2, 1, 3, 4).reshape(b, t, self.n_heads, k)
     return jnp.einsum("bthk,hkd->btd", out_BTHK, self.w_o_HKD[...]), new_cache

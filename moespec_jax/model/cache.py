@@ -26,17 +26,12 @@ class KVCache:
   values: tuple  # per layer [B, H_kv, S, D_head] (MLA: rope key [B, 1, S, qk_rope_head_dim])
 
   @classmethod
-  def zeros(cls, n_layers: int, batch: int, max_len: int, n_kv_heads: int, head_dim: int,
-            dtype=jnp.float32) -> "KVCache":
-    shape = (batch, n_kv_heads, max_len, head_dim)
-    return cls(keys=tuple(jnp.zeros(shape, dtype) for _ in range(n_layers)),
-               values=tuple(jnp.zeros(shape, dtype) for _ in range(n_layers)))
-
-  @classmethod
-  def for_config(cls, config, batch: int, max_len: int, dtype=jnp.float32) -> "KVCache":
-    """A zero cache shaped for `config`'s attention (`ModelConfig.cache_dims`)."""
+  def for_config(cls, config, batch: int, max_len: int, n_layers: int | None = None) -> "KVCache":
+    """A zero cache shaped for `config`'s attention (`ModelConfig.cache_dims`) and dtype, one
+    layer per decoder layer (or `n_layers`, e.g. one per MTP module)."""
     heads, key_dim, value_dim = config.cache_dims
-    n = config.n_layers
+    n = config.n_layers if n_layers is None else n_layers
+    dtype = jnp.dtype(config.dtype)
     return cls(keys=tuple(jnp.zeros((batch, heads, max_len, key_dim), dtype) for _ in range(n)),
                values=tuple(jnp.zeros((batch, heads, max_len, value_dim), dtype) for _ in range(n)))
 

@@ -113,30 +113,21 @@ class MLAttention(nnx.Module):
     latent_BTGC = self.kv_norm(jnp.einsum("btd,dc->btc", x_BTD, self.w_kv_DC[...]))[:, :, None]
     k_rope_BTGR = apply_rope(jnp.einsum("btd,dr->btr", x_BTD, self.w_kr_DR[...])[:, :, None], cos, sin)
 
-    latent_BTC, k_rope_BTR = latent_BTGC[:, :, 0], k_rope_BTGR[:, :, 0]
-    q_lat_BTHC = jnp.einsum("bthn,chn->bthc", q_nope_BTHN, self.w_uk_CHN[...])
-    scale = jnp.float32(softmax_scale(cfg))
-
-    def scores(latent_BSC, k_rope_BSR):
-      return (jnp.einsum("bthc,bsc->bhts", q_lat_BTHC, latent_BSC)
-              + jnp.einsum("bthr,bsr->bhts", q_rope_BTHR, k_rope_BSR)).astype(jnp.float32) * scale
-
-    if layer_cache is None or fresh_cache:  # U: the pass's own positions
-      visible_BTU = positions_BT[:, None, :] <= positions_BT[:, :, None]
-      probs_BHTU = jax.nn.softmax(jnp.where(visible_BTU[:, None], scores(latent_BTC, k_rope_BTR), -1e30), axis=-1)
-      out_lat_BTHC = jnp.einsum("bhtu,buc->bthc", probs_BHTU.astype(latent_BTC.dtype), latent_BTC)
-      new_cache = None if layer_cache is None else (
-          cache_lib.write_positions(layer_cache[0], latent_BTGC, positions_BT[:, 0]),
-          cache_lib.write_positions(layer_cache[1], k_rope_BTGR, positions_BT[:, 0]))
+    new_cache = None if layer_cache is None else tuple(
+        cache_lib.write_positions(c, new, positions_BT[:, 0])
+        for c, new in zip(layer_cache, (latent_BTGC, k_rope_BTGR)))
+    if new_cache is None or fresh_cache:  # S: the pass's own positions
+      latent_BSC, k_rope_BSR, key_pos_BS = latent_BTGC[:, :, 0], k_rope_BTGR[:, :, 0], positions_BT
     else:
-      start_B = positions_BT[:, 0]
-      latent_BGSC = cache_lib.write_positions(layer_cache[0], latent_BTGC, start_B)
-      k_rope_BGSR = cache_lib.write_positions(layer_cache[1], k_rope_BTGR, start_B)
-      latent_BSC = latent_BGSC[:, 0]
-      visible_BTS = jnp.arange(latent_BSC.shape[1])[None, None, :] <= positions_BT[:, :, None]
-      scores_BHTS = scores(latent_BSC, k_rope_BGSR[:, 0])
-      probs_BHTS = jax.nn.softmax(jnp.where(visible_BTS[:, None], scores_BHTS, -1e30), axis=-1)
-      out_lat_BTHC = jnp.einsum("bhts,bsc->bthc", probs_BHTS.astype(latent_BSC.dtype), latent_BSC)
-      new_cache = (latent_BGSC, k_rope_BGSR)
+      latent_BSC, k_rope_BSR = new_cache[0][:, 0], new_cache[1][:, 0]
+      key_pos_BS = jnp.arange(latent_BSC.shape[1])[None]
+
+    q_lat_BTHC = jnp.einsum("bthn,chn->bthc", q_nope_BTHN, self.w_uk_CHN[...])
+    scores_BHTS = (jnp.einsum("bthc,bsc->bhts", q_lat_BTHC, latent_BSC)
+                   + jnp.einsum("bthr,bsr->bhts", q_rope_BTHR, k_rope_BSR)).astype(jnp.float32)
+    scores_BHTS = scores_BHTS * jnp.float32(softmax_scale(cfg))
+    visible_BTS = key_pos_BS[:, None, :] <= positions_BT[:, :, None]
+    probs_BHTS = jax.nn.softmax(jnp.where(visible_BTS[:, None], scores_BHTS, -1e30), axis=-1)
+    out_lat_BTHC = jnp.einsum("bhts,bsc->bthc", probs_BHTS.astype(latent_BSC.dtype), latent_BSC)
     out_BTHV = jnp.einsum("bthc,chv->bthv", out_lat_BTHC, self.w_uv_CHV[...])
     return jnp.einsum("bthv,hvd->btd", out_BTHV, self.w_o_HVD[...]), new_cache

@@ -77,11 +77,7 @@ class MTPModule(nnx.Module):
 
 def new_cache(config: ModelConfig, batch: int, max_len: int) -> KVCache:
   """One cache layer per MTP module, shaped like the target's (MLA: latent and rope key)."""
-  heads, key_dim, value_dim = config.cache_dims
-  dtype = jnp.dtype(config.dtype)
-  n = config.num_mtp_modules
-  return KVCache(keys=tuple(jnp.zeros((batch, heads, max_len, key_dim), dtype) for _ in range(n)),
-                 values=tuple(jnp.zeros((batch, heads, max_len, value_dim), dtype) for _ in range(n)))
+  return KVCache.for_config(config, batch, max_len, n_layers=config.num_mtp_modules)
 
 
 def module_for_depth(depth: int, num_modules: int) -> tuple[int, int]:

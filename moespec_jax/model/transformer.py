@@ -83,8 +83,7 @@ class Transformer(nnx.Module):
       self.mtp = None
 
   def new_cache(self, batch: int, max_len: int) -> KVCache:
-    c = self.config
-    return KVCache.for_config(c, batch, max_len, jnp.dtype(c.dtype))
+    return KVCache.for_config(self.config, batch, max_len)
 
   def head(self, hidden_BTD):
     """Output logits (f32) from final hidden states."""
