@@ -55,7 +55,7 @@ class Attention(nnx.Module):
     return q_BTHK, k_BTGK, v_BTGK
 
   def __call__(self, x_BTD, positions_BT, rope, layer_cache=None, *, fresh_cache: bool = False):
-    """Returns (out_BTD, (keys_BGSK, values_BGSK) or None).
+    """Returns (out_BTD, (keys_NSK, values_NSK) or None), N = B * n_kv_heads.
 
     With `layer_cache=(keys, values)`, the pass's keys/values are written at their positions
     (each row's positions must be contiguous) and queries attend to the cache (positions <=
@@ -71,22 +71,24 @@ class Attention(nnx.Module):
       q_BTHK, k_BTGK, v_BTGK = self._project(x_BTD)
       q_BTHK, k_BTGK = apply_rope(q_BTHK, cos, sin), apply_rope(k_BTGK, cos, sin)
 
-    # Queries of one KV head stacked as Q = T * R rows (t-major): the products are then plain
-    # batched matmuls over (b, g) against the cache as it lies, the fastest form measured.
+    # Queries of one KV head stacked as Q = T * R rows (t-major), one batch entry per (row, KV
+    # head) pair N = B * G, as the cache lies: the products are plain batched matmuls over N.
     b, t = x_BTD.shape[:2]
     g, r, k = self.n_kv_heads, self.n_heads // self.n_kv_heads, self.head_dim
     scale = 1.0 / jnp.sqrt(jnp.float32(k))
-    q_BGQK = q_BTHK.reshape(b, t, g, r, k).transpose(0, 2, 1, 3, 4).reshape(b, g, t * r, k)
+    q_NQK = q_BTHK.reshape(b, t, g, r, k).transpose(0, 2, 1, 3, 4).reshape(b * g, t * r, k)
     new_cache = None if layer_cache is None else tuple(
         cache_lib.write_positions(c, new, positions_BT[:, 0]) for c, new in zip(layer_cache, (k_BTGK, v_BTGK)))
     if new_cache is None or fresh_cache:  # S: the pass's own positions
-      keys_BGSK, values_BGSK, key_pos_BS = k_BTGK.swapaxes(1, 2), v_BTGK.swapaxes(1, 2), positions_BT
+      keys_NSK, values_NSK = (x.swapaxes(1, 2).reshape(b * g, t, k) for x in (k_BTGK, v_BTGK))
+      key_pos_BS = positions_BT
     else:
-      keys_BGSK, values_BGSK = new_cache
-      key_pos_BS = jnp.arange(keys_BGSK.shape[2])[None]
+      keys_NSK, values_NSK = new_cache
+      key_pos_BS = jnp.arange(keys_NSK.shape[1])[None]
     visible_BQS = jnp.repeat(key_pos_BS[:, None, :] <= positions_BT[:, :, None], r, axis=1)
-    scores_BGQS = jnp.einsum("bgqk,bgsk->bgqs", q_BGQK, keys_BGSK).astype(jnp.float32) * scale
-    probs_BGQS = jax.nn.softmax(jnp.where(visible_BQS[:, None], scores_BGQS, -1e30), axis=-1)
-    out_BGQK = jnp.einsum("bgqs,bgsk->bgqk", probs_BGQS.astype(values_BGSK.dtype), values_BGSK)
-    out_BTHK = out_BGQK.reshape(b, g, t, r, k).transpose(0, 2, 1, 3, 4).reshape(b, t, self.n_heads, k)
+    scores_BGQS = jnp.einsum("nqk,nsk->nqs", q_NQK, keys_NSK).astype(jnp.float32).reshape(b, g, t * r, -1)
+    probs_BGQS = jax.nn.softmax(jnp.where(visible_BQS[:, None], scores_BGQS * scale, -1e30), axis=-1)
+    probs_NQS = probs_BGQS.reshape(b * g, t * r, -1).astype(values_NSK.dtype)
+    out_NQK = jnp.einsum("nqs,nsk->nqk", probs_NQS, values_NSK)
+    out_BTHK = out_NQK.reshape(b, g, t, r, k).transpose(0, 2, 1, 3, 4).reshape(b, t, self.n_heads, k)
     return jnp.einsum("bthk,hkd->btd", out_BTHK, self.w_o_HKD[...]), new_cache

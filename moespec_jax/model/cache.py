@@ -1,16 +1,19 @@
 """The KV cache: an explicit pytree passed into and returned from every pass.
 
-Each layer holds keys and values for `max_len` positions per row, heads before positions
-([B, H, S, D]) so that attention's per-head products read the cache in place (with positions
-before heads, XLA:CPU copied the whole cache into this order on every pass). A pass of n tokens
-at positions [p, p+n) writes its keys/values there and attends to positions <= its own,
-so a rollback after rejected drafts is only a position change: stale entries beyond
-the committed length are overwritten before any query can see them.
+Each layer holds keys and values for `max_len` positions per (row, head) pair, the pairs
+flattened row-major into one leading axis: [N = B * H, S, D]. Attention's per-head products
+are then batched matmuls over N that read the cache as it lies. (With positions before heads
+XLA:CPU copied the whole cache on every pass to reorder it; with a separate unit batch axis,
+[1, H, S, D], it duplicated the in-place update and copied every cache several times per
+pass inside the decoding loop.) A pass of n tokens at positions [p, p+n) writes its
+keys/values there and attends to positions <= its own, so a rollback after rejected drafts
+is only a position change: stale entries beyond the committed length are overwritten
+before any query can see them.
 
 The cache does not interpret its entries: grouped-query attention stores per-head keys and
-values [B, H_kv, S, D_head]; MLA (model/mla.py) stores its compressed KV latent as `keys`
-[B, 1, S, kv_lora_rank] and the shared rotary key as `values` [B, 1, S, qk_rope_head_dim].
-Both write with `write_positions`, so the speculative loop is the same for either.
+values [B * H_kv, S, D_head]; MLA (model/mla.py) stores its compressed KV latent as `keys`
+[B, S, kv_lora_rank] and the shared rotary key as `values` [B, S, qk_rope_head_dim] (one
+"head"). Both write with `write_positions`, so the speculative loop is the same for either.
 """
 
 from __future__ import annotations
@@ -22,8 +25,8 @@ from flax import struct
 
 @struct.dataclass
 class KVCache:
-  keys: tuple  # per layer [B, H_kv, S, D_head] (MLA: latent [B, 1, S, kv_lora_rank])
-  values: tuple  # per layer [B, H_kv, S, D_head] (MLA: rope key [B, 1, S, qk_rope_head_dim])
+  keys: tuple  # per layer [B * H_kv, S, D_head] (MLA: latent [B, S, kv_lora_rank])
+  values: tuple  # per layer [B * H_kv, S, D_head] (MLA: rope key [B, S, qk_rope_head_dim])
 
   @classmethod
   def for_config(cls, config, batch: int, max_len: int, n_layers: int | None = None) -> "KVCache":
@@ -32,12 +35,12 @@ class KVCache:
     heads, key_dim, value_dim = config.cache_dims
     n = config.n_layers if n_layers is None else n_layers
     dtype = jnp.dtype(config.dtype)
-    return cls(keys=tuple(jnp.zeros((batch, heads, max_len, key_dim), dtype) for _ in range(n)),
-               values=tuple(jnp.zeros((batch, heads, max_len, value_dim), dtype) for _ in range(n)))
+    return cls(keys=tuple(jnp.zeros((batch * heads, max_len, key_dim), dtype) for _ in range(n)),
+               values=tuple(jnp.zeros((batch * heads, max_len, value_dim), dtype) for _ in range(n)))
 
   @property
   def max_len(self) -> int:
-    return self.keys[0].shape[2]
+    return self.keys[0].shape[1]
 
 
 def write_rows(buffer_BS, new_BT, start_B):
@@ -49,12 +52,13 @@ def write_rows(buffer_BS, new_BT, start_B):
   return jax.vmap(one_row)(buffer_BS, new_BT, start_B)
 
 
-def write_positions(cache_BHSD, new_BTHD, start_B):
-  """Writes a pass's T new entries per row (as the projections give them, [B, T, H, D]) into the
-  [B, H, S, D] cache at each row's start position (in place under jit)."""
-
-  def one_row(c_HSD, n_THD, s):
-    return jax.lax.dynamic_update_slice_in_dim(c_HSD, jnp.swapaxes(n_THD, 0, 1).astype(c_HSD.dtype), s, axis=1)
-
-  return jax.vmap(one_row)(cache_BHSD, new_BTHD, start_B)
-
+def write_positions(cache_NSD, new_BTHD, start_B):
+  """Writes a pass's T new entries per row (as the projections give them, [B, T, H, D]) into
+  the [N = B * H, S, D] cache at each row's start position (in place under jit)."""
+  b, t, h, d = new_BTHD.shape
+  new_NTD = jnp.swapaxes(new_BTHD, 1, 2).reshape(b * h, t, d).astype(cache_NSD.dtype)
+  if b == 1:  # one start for every head: a plain update, not a scatter
+    return jax.lax.dynamic_update_slice_in_dim(cache_NSD, new_NTD, start_B[0], axis=1)
+  start_N = jnp.repeat(start_B, h)
+  return jax.vmap(lambda c_SD, n_TD, s: jax.lax.dynamic_update_slice_in_dim(c_SD, n_TD, s, axis=0))(
+      cache_NSD, new_NTD, start_N)

@@ -92,7 +92,7 @@ class MLAttention(nnx.Module):
     self.w_o_HVD = nnx.Param(fan_in_init(h * v, out_scale)(rngs.params(), (h, v, d), dtype))
 
   def __call__(self, x_BTD, positions_BT, rope=None, layer_cache=None, *, fresh_cache: bool = False):
-    """Returns (out_BTD, (latent_BGSC, rope_key_BGSR) or None), G = 1; `rope` is unused (own tables).
+    """Returns (out_BTD, (latent_BSC, rope_key_BSR) or None); `rope` is unused (own tables).
 
     With a cache, the pass's entries are written first and queries attend to the cache
     (positions <= their own); with `fresh_cache` (a prefill) only to the pass's own entries.
@@ -119,7 +119,7 @@ class MLAttention(nnx.Module):
     if new_cache is None or fresh_cache:  # S: the pass's own positions
       latent_BSC, k_rope_BSR, key_pos_BS = latent_BTGC[:, :, 0], k_rope_BTGR[:, :, 0], positions_BT
     else:
-      latent_BSC, k_rope_BSR = new_cache[0][:, 0], new_cache[1][:, 0]
+      latent_BSC, k_rope_BSR = new_cache
       key_pos_BS = jnp.arange(latent_BSC.shape[1])[None]
 
     q_lat_BTHC = jnp.einsum("bthn,chn->bthc", q_nope_BTHN, self.w_uk_CHN[...])

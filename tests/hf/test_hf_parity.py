@@ -99,8 +99,8 @@ def test_mla_cache_holds_latent_and_rope_key(pairs):
   model = pairs["deepseek_v2"][1]
   cache = model.module().new_cache(1, 16)
   c = model.config
-  assert cache.keys[0].shape == (1, 1, 16, c.kv_lora_rank)
-  assert cache.values[0].shape == (1, 1, 16, c.qk_rope_head_dim)
+  assert cache.keys[0].shape == (1, 16, c.kv_lora_rank)
+  assert cache.values[0].shape == (1, 16, c.qk_rope_head_dim)
 
 
 def test_sharded_and_fused_checkpoints_load_identically(pairs, tmp_path):
