@@ -52,7 +52,7 @@ class CostValidationConfig:
   crossover_windows: int = 8
   trace_segments: int = 32
   auto_alphas: tuple[float, ...] = (0.0, 0.2, 0.4, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
-  auto_repeats: int = 9
+  auto_repeats: int = 15
   real_drafters: tuple[str, ...] = ("mtp", "ngram")
   prompt_bytes: int = 192
   seed: int = 0
@@ -232,6 +232,16 @@ def run_cost_model(model, workdir, cfg: CostValidationConfig = CostValidationCon
   step_spec = msj.SpecParams(drafter="controlled", num_draft=cfg.max_k, controlled_acceptance=0.5)
   measured_step = loop.step_times_ms(model, prompts, cfg.max_new_tokens, spec=step_spec,
                                      reference_tokens=reference, repeats=cfg.kernel_repeats)
+  # A pass's cost depends on what it verifies: wrong drafts (random tokens here) route to more
+  # distinct experts than the model's own continuation. Pass times with every draft wrong
+  # (a = 0) and every draft right (a = 1); under acceptance a a fraction a of the controlled
+  # drafts are right, so a pass costs about (1 - a) T0[K] + a T1[K].
+  step_by_end = {end: loop.step_times_ms(
+      model, prompts, cfg.max_new_tokens, reference_tokens=reference, repeats=cfg.kernel_repeats,
+      spec=msj.SpecParams(drafter="controlled", num_draft=cfg.max_k, controlled_acceptance=end))
+      for end in (0.0, 1.0)}
+  log(f"  pass times K = 0..{cfg.max_k} (ms): every draft wrong "
+      f"{np.round(step_by_end[0.0], 2).tolist()}, every draft right {np.round(step_by_end[1.0], 2).tolist()}")
   n_max = cfg.max_k + 1
   expert_ms = {n: expert_time_ms(config, fits, unique_by_n[n], n) for n in range(1, n_max + 1)}
   fixed_ms = float(measured_step[0] - expert_ms[1])
@@ -279,21 +289,30 @@ def run_cost_model(model, workdir, cfg: CostValidationConfig = CostValidationCon
   def t_verify_linear(n):
     return predicted_linear[n]
 
+  def t_step_at(a):
+    return lambda n: float((1.0 - a) * step_by_end[0.0][n - 1] + a * step_by_end[1.0][n - 1])
+
   best_rows = []
   for a in cfg.alphas:
     measured_k = max(ks, key=lambda k: speedups[(a, k)])
     pred_k, pred_s = cost_model.best_k(a, cfg.max_k, predicted_verify[1], lambda k: 0.0, t_verify_pred)
     step_k, _ = cost_model.best_k(a, cfg.max_k, t_step(1), lambda k: 0.0, t_step)
+    t_at = t_step_at(a)
+    step_a_k, _ = cost_model.best_k(a, cfg.max_k, t_at(1), lambda k: 0.0, t_at)
     linear_k, _ = cost_model.best_k(a, cfg.max_k, predicted_linear[1], lambda k: 0.0, t_verify_linear)
     best_rows.append({"alpha": a, "predicted": pred_k, "measured": measured_k, "predicted_from_step_times": step_k,
+                      "predicted_from_step_times_by_acceptance": step_a_k,
                       "predicted_linear_nonexpert": linear_k,
                       "predicted_speedup": float(pred_s), "measured_speedup": speedups[(a, measured_k)],
                       "measured_speedup_at_predicted": speedups[(a, pred_k)]})
   within = float(np.mean([abs(r["predicted"] - r["measured"]) <= 1 for r in best_rows]))
   within_step = float(np.mean([abs(r["predicted_from_step_times"] - r["measured"]) <= 1 for r in best_rows]))
+  within_step_a = float(np.mean([abs(r["predicted_from_step_times_by_acceptance"] - r["measured"]) <= 1
+                                 for r in best_rows]))
   within_linear = float(np.mean([abs(r["predicted_linear_nonexpert"] - r["measured"]) <= 1 for r in best_rows]))
   log(f"  best K within 1 of measured: {within:.0%} (bytes model), {within_linear:.0%} (bytes model, "
-      f"linear non-expert), {within_step:.0%} (measured pass times)")
+      f"linear non-expert), {within_step:.0%} (measured pass times), {within_step_a:.0%} (pass times "
+      f"interpolated by acceptance)")
 
   log(f"[5/6] num_draft='auto' with the controlled drafter ({len(cfg.auto_alphas)} acceptance rates), "
       f"runs alternating plain / auto / the best fixed K")
@@ -341,6 +360,8 @@ def run_cost_model(model, workdir, cfg: CostValidationConfig = CostValidationCon
       "best_k": best_rows,
       "best_k_within_one_fraction": within,
       "best_k_within_one_fraction_from_step_times": within_step,
+      "best_k_within_one_fraction_from_step_times_by_acceptance": within_step_a,
+      "step_ms_every_draft_wrong": step_by_end[0.0].tolist(), "step_ms_every_draft_right": step_by_end[1.0].tolist(),
       "best_k_within_one_fraction_linear_nonexpert": within_linear,
       "crossover": {"predicted_n": predicted_cross, "measured_n": measured_cross, "rows": cross_rows},
       "speedups": sweep_rows,
@@ -367,6 +388,7 @@ def auto_against_fixed(model, prompts, max_new_tokens: int, auto_spec, fixed_spe
   """Runs alternating plain / auto / fixed-K decoding (same seeds); medians of the per-round
   decode-phase ratios: auto over plain, fixed over plain, and auto over fixed."""
   auto_plain, fixed_plain, auto_fixed, stats = [], [], [], {}
+  passes_by_k = None
   for r in range(repeats):
     t_plain, _ = decode_seconds(model, prompts, max_new_tokens, msj.SpecParams(), r, prefill_s)
     t_auto, stats = decode_seconds(model, prompts, max_new_tokens, auto_spec, r, prefill_s, reference)
@@ -374,23 +396,29 @@ def auto_against_fixed(model, prompts, max_new_tokens: int, auto_spec, fixed_spe
     auto_plain.append(t_plain / t_auto)
     fixed_plain.append(t_plain / t_fixed)
     auto_fixed.append(t_fixed / t_auto)
+    counts = np.asarray(stats["passes_by_num_draft"])
+    passes_by_k = counts if passes_by_k is None else passes_by_k + counts
   return {"speedup_vs_plain": statistics.median(auto_plain), "best_fixed_num_draft": fixed_spec.num_draft,
           "best_fixed_speedup": statistics.median(fixed_plain), "vs_best_fixed": statistics.median(auto_fixed),
-          "chosen_num_draft": stats["chosen_num_draft"], "mean_num_draft": stats["mean_num_draft"],
-          "passes_by_num_draft": stats["passes_by_num_draft"], "mean_accepted_length": stats["mean_accepted_length"],
-          "tokens_per_second": stats["tokens_per_second"]}
+          "chosen_num_draft": int(np.argmax(passes_by_k)), "mean_num_draft": float(np.arange(passes_by_k.size) @ passes_by_k / max(passes_by_k.sum(), 1)),
+          # Over all repeats; the calibrated per-K pass times auto chose with.
+          "passes_by_num_draft": passes_by_k.tolist(), "calibrated_step_ms": stats["calibrated_step_ms"],
+          "mean_accepted_length": stats["mean_accepted_length"], "tokens_per_second": stats["tokens_per_second"]}
 
 
 def format_summary(cm) -> str:
   lines = ["", "best K: predicted by the bytes model (fixed non-expert time / linear non-expert term), "
-           "by the measured pass times, and measured (decode-phase speedup at the measured best K)",
-           f"{'alpha':>6}{'bytes':>7}{'linear':>8}{'passes':>8}{'measured':>10}{'speedup':>9}"]
+           "by the measured pass times (at a = 0.5 / interpolated by acceptance), and measured "
+           "(decode-phase speedup at the measured best K)",
+           f"{'alpha':>6}{'bytes':>7}{'linear':>8}{'passes':>8}{'by a':>6}{'measured':>10}{'speedup':>9}"]
   for r in cm["best_k"]:
     lines.append(f"{r['alpha']:>6.2f}{r['predicted']:>7}{r['predicted_linear_nonexpert']:>8}"
-                 f"{r['predicted_from_step_times']:>8}{r['measured']:>10}{r['measured_speedup']:>9.2f}")
+                 f"{r['predicted_from_step_times']:>8}{r['predicted_from_step_times_by_acceptance']:>6}"
+                 f"{r['measured']:>10}{r['measured_speedup']:>9.2f}")
   lines.append(f"best K within 1: {cm['best_k_within_one_fraction']:.0%} (bytes model), "
                f"{cm['best_k_within_one_fraction_linear_nonexpert']:.0%} (linear non-expert), "
-               f"{cm['best_k_within_one_fraction_from_step_times']:.0%} (measured pass times)")
+               f"{cm['best_k_within_one_fraction_from_step_times']:.0%} (measured pass times), "
+               f"{cm['best_k_within_one_fraction_from_step_times_by_acceptance']:.0%} (interpolated by acceptance)")
   lines.append(f"verify time median relative error: {cm['verify_time_median_rel_error']:.1%}; crossover "
                f"predicted n = {cm['crossover']['predicted_n']}, measured n = {cm['crossover']['measured_n']}")
   for r in cm["auto"]:
@@ -412,6 +440,8 @@ def plot_staircase(cm, path) -> None:
            label="predicted (bytes model, linear non-expert)")
   ax1.step(alphas, [r["predicted_from_step_times"] for r in rows], where="mid", ls="--",
            label="predicted (measured pass times)")
+  ax1.step(alphas, [r["predicted_from_step_times_by_acceptance"] for r in rows], where="mid", ls=":",
+           label="predicted (pass times interpolated by acceptance)")
   ax1.plot(alphas, [r["measured"] for r in rows], "o", label="measured")
   ax1.set_xlabel("acceptance rate a")
   ax1.set_ylabel("best K")

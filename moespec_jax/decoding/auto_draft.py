@@ -9,13 +9,15 @@ loop per K, a small cost kept off most passes); K = 0 is plain decoding, chosen 
 speculation does not pay.
 
 a is estimated from decayed counts of accepted and tried drafts, starting from a weak prior,
-and read optimistically (plus OPTIMISM standard errors): K = 0 stops the evidence, so it is
-chosen only when speculation does not pay even then, and only after MIN_EVIDENCE tried drafts.
-While K = 0, after about EXPLORE_EVERY plain passes one pass tries K = 1 (drafters whose state
-is cheap to keep current; the MTP heads skip their upkeep at K = 0, so with them auto stays
-plain once it got there). With the n-gram drafter, a segment where no active row's context has
-a match is NO_MATCH_PASSES plain passes (nothing to verify; transformers' prompt lookup also
-decodes plainly without a match).
+and read optimistically (plus OPTIMISM standard errors). Drafters whose proposals cost next to
+nothing (n-gram lookup, the controlled drafter) keep the evidence flowing at K = 0: each plain
+pass checks the one draft they would have proposed against the token the target produced
+("shadow" drafts: greedy, whether it matches; sampled, its acceptance probability), so auto
+leaves K = 0 as soon as drafting pays again. The MTP heads skip their upkeep at K = 0 (their
+state goes stale), so with them K = 0 is chosen only after MIN_EVIDENCE tried drafts and auto
+stays plain once it got there. With the n-gram drafter, a segment where no active row's context
+has a match is NO_MATCH_PASSES plain passes (nothing to verify; transformers' prompt lookup
+also decodes plainly without a match).
 """
 
 from __future__ import annotations
@@ -25,14 +27,15 @@ import numpy as np
 
 PRIOR_ACCEPTANCE = 0.5
 PRIOR_WEIGHT = 2.0  # in tried drafts
-EVIDENCE_DECAY = 0.95  # per drafting pass
-MIN_EVIDENCE = 6.0  # tried drafts before K = 0 may be chosen
+EVIDENCE_DECAY = 0.95  # per pass that brings evidence (drafts or shadow drafts)
+MIN_EVIDENCE = 6.0  # tried drafts before K = 0 may be chosen (drafters without shadow drafts)
 OPTIMISM = 0.5  # standard errors added to the acceptance estimate when choosing K
 SEGMENT_PASSES = 4  # passes per choice of K once the estimate is settled
 PLAIN_SEGMENT_PASSES = 16  # the same at K = 0
 SETTLED_EVIDENCE = 16.0  # tried drafts before segments grow from 1 pass to SEGMENT_PASSES
-EXPLORE_EVERY = 64
+YOUNG_PLAIN_PASSES = 4  # passes per K = 0 choice while the estimate is young (shadow drafts)
 NO_MATCH_PASSES = 4  # plain passes when no row has an n-gram match (each choice costs a little)
+SHADOW_DRAFTERS = ("ngram", "controlled")  # proposals cheap enough to check on plain passes
 MAX_ACCEPTANCE = 0.999
 
 
@@ -55,20 +58,21 @@ def tokens_per_ms(a, step_ms_K):
   return (1.0 - a ** (k_K + 1.0)) / (1.0 - a) / step_ms_K
 
 
-def choose_k(evidence_2, plain_run, step_ms_K, *, explore: bool):
-  """(K, passes) for the next segment: the best K for one pass while the estimate rests on few
-  drafts, then for SEGMENT_PASSES passes (PLAIN_SEGMENT_PASSES at K = 0); one exploring pass at
-  K = 1 after about EXPLORE_EVERY plain passes (int32 scalars)."""
+def choose_k(evidence_2, step_ms_K, *, shadow: bool):
+  """(K, passes) for the next segment (int32 scalars): the best K for one pass while the
+  estimate rests on few drafts, then for SEGMENT_PASSES passes; at K = 0, PLAIN_SEGMENT_PASSES
+  (YOUNG_PLAIN_PASSES while the estimate is young, with shadow drafts). `shadow`: plain passes bring evidence
+  (see the module docstring); without it K = 0 needs MIN_EVIDENCE tried drafts."""
   rate_K = tokens_per_ms(optimistic_acceptance(evidence_2), step_ms_K)
-  rate_K = rate_K.at[0].set(jnp.where(evidence_2[1] >= MIN_EVIDENCE, rate_K[0], -1.0))
+  if not shadow:
+    rate_K = rate_K.at[0].set(jnp.where(evidence_2[1] >= MIN_EVIDENCE, rate_K[0], -1.0))
   k = jnp.argmax(rate_K).astype(jnp.int32)
-  settled = jnp.where(k == 0, jnp.int32(PLAIN_SEGMENT_PASSES), jnp.int32(SEGMENT_PASSES))
-  passes = jnp.where(evidence_2[1] >= SETTLED_EVIDENCE, settled, jnp.int32(1))
-  if explore:
-    exploring = (k == 0) & (plain_run + PLAIN_SEGMENT_PASSES >= EXPLORE_EVERY)
-    k = jnp.where(exploring, jnp.int32(1), k)
-    passes = jnp.where(exploring, jnp.int32(1), passes)
-  return k, passes
+  settled = evidence_2[1] >= SETTLED_EVIDENCE
+  drafting = jnp.where(settled, jnp.int32(SEGMENT_PASSES), jnp.int32(1))
+  # Without shadow drafts K = 0 brings no evidence: the estimate will not change.
+  young_plain = YOUNG_PLAIN_PASSES if shadow else PLAIN_SEGMENT_PASSES
+  plain = jnp.where(settled, jnp.int32(PLAIN_SEGMENT_PASSES), jnp.int32(young_plain))
+  return k, jnp.where(k == 0, plain, drafting)
 
 
 def monotone_step_times(step_ms_K) -> np.ndarray:

@@ -108,22 +108,29 @@ def mtp_propose(model, cache, h1_BD, logits1_BV, index_B, keys_BK, num_draft: in
   return jnp.stack(drafts, axis=1), q_BKV, cache
 
 
-def controlled_propose(reference_BN, gen_B, key_B, acceptance, num_draft: int, vocab_size: int):
-  """Research drafter with controllable acceptance (cost-model validation).
+def controlled_table(reference_BN, key_B, acceptance, vocab_size: int):
+  """The controlled drafter's proposal for every output index, drawn once per generation.
 
-  Draft j of a row is the reference (the target's plain greedy output) at the row's next
-  j-th index with probability `acceptance`, else a uniformly chosen different token; under
-  greedy verification the accepted length is then exactly geometric in `acceptance`.
+  Research drafter with controllable acceptance (cost-model validation): the proposal at index
+  g of a row is the reference (the target's plain greedy output) at g with probability
+  `acceptance`, else a uniformly chosen different token, independently per index. A draft at
+  index g is verified at most once (then the output moves past g), so under greedy
+  verification the accepted length is exactly geometric in `acceptance`; drawing the table up
+  front keeps random-number generation out of the decoding loop (the drafter costs a lookup).
   """
   n = reference_BN.shape[1]
-  idx_BK = jnp.clip(gen_B[:, None] + jnp.arange(num_draft, dtype=jnp.int32)[None], 0, n - 1)
-  target_BK = jnp.take_along_axis(reference_BN, idx_BK, axis=1)
 
-  def one_row(key):
+  def one_row(key, ref_N):
     k_hit, k_other = jax.random.split(key)
-    hit_K = jax.random.uniform(k_hit, (num_draft,)) < acceptance
-    offset_K = jax.random.randint(k_other, (num_draft,), 1, vocab_size)
-    return hit_K, offset_K
+    hit_N = jax.random.uniform(k_hit, (n,)) < acceptance
+    offset_N = jax.random.randint(k_other, (n,), 1, vocab_size)
+    return jnp.where(hit_N, ref_N, (ref_N + offset_N) % vocab_size).astype(jnp.int32)
 
-  hit_BK, offset_BK = jax.vmap(one_row)(key_B)
-  return jnp.where(hit_BK, target_BK, (target_BK + offset_BK) % vocab_size).astype(jnp.int32)
+  return jax.vmap(one_row)(key_B, reference_BN)
+
+
+def controlled_propose(table_BN, gen_B, num_draft: int):
+  """K drafts per row: the controlled drafter's table (`controlled_table`) from index gen."""
+  n = table_BN.shape[1]
+  idx_BK = jnp.clip(gen_B[:, None] + jnp.arange(num_draft, dtype=jnp.int32)[None], 0, n - 1)
+  return jnp.take_along_axis(table_BN, idx_BK, axis=1)

@@ -93,6 +93,10 @@ def _count_unique_experts(expert_ids_LBTK, active_BT, n_experts: int):
   return jnp.sum(jnp.any(hit_LBTKE, axis=(1, 2, 3)), axis=-1).astype(jnp.float32)
 
 
+# The controlled drafter's table draws from this stream of each row's key (passes use 0, 1, ...).
+CONTROLLED_TABLE_STREAM = 0x7FFFFFFF
+
+
 def _row_keys(row_keys_B, step):
   return jax.vmap(lambda k: jax.random.fold_in(k, step))(row_keys_B)
 
@@ -145,8 +149,10 @@ def _init(model, tokens_BT, lengths_B, key, draft_inputs, ls: LoopSpec):
   elif ls.drafter == "controlled":
     ref_BN = jnp.maximum(draft_inputs["reference"], 0)
     pad = ls.max_new_tokens + k_max + 1 - ref_BN.shape[1]
-    dstate = {"reference": jnp.pad(ref_BN, ((0, 0), (0, max(pad, 0))))[:, :ls.max_new_tokens + k_max + 1],
-              "acceptance": jnp.asarray(draft_inputs["acceptance"], jnp.float32)}
+    ref_BN = jnp.pad(ref_BN, ((0, 0), (0, max(pad, 0))))[:, :ls.max_new_tokens + k_max + 1]
+    table_keys_B = jax.vmap(lambda key: jax.random.fold_in(key, CONTROLLED_TABLE_STREAM))(row_keys_B)
+    dstate = {"table": drafters_lib.controlled_table(ref_BN, table_keys_B, draft_inputs["acceptance"],
+                                                     config.vocab_size)}
 
   stats = {
       "verify_passes": jnp.int32(0),
@@ -157,9 +163,8 @@ def _init(model, tokens_BT, lengths_B, key, draft_inputs, ls: LoopSpec):
       "unique_L": jnp.zeros((config.n_moe_layers,), jnp.float32),
       "quality": jnp.zeros((3,), jnp.float32),  # top-1 agreements, KL sum, positions (budgeted)
       "passes_by_K": jnp.zeros((k_max + 1,), jnp.float32),
-      # auto K: decayed (accepted, tried) draft counts and the current run of K = 0 passes.
+      # auto K: decayed (accepted, tried) draft counts (shadow drafts included).
       "acceptance_evidence": jnp.zeros((2,), jnp.float32),
-      "plain_run": jnp.int32(0),
   }
   return {"step": jnp.int32(1), "cache": out.cache, "pos": lengths_B, "pending": first_B,
           "gen": jnp.ones((batch,), jnp.int32), "done": (first_B == config.eos_id) | (ls.max_new_tokens <= 1),
@@ -177,8 +182,7 @@ def _draft(model, carry, k: int, draft_keys_B, ls: LoopSpec):
     q_BKV = None if ls.sampling.greedy else jax.nn.one_hot(drafts_BK, vocab, dtype=jnp.float32)
     return drafts_BK, valid_BK, q_BKV, dstate
   if ls.drafter == "controlled":
-    drafts_BK = drafters_lib.controlled_propose(dstate["reference"], carry["gen"], draft_keys_B,
-                                                dstate["acceptance"], k, vocab)
+    drafts_BK = drafters_lib.controlled_propose(dstate["table"], carry["gen"], k)
     return drafts_BK, jnp.ones((batch, k), jnp.bool_), None, dstate
   keys_BK = jax.vmap(lambda key: jax.random.split(key, k))(draft_keys_B)
   drafts_BK, q_BKV, mcache = drafters_lib.mtp_propose(
@@ -198,6 +202,10 @@ def _pass(model, carry, k: int, ls: LoopSpec):
   keys_B = _row_keys(carry["row_keys"], step)
   split = jax.vmap(lambda key: jax.random.split(key, 2))(keys_B)
   drafts_BK, valid_BK, q_BKV, dstate = _draft(model, carry, k, split[:, 0], ls)
+  shadow = ls.auto and k == 0 and ls.drafter in auto_draft.SHADOW_DRAFTERS
+  if shadow:  # the one draft the drafter would have proposed: evidence for auto K, not verified
+    shadow_B, shadow_valid_B, _, _ = _draft(model, carry, 1, split[:, 0], ls)
+    shadow_B, shadow_valid_B = shadow_B[:, 0], shadow_valid_B[:, 0] & active_B
 
   # Verify K + 1 tokens in one target pass.
   inputs_BS = jnp.concatenate([pend_B[:, None], drafts_BK], axis=1)
@@ -207,12 +215,16 @@ def _pass(model, carry, k: int, ls: LoopSpec):
                expert_budget=ls.expert_budget, valid_BT=active_BS)
   if ls.sampling.greedy:
     accept_BK, n_acc_B, next_B = rejection.verify_greedy(vout.logits, drafts_BK, valid_BK)
+    if shadow:
+      shadow_accept_B = (shadow_B == next_B).astype(jnp.float32)
   else:
     logp_BSV = sampling_lib.filtered_logprobs(vout.logits.reshape(-1, vocab), ls.sampling)
     logp_BSV = logp_BSV.reshape(batch, k + 1, vocab)
     if q_BKV is None:
       q_BKV = jnp.zeros((batch, 0, vocab), jnp.float32)
     accept_BK, n_acc_B, next_B = rejection.verify_sampled(split[:, 1], logp_BSV, drafts_BK, q_BKV, valid_BK)
+    if shadow:  # a one-hot draft is accepted with probability p(draft)
+      shadow_accept_B = jnp.exp(jnp.take_along_axis(logp_BSV[:, 0], shadow_B[:, None], axis=1)[:, 0])
 
   # Commit [d_1..d_a, y], cut at EOS and at max_new_tokens.
   j_S = jnp.arange(k + 1, dtype=jnp.int32)
@@ -259,9 +271,12 @@ def _pass(model, carry, k: int, ls: LoopSpec):
     accepted = jnp.sum(reached_BK & accept_BK).astype(jnp.float32)
     stats["acceptance_evidence"] = (auto_draft.EVIDENCE_DECAY * stats["acceptance_evidence"]
                                     + jnp.stack([accepted, tried]))
-    stats["plain_run"] = jnp.int32(0)
-  else:
-    stats["plain_run"] = stats["plain_run"] + 1
+  elif shadow:
+    tried = jnp.sum(shadow_valid_B).astype(jnp.float32)
+    accepted = jnp.sum(jnp.where(shadow_valid_B, shadow_accept_B, 0.0))
+    stats["acceptance_evidence"] = jnp.where(
+        tried > 0, auto_draft.EVIDENCE_DECAY * stats["acceptance_evidence"] + jnp.stack([accepted, tried]),
+        stats["acceptance_evidence"])
   if ls.measure_quality:
     # The exact pass over the same cache: how far the budget moved the verified logits.
     exact_logits_BSV = model(inputs_BS, positions_BS, carry["cache"], expert_method=ls.expert_method).logits
@@ -298,8 +313,8 @@ def _auto_segment(model, carry, step_ms_K, ls: LoopSpec):
   update the state in place.
   """
   stats = carry["stats"]
-  k, n_passes = auto_draft.choose_k(stats["acceptance_evidence"], stats["plain_run"], step_ms_K,
-                                    explore=ls.drafter != "mtp")
+  k, n_passes = auto_draft.choose_k(stats["acceptance_evidence"], step_ms_K,
+                                    shadow=ls.drafter in auto_draft.SHADOW_DRAFTERS)
   if ls.drafter == "ngram":
     # Prompt lookup with no match in any active row has nothing to verify: plain passes.
     _, valid_B1 = drafters_lib.ngram_propose(carry["dstate"]["seq"], carry["pos"] + 1, 1)
@@ -355,17 +370,19 @@ def _init_program(graphdef, state, tokens_BT, lengths_B, key, draft_inputs, *, l
   return _init(nnx.merge(graphdef, state), tokens_BT, lengths_B, key, draft_inputs, ls)
 
 
-def _passes_program(graphdef, state, carry, k, *, ls: LoopSpec):
-  """CALIBRATION_PASSES passes with K = k from the same positions (the cache keeps changing)."""
+def _passes_program(graphdef, state, carry, k, n_passes, *, ls: LoopSpec):
+  """`n_passes` passes with K = k from the same positions (the cache keeps changing)."""
   model = nnx.merge(graphdef, state)
   start = {name: carry[name] for name in ("pos", "pending", "gen", "done")}
   for kk in range(ls.num_draft + 1):
-    carry = jax.lax.fori_loop(0, jnp.where(k == kk, CALIBRATION_PASSES, 0),
+    carry = jax.lax.fori_loop(0, jnp.where(k == kk, n_passes, 0),
                               lambda _, c, kk=kk: dict(_pass(model, c, kk, ls), **start), carry)
   return carry
 
 
-CALIBRATION_PASSES = 8
+# Passes per timed loop: the per-pass time is the difference of the two loops' times over the
+# difference in passes, so the program call's fixed cost (dispatch, the carry's buffers) cancels.
+CALIBRATION_PASSES = (4, 16)
 _CALIBRATED: dict[Any, np.ndarray] = {}
 
 
@@ -373,21 +390,29 @@ def measure_step_ms(ls: LoopSpec, args, repeats: int = 7) -> np.ndarray:
   """Median time (ms) of one pass for each K in 0..ls.num_draft.
 
   One pass is what the loop runs per iteration (draft K, verify K + 1, drafter upkeep),
-  timed in a compiled loop of CALIBRATION_PASSES passes (so that call overhead is not
-  counted) from the carry after the real prefill of these prompts, K values interleaved.
+  timed in compiled loops of CALIBRATION_PASSES passes (the per-pass time is the slope
+  between the two lengths, so the call overhead is not counted) from the carry after the real
+  prefill of these prompts, K values interleaved.
   """
   graphdef, state = args[0], args[1]
+  short, long = CALIBRATION_PASSES
   carry0 = jax.block_until_ready(_compiled(_init_program, ls, *args)(*args[1:]))
-  run = _compiled(_passes_program, ls, graphdef, state, carry0, jnp.int32(0), donate_argnums=(2,))
+  run = _compiled(_passes_program, ls, graphdef, state, carry0, jnp.int32(0), jnp.int32(0),
+                  donate_argnums=(2,))
+
+  def timed(k: int, n: int) -> float:
+    carry = jax.block_until_ready(jax.tree.map(jnp.copy, carry0))
+    k_arr, n_arr = jnp.int32(k), jnp.int32(n)
+    start = time.perf_counter()
+    jax.block_until_ready(run(state, carry, k_arr, n_arr))
+    return time.perf_counter() - start
+
   times_KR = np.zeros((ls.num_draft + 1, repeats))
   for r in range(-1, repeats):  # r = -1: warm-up
     for k in range(ls.num_draft + 1):
-      carry = jax.block_until_ready(jax.tree.map(jnp.copy, carry0))
-      k_arr = jnp.int32(k)
-      start = time.perf_counter()
-      jax.block_until_ready(run(state, carry, k_arr))
+      per_pass_ms = (timed(k, long) - timed(k, short)) * 1e3 / (long - short)
       if r >= 0:
-        times_KR[k, r] = (time.perf_counter() - start) * 1e3 / CALIBRATION_PASSES
+        times_KR[k, r] = per_pass_ms
   return np.median(times_KR, axis=1)
 
 
@@ -535,6 +560,8 @@ def _stats(raw, tokens_BN, seconds: float, spec: SpecParams, ls: LoopSpec, step_
     stats["chosen_num_draft"] = int(np.argmax(by_k))
     stats["mean_num_draft"] = float(np.sum(np.arange(by_k.size) * by_k) / max(by_k.sum(), 1))
     stats["calibrated_step_ms"] = [float(t) for t in step_ms_K]
+    # The acceptance estimate at the end (decayed evidence from drafts and shadow drafts).
+    stats["acceptance_estimate"] = float(auto_draft.acceptance_estimate(raw["acceptance_evidence"]))
   if budget is not None:
     stats["budget_policy"], stats["budget_scope"] = budget.policy, budget.scope
   if ls.measure_quality:

@@ -22,9 +22,9 @@ def auto_plain(auto_model):
   return msj.generate(auto_model, RAGGED, max_new_tokens=20).tokens
 
 
-def _choice(accepted, tried, step_ms, plain_run=0, explore=True):
-  k, passes = auto_draft.choose_k(jnp.asarray([accepted, tried], jnp.float32), jnp.int32(plain_run),
-                                  jnp.asarray(step_ms, jnp.float32), explore=explore)
+def _choice(accepted, tried, step_ms, shadow=False):
+  k, passes = auto_draft.choose_k(jnp.asarray([accepted, tried], jnp.float32),
+                                  jnp.asarray(step_ms, jnp.float32), shadow=shadow)
   return int(k), int(passes)
 
 
@@ -43,16 +43,19 @@ def test_choice_follows_the_cost_model():
     assert a > accepted / tried
     best, _ = cost_model.best_k(a, 5, steps[0], lambda k: 0.0, lambda n: steps[n - 1])
     assert _k(accepted, tried, steps) == best
-  # Without enough evidence, never plain: a few early rejections do not stop speculation.
-  assert _k(0, 2, steps) >= 1
+  # Without shadow drafts and without enough evidence, never plain: a few early rejections do not
+  # stop speculation (plain passes would bring no evidence). With shadow drafts, plain passes
+  # keep measuring, so K = 0 may be chosen from the first pass on.
+  dear = [1.0, 1.8, 2.4, 3.0, 3.6, 4.2]  # drafting costs much more than a plain pass
+  assert _k(0, 2, dear) >= 1
+  assert _choice(0, 2, dear, shadow=True) == (0, auto_draft.YOUNG_PLAIN_PASSES)
   assert _choice(999, 1000, steps)[1] == auto_draft.SEGMENT_PASSES
   assert _choice(3, 4, steps)[1] == 1  # one pass per choice while the estimate is young
-  # A long plain run explores K = 1 for one pass (not with the MTP heads, whose state K = 0
-  # lets go stale).
-  run = auto_draft.EXPLORE_EVERY - auto_draft.PLAIN_SEGMENT_PASSES
-  assert _choice(0, 100, steps, plain_run=run - 1) == (0, auto_draft.PLAIN_SEGMENT_PASSES)
-  assert _choice(0, 100, steps, plain_run=run) == (1, 1)
-  assert _choice(0, 100, steps, plain_run=run, explore=False) == (0, auto_draft.PLAIN_SEGMENT_PASSES)
+  # Settled at K = 0: long plain segments (with or without shadow drafts); without shadow
+  # drafts K = 0 segments are long from the start (their estimate cannot change).
+  assert _choice(0, 100, steps) == (0, auto_draft.PLAIN_SEGMENT_PASSES)
+  assert _choice(0, 100, steps, shadow=True) == (0, auto_draft.PLAIN_SEGMENT_PASSES)
+  assert _choice(0, 7, dear) == (0, auto_draft.PLAIN_SEGMENT_PASSES)
 
 
 def test_monotone_step_times_pools_violations():
@@ -100,6 +103,27 @@ def test_auto_ngram_without_a_match_runs_plain_passes(auto_model, auto_plain):
   assert out.stats["passes_by_num_draft"] == [1, 0, 0, 0]
 
 
+def test_plain_passes_bring_shadow_evidence(auto_model, auto_plain, monkeypatch):
+  """Starting from a prior that makes K = 0 the best choice, the plain passes' shadow drafts
+  (always right at acceptance 1) raise the estimate until auto drafts; at acceptance 0 they
+  keep it at 0 and every pass stays plain. The output is plain greedy either way."""
+  monkeypatch.setattr(auto_draft, "PRIOR_ACCEPTANCE", 0.0)
+  loop.forget_compiled()  # the prior is read when the loop is traced
+  try:
+    for a in (1.0, 0.0):
+      spec = msj.SpecParams(drafter="controlled", num_draft="auto", max_draft=3, controlled_acceptance=a)
+      out = msj.generate(auto_model, RAGGED, max_new_tokens=20, spec=spec, reference_tokens=auto_plain)
+      np.testing.assert_array_equal(out.tokens, auto_plain)
+      by_k = out.stats["passes_by_num_draft"]
+      if a == 1.0:
+        assert by_k[0] >= auto_draft.YOUNG_PLAIN_PASSES and sum(by_k[1:]) >= 1
+        assert out.stats["acceptance_estimate"] > 0.8
+      else:
+        assert by_k[1:] == [0, 0, 0] and out.stats["acceptance_estimate"] == 0.0
+  finally:
+    loop.forget_compiled()
+
+
 def test_controlled_acceptance_is_geometric(auto_model, auto_plain):
   """Each draft equals the target's greedy token with probability a, independently, so
   P(draft j accepted | j-1 accepted) = a at every depth; the output stays plain greedy."""
@@ -121,14 +145,16 @@ def test_controlled_acceptance_is_geometric(auto_model, auto_plain):
       assert out.stats["acceptance_by_depth"] == [1.0] * k
 
 
-def test_controlled_propose_wrong_tokens_differ_from_the_reference():
+def test_controlled_table_wrong_tokens_differ_from_the_reference():
   import jax
-  ref = jnp.asarray([[5, 6, 7, 8, 9, 10]], jnp.int32)
-  keys = jax.random.split(jax.random.key(0), 1)
-  d = drafters.controlled_propose(ref, jnp.asarray([1]), keys, 0.0, 4, 264)
-  assert d.shape == (1, 4) and np.all(np.asarray(d) != np.asarray(ref[:, 1:5]))
-  d = drafters.controlled_propose(ref, jnp.asarray([1]), keys, 1.0, 4, 264)
-  np.testing.assert_array_equal(d, ref[:, 1:5])
+  ref = jnp.asarray([[5, 6, 7, 8, 9, 10], [1, 1, 1, 1, 1, 1]], jnp.int32)
+  keys = jax.random.split(jax.random.key(0), 2)
+  table = drafters.controlled_table(ref, keys, 0.0, 264)
+  assert table.shape == (2, 6) and np.all(np.asarray(table) != np.asarray(ref))
+  assert np.all((np.asarray(table) >= 0) & (np.asarray(table) < 264))
+  np.testing.assert_array_equal(drafters.controlled_table(ref, keys, 1.0, 264), ref)
+  d = drafters.controlled_propose(ref, jnp.asarray([1, 4]), 4)  # clipped at the table's end
+  np.testing.assert_array_equal(d, [[6, 7, 8, 9], [1, 1, 1, 1]])
 
 
 def test_step_times_grow_with_pass_size(auto_model):
