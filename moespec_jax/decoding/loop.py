@@ -418,8 +418,15 @@ def measure_step_ms(ls: LoopSpec, args, repeats: int = 7) -> np.ndarray:
 
 def calibrate_step_ms(ls: LoopSpec, args) -> np.ndarray:
   """`measure_step_ms` smoothed and made non-decreasing in K (`auto_draft.smooth_step_times`),
-  once per program (cached, like compilation)."""
+  once per program (cached, like compilation).
+
+  The controlled drafter's programs are calibrated once per acceptance rate: a pass costs more
+  when its drafts are wrong (random tokens route to more distinct experts than the model's
+  own continuation), so the pass times at one rate misjudge another.
+  """
   sig = _signature(_generate_spec, ls, *args)
+  if ls.drafter == "controlled":
+    sig = (sig, float(args[5]["acceptance"]))
   if sig not in _CALIBRATED:
     _CALIBRATED[sig] = auto_draft.smooth_step_times(measure_step_ms(ls, args)).astype(np.float32)
   return _CALIBRATED[sig]

@@ -94,8 +94,9 @@ class MLAttention(nnx.Module):
   def __call__(self, x_BTD, positions_BT, rope=None, layer_cache=None, *, fresh_cache: bool = False):
     """Returns (out_BTD, (latent_BSC, rope_key_BSR) or None); `rope` is unused (own tables).
 
-    With a cache, the pass's entries are written first and queries attend to the cache
-    (positions <= their own); with `fresh_cache` (a prefill) only to the pass's own entries.
+    With a cache, queries attend to the cache's earlier positions and to the pass's own entries
+    (positions <= their own), which are written into the cache; with `fresh_cache` (a prefill)
+    only to the pass's own entries.
     """
     del rope
     cfg = self.config
@@ -116,18 +117,40 @@ class MLAttention(nnx.Module):
     new_cache = None if layer_cache is None else tuple(
         cache_lib.write_positions(c, new, positions_BT[:, 0])
         for c, new in zip(layer_cache, (latent_BTGC, k_rope_BTGR)))
-    if new_cache is None or fresh_cache:  # S: the pass's own positions
-      latent_BSC, k_rope_BSR, key_pos_BS = latent_BTGC[:, :, 0], k_rope_BTGR[:, :, 0], positions_BT
-    else:
-      latent_BSC, k_rope_BSR = new_cache
-      key_pos_BS = jnp.arange(latent_BSC.shape[1])[None]
-
     q_lat_BTHC = jnp.einsum("bthn,chn->bthc", q_nope_BTHN, self.w_uk_CHN[...])
-    scores_BHTS = (jnp.einsum("bthc,bsc->bhts", q_lat_BTHC, latent_BSC)
-                   + jnp.einsum("bthr,bsr->bhts", q_rope_BTHR, k_rope_BSR)).astype(jnp.float32)
-    scores_BHTS = scores_BHTS * jnp.float32(softmax_scale(cfg))
-    visible_BTS = key_pos_BS[:, None, :] <= positions_BT[:, :, None]
-    probs_BHTS = jax.nn.softmax(jnp.where(visible_BTS[:, None], scores_BHTS, -1e30), axis=-1)
-    out_lat_BTHC = jnp.einsum("bhts,bsc->bthc", probs_BHTS.astype(latent_BSC.dtype), latent_BSC)
+    scale = jnp.float32(softmax_scale(cfg))
+
+    def scores(latent_BSC, k_rope_BSR, visible_BTS):
+      s_BHTS = (jnp.einsum("bthc,bsc->bhts", q_lat_BTHC, latent_BSC)
+                + jnp.einsum("bthr,bsr->bhts", q_rope_BTHR, k_rope_BSR)).astype(jnp.float32) * scale
+      return jnp.where(visible_BTS[:, None], s_BHTS, -1e30)
+
+    own_visible_BTT = positions_BT[:, None, :] <= positions_BT[:, :, None]
+    latent_BTC, k_rope_BTR = latent_BTGC[:, :, 0], k_rope_BTGR[:, :, 0]
+    if layer_cache is not None:  # the entries as a read of the cache would give them
+      latent_BTC, k_rope_BTR = latent_BTC.astype(layer_cache[0].dtype), k_rope_BTR.astype(layer_cache[1].dtype)
+    own_BHTT = scores(latent_BTC, k_rope_BTR, own_visible_BTT)
+    if new_cache is None or fresh_cache:  # the pass's own positions only
+      probs_BHTT = jax.nn.softmax(own_BHTT, axis=-1)
+      out_lat_BTHC = jnp.einsum("bhts,bsc->bthc", probs_BHTT.astype(latent_BTC.dtype), latent_BTC)
+    elif x_BTD.shape[0] > 1:  # the updated cache (positions <= each query's own)
+      latent_BSC, k_rope_BSR = new_cache
+      key_pos_S = jnp.arange(latent_BSC.shape[1])
+      probs_BHTS = jax.nn.softmax(scores(latent_BSC, k_rope_BSR, key_pos_S[None, None] <= positions_BT[:, :, None]),
+                                  axis=-1)
+      out_lat_BTHC = jnp.einsum("bhts,bsc->bthc", probs_BHTS.astype(latent_BSC.dtype), latent_BSC)
+    else:
+      # Batch 1: the cache as it was before this pass (positions before the pass's first) and
+      # the pass's own entries, one softmax over both. Reading the updated [1, S, C] cache made
+      # XLA:CPU duplicate the in-place update and copy each cache four times per pass (two
+      # copies are left this way); at larger batches the updated cache is read without copies.
+      old_latent_BSC, old_k_rope_BSR = layer_cache
+      key_pos_S = jnp.arange(old_latent_BSC.shape[1])
+      old_BHTS = scores(old_latent_BSC, old_k_rope_BSR, key_pos_S[None, None] < positions_BT[:, :1, None])
+      probs_BHTX = jax.nn.softmax(jnp.concatenate([old_BHTS, own_BHTT], axis=-1), axis=-1)
+      probs_old_BHTS = probs_BHTX[..., :key_pos_S.size].astype(old_latent_BSC.dtype)
+      probs_own_BHTT = probs_BHTX[..., key_pos_S.size:].astype(latent_BTC.dtype)
+      out_lat_BTHC = (jnp.einsum("bhts,bsc->bthc", probs_old_BHTS, old_latent_BSC)
+                      + jnp.einsum("bhts,bsc->bthc", probs_own_BHTT, latent_BTC))
     out_BTHV = jnp.einsum("bthc,chv->bthv", out_lat_BTHC, self.w_uv_CHV[...])
     return jnp.einsum("bthv,hvd->btd", out_BTHV, self.w_o_HVD[...]), new_cache

@@ -109,6 +109,7 @@ def test_plain_passes_bring_shadow_evidence(auto_model, auto_plain, monkeypatch)
   keep it at 0 and every pass stays plain. The output is plain greedy either way."""
   monkeypatch.setattr(auto_draft, "PRIOR_ACCEPTANCE", 0.0)
   loop.forget_compiled()  # the prior is read when the loop is traced
+  calibrated = len(loop._CALIBRATED)
   try:
     for a in (1.0, 0.0):
       spec = msj.SpecParams(drafter="controlled", num_draft="auto", max_draft=3, controlled_acceptance=a)
@@ -120,6 +121,8 @@ def test_plain_passes_bring_shadow_evidence(auto_model, auto_plain, monkeypatch)
         assert out.stats["acceptance_estimate"] > 0.8
       else:
         assert by_k[1:] == [0, 0, 0] and out.stats["acceptance_estimate"] == 0.0
+    # Pass times depend on what is verified: one calibration per controlled acceptance rate.
+    assert len(loop._CALIBRATED) == calibrated + 2
   finally:
     loop.forget_compiled()
 
