@@ -400,8 +400,9 @@ def auto_against_fixed(model, prompts, max_new_tokens: int, auto_spec, fixed_spe
     passes_by_k = counts if passes_by_k is None else passes_by_k + counts
   return {"speedup_vs_plain": statistics.median(auto_plain), "best_fixed_num_draft": fixed_spec.num_draft,
           "best_fixed_speedup": statistics.median(fixed_plain), "vs_best_fixed": statistics.median(auto_fixed),
-          "chosen_num_draft": int(np.argmax(passes_by_k)), "mean_num_draft": float(np.arange(passes_by_k.size) @ passes_by_k / max(passes_by_k.sum(), 1)),
           # Over all repeats; the calibrated per-K pass times auto chose with.
+          "chosen_num_draft": int(np.argmax(passes_by_k)),
+          "mean_num_draft": float(np.arange(passes_by_k.size) @ passes_by_k / max(passes_by_k.sum(), 1)),
           "passes_by_num_draft": passes_by_k.tolist(), "calibrated_step_ms": stats["calibrated_step_ms"],
           "mean_accepted_length": stats["mean_accepted_length"], "tokens_per_second": stats["tokens_per_second"]}
 

@@ -150,9 +150,8 @@ def _init(model, tokens_BT, lengths_B, key, draft_inputs, ls: LoopSpec):
     ref_BN = jnp.maximum(draft_inputs["reference"], 0)
     pad = ls.max_new_tokens + k_max + 1 - ref_BN.shape[1]
     ref_BN = jnp.pad(ref_BN, ((0, 0), (0, max(pad, 0))))[:, :ls.max_new_tokens + k_max + 1]
-    table_keys_B = jax.vmap(lambda key: jax.random.fold_in(key, CONTROLLED_TABLE_STREAM))(row_keys_B)
-    dstate = {"table": drafters_lib.controlled_table(ref_BN, table_keys_B, draft_inputs["acceptance"],
-                                                     config.vocab_size)}
+    dstate = {"table": drafters_lib.controlled_table(ref_BN, _row_keys(row_keys_B, CONTROLLED_TABLE_STREAM),
+                                                     draft_inputs["acceptance"], config.vocab_size)}
 
   stats = {
       "verify_passes": jnp.int32(0),
@@ -426,7 +425,8 @@ def calibrate_step_ms(ls: LoopSpec, args) -> np.ndarray:
   """
   sig = _signature(_generate_spec, ls, *args)
   if ls.drafter == "controlled":
-    sig = (sig, float(args[5]["acceptance"]))
+    draft_inputs = args[-1]  # as _prepare builds them
+    sig = (sig, float(draft_inputs["acceptance"]))
   if sig not in _CALIBRATED:
     _CALIBRATED[sig] = auto_draft.smooth_step_times(measure_step_ms(ls, args)).astype(np.float32)
   return _CALIBRATED[sig]

@@ -125,13 +125,10 @@ class MLAttention(nnx.Module):
                 + jnp.einsum("bthr,bsr->bhts", q_rope_BTHR, k_rope_BSR)).astype(jnp.float32) * scale
       return jnp.where(visible_BTS[:, None], s_BHTS, -1e30)
 
-    own_visible_BTT = positions_BT[:, None, :] <= positions_BT[:, :, None]
     latent_BTC, k_rope_BTR = latent_BTGC[:, :, 0], k_rope_BTGR[:, :, 0]
-    if layer_cache is not None:  # the entries as a read of the cache would give them
-      latent_BTC, k_rope_BTR = latent_BTC.astype(layer_cache[0].dtype), k_rope_BTR.astype(layer_cache[1].dtype)
-    own_BHTT = scores(latent_BTC, k_rope_BTR, own_visible_BTT)
+    own_visible_BTT = positions_BT[:, None, :] <= positions_BT[:, :, None]
     if new_cache is None or fresh_cache:  # the pass's own positions only
-      probs_BHTT = jax.nn.softmax(own_BHTT, axis=-1)
+      probs_BHTT = jax.nn.softmax(scores(latent_BTC, k_rope_BTR, own_visible_BTT), axis=-1)
       out_lat_BTHC = jnp.einsum("bhts,bsc->bthc", probs_BHTT.astype(latent_BTC.dtype), latent_BTC)
     elif x_BTD.shape[0] > 1:  # the updated cache (positions <= each query's own)
       latent_BSC, k_rope_BSR = new_cache
@@ -141,12 +138,15 @@ class MLAttention(nnx.Module):
       out_lat_BTHC = jnp.einsum("bhts,bsc->bthc", probs_BHTS.astype(latent_BSC.dtype), latent_BSC)
     else:
       # Batch 1: the cache as it was before this pass (positions before the pass's first) and
-      # the pass's own entries, one softmax over both. Reading the updated [1, S, C] cache made
-      # XLA:CPU duplicate the in-place update and copy each cache four times per pass (two
-      # copies are left this way); at larger batches the updated cache is read without copies.
+      # the pass's own entries (cast as a read of the cache would give them), one softmax over
+      # both. Reading the updated [1, S, C] cache made XLA:CPU duplicate the in-place update and
+      # copy each cache four times per pass (two copies are left this way); at larger batches
+      # the updated cache is read without copies.
       old_latent_BSC, old_k_rope_BSR = layer_cache
+      latent_BTC, k_rope_BTR = latent_BTC.astype(old_latent_BSC.dtype), k_rope_BTR.astype(old_k_rope_BSR.dtype)
       key_pos_S = jnp.arange(old_latent_BSC.shape[1])
       old_BHTS = scores(old_latent_BSC, old_k_rope_BSR, key_pos_S[None, None] < positions_BT[:, :1, None])
+      own_BHTT = scores(latent_BTC, k_rope_BTR, own_visible_BTT)
       probs_BHTX = jax.nn.softmax(jnp.concatenate([old_BHTS, own_BHTT], axis=-1), axis=-1)
       probs_old_BHTS = probs_BHTX[..., :key_pos_S.size].astype(old_latent_BSC.dtype)
       probs_own_BHTT = probs_BHTX[..., key_pos_S.size:].astype(latent_BTC.dtype)

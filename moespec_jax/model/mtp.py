@@ -118,12 +118,10 @@ def fill(model, target_hidden_BTD, seq_BT, positions_BT, cache: KVCache, *, expe
                                   expert_method=expert_method, compute_logits=False, fresh_cache=fresh_cache)
     if first is None:
       first = hidden
-  if at_B is not None:
-    first = first[jnp.arange(first.shape[0]), at_B][:, None]
-  logits = model.mtp[0].logits(model, first)
-  if at_B is not None:
-    return first[:, 0], logits[:, 0], cache
-  return first, logits, cache
+  if at_B is None:
+    return first, model.mtp[0].logits(model, first), cache
+  h1_BD = first[jnp.arange(first.shape[0]), at_B]
+  return h1_BD, model.mtp[0].logits(model, h1_BD[:, None])[:, 0], cache
 
 
 def forward_train(model, target_hidden_BTD, tokens_BT, depths: int, *, expert_method: str | None = None):
