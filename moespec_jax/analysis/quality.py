@@ -6,13 +6,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from moespec_jax.decoding import sampling as sampling_lib
+
 
 def logit_agreement(exact_logits_NV, approx_logits_NV, valid_N):
   """(top-1 agreements, sum of KL(exact || approx) in nats, count) over the valid rows."""
   exact_lp = jax.nn.log_softmax(exact_logits_NV.astype(jnp.float32), axis=-1)
   approx_lp = jax.nn.log_softmax(approx_logits_NV.astype(jnp.float32), axis=-1)
   kl_N = jnp.sum(jnp.exp(exact_lp) * (exact_lp - approx_lp), axis=-1)
-  agree_N = jnp.argmax(exact_logits_NV, axis=-1) == jnp.argmax(approx_logits_NV, axis=-1)
+  agree_N = sampling_lib.argmax(exact_logits_NV) == sampling_lib.argmax(approx_logits_NV)
   valid = valid_N.astype(jnp.float32)
   return jnp.sum(agree_N * valid), jnp.sum(jnp.maximum(kl_N, 0.0) * valid), jnp.sum(valid)
 

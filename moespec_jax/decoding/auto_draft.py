@@ -3,13 +3,15 @@
 Under geometric acceptance with rate a, a pass with K drafts commits (1 - a^(K+1)) / (1 - a)
 tokens per row (analysis/cost_model.tokens_per_pass) and costs step_ms[K] (draft K, verify
 K + 1, drafter upkeep), measured once per compiled program by `loop.calibrate_step_ms`. Each
-segment of passes picks the K with the most tokens per millisecond: one pass while the estimate
+segment of passes picks the K that finishes the batch soonest (its slowest row: for one row,
+the K with the most tokens per millisecond; drafting only where it beats plain decoding by
+DRAFT_MARGIN), from per-row estimates: one pass while the estimate
 rests on few drafts, then SEGMENT_PASSES (PLAIN_SEGMENT_PASSES at K = 0; each choice runs one
 loop per K, a small cost kept off most passes); K = 0 is plain decoding, chosen where
 speculation does not pay.
 
-a is estimated from decayed counts of accepted and tried drafts, starting from a weak prior,
-and read optimistically (plus OPTIMISM standard errors). Drafters whose proposals cost next to
+Each row's a is estimated from its decayed counts of accepted and tried drafts, starting from a
+weak prior, and read optimistically (plus OPTIMISM standard errors). Drafters whose proposals cost next to
 nothing (n-gram lookup, the controlled drafter) keep the evidence flowing at K = 0: each plain
 pass checks the one draft they would have proposed against the token the target produced
 ("shadow" drafts: greedy, whether it matches; sampled, its acceptance probability), so auto
@@ -37,37 +39,66 @@ YOUNG_PLAIN_PASSES = 4  # passes per K = 0 choice while the estimate is young (s
 NO_MATCH_PASSES = 4  # plain passes when no row has an n-gram match (each choice costs a little)
 SHADOW_DRAFTERS = ("ngram", "controlled")  # proposals cheap enough to check on plain passes
 MAX_ACCEPTANCE = 0.999
+# Drafting is chosen only where it is predicted at least this much faster than plain decoding:
+# calibrated pass times carry about this much noise, and near the break-even acceptance a
+# drafting pass chosen on noise (or on a lucky early estimate) costs more than it can gain.
+DRAFT_MARGIN = 0.1
 
 
 def acceptance_estimate(evidence_2):
-  """(accepted + prior) / (tried + prior weight), from decayed (accepted, tried) counts."""
-  a = (evidence_2[0] + PRIOR_ACCEPTANCE * PRIOR_WEIGHT) / (evidence_2[1] + PRIOR_WEIGHT)
+  """(accepted + prior) / (tried + prior weight), from decayed (accepted, tried) counts
+  (the last axis; leading axes are rows)."""
+  evidence_2 = jnp.asarray(evidence_2)
+  a = (evidence_2[..., 0] + PRIOR_ACCEPTANCE * PRIOR_WEIGHT) / (evidence_2[..., 1] + PRIOR_WEIGHT)
   return jnp.clip(a, 0.0, MAX_ACCEPTANCE)
 
 
 def optimistic_acceptance(evidence_2):
   """The estimate plus OPTIMISM binomial standard errors."""
+  evidence_2 = jnp.asarray(evidence_2)
   a = acceptance_estimate(evidence_2)
-  spread = jnp.sqrt(a * (1.0 - a) / (evidence_2[1] + PRIOR_WEIGHT))
+  spread = jnp.sqrt(a * (1.0 - a) / (evidence_2[..., 1] + PRIOR_WEIGHT))
   return jnp.clip(a + OPTIMISM * spread, 0.0, MAX_ACCEPTANCE)
 
 
-def tokens_per_ms(a, step_ms_K):
-  """Expected committed tokens per millisecond of each K in 0..len(step_ms_K) - 1."""
-  k_K = jnp.arange(step_ms_K.shape[0], dtype=jnp.float32)
-  return (1.0 - a ** (k_K + 1.0)) / (1.0 - a) / step_ms_K
+def tokens_per_pass(a, num_k: int):
+  """Expected committed tokens per pass, (1 - a^(K+1)) / (1 - a), for K in 0..num_k - 1
+  (a: any shape; the K axis is appended)."""
+  a = jnp.asarray(a, jnp.float32)[..., None]
+  k_K = jnp.arange(num_k, dtype=jnp.float32)
+  return (1.0 - a ** (k_K + 1.0)) / (1.0 - a)
 
 
-def choose_k(evidence_2, step_ms_K, *, shadow: bool):
-  """(K, passes) for the next segment (int32 scalars): the best K for one pass while the
-  estimate rests on few drafts, then for SEGMENT_PASSES passes; at K = 0, PLAIN_SEGMENT_PASSES
-  (YOUNG_PLAIN_PASSES while the estimate is young, with shadow drafts). `shadow`: plain passes bring evidence
-  (see the module docstring); without it K = 0 needs MIN_EVIDENCE tried drafts."""
-  rate_K = tokens_per_ms(optimistic_acceptance(evidence_2), step_ms_K)
+def finish_ms(a_B, remaining_B, step_ms_K):
+  """Predicted time (ms) until every row is done at each K: a batch finishes with its slowest
+  row, max_b remaining_b / tokens_per_pass(a_b, K) passes of step_ms[K] each. (For one row,
+  the K with the most tokens per millisecond; with ragged acceptance, rows that accept less
+  set the pace and long drafts of the others are wasted.)"""
+  passes_BK = remaining_B[:, None] / tokens_per_pass(a_B, step_ms_K.shape[0])
+  return jnp.max(passes_BK, axis=0) * step_ms_K
+
+
+def choose_k(evidence_B2, step_ms_K, *, shadow: bool, remaining_B=None):
+  """(K, passes) for the next segment (int32 scalars).
+
+  evidence_B2: each row's decayed (accepted, tried) draft counts ([2] for one row);
+  remaining_B: tokens each row has still to generate (0 once done; default 1 each).
+  K minimises `finish_ms` at the rows' optimistic acceptance estimates, K >= 1 only where it
+  beats plain decoding by DRAFT_MARGIN; one pass while the estimate rests on few drafts (in
+  any unfinished row), then SEGMENT_PASSES; at K = 0,
+  PLAIN_SEGMENT_PASSES (YOUNG_PLAIN_PASSES while the estimate is young, with shadow drafts).
+  `shadow`: plain passes bring evidence (see the module docstring); without it K = 0 needs
+  MIN_EVIDENCE tried drafts over all rows."""
+  evidence_B2 = jnp.atleast_2d(jnp.asarray(evidence_B2, jnp.float32))
+  remaining_B = (jnp.ones(evidence_B2.shape[0], jnp.float32) if remaining_B is None
+                 else jnp.asarray(remaining_B, jnp.float32))
+  time_K = finish_ms(optimistic_acceptance(evidence_B2), remaining_B, step_ms_K)
+  time_K = time_K.at[1:].multiply(1.0 + DRAFT_MARGIN)
+  tried = jnp.sum(evidence_B2[:, 1])
   if not shadow:
-    rate_K = rate_K.at[0].set(jnp.where(evidence_2[1] >= MIN_EVIDENCE, rate_K[0], -1.0))
-  k = jnp.argmax(rate_K).astype(jnp.int32)
-  settled = evidence_2[1] >= SETTLED_EVIDENCE
+    time_K = time_K.at[0].set(jnp.where(tried >= MIN_EVIDENCE, time_K[0], jnp.inf))
+  k = jnp.argmin(time_K).astype(jnp.int32)
+  settled = jnp.min(jnp.where(remaining_B > 0, evidence_B2[:, 1], jnp.inf)) >= SETTLED_EVIDENCE
   drafting = jnp.where(settled, jnp.int32(SEGMENT_PASSES), jnp.int32(1))
   # Without shadow drafts K = 0 brings no evidence: the estimate will not change.
   young_plain = YOUNG_PLAIN_PASSES if shadow else PLAIN_SEGMENT_PASSES

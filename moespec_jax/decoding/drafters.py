@@ -46,7 +46,7 @@ def ngram_propose(seq_BS, n_B, num_draft: int, max_ngram: int = NGRAM_MAX):
     full = (idx_S + num_draft < n).astype(jnp.int32)
     key_S = (jnp.minimum(length_S, NGRAM_PREFER) * 2 + full) * (max_ngram + 1) + length_S
     score_S = jnp.where(eligible, key_S * s + idx_S, -1)
-    j = jnp.argmax(score_S)
+    j = sampling_lib.argmax(score_S)
     found = score_S[j] >= 0
     follow_K = j + 1 + jnp.arange(num_draft, dtype=jnp.int32)
     drafts_K = seq_S[jnp.clip(follow_K, 0, s - 1)]
@@ -59,9 +59,9 @@ def ngram_propose(seq_BS, n_B, num_draft: int, max_ngram: int = NGRAM_MAX):
 def choose(key_B, logits_BV, sampling: SamplingParams):
   """A draft token per row and the distribution q it was drawn from (None when greedy)."""
   if sampling.greedy:
-    return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32), None
+    return sampling_lib.argmax(logits_BV), None
   logq_BV = sampling_lib.filtered_logprobs(logits_BV, sampling)
-  tok_B = jax.vmap(jax.random.categorical)(key_B, logq_BV).astype(jnp.int32)
+  tok_B = jax.vmap(sampling_lib.categorical)(key_B, logq_BV)
   return tok_B, jnp.exp(logq_BV)
 
 

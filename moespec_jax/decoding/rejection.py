@@ -18,6 +18,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from moespec_jax.decoding import sampling as sampling_lib
+
 
 def uniform_open(key, shape):
   """Float32 uniforms strictly inside (0, 1)."""
@@ -41,7 +43,7 @@ def _at(x_BS, n_B):
 def verify_greedy(logits_BSV, drafts_BK, valid_BK):
   """Greedy verification. Returns (accept_BK, n_accepted_B, next_token_B)."""
   k = drafts_BK.shape[1]
-  target_BS = jnp.argmax(logits_BSV, axis=-1).astype(jnp.int32)
+  target_BS = sampling_lib.argmax(logits_BSV)
   accept_BK = valid_BK & (drafts_BK == target_BS[:, :k])
   n_B = accepted_count(accept_BK)
   return accept_BK, n_B, _at(target_BS, n_B)
@@ -77,5 +79,5 @@ def verify_sampled(keys_B, logp_BSV, drafts_BK, q_BKV, valid_BK):
   # p == q leaves no residual mass; rejection then has probability 0 (numerical guard only).
   r_BV = jnp.where(jnp.sum(r_BV, axis=-1, keepdims=True) > 0, r_BV, p_n_BV)
   logr_BV = jnp.where(r_BV > 0, jnp.log(jnp.where(r_BV > 0, r_BV, 1.0)), -jnp.inf)
-  next_B = jax.vmap(jax.random.categorical)(split[:, 1], logr_BV).astype(jnp.int32)
+  next_B = jax.vmap(sampling_lib.categorical)(split[:, 1], logr_BV)
   return accept_BK, n_B, next_B

@@ -36,9 +36,28 @@ def filtered_logprobs(logits_BV, params: SamplingParams):
   return logprobs_BV
 
 
+def argmax(x, axis: int = -1):
+  """`jnp.argmax` (first maximal index; the first NaN if any) as two vectorised reductions.
+
+  XLA:CPU lowers `jnp.argmax` to a scalar (value, index) reduction: over a 152k vocabulary
+  about 0.7 ms per row, against 0.16 ms for a max followed by a min over the matching indices.
+  """
+  axis = axis % x.ndim
+  top = jnp.max(x, axis=axis, keepdims=True)
+  hit = (x == top) | jnp.isnan(x)
+  index = jax.lax.broadcasted_iota(jnp.int32, x.shape, axis)
+  return jnp.min(jnp.where(hit, index, x.shape[axis]), axis=axis)
+
+
+def categorical(key, logits_V):
+  """`jax.random.categorical(key, logits_V)` (the same Gumbel noise, so the same draws) with
+  the vectorised `argmax`."""
+  return argmax(jax.random.gumbel(key, logits_V.shape, logits_V.dtype) + logits_V)
+
+
 def sample(keys_B, logits_BV, params: SamplingParams):
   """One token per row; row b uses its own key. Greedy takes the argmax (lowest id on ties)."""
   if params.greedy:
-    return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+    return argmax(logits_BV)
   logprobs_BV = filtered_logprobs(logits_BV, params)
-  return jax.vmap(jax.random.categorical)(keys_B, logprobs_BV).astype(jnp.int32)
+  return jax.vmap(categorical)(keys_B, logprobs_BV)

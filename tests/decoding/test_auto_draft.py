@@ -37,12 +37,18 @@ def test_choice_follows_the_cost_model():
   # Acceptance near 1 with cheap extra tokens: the longest K; near 0 with evidence: plain.
   assert _k(999, 1000, steps) == 5
   assert _k(0, 100, steps) == 0
-  # The same as the analysis cost model's best K for the (optimistic) estimated acceptance.
+  # The same as the analysis cost model's best K for the (optimistic) estimated acceptance,
+  # with drafting passes DRAFT_MARGIN dearer.
+  margin = 1.0 + auto_draft.DRAFT_MARGIN
   for accepted, tried in [(30, 100), (60, 100), (80, 100), (95, 100)]:
     a = float(auto_draft.optimistic_acceptance(jnp.asarray([accepted, tried], jnp.float32)))
     assert a > accepted / tried
-    best, _ = cost_model.best_k(a, 5, steps[0], lambda k: 0.0, lambda n: steps[n - 1])
+    best, _ = cost_model.best_k(a, 5, steps[0], lambda k: 0.0,
+                                lambda n: steps[n - 1] * (margin if n > 1 else 1.0))
     assert _k(accepted, tried, steps) == best
+  # Drafting predicted to gain less than the margin stays plain.
+  tpp = 1.0 + 0.25  # a = 0.25 (estimate settled), K = 1
+  assert _k(2500, 10000, [1.0, tpp / 1.05]) == 0 and _k(2500, 10000, [1.0, tpp / 1.2]) == 1
   # Without shadow drafts and without enough evidence, never plain: a few early rejections do not
   # stop speculation (plain passes would bring no evidence). With shadow drafts, plain passes
   # keep measuring, so K = 0 may be chosen from the first pass on.
@@ -56,6 +62,25 @@ def test_choice_follows_the_cost_model():
   assert _choice(0, 100, steps) == (0, auto_draft.PLAIN_SEGMENT_PASSES)
   assert _choice(0, 100, steps, shadow=True) == (0, auto_draft.PLAIN_SEGMENT_PASSES)
   assert _choice(0, 7, dear) == (0, auto_draft.PLAIN_SEGMENT_PASSES)
+
+
+def test_batch_choice_follows_its_slowest_row():
+  """A batch finishes with its slowest row: a row that accepts less pulls K down while it has
+  tokens left, and stops mattering once it is done."""
+  steps = jnp.asarray([1.0, 1.25, 1.5, 1.75, 2.0, 2.25, 2.5, 2.75, 3.0], jnp.float32)
+  good, poor = [1900.0, 2000.0], [300.0, 1000.0]  # a ~ 0.95 and ~ 0.3
+  alone, _ = auto_draft.choose_k(jnp.asarray(good), steps, shadow=True)
+  both, _ = auto_draft.choose_k(jnp.asarray([good, poor]), steps, shadow=True,
+                                remaining_B=jnp.asarray([100.0, 100.0]))
+  poor_done, _ = auto_draft.choose_k(jnp.asarray([good, poor]), steps, shadow=True,
+                                     remaining_B=jnp.asarray([100.0, 0.0]))
+  assert int(alone) == 8 and int(both) < int(alone) and int(poor_done) == int(alone)
+  # The rule is the predicted finishing time: check it against a direct evaluation.
+  a_B = auto_draft.optimistic_acceptance(jnp.asarray([good, poor]))
+  margin = lambda k: 1.0 + (auto_draft.DRAFT_MARGIN if k else 0.0)
+  want = min(range(9), key=lambda k: max(100.0 / sum(float(a) ** j for j in range(k + 1)) for a in a_B)
+             * float(steps[k]) * margin(k))
+  assert int(both) == want
 
 
 def test_monotone_step_times_pools_violations():
@@ -90,6 +115,20 @@ def test_auto_greedy_tokens_equal_plain_greedy(auto_model, auto_plain, drafter):
   assert np.all(np.diff(s["calibrated_step_ms"]) >= 0) and min(s["calibrated_step_ms"]) > 0
   if drafter == "controlled":  # acceptance 0.8: speculation is used
     assert s["mean_accepted_length"] > 1.5
+
+
+def test_auto_drafts_only_as_far_as_the_cache_has_room(auto_model):
+  """Auto K keeps no lookahead room in the cache (18 + 46 positions: a cache of exactly 64):
+  near the end it drafts fewer tokens (also within a segment, and for a row whose neighbour
+  is behind), and the output is still plain greedy."""
+  prompts = [[(7 * i) % 50 + 1 for i in range(18)], [3, 4, 5, 6, 7]]
+  plain = msj.generate(auto_model, prompts, max_new_tokens=46).tokens
+  spec = msj.SpecParams(drafter="controlled", num_draft="auto", max_draft=3, controlled_acceptance=0.9)
+  _, ls, _ = loop._prepare(auto_model, prompts, 46, None, spec, 0, plain)
+  assert ls.cache_len == 64
+  out = msj.generate(auto_model, prompts, max_new_tokens=46, spec=spec, reference_tokens=plain)
+  np.testing.assert_array_equal(out.tokens, plain)
+  assert sum(out.stats["passes_by_num_draft"][1:]) >= 1
 
 
 def test_auto_ngram_without_a_match_runs_plain_passes(auto_model, auto_plain):

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from moespec_jax.decoding.params import SamplingParams, SpecParams
+from moespec_jax.decoding import sampling as sampling_lib
 from moespec_jax.decoding.sampling import filtered_logprobs, sample
 
 LOGITS = jnp.asarray([[2.0, 1.0, 1.0, 0.5, -1.0, 3.0]], jnp.float32)
@@ -57,6 +58,27 @@ def test_greedy_takes_the_argmax_lowest_id_on_ties():
   logits = jnp.asarray([[1.0, 5.0, 5.0, 0.0]])
   keys = jax.random.split(jax.random.key(0), 1)
   assert int(sample(keys, logits, SamplingParams())[0]) == 1
+
+
+def test_argmax_equals_jnp_argmax_with_ties_infinities_and_nans():
+  rng = np.random.default_rng(0)
+  x = rng.integers(-3, 4, size=(6, 5, 7)).astype(np.float32)  # many ties
+  x[0, 0, 2] = np.inf
+  x[1, 1] = -np.inf
+  x[2, 2, [3, 5]] = np.nan
+  x[3, 3, :] = np.nan
+  for axis in (0, 1, -1):
+    np.testing.assert_array_equal(np.asarray(sampling_lib.argmax(jnp.asarray(x), axis=axis)),
+                                  np.asarray(jnp.argmax(jnp.asarray(x), axis=axis)))
+
+
+def test_categorical_draws_what_jax_random_categorical_draws():
+  logits = jnp.asarray(np.random.default_rng(1).normal(size=(64, 50)), jnp.float32).at[:, :10].set(-jnp.inf)
+  keys = jax.random.split(jax.random.key(2), 64)
+  got = jax.vmap(sampling_lib.categorical)(keys, logits)
+  want = jax.vmap(jax.random.categorical)(keys, logits)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  assert got.dtype == jnp.int32 and int(got.min()) >= 10
 
 
 def test_sample_frequencies_match_filtered_distribution():

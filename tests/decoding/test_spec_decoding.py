@@ -103,6 +103,16 @@ def test_commit_cuts_at_eos_and_max_new_tokens():
   assert n.tolist() == [2, 2, 2, 0] and eos.tolist() == [True, False, False, False]
 
 
+def test_padded_lengths_waste_at_most_a_quarter():
+  """Prompt and cache lengths are rounded up to share compiled programs, by less than a quarter
+  (or 16 positions)."""
+  for n in range(1, 5000):
+    b = loop._bucket(n)
+    assert b >= n and b % 16 == 0 and b - n < max(16, n / 4), (n, b)
+  assert loop._bucket(192) == 192 and loop._bucket(257, 64) == 320 and loop._bucket(30, 64) == 64
+  assert loop._bucket(1000, 64) == 1024
+
+
 def test_ngram_proposes_what_followed_the_longest_earlier_match():
   seq = jnp.asarray([[1, 2, 3, 9, 2, 3, 7, 8, 1, 2, 3, 0, 0, 0],
                      [5, 6, 7, 8, 5, 6, 0, 0, 0, 0, 0, 0, 0, 0],
