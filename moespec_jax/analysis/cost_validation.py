@@ -388,7 +388,7 @@ def auto_against_fixed(model, prompts, max_new_tokens: int, auto_spec, fixed_spe
   """Runs alternating plain / auto / fixed-K decoding (same seeds); medians of the per-round
   decode-phase ratios: auto over plain, fixed over plain, and auto over fixed."""
   auto_plain, fixed_plain, auto_fixed, stats = [], [], [], {}
-  passes_by_k = None
+  passes_by_k, accepted, passes, rates = None, 0.0, 0, []
   for r in range(repeats):
     t_plain, _ = decode_seconds(model, prompts, max_new_tokens, msj.SpecParams(), r, prefill_s)
     t_auto, stats = decode_seconds(model, prompts, max_new_tokens, auto_spec, r, prefill_s, reference)
@@ -398,13 +398,17 @@ def auto_against_fixed(model, prompts, max_new_tokens: int, auto_spec, fixed_spe
     auto_fixed.append(t_fixed / t_auto)
     counts = np.asarray(stats["passes_by_num_draft"])
     passes_by_k = counts if passes_by_k is None else passes_by_k + counts
+    accepted += stats["mean_accepted_length"] * stats["verify_passes"]
+    passes += stats["verify_passes"]
+    rates.append(stats["tokens_per_second"])
   return {"speedup_vs_plain": statistics.median(auto_plain), "best_fixed_num_draft": fixed_spec.num_draft,
           "best_fixed_speedup": statistics.median(fixed_plain), "vs_best_fixed": statistics.median(auto_fixed),
           # Over all repeats; the calibrated per-K pass times auto chose with.
           "chosen_num_draft": int(np.argmax(passes_by_k)),
           "mean_num_draft": float(np.arange(passes_by_k.size) @ passes_by_k / max(passes_by_k.sum(), 1)),
           "passes_by_num_draft": passes_by_k.tolist(), "calibrated_step_ms": stats["calibrated_step_ms"],
-          "mean_accepted_length": stats["mean_accepted_length"], "tokens_per_second": stats["tokens_per_second"]}
+          # Over all repeats (weighted by verify passes) and their median.
+          "mean_accepted_length": accepted / max(passes, 1), "tokens_per_second": statistics.median(rates)}
 
 
 def format_summary(cm) -> str:

@@ -66,6 +66,7 @@ def test_quick_run_writes_the_documented_metrics(tiny_config, tmp_path):
   assert set(cm["crossover"]) >= {"predicted_n", "measured_n"}
   assert [r["n_tokens"] for r in cm["verify_time"]] == [1, 2, 3]
   assert {r["drafter"] for r in cm["auto"]} == {"controlled", "ngram"}
+  assert all(r["mean_accepted_length"] >= 1.0 and r["tokens_per_second"] > 0 for r in cm["auto"])
   for name in ("staircase.png", "verify_time.png", "unique_experts.png"):
     assert (tmp_path / "out" / name).stat().st_size > 0
   bad = subprocess.run([sys.executable, "-m", "experiments.cost_model", "--n_alphas=1"], cwd=ROOT, env=env,
