@@ -5,21 +5,20 @@ tokens per row (analysis/cost_model.tokens_per_pass) and costs step_ms[K] (draft
 K + 1, drafter upkeep), measured once per compiled program by `loop.calibrate_step_ms`. Each
 segment of passes picks the K that finishes the batch soonest (its slowest row: for one row,
 the K with the most tokens per millisecond; drafting only where it beats plain decoding by
-DRAFT_MARGIN), from per-row estimates: one pass while the estimate
-rests on few drafts, then SEGMENT_PASSES (PLAIN_SEGMENT_PASSES at K = 0; each choice runs one
-loop per K, a small cost kept off most passes); K = 0 is plain decoding, chosen where
-speculation does not pay.
+DRAFT_MARGIN), from per-row estimates: one pass while the estimate rests on few drafts, then
+SEGMENT_PASSES (PLAIN_SEGMENT_PASSES at K = 0; each choice runs one loop per K, a small cost
+kept off most passes); K = 0 is plain decoding, chosen where speculation does not pay.
 
 Each row's a is estimated from its decayed counts of accepted and tried drafts, starting from a
-weak prior, and read optimistically (plus OPTIMISM standard errors). Drafters whose proposals cost next to
-nothing (n-gram lookup, the controlled drafter) keep the evidence flowing at K = 0: each plain
-pass checks the one draft they would have proposed against the token the target produced
-("shadow" drafts: greedy, whether it matches; sampled, its acceptance probability), so auto
-leaves K = 0 as soon as drafting pays again. The MTP heads skip their upkeep at K = 0 (their
-state goes stale), so with them K = 0 is chosen only after MIN_EVIDENCE tried drafts and auto
-stays plain once it got there. With the n-gram drafter, a segment where no active row's context
-has a match is NO_MATCH_PASSES plain passes (nothing to verify; transformers' prompt lookup
-also decodes plainly without a match).
+weak prior, and read optimistically (plus OPTIMISM standard errors). Drafters whose proposals
+cost next to nothing (n-gram lookup, the controlled drafter) keep the evidence flowing at
+K = 0: each plain pass checks the one draft they would have proposed against the token the
+target produced ("shadow" drafts: greedy, whether it matches; sampled, its acceptance
+probability), so auto leaves K = 0 as soon as drafting pays again. The MTP heads skip their
+upkeep at K = 0 (their state goes stale), so with them K = 0 is chosen only after MIN_EVIDENCE
+tried drafts and auto stays plain once it got there. With the n-gram drafter, a segment where
+no active row's context has a match is NO_MATCH_PASSES plain passes (nothing to verify;
+transformers' prompt lookup also decodes plainly without a match).
 """
 
 from __future__ import annotations
@@ -61,9 +60,10 @@ def optimistic_acceptance(evidence_2):
   return jnp.clip(a + OPTIMISM * spread, 0.0, MAX_ACCEPTANCE)
 
 
-def tokens_per_pass(a, num_k: int):
-  """Expected committed tokens per pass, (1 - a^(K+1)) / (1 - a), for K in 0..num_k - 1
-  (a: any shape; the K axis is appended)."""
+def tokens_per_pass_K(a, num_k: int):
+  """Expected committed tokens per pass, (1 - a^(K+1)) / (1 - a), for every K in 0..num_k - 1
+  at once (a: any shape, a < 1; the K axis is appended). The traced counterpart of
+  analysis/cost_model.tokens_per_pass (NumPy, one K)."""
   a = jnp.asarray(a, jnp.float32)[..., None]
   k_K = jnp.arange(num_k, dtype=jnp.float32)
   return (1.0 - a ** (k_K + 1.0)) / (1.0 - a)
@@ -74,7 +74,7 @@ def finish_ms(a_B, remaining_B, step_ms_K):
   row, max_b remaining_b / tokens_per_pass(a_b, K) passes of step_ms[K] each. (For one row,
   the K with the most tokens per millisecond; with ragged acceptance, rows that accept less
   set the pace and long drafts of the others are wasted.)"""
-  passes_BK = remaining_B[:, None] / tokens_per_pass(a_B, step_ms_K.shape[0])
+  passes_BK = remaining_B[:, None] / tokens_per_pass_K(a_B, step_ms_K.shape[0])
   return jnp.max(passes_BK, axis=0) * step_ms_K
 
 
@@ -85,8 +85,8 @@ def choose_k(evidence_B2, step_ms_K, *, shadow: bool, remaining_B=None):
   remaining_B: tokens each row has still to generate (0 once done; default 1 each).
   K minimises `finish_ms` at the rows' optimistic acceptance estimates, K >= 1 only where it
   beats plain decoding by DRAFT_MARGIN; one pass while the estimate rests on few drafts (in
-  any unfinished row), then SEGMENT_PASSES; at K = 0,
-  PLAIN_SEGMENT_PASSES (YOUNG_PLAIN_PASSES while the estimate is young, with shadow drafts).
+  any unfinished row), then SEGMENT_PASSES; at K = 0, PLAIN_SEGMENT_PASSES
+  (YOUNG_PLAIN_PASSES while the estimate is young, with shadow drafts).
   `shadow`: plain passes bring evidence (see the module docstring); without it K = 0 needs
   MIN_EVIDENCE tried drafts over all rows."""
   evidence_B2 = jnp.atleast_2d(jnp.asarray(evidence_B2, jnp.float32))

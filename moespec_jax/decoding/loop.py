@@ -441,7 +441,7 @@ def measure_step_ms(ls: LoopSpec, args, repeats: int = 7) -> np.ndarray:
       per_pass_ms = (timed(k, long) - timed(k, short)) * 1e3 / (long - short)
       if r >= 0:
         times_KR[k, r] = per_pass_ms
-  times_KR = np.maximum(times_KR, 1e-3)  # a slope is noise-bound below zero, never meaningfully
+  times_KR = np.maximum(times_KR, 1e-3)  # noise can drive a slope to zero or below: keep ratios finite
   return np.median(times_KR / times_KR[:1], axis=1) * np.median(times_KR[0])
 
 
@@ -507,12 +507,12 @@ def _prepare(model, prompts, max_new_tokens, sampling, spec, seed, reference_tok
   # drafts only as far as the cache has room (`_auto_segment`).
   lookahead = 0 if auto else k_draft
   if longest + max_new_tokens + lookahead > config.max_seq_len:
-    lookahead = f" + num_draft lookahead ({lookahead})" if lookahead else ""
+    extra = f" + num_draft lookahead ({lookahead})" if lookahead else ""
     raise ValueError(
-        f"prompt length ({longest}) + max_new_tokens ({max_new_tokens}){lookahead} exceeds the "
+        f"prompt length ({longest}) + max_new_tokens ({max_new_tokens}){extra} exceeds the "
         f"model's max_seq_len ({config.max_seq_len})")
   padded_len = min(_bucket(longest), config.max_seq_len)
-  cache_len = min(_bucket(longest + max_new_tokens + (0 if auto else k_draft), 64), config.max_seq_len)
+  cache_len = min(_bucket(longest + max_new_tokens + lookahead, 64), config.max_seq_len)
   tokens = np.zeros((len(ids), padded_len), np.int32)
   for i, p in enumerate(ids):
     tokens[i, :len(p)] = p
@@ -600,8 +600,8 @@ def _stats(raw, tokens_BN, seconds: float, spec: SpecParams, ls: LoopSpec, step_
     stats["chosen_num_draft"] = int(np.argmax(by_k))
     stats["mean_num_draft"] = float(np.sum(np.arange(by_k.size) * by_k) / max(by_k.sum(), 1))
     stats["calibrated_step_ms"] = [float(t) for t in step_ms_K]
-    # The acceptance estimate at the end (decayed evidence from drafts and shadow drafts).
-    # Pooled over the rows.
+    # The acceptance estimate at the end, pooled over the rows (decayed evidence from drafts
+    # and shadow drafts).
     stats["acceptance_estimate"] = float(auto_draft.acceptance_estimate(raw["acceptance_evidence"].sum(0)))
   if budget is not None:
     stats["budget_policy"], stats["budget_scope"] = budget.policy, budget.scope

@@ -118,9 +118,9 @@ def test_auto_greedy_tokens_equal_plain_greedy(auto_model, auto_plain, drafter):
 
 
 def test_auto_drafts_only_as_far_as_the_cache_has_room(auto_model):
-  """Auto K keeps no lookahead room in the cache (18 + 46 positions: a cache of exactly 64):
-  near the end it drafts fewer tokens (also within a segment, and for a row whose neighbour
-  is behind), and the output is still plain greedy."""
+  """Auto K keeps no lookahead room in the cache (18 + 46 positions: a cache of exactly 64),
+  drafts until near the end, and the output is still plain greedy. (Whether K is actually cut
+  by the cache's room here depends on the rows' progress: `test_cache_room` checks the room.)"""
   prompts = [[(7 * i) % 50 + 1 for i in range(18)], [3, 4, 5, 6, 7]]
   plain = msj.generate(auto_model, prompts, max_new_tokens=46).tokens
   spec = msj.SpecParams(drafter="controlled", num_draft="auto", max_draft=3, controlled_acceptance=0.9)
@@ -129,6 +129,13 @@ def test_auto_drafts_only_as_far_as_the_cache_has_room(auto_model):
   out = msj.generate(auto_model, prompts, max_new_tokens=46, spec=spec, reference_tokens=plain)
   np.testing.assert_array_equal(out.tokens, plain)
   assert sum(out.stats["passes_by_num_draft"][1:]) >= 1
+
+
+def test_cache_room():
+  """Room for drafts after the furthest active row's pending token; done rows do not count."""
+  carry = {"pos": jnp.asarray([60, 62, 63]), "done": jnp.asarray([False, False, True])}
+  assert int(loop._cache_room(carry, 64)) == 1
+  assert int(loop._cache_room(dict(carry, done=jnp.asarray([False, True, True])), 64)) == 3
 
 
 def test_auto_ngram_without_a_match_runs_plain_passes(auto_model, auto_plain):
