@@ -110,13 +110,21 @@ def test_cpu_kernel(cpu_kernel, method, case):
   _check(functools.partial(pallas_kernels.expert_ffn, method=method, backend="cpu"), case)
 
 
-def test_cpu_kernel_uneven_hidden_and_threads(cpu_kernel, monkeypatch):
+@pytest.mark.parametrize("threads", ["1", "2", "3"])
+def test_cpu_kernel_uneven_shapes_and_threads(cpu_kernel, monkeypatch, threads):
   del cpu_kernel
-  # F = 200 is split in column chunks that are not multiples of 8 at the end; many tokens per expert.
-  args = _problem(13, 4, 2, "random", d_model=40, hidden=200)
-  ref = expert_ffn_reference(*args)
-  for method in ("dedup", "per_slot"):
-    np.testing.assert_allclose(cpu_ffi.expert_ffn_cpu(*args, method=method), ref, atol=1e-4)
+  monkeypatch.setenv("MOESPEC_FFI_THREADS", threads)
+  # Widths that are not multiples of the 16-float vectors (column tails); groups of up to 20
+  # pairs (token tiles of 4 and a remainder); F = 2100 is cut into two units per expert at a
+  # column that is not a vector multiple; fewer units than threads (one token, top-1).
+  problems = [_problem(13, 4, 2, "random", d_model=40, hidden=200),
+              _problem(20, 3, 3, "random", d_model=24, hidden=56),
+              _problem(3, 4, 2, "random", d_model=32, hidden=2100),
+              _problem(1, 4, 1, "random", d_model=16, hidden=48)]
+  for args in problems:
+    ref = expert_ffn_reference(*args)
+    for method in ("dedup", "per_slot"):
+      np.testing.assert_allclose(cpu_ffi.expert_ffn_cpu(*args, method=method), ref, atol=1e-4)
 
 
 def test_cpu_kernel_gradients_match_reference(cpu_kernel):

@@ -3,7 +3,8 @@
 Prediction (the bytes/bandwidth model of analysis/cost_model.py, batch 1):
   T_verify(n) = fixed + sum over MoE layers of fit[method(n)].time(bytes(n)),
   with each kernel's effective bandwidth and fixed time fitted on single-layer expert runs
-  (uniform random routing, this model's expert shape), bytes(n) from the unique experts the
+  (uniform random routing, this model's expert shape, one weight set per MoE layer run in turn
+  as a pass reads them, so the caches hold what they hold in decoding), bytes(n) from the unique experts the
   model's own routing traces show for n consecutive tokens, and `fixed` (everything but the
   routed experts) from one measured plain pass: fixed = T_measured(1) - expert time(1).
 Measurement:
@@ -86,21 +87,36 @@ def median_time_ms(fn, args, repeats: int) -> float:
 
 
 def _layer_weights(config, seed: int):
+  """One routed-expert weight set per MoE layer of the model (a pass reads every layer's
+  experts once, so a layer's experts are usually not in the processor's caches when they
+  are read; timing one weight set over and over would measure cache-hot reads)."""
   d, f, e = config.d_model, config.expert_hidden, config.n_routed_experts
-  keys = jax.random.split(jax.random.key(seed), 3)
-  return (jax.random.normal(keys[0], (e, d, f)) / np.sqrt(d), jax.random.normal(keys[1], (e, d, f)) / np.sqrt(d),
-          jax.random.normal(keys[2], (e, f, d)) / np.sqrt(f))
+  out = []
+  for layer in range(max(1, config.n_moe_layers)):
+    keys = jax.random.split(jax.random.fold_in(jax.random.key(seed), layer), 3)
+    out.append((jax.random.normal(keys[0], (e, d, f)) / np.sqrt(d), jax.random.normal(keys[1], (e, d, f)) / np.sqrt(d),
+                jax.random.normal(keys[2], (e, f, d)) / np.sqrt(f)))
+  return out
 
 
 def _layer_fns():
   return {m: jax.jit(lambda *a, m=m: pallas_kernels.expert_ffn(*a, method=m)) for m in FITTED_METHODS}
 
 
-def time_layer(fns, weights, ids_TK: np.ndarray, method: str, repeats: int, rng) -> float:
+def time_layer(fns, layer_weights, ids_TK: np.ndarray, method: str, repeats: int, rng) -> float:
+  """Median time (ms) of one layer's routed experts for this routing: each timed call runs it
+  on every weight set of `layer_weights` in turn (as a decoding pass does) and is divided by
+  their number."""
   n, k = ids_TK.shape
-  x = jnp.asarray(rng.standard_normal((n, weights[0].shape[1])), jnp.float32)
+  x = jnp.asarray(rng.standard_normal((n, layer_weights[0][0].shape[1])), jnp.float32)
   gates = jnp.full((n, k), 1.0 / k, jnp.float32)
-  return median_time_ms(fns[method], (x, jnp.asarray(ids_TK, jnp.int32), gates, *weights), repeats)
+  ids = jnp.asarray(ids_TK, jnp.int32)
+  fn = fns[method]
+
+  def every_layer():
+    return [fn(x, ids, gates, *w) for w in layer_weights]
+
+  return median_time_ms(every_layer, (), repeats) / len(layer_weights)
 
 
 def fit_kernels(config, n_list: Sequence[int], repeats: int, seed: int = 0):

@@ -9,11 +9,14 @@
 //   mode 1 (per_slot): one matrix-vector product per pair, in (token, slot) order; an expert
 //                      chosen by m pairs is streamed m times (caches permitting).
 //
-// Work split: the expert hidden dimension F is cut into contiguous column ranges, one per
-// chunk. A chunk computes h[:, f0:f1] from Wg/Wu columns f0:f1 and the partial output from Wd
-// rows f0:f1, so chunks never wait on each other; their partial outputs are summed at the end.
-// Chunks are claimed from an atomic counter by the caller and by tasks on XLA's intra-op thread
-// pool, so the call completes even if no pool thread ever picks a task up.
+// Work split: units of work are claimed from an atomic counter by the caller and by tasks on
+// XLA's intra-op thread pool (so the call completes even if no pool thread ever picks a task up).
+// A unit is one group's expert, or a range of at least kMinUnitCols hidden columns of it for wide
+// experts: a unit computes h[:, f0:f1] from Wg/Wu columns f0:f1 and its part of the output from
+// Wd rows f0:f1, so units never wait on each other. Whole experts keep each worker's reads
+// contiguous: splitting a narrow expert's columns between workers reads rows in short strided
+// pieces, which streamed at about half the bandwidth of one contiguous read here. Each worker
+// accumulates into its own output; the partial outputs are summed at the end.
 //
 // Layouts (row-major): x [T, D], ids/gates [T, K], Wg/Wu [E, D, F], Wd [E, F, D], y [T, D].
 
@@ -33,13 +36,93 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int64_t kColBlock = 1024;  // columns of W per pass (keeps out[m, block] in L1/L2)
+constexpr int64_t kColBlock = 1024;  // columns of W per row tile (keeps out[m, block] in L1/L2)
 constexpr int64_t kRowTile = 8;     // rows of W combined per output load/store
+constexpr int64_t kMinUnitCols = 1024;  // narrower experts are one unit of work (see above)
+constexpr int64_t kPrefetchRows = 16;   // rows of W ahead that a panel prefetches
+constexpr int64_t kManyRows = 8;        // tokens from which a product is compute-bound
+constexpr int64_t kCachedPanelBytes = 1 << 20;  // W blocks up to this size are re-read from L2
 
-// out[j, c0:c1] += sum_r in[j, r] * W[r, c0:c1] for j < m, r < R. W has row stride ldw.
-// in is [m, R] (stride R), out is [m, ldo]. W is read once from memory: each tile of kRowTile
-// rows by kColBlock columns stays in L1 while it is applied to all m tokens.
-inline void MultiGemvAcc(const float* in, int64_t m, int64_t R, const float* W, int64_t ldw,
+// 16 floats: one AVX-512 register (two AVX2 ones), from any float-aligned address.
+typedef float V16 __attribute__((vector_size(64), aligned(4)));
+
+// out[j, 0:16P] += sum_r in[j * ldi + r] * W[r * ldw + 0:16P] for j < M, r < R: M x P
+// accumulators stay in registers while the W panel is read once, row after row (for M = 1 and
+// a whole row, one sequential stream).
+template <int M, int P>
+inline void Panel(const float* in, int64_t ldi, int64_t R, const float* W, int64_t ldw, float* out,
+                  int64_t ldo) {
+  V16 acc[M][P];
+#pragma GCC unroll 8
+  for (int j = 0; j < M; ++j) {
+#pragma GCC unroll 32
+    for (int p = 0; p < P; ++p) acc[j][p] = *reinterpret_cast<const V16*>(out + j * ldo + 16 * p);
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    const float* w = W + r * ldw;
+#pragma GCC unroll 32
+    for (int p = 0; p < P; ++p) __builtin_prefetch(w + kPrefetchRows * ldw + 16 * p);
+    float a[M];
+#pragma GCC unroll 8
+    for (int j = 0; j < M; ++j) a[j] = in[j * ldi + r];
+#pragma GCC unroll 32
+    for (int p = 0; p < P; ++p) {
+      const V16 wv = *reinterpret_cast<const V16*>(w + 16 * p);
+#pragma GCC unroll 8
+      for (int j = 0; j < M; ++j) acc[j][p] += a[j] * wv;
+    }
+  }
+#pragma GCC unroll 8
+  for (int j = 0; j < M; ++j) {
+#pragma GCC unroll 32
+    for (int p = 0; p < P; ++p) *reinterpret_cast<V16*>(out + j * ldo + 16 * p) = acc[j][p];
+  }
+}
+
+// Panel<M, nv> for a run-time nv <= P.
+template <int M, int P>
+inline void PanelOf(int nv, const float* in, int64_t ldi, int64_t R, const float* W, int64_t ldw,
+                    float* out, int64_t ldo) {
+  if (nv == P) {
+    Panel<M, P>(in, ldi, R, W, ldw, out, ldo);
+  } else if constexpr (P > 1) {
+    PanelOf<M, P - 1>(nv, in, ldi, R, W, ldw, out, ldo);
+  }
+}
+
+// Most vectors per panel for M tokens: M x P accumulators + a weight vector + M broadcasts
+// within 32 registers.
+template <int M>
+constexpr int MaxPanel() { return M == 1 ? 24 : M == 2 ? 12 : M == 3 ? 8 : 6; }
+
+// Columns [c0, c1) for M tokens: the 16-float vectors in near-equal panels of at most
+// MaxPanel<M>() vectors, then the remaining columns one at a time.
+template <int M>
+inline void Tile(const float* in, int64_t ldi, int64_t R, const float* W, int64_t ldw, int64_t c0,
+                 int64_t c1, float* out, int64_t ldo) {
+  constexpr int kMax = MaxPanel<M>();
+  const int64_t nv = (c1 - c0) / 16;
+  const int64_t panels = (nv + kMax - 1) / kMax;
+  int64_t c = c0;
+  for (int64_t i = 0; i < panels; ++i) {
+    const int p = static_cast<int>(nv * (i + 1) / panels - nv * i / panels);
+    PanelOf<M, kMax>(p, in, ldi, R, W + c, ldw, out + c, ldo);
+    c += 16 * p;
+  }
+  for (; c < c1; ++c) {
+    for (int j = 0; j < M; ++j) {
+      float s = out[j * ldo + c];
+      for (int64_t r = 0; r < R; ++r) s += in[j * ldi + r] * W[r * ldw + c];
+      out[j * ldo + c] = s;
+    }
+  }
+}
+
+// Wide rows: out[j, c0:c1] += sum_r in[j, r] * W[r, c0:c1] for j < m, r < R; in is [m, R]
+// (stride R), out is [m, ldo], W has row stride ldw. W is read once from memory, in tiles of
+// kRowTile rows by kColBlock columns (long contiguous pieces of each row) that stay in L1 while
+// they are applied to all m tokens.
+inline void RowTileGemvAcc(const float* in, int64_t m, int64_t R, const float* W, int64_t ldw,
                          int64_t c0, int64_t c1, float* out, int64_t ldo) {
   for (int64_t cb = c0; cb < c1; cb += kColBlock) {
     const int64_t ce = std::min(c1, cb + kColBlock);
@@ -78,7 +161,53 @@ inline void MultiGemvAcc(const float* in, int64_t m, int64_t R, const float* W, 
   }
 }
 
+// Columns [c0, c1) for tokens [0, m) in tiles of M (the last one shorter), one register panel
+// per tile (nv <= MaxPanel<M>()).
+template <int M>
+inline void PanelTiles(const float* in, int64_t m, int64_t R, const float* W, int64_t ldw,
+                       int64_t c0, int64_t c1, float* out, int64_t ldo) {
+  int64_t j = 0;
+  for (; j + M <= m; j += M) Tile<M>(in + j * R, R, R, W, ldw, c0, c1, out + j * ldo, ldo);
+  if constexpr (M > 1) {
+    if (j < m) PanelTiles<M - 1>(in + j * R, m - j, R, W, ldw, c0, c1, out + j * ldo, ldo);
+  }
+}
+
+// out[j, c0:c1] += sum_r in[j, r] * W[r, c0:c1] for j < m, r < R. in is [m, R] (stride R),
+// out is [m, ldo], W has row stride ldw. Three regimes:
+//  - many tokens and a W block that stays in L2 (prefill of small experts): register panels
+//    for tiles of 4 tokens, compute-bound, W re-read from L2 per tile;
+//  - narrow rows (the whole column range in one register panel): each W row is read in one
+//    contiguous piece, tokens in the largest tiles whose accumulators fit in registers (later
+//    tiles re-read W from cache);
+//  - wide rows: row tiles (RowTileGemvAcc), whose long pieces stream well. Register panels
+//    there read short strided pieces, a 4 KB page per row, and streamed at 65-90% of the
+//    row-tile rate for DeepSeek-V2-Lite, Qwen3-30B-A3B and Mixtral-8x7B expert shapes.
+inline void MultiGemvAcc(const float* in, int64_t m, int64_t R, const float* W, int64_t ldw,
+                         int64_t c0, int64_t c1, float* out, int64_t ldo) {
+  const int64_t nv = (c1 - c0 + 15) / 16;
+  const int64_t block_bytes = R * (c1 - c0) * static_cast<int64_t>(sizeof(float));
+  if (m >= kManyRows && block_bytes <= kCachedPanelBytes) {
+    PanelTiles<4>(in, m, R, W, ldw, c0, c1, out, ldo);
+  } else if (m >= 4 && nv <= MaxPanel<4>()) {
+    PanelTiles<4>(in, m, R, W, ldw, c0, c1, out, ldo);
+  } else if (m >= 3 && nv <= MaxPanel<3>()) {
+    PanelTiles<3>(in, m, R, W, ldw, c0, c1, out, ldo);
+  } else if (m >= 2 && nv <= MaxPanel<2>()) {
+    PanelTiles<2>(in, m, R, W, ldw, c0, c1, out, ldo);
+  } else if (nv <= MaxPanel<1>()) {
+    PanelTiles<1>(in, m, R, W, ldw, c0, c1, out, ldo);
+  } else {
+    RowTileGemvAcc(in, m, R, W, ldw, c0, c1, out, ldo);
+  }
+}
+
 inline float Silu(float v) { return v / (1.0f + std::exp(-v)); }
+
+struct Unit {
+  int32_t group;
+  int32_t f0, f1;  // hidden columns
+};
 
 struct Problem {
   const float* x;
@@ -93,60 +222,87 @@ struct Problem {
   std::vector<int32_t> pairs;
   std::vector<int32_t> group_start;
   std::vector<int32_t> group_expert;
+  std::vector<Unit> units;
+  int64_t max_m = 0;  // pairs in the largest group
 };
 
-// One chunk: hidden columns [f0, f1); accumulates into y_part [T, D] (zero-initialised).
-void RunChunk(const Problem& p, int64_t f0, int64_t f1, float* y_part) {
-  const int64_t D = p.D, F = p.F, nf = f1 - f0;
-  int64_t max_m = 0;
-  for (size_t g = 0; g + 1 < p.group_start.size(); ++g) {
-    max_m = std::max<int64_t>(max_m, p.group_start[g + 1] - p.group_start[g]);
-  }
-  std::vector<float> xs(max_m * D), hg(max_m * nf), hu(max_m * nf), out(max_m * D);
-  for (size_t g = 0; g + 1 < p.group_start.size(); ++g) {
-    const int64_t m = p.group_start[g + 1] - p.group_start[g];
-    const int32_t* pr = p.pairs.data() + p.group_start[g];
-    const int64_t e = p.group_expert[g];
-    for (int64_t j = 0; j < m; ++j) {
-      std::memcpy(xs.data() + j * D, p.x + (pr[j] / p.K) * D, D * sizeof(float));
-    }
-    std::fill(hg.begin(), hg.begin() + m * nf, 0.0f);
-    std::fill(hu.begin(), hu.begin() + m * nf, 0.0f);
-    // Columns f0:f1 of Wg[e], Wu[e]; out arrays indexed from f0 (shifted base pointer).
-    MultiGemvAcc(xs.data(), m, D, p.wg + e * D * F, F, f0, f1, hg.data() - f0, nf);
-    MultiGemvAcc(xs.data(), m, D, p.wu + e * D * F, F, f0, f1, hu.data() - f0, nf);
-    for (int64_t i = 0; i < m * nf; ++i) hg[i] = Silu(hg[i]) * hu[i];
-    std::fill(out.begin(), out.begin() + m * D, 0.0f);
-    MultiGemvAcc(hg.data(), m, nf, p.wd + e * F * D + f0 * D, D, 0, D, out.data(), D);
-    for (int64_t j = 0; j < m; ++j) {
-      const float gj = p.gates[pr[j]];
-      float* __restrict__ yt = y_part + (pr[j] / p.K) * D;
-      const float* oj = out.data() + j * D;
+struct Scratch {
+  std::vector<float> xs, hg, hu, out;
+  explicit Scratch(const Problem& p)
+      : xs(p.max_m * p.D), hg(p.max_m * p.F), hu(p.max_m * p.F), out(p.max_m * p.D) {}
+};
+
+// One unit: group u.group's hidden columns [f0, f1); accumulates into y_part [T, D].
+void RunUnit(const Problem& p, const Unit& u, float* y_part, Scratch& s) {
+  const int64_t D = p.D, F = p.F, f0 = u.f0, nf = u.f1 - u.f0;
+  const int64_t m = p.group_start[u.group + 1] - p.group_start[u.group];
+  const int32_t* pr = p.pairs.data() + p.group_start[u.group];
+  const int64_t e = p.group_expert[u.group];
+  float* xs = s.xs.data();
+  float* hg = s.hg.data();
+  float* hu = s.hu.data();
+  float* out = s.out.data();
+  for (int64_t j = 0; j < m; ++j) std::memcpy(xs + j * D, p.x + (pr[j] / p.K) * D, D * sizeof(float));
+  std::fill(hg, hg + m * nf, 0.0f);
+  std::fill(hu, hu + m * nf, 0.0f);
+  // Columns f0:f1 of Wg[e], Wu[e]; out arrays indexed from f0 (shifted base pointer).
+  MultiGemvAcc(xs, m, D, p.wg + e * D * F, F, f0, u.f1, hg - f0, nf);
+  MultiGemvAcc(xs, m, D, p.wu + e * D * F, F, f0, u.f1, hu - f0, nf);
+  for (int64_t i = 0; i < m * nf; ++i) hg[i] = Silu(hg[i]) * hu[i];
+  std::fill(out, out + m * D, 0.0f);
+  MultiGemvAcc(hg, m, nf, p.wd + e * F * D + f0 * D, D, 0, D, out, D);
+  for (int64_t j = 0; j < m; ++j) {
+    const float gj = p.gates[pr[j]];
+    float* __restrict__ yt = y_part + (pr[j] / p.K) * D;
+    const float* oj = out + j * D;
 #pragma GCC ivdep
-      for (int64_t d = 0; d < D; ++d) yt[d] += gj * oj[d];
+    for (int64_t d = 0; d < D; ++d) yt[d] += gj * oj[d];
+  }
+}
+
+// Units: the groups with the most pairs first (the last units claimed are the shortest), each
+// cut into ranges of at least kMinUnitCols columns aligned to 8 floats.
+void PlanUnits(Problem& p) {
+  const int64_t G = static_cast<int64_t>(p.group_start.size()) - 1;
+  std::vector<int32_t> order(G);
+  for (int64_t g = 0; g < G; ++g) {
+    order[g] = static_cast<int32_t>(g);
+    p.max_m = std::max<int64_t>(p.max_m, p.group_start[g + 1] - p.group_start[g]);
+  }
+  std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) {
+    return p.group_start[a + 1] - p.group_start[a] > p.group_start[b + 1] - p.group_start[b];
+  });
+  const int64_t pieces = std::max<int64_t>(1, p.F / kMinUnitCols);
+  for (int32_t g : order) {
+    for (int64_t i = 0; i < pieces; ++i) {
+      const int64_t f0 = i == 0 ? 0 : (p.F * i / pieces + 7) / 8 * 8;
+      const int64_t f1 = i + 1 == pieces ? p.F : (p.F * (i + 1) / pieces + 7) / 8 * 8;
+      if (f1 > f0) p.units.push_back({g, static_cast<int32_t>(f0), static_cast<int32_t>(f1)});
     }
   }
 }
 
 struct Shared {
-  std::atomic<int> next{0};
-  std::atomic<int> done{0};
-  int n_chunks = 1;
+  std::atomic<int> next_unit{0};
+  std::atomic<int> units_done{0};
+  std::atomic<int> next_worker{0};
+  int n_workers = 1;
   Problem problem;
-  std::vector<std::vector<float>> partial;  // per chunk [T, D]; chunk 0 writes y directly
+  std::vector<std::vector<float>> partial;  // per worker [T, D]; worker 0 writes y directly
   float* y = nullptr;
 
   void Work() {
+    const int w = next_worker.fetch_add(1);
+    if (w >= n_workers) return;
+    const int n_units = static_cast<int>(problem.units.size());
+    float* dst = w == 0 ? y : partial[w].data();
+    std::unique_ptr<Scratch> scratch;
     for (;;) {
-      const int c = next.fetch_add(1);
-      if (c >= n_chunks) return;
-      const int64_t F = problem.F;
-      // Column ranges aligned to 8 floats.
-      auto bound = [&](int i) { return std::min<int64_t>(F, ((F * i / n_chunks) + 7) / 8 * 8); };
-      const int64_t f0 = c == 0 ? 0 : bound(c), f1 = c + 1 == n_chunks ? F : bound(c + 1);
-      float* dst = c == 0 ? y : partial[c].data();
-      if (f1 > f0) RunChunk(problem, f0, f1, dst);
-      done.fetch_add(1, std::memory_order_release);
+      const int c = next_unit.fetch_add(1);
+      if (c >= n_units) return;
+      if (!scratch) scratch = std::make_unique<Scratch>(problem);
+      RunUnit(problem, problem.units[c], dst, *scratch);
+      units_done.fetch_add(1, std::memory_order_release);
     }
   }
 };
@@ -210,21 +366,22 @@ ffi::Error MoeFfnImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
     }
     p.group_start.push_back(static_cast<int32_t>(R));
   }
+  PlanUnits(p);
   float* yp = y->typed_data();
   std::memset(yp, 0, sizeof(float) * p.T * p.D);
   sh->y = yp;
-  // At most one chunk per 64 hidden columns, so tiny layers do not pay for threads.
-  sh->n_chunks = static_cast<int>(std::max<int64_t>(
-      1, std::min<int64_t>(ThreadsWanted(pool.num_threads()), p.F / 64)));
-  sh->partial.resize(sh->n_chunks);
-  for (int c = 1; c < sh->n_chunks; ++c) sh->partial[c].assign(p.T * p.D, 0.0f);
-  for (int c = 1; c < sh->n_chunks; ++c) {
+  const int n_units = static_cast<int>(p.units.size());
+  sh->n_workers = std::max(1, std::min<int>(ThreadsWanted(pool.num_threads()), n_units));
+  sh->partial.resize(sh->n_workers);
+  for (int w = 1; w < sh->n_workers; ++w) sh->partial[w].assign(p.T * p.D, 0.0f);
+  for (int w = 1; w < sh->n_workers; ++w) {
     pool.Schedule([sh]() { sh->Work(); });
   }
   sh->Work();
-  while (sh->done.load(std::memory_order_acquire) < sh->n_chunks) std::this_thread::yield();
-  for (int c = 1; c < sh->n_chunks; ++c) {
-    const float* src = sh->partial[c].data();
+  // Every unit is claimed by a running worker; a pool task that starts later finds none left.
+  while (sh->units_done.load(std::memory_order_acquire) < n_units) std::this_thread::yield();
+  for (int w = 1; w < sh->n_workers; ++w) {
+    const float* src = sh->partial[w].data();
 #pragma GCC ivdep
     for (int64_t i = 0; i < p.T * p.D; ++i) yp[i] += src[i];
   }
