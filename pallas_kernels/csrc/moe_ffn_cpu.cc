@@ -91,9 +91,15 @@ inline void PanelOf(int nv, const float* in, int64_t ldi, int64_t R, const float
 }
 
 // Most vectors per panel for M tokens: M x P accumulators + a weight vector + M broadcasts
-// within 32 registers.
+// within the vector registers (32 AVX-512 registers; without AVX-512 a V16 takes two of 16).
 template <int M>
-constexpr int MaxPanel() { return M == 1 ? 24 : M == 2 ? 12 : M == 3 ? 8 : 6; }
+constexpr int MaxPanel() {
+#if defined(__AVX512F__)
+  return M == 1 ? 24 : M == 2 ? 12 : M == 3 ? 8 : 6;
+#else
+  return M == 1 ? 6 : M == 2 ? 3 : M == 3 ? 2 : 1;
+#endif
+}
 
 // Columns [c0, c1) for M tokens: the 16-float vectors in near-equal panels of at most
 // MaxPanel<M>() vectors, then the remaining columns one at a time.
