@@ -114,17 +114,29 @@ def test_cpu_kernel(cpu_kernel, method, case):
 def test_cpu_kernel_uneven_shapes_and_threads(cpu_kernel, monkeypatch, threads):
   del cpu_kernel
   monkeypatch.setenv("MOESPEC_FFI_THREADS", threads)
-  # Widths that are not multiples of the 16-float vectors (column tails); groups of up to 20
-  # pairs (token tiles of 4 and a remainder); F = 2100 is cut into two units per expert at a
-  # column that is not a vector multiple; fewer units than threads (one token, top-1).
+  # Widths that are not multiples of the 16-float vectors (column tails); groups of 20 pairs on
+  # rows of 7 vectors (token tiles of 4 over two register panels); F = 2100 is cut into two
+  # units per expert at a column that is not a vector multiple (row tiles); fewer units than
+  # threads (one token, top-1).
   problems = [_problem(13, 4, 2, "random", d_model=40, hidden=200),
-              _problem(20, 3, 3, "random", d_model=24, hidden=56),
+              _problem(20, 3, 3, "random", d_model=24, hidden=120),
               _problem(3, 4, 2, "random", d_model=32, hidden=2100),
               _problem(1, 4, 1, "random", d_model=16, hidden=48)]
   for args in problems:
     ref = expert_ffn_reference(*args)
     for method in ("dedup", "per_slot"):
       np.testing.assert_allclose(cpu_ffi.expert_ffn_cpu(*args, method=method), ref, atol=1e-4)
+
+
+def test_cpu_kernel_is_deterministic_across_threads(cpu_kernel, monkeypatch):
+  del cpu_kernel
+  # Whichever thread runs which expert, the experts' outputs are summed in one order.
+  monkeypatch.setenv("MOESPEC_FFI_THREADS", "2")
+  args = _problem(32, 16, 4, "random", d_model=64, hidden=64)
+  fn = jax.jit(functools.partial(cpu_ffi.expert_ffn_cpu, method="dedup"))
+  first = np.asarray(fn(*args))
+  for _ in range(50):
+    np.testing.assert_array_equal(np.asarray(fn(*args)), first)
 
 
 def test_cpu_kernel_gradients_match_reference(cpu_kernel):

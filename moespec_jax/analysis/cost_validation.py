@@ -4,9 +4,10 @@ Prediction (the bytes/bandwidth model of analysis/cost_model.py, batch 1):
   T_verify(n) = fixed + sum over MoE layers of fit[method(n)].time(bytes(n)),
   with each kernel's effective bandwidth and fixed time fitted on single-layer expert runs
   (uniform random routing, this model's expert shape, one weight set per MoE layer run in turn
-  as a pass reads them, so the caches hold what they hold in decoding), bytes(n) from the unique experts the
-  model's own routing traces show for n consecutive tokens, and `fixed` (everything but the
-  routed experts) from one measured plain pass: fixed = T_measured(1) - expert time(1).
+  as a pass reads them, so the caches hold what they hold in decoding), bytes(n) from the
+  unique experts the model's own routing traces show for n consecutive tokens, and `fixed`
+  (everything but the routed experts) from one measured plain pass:
+  fixed = T_measured(1) - expert time(1).
 Measurement:
   - T_verify(n): one loop pass with K = n - 1 (`decoding.loop.step_times_ms`) with the
     controlled drafter, whose drafting costs next to nothing;
@@ -94,7 +95,8 @@ def _layer_weights(config, seed: int):
   out = []
   for layer in range(max(1, config.n_moe_layers)):
     keys = jax.random.split(jax.random.fold_in(jax.random.key(seed), layer), 3)
-    out.append((jax.random.normal(keys[0], (e, d, f)) / np.sqrt(d), jax.random.normal(keys[1], (e, d, f)) / np.sqrt(d),
+    out.append((jax.random.normal(keys[0], (e, d, f)) / np.sqrt(d),
+                jax.random.normal(keys[1], (e, d, f)) / np.sqrt(d),
                 jax.random.normal(keys[2], (e, f, d)) / np.sqrt(f)))
   return out
 

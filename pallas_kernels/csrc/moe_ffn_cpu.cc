@@ -9,14 +9,16 @@
 //   mode 1 (per_slot): one matrix-vector product per pair, in (token, slot) order; an expert
 //                      chosen by m pairs is streamed m times (caches permitting).
 //
-// Work split: units of work are claimed from an atomic counter by the caller and by tasks on
-// XLA's intra-op thread pool (so the call completes even if no pool thread ever picks a task up).
-// A unit is one group's expert, or a range of at least kMinUnitCols hidden columns of it for wide
-// experts: a unit computes h[:, f0:f1] from Wg/Wu columns f0:f1 and its part of the output from
-// Wd rows f0:f1, so units never wait on each other. Whole experts keep each worker's reads
-// contiguous: splitting a narrow expert's columns between workers reads rows in short strided
-// pieces, which streamed at about half the bandwidth of one contiguous read here. Each worker
-// accumulates into its own output; the partial outputs are summed at the end.
+// Work split: a unit of work is one group's expert, or a range of at least kMinUnitCols hidden
+// columns of it for wide experts: it computes h[:, f0:f1] from Wg/Wu columns f0:f1 and its part
+// of the output from Wd rows f0:f1, so units never wait on each other. Whole experts keep each
+// worker's reads contiguous: splitting a narrow expert's columns between workers reads rows in
+// short strided pieces, which streamed at about half the bandwidth of one contiguous read here.
+// Units are dealt to a few slots up front (balanced by estimated cost), each slot with its own
+// output; slots are claimed from an atomic counter by the caller and by tasks on XLA's intra-op
+// thread pool (so the call completes even if no pool thread ever picks a task up), and their
+// outputs are summed in slot order at the end: the result does not depend on which thread ran
+// what, so it is the same bit for bit from call to call.
 //
 // Layouts (row-major): x [T, D], ids/gates [T, K], Wg/Wu [E, D, F], Wd [E, F, D], y [T, D].
 
@@ -38,7 +40,7 @@ namespace {
 
 constexpr int64_t kColBlock = 1024;  // columns of W per row tile (keeps out[m, block] in L1/L2)
 constexpr int64_t kRowTile = 8;     // rows of W combined per output load/store
-constexpr int64_t kMinUnitCols = 1024;  // narrower experts are one unit of work (see above)
+constexpr int64_t kMinUnitCols = 1024;  // experts under twice this width are one unit (see above)
 constexpr int64_t kPrefetchRows = 16;   // rows of W ahead that a panel prefetches
 constexpr int64_t kManyRows = 8;        // tokens from which a product is compute-bound
 constexpr int64_t kCachedPanelBytes = 1 << 20;  // W blocks up to this size are re-read from L2
@@ -193,9 +195,7 @@ inline void MultiGemvAcc(const float* in, int64_t m, int64_t R, const float* W, 
                          int64_t c0, int64_t c1, float* out, int64_t ldo) {
   const int64_t nv = (c1 - c0 + 15) / 16;
   const int64_t block_bytes = R * (c1 - c0) * static_cast<int64_t>(sizeof(float));
-  if (m >= kManyRows && block_bytes <= kCachedPanelBytes) {
-    PanelTiles<4>(in, m, R, W, ldw, c0, c1, out, ldo);
-  } else if (m >= 4 && nv <= MaxPanel<4>()) {
+  if ((m >= kManyRows && block_bytes <= kCachedPanelBytes) || (m >= 4 && nv <= MaxPanel<4>())) {
     PanelTiles<4>(in, m, R, W, ldw, c0, c1, out, ldo);
   } else if (m >= 3 && nv <= MaxPanel<3>()) {
     PanelTiles<3>(in, m, R, W, ldw, c0, c1, out, ldo);
@@ -229,13 +229,17 @@ struct Problem {
   std::vector<int32_t> group_start;
   std::vector<int32_t> group_expert;
   std::vector<Unit> units;
-  int64_t max_m = 0;  // pairs in the largest group
+  int64_t max_m = 0;     // pairs in the largest group
+  int64_t max_cols = 0;  // hidden columns of the widest unit
 };
 
 struct Scratch {
   std::vector<float> xs, hg, hu, out;
   explicit Scratch(const Problem& p)
-      : xs(p.max_m * p.D), hg(p.max_m * p.F), hu(p.max_m * p.F), out(p.max_m * p.D) {}
+      : xs(p.max_m * p.D),
+        hg(p.max_m * p.max_cols),
+        hu(p.max_m * p.max_cols),
+        out(p.max_m * p.D) {}
 };
 
 // One unit: group u.group's hidden columns [f0, f1); accumulates into y_part [T, D].
@@ -248,7 +252,9 @@ void RunUnit(const Problem& p, const Unit& u, float* y_part, Scratch& s) {
   float* hg = s.hg.data();
   float* hu = s.hu.data();
   float* out = s.out.data();
-  for (int64_t j = 0; j < m; ++j) std::memcpy(xs + j * D, p.x + (pr[j] / p.K) * D, D * sizeof(float));
+  for (int64_t j = 0; j < m; ++j) {
+    std::memcpy(xs + j * D, p.x + (pr[j] / p.K) * D, D * sizeof(float));
+  }
   std::fill(hg, hg + m * nf, 0.0f);
   std::fill(hu, hu + m * nf, 0.0f);
   // Columns f0:f1 of Wg[e], Wu[e]; out arrays indexed from f0 (shifted base pointer).
@@ -266,8 +272,8 @@ void RunUnit(const Problem& p, const Unit& u, float* y_part, Scratch& s) {
   }
 }
 
-// Units: the groups with the most pairs first (the last units claimed are the shortest), each
-// cut into ranges of at least kMinUnitCols columns aligned to 8 floats.
+// Units: the groups with the most pairs first (dealt first), each cut into ranges of at least
+// kMinUnitCols columns aligned to 8 floats.
 void PlanUnits(Problem& p) {
   const int64_t G = static_cast<int64_t>(p.group_start.size()) - 1;
   std::vector<int32_t> order(G);
@@ -284,31 +290,44 @@ void PlanUnits(Problem& p) {
       const int64_t f0 = i == 0 ? 0 : (p.F * i / pieces + 7) / 8 * 8;
       const int64_t f1 = i + 1 == pieces ? p.F : (p.F * (i + 1) / pieces + 7) / 8 * 8;
       if (f1 > f0) p.units.push_back({g, static_cast<int32_t>(f0), static_cast<int32_t>(f1)});
+      p.max_cols = std::max(p.max_cols, f1 - f0);
     }
   }
 }
 
+// Deals the units (most costly first) to n_slots slots, each to the least loaded slot; a unit
+// costs its columns times (its pairs + kManyRows): weight reads, then arithmetic.
+std::vector<std::vector<int32_t>> DealUnits(const Problem& p, int n_slots) {
+  std::vector<std::vector<int32_t>> slots(n_slots);
+  std::vector<int64_t> load(n_slots, 0);
+  for (size_t i = 0; i < p.units.size(); ++i) {
+    const Unit& u = p.units[i];
+    const int64_t m = p.group_start[u.group + 1] - p.group_start[u.group];
+    const int s = static_cast<int>(std::min_element(load.begin(), load.end()) - load.begin());
+    slots[s].push_back(static_cast<int32_t>(i));
+    load[s] += (u.f1 - u.f0) * (m + kManyRows);
+  }
+  return slots;
+}
+
 struct Shared {
-  std::atomic<int> next_unit{0};
-  std::atomic<int> units_done{0};
-  std::atomic<int> next_worker{0};
-  int n_workers = 1;
+  std::atomic<int> next_slot{0};
+  std::atomic<int> slots_done{0};
   Problem problem;
-  std::vector<std::vector<float>> partial;  // per worker [T, D]; worker 0 writes y directly
+  std::vector<std::vector<int32_t>> slots;  // unit indices per slot
+  std::vector<std::vector<float>> partial;  // per slot [T, D]; slot 0 writes y directly
   float* y = nullptr;
 
   void Work() {
-    const int w = next_worker.fetch_add(1);
-    if (w >= n_workers) return;
-    const int n_units = static_cast<int>(problem.units.size());
-    float* dst = w == 0 ? y : partial[w].data();
+    const int n_slots = static_cast<int>(slots.size());
     std::unique_ptr<Scratch> scratch;
     for (;;) {
-      const int c = next_unit.fetch_add(1);
-      if (c >= n_units) return;
+      const int s = next_slot.fetch_add(1);
+      if (s >= n_slots) return;
       if (!scratch) scratch = std::make_unique<Scratch>(problem);
-      RunUnit(problem, problem.units[c], dst, *scratch);
-      units_done.fetch_add(1, std::memory_order_release);
+      float* dst = s == 0 ? y : partial[s].data();
+      for (int32_t u : slots[s]) RunUnit(problem, problem.units[u], dst, *scratch);
+      slots_done.fetch_add(1, std::memory_order_release);
     }
   }
 };
@@ -377,17 +396,18 @@ ffi::Error MoeFfnImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   std::memset(yp, 0, sizeof(float) * p.T * p.D);
   sh->y = yp;
   const int n_units = static_cast<int>(p.units.size());
-  sh->n_workers = std::max(1, std::min<int>(ThreadsWanted(pool.num_threads()), n_units));
-  sh->partial.resize(sh->n_workers);
-  for (int w = 1; w < sh->n_workers; ++w) sh->partial[w].assign(p.T * p.D, 0.0f);
-  for (int w = 1; w < sh->n_workers; ++w) {
+  const int n_slots = std::max(1, std::min<int>(ThreadsWanted(pool.num_threads()), n_units));
+  sh->slots = DealUnits(p, n_slots);
+  sh->partial.resize(n_slots);
+  for (int s = 1; s < n_slots; ++s) sh->partial[s].assign(p.T * p.D, 0.0f);
+  for (int s = 1; s < n_slots; ++s) {
     pool.Schedule([sh]() { sh->Work(); });
   }
   sh->Work();
-  // Every unit is claimed by a running worker; a pool task that starts later finds none left.
-  while (sh->units_done.load(std::memory_order_acquire) < n_units) std::this_thread::yield();
-  for (int w = 1; w < sh->n_workers; ++w) {
-    const float* src = sh->partial[w].data();
+  // Every slot is claimed by a running thread; a pool task that starts later finds none left.
+  while (sh->slots_done.load(std::memory_order_acquire) < n_slots) std::this_thread::yield();
+  for (int s = 1; s < n_slots; ++s) {
+    const float* src = sh->partial[s].data();
 #pragma GCC ivdep
     for (int64_t i = 0; i < p.T * p.D; ++i) yp[i] += src[i];
   }
