@@ -3,7 +3,7 @@ per acceptance rate (controlled drafter, K = 0..8), verification time per pass s
 dedup/per-slot crossover, and num_draft='auto' against plain decoding and the best fixed K.
 
   python -m experiments.cost_model --workdir=runs/cost_model [--quick] [--model=PATH] \
-      [--n_alphas=21] [--max_k=8] [--repeats=3] [--max_new_tokens=128]
+      [--n_alphas=21] [--max_k=8] [--repeats=7] [--max_new_tokens=128]
 
 Writes `workdir/metrics.json` (key `cost_model`), `staircase.png`, `verify_time.png` and
 `unique_experts.png`. Batch 1, greedy (the controlled drafter's acceptance is geometric only
@@ -22,7 +22,8 @@ _MODEL = flags.DEFINE_string("model", None, "Model directory (default: the defau
 _QUICK = flags.DEFINE_bool("quick", False, "A small run (5 acceptance rates, K <= 2, short outputs).")
 _N_ALPHAS = flags.DEFINE_integer("n_alphas", 21, "Acceptance rates, evenly spaced in [0, 1].")
 _MAX_K = flags.DEFINE_integer("max_k", 8, "Largest draft length K.")
-_REPEATS = flags.DEFINE_integer("repeats", 3, "Paired plain/speculative runs per (a, K) (median).")
+_REPEATS = flags.DEFINE_integer(
+    "repeats", 7, "Rounds per acceptance rate, each running plain decoding and every K once (median of ratios).")
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 128, "Tokens generated per run.")
 
 

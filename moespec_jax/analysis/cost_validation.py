@@ -11,11 +11,14 @@ Prediction (the bytes/bandwidth model of analysis/cost_model.py, batch 1):
 Measurement:
   - T_verify(n): one loop pass with K = n - 1 (`decoding.loop.step_times_ms`) with the
     controlled drafter, whose drafting costs next to nothing;
-  - speedup(a, K): tokens/s of the controlled drafter (acceptance a, greedy, so exactly
-    geometric) over plain decoding, runs alternating on the same prompts;
+  - speedup(a, K): decode time of plain decoding over that of the controlled drafter
+    (acceptance a, greedy, so exactly geometric), every K of one a in the same rounds as plain
+    (`round_robin_runs`), the median of the per-round ratios;
   - the crossover: dedup vs per-slot single-layer times on windows of the traces' real routing.
-Then best K per a predicted vs measured, and num_draft='auto' against plain and the best
-fixed K, with the controlled drafter and with the model's real drafters.
+Then best K per a predicted vs measured (and the measured speedup at the predicted K against
+the best measured one: where speedups are flat in K, the measured argmax moves with timing
+noise), and num_draft='auto' against plain and the best fixed K, with the controlled drafter
+and with the model's real drafters.
 """
 
 from __future__ import annotations
@@ -41,6 +44,9 @@ from moespec_jax.io import atomic
 from pallas_kernels import bytes as kbytes
 
 FITTED_METHODS = ("dedup", "per_slot")
+# The best-K predictors, as named in the best_k rows.
+PREDICTORS = ("predicted", "predicted_linear_nonexpert", "predicted_from_step_times",
+              "predicted_from_step_times_by_acceptance")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,7 +54,7 @@ class CostValidationConfig:
   alphas: tuple[float, ...] = tuple(float(a) for a in np.round(np.linspace(0.0, 1.0, 21), 3))
   max_k: int = 8
   max_new_tokens: int = 128
-  repeats: int = 3
+  repeats: int = 7  # rounds of plain and every K, side by side (round_robin_speedups)
   kernel_n: tuple[int, ...] = tuple(range(1, 17))
   kernel_repeats: int = 9
   crossover_windows: int = 8
@@ -188,27 +194,50 @@ def prefill_seconds(model, prompts, repeats: int) -> float:
                            for r in range(repeats))
 
 
-def decode_seconds(model, prompts, max_new_tokens: int, spec, seed: int, prefill_s: float, reference=None):
-  """(seconds of one generation minus the prefill, its stats): the decode phase the cost model
-  predicts; the prefill, the same for every spec, is measured apart (`prefill_seconds`)."""
-  out = msj.generate(model, prompts, max_new_tokens=max_new_tokens, spec=spec, seed=seed,
-                     reference_tokens=reference if spec.drafter == "controlled" else None)
-  return max(out.stats["seconds"] - prefill_s, 1e-9), out.stats
+def round_robin_runs(model, prompts, max_new_tokens: int, specs: dict, rounds: int, prefill_s: float,
+                     reference=None, check_tokens=None):
+  """Decode-phase seconds of plain decoding (label None) and of each spec in `specs` (key: its
+  label, e.g. K), `rounds` times each, side by side.
 
+  Each round runs plain decoding and every spec once (the order reverses from one round to the
+  next), so every spec is measured in the same stretch of time as plain and as the others: a
+  slow spell of the machine moves them together. `check_tokens`: every run's tokens must equal
+  these (greedy speculative decoding is exact).
 
-def paired_speedup(model, prompts, max_new_tokens: int, spec, repeats: int, prefill_s: float, reference=None):
-  """Decode-phase speedup over plain decoding: the median over alternating plain / `spec` runs
-  (same seeds) of their decode-seconds ratio.
-
-  Returns (speedup, median tokens/s of the whole spec runs, last spec stats).
+  Returns ({label: [seconds per round]}, {label: [stats per round]}).
   """
-  ratios, stats, rates = [], {}, []
-  for r in range(repeats):
-    t_plain, _ = decode_seconds(model, prompts, max_new_tokens, msj.SpecParams(), r, prefill_s)
-    t_spec, stats = decode_seconds(model, prompts, max_new_tokens, spec, r, prefill_s, reference)
-    rates.append(stats["tokens_per_second"])
-    ratios.append(t_plain / t_spec)
-  return statistics.median(ratios), statistics.median(rates), stats
+  labels = [None] + list(specs)
+  seconds = {k: [] for k in labels}
+  stats = {k: [] for k in labels}
+  for r in range(rounds):
+    for k in (labels if r % 2 == 0 else labels[::-1]):
+      spec = msj.SpecParams() if k is None else specs[k]
+      out = msj.generate(model, prompts, max_new_tokens=max_new_tokens, spec=spec, seed=r,
+                         reference_tokens=reference if spec.drafter == "controlled" else None)
+      if check_tokens is not None and not np.array_equal(out.tokens, check_tokens):
+        raise AssertionError(f"speculative greedy output differs from plain ({spec})")
+      seconds[k].append(max(out.stats["seconds"] - prefill_s, 1e-9))
+      stats[k].append(out.stats)
+  return seconds, stats
+
+
+def median_ratio(num, den) -> float:
+  """The median over rounds of num[r] / den[r]."""
+  return statistics.median(n / d for n, d in zip(num, den))
+
+
+def round_robin_speedups(model, prompts, max_new_tokens: int, specs: dict, rounds: int, prefill_s: float,
+                         reference=None, check_tokens=None):
+  """Each spec's decode-phase speedup over plain decoding: the median over rounds of plain's
+  time over the spec's in the same round (`round_robin_runs`).
+
+  Returns ({label: speedup}, {label: median tokens/s}, {label: stats of its last run}).
+  """
+  seconds, stats = round_robin_runs(model, prompts, max_new_tokens, specs, rounds, prefill_s, reference,
+                                    check_tokens)
+  return ({k: median_ratio(seconds[None], seconds[k]) for k in specs},
+          {k: statistics.median(s["tokens_per_second"] for s in stats[k]) for k in specs},
+          {k: stats[k][-1] for k in specs})
 
 
 # The run -------------------------------------------------------------------------------------
@@ -279,24 +308,23 @@ def run_cost_model(model, workdir, cfg: CostValidationConfig = CostValidationCon
       f"{np.median(rel_err_linear) if rel_err_linear else float('nan'):.1%} (n = 2..{n_max - 1})")
   log(f"  prefill {prefill_s * 1e3:.1f} ms (subtracted from every run's time: decode-phase speedups)")
 
-  log(f"[4/6] measured speedups: {len(cfg.alphas)} acceptance rates x K = 1..{cfg.max_k}, {cfg.repeats} paired runs each")
+  log(f"[4/6] measured speedups: {len(cfg.alphas)} acceptance rates x K = 1..{cfg.max_k}, {cfg.repeats} rounds "
+      f"of plain and every K side by side")
   keep = loop.compiled_signatures()
   speedups = {(a, 0): 1.0 for a in cfg.alphas}
   sweep_rows = []
-  progress = cli.Progress(cfg.max_k * len(cfg.alphas), desc="cost_model sweep", unit="rows", every_s=20.0)
-  for k in ks[1:]:
-    for a in cfg.alphas:
-      spec = msj.SpecParams(drafter="controlled", num_draft=k, controlled_acceptance=a)
-      ratio, tps, stats = paired_speedup(model, prompts, cfg.max_new_tokens, spec, cfg.repeats, prefill_s, reference)
-      if not np.array_equal(msj.generate(model, prompts, max_new_tokens=cfg.max_new_tokens, spec=spec,
-                                         reference_tokens=reference).tokens, reference):
-        raise AssertionError(f"speculative greedy output differs from plain (K={k}, a={a})")
-      speedups[(a, k)] = ratio
-      sweep_rows.append({"alpha": a, "num_draft": k, "speedup": ratio, "tokens_per_second": tps,
-                         "mean_accepted_length": stats["mean_accepted_length"],
+  progress = cli.Progress(len(cfg.alphas), desc="cost_model sweep", unit="rates", every_s=20.0)
+  for a in cfg.alphas:
+    specs = {k: msj.SpecParams(drafter="controlled", num_draft=k, controlled_acceptance=a) for k in ks[1:]}
+    ratio_K, tps_K, stats_K = round_robin_speedups(model, prompts, cfg.max_new_tokens, specs, cfg.repeats,
+                                                   prefill_s, reference, check_tokens=reference)
+    for k in ks[1:]:
+      speedups[(a, k)] = ratio_K[k]
+      sweep_rows.append({"alpha": a, "num_draft": k, "speedup": ratio_K[k], "tokens_per_second": tps_K[k],
+                         "mean_accepted_length": stats_K[k]["mean_accepted_length"],
                          "predicted_accepted_length": float(cost_model.tokens_per_pass(a, k))})
-      progress.update(len(sweep_rows), speedup=ratio)
-    loop.forget_compiled(keep)
+    progress.update(len(sweep_rows) // cfg.max_k, best_k=max(ks, key=lambda k: speedups[(a, k)]))
+  loop.forget_compiled(keep)
 
   def t_verify_pred(n):
     return predicted_verify[n]
@@ -308,7 +336,9 @@ def run_cost_model(model, workdir, cfg: CostValidationConfig = CostValidationCon
     return predicted_linear[n]
 
   def t_step_at(a):
-    return lambda n: float((1.0 - a) * step_by_end[0.0][n - 1] + a * step_by_end[1.0][n - 1])
+    # Each end in units of its own plain pass (the two were timed apart; only ratios carry over).
+    wrong, right = (step_by_end[e] / step_by_end[e][0] for e in (0.0, 1.0))
+    return lambda n: float((1.0 - a) * wrong[n - 1] + a * right[n - 1])
 
   best_rows = []
   for a in cfg.alphas:
@@ -328,12 +358,23 @@ def run_cost_model(model, workdir, cfg: CostValidationConfig = CostValidationCon
   within_step_a = float(np.mean([abs(r["predicted_from_step_times_by_acceptance"] - r["measured"]) <= 1
                                  for r in best_rows]))
   within_linear = float(np.mean([abs(r["predicted_linear_nonexpert"] - r["measured"]) <= 1 for r in best_rows]))
+  # Where measured speedups are flat in K (within run-to-run timing noise) the measured
+  # argmax is itself noisy; what choosing the predicted K costs is the measured speedup there
+  # against the best measured one.
+  cost_of_prediction = {}
+  for col in PREDICTORS:
+    frac = [speedups[(r["alpha"], r[col])] / r["measured_speedup"] for r in best_rows]
+    cost_of_prediction[col] = {"within_5pct": float(np.mean(np.array(frac) >= 0.95)), "worst": float(min(frac)),
+                               "median": float(np.median(frac))}
+  log("  measured speedup at the predicted K over the best measured: " + "; ".join(
+      f"{col}: within 5% at {c['within_5pct']:.0%} of rates, worst {c['worst']:.2f}"
+      for col, c in cost_of_prediction.items()))
   log(f"  best K within 1 of measured: {within:.0%} (bytes model), {within_linear:.0%} (bytes model, "
       f"linear non-expert), {within_step:.0%} (measured pass times), {within_step_a:.0%} (pass times "
       f"interpolated by acceptance)")
 
   log(f"[5/6] num_draft='auto' with the controlled drafter ({len(cfg.auto_alphas)} acceptance rates), "
-      f"runs alternating plain / auto / the best fixed K")
+      f"plain / auto / the best fixed K side by side")
   auto_rows = []
   for a in cfg.auto_alphas:
     best_k = (max(ks, key=lambda k: speedups[(a, k)]) if a in cfg.alphas
@@ -343,15 +384,16 @@ def run_cost_model(model, workdir, cfg: CostValidationConfig = CostValidationCon
     row = auto_against_fixed(model, prompts, cfg.max_new_tokens, spec, fixed, cfg.auto_repeats, prefill_s, reference)
     auto_rows.append(dict(row, drafter="controlled", alpha=a))
     log(f"  a={a:.2f}: auto {row['speedup_vs_plain']:.3f}x plain, {row['vs_best_fixed']:.3f} of fixed K={best_k} "
-        f"(K chosen most {row['chosen_num_draft']}, mean {row['mean_num_draft']:.2f})")
+        f"(K chosen most {row['chosen_num_draft']}, mean {row['mean_num_draft']:.2f}); plain against itself "
+        f"{row['plain_vs_plain']:.3f}")
 
   log("[6/6] num_draft='auto' with the model's drafters, against every fixed K")
   drafters = [d for d in cfg.real_drafters if d != "mtp" or config.num_mtp_modules]
   for drafter in drafters:
-    fixed_speedups = {0: 1.0}
-    for k in ks[1:]:
-      fixed_speedups[k], _, _ = paired_speedup(model, prompts, cfg.max_new_tokens,
-                                               msj.SpecParams(drafter=drafter, num_draft=k), cfg.repeats, prefill_s)
+    specs = {k: msj.SpecParams(drafter=drafter, num_draft=k) for k in ks[1:]}
+    fixed_speedups, _, _ = round_robin_speedups(model, prompts, cfg.max_new_tokens, specs, cfg.repeats, prefill_s,
+                                                check_tokens=reference)
+    fixed_speedups[0] = 1.0
     loop.forget_compiled(keep)
     best = max(ks, key=lambda k: fixed_speedups[k])
     spec = msj.SpecParams(drafter=drafter, num_draft="auto", max_draft=cfg.max_k)
@@ -359,7 +401,8 @@ def run_cost_model(model, workdir, cfg: CostValidationConfig = CostValidationCon
     row = auto_against_fixed(model, prompts, cfg.max_new_tokens, spec, fixed, cfg.auto_repeats, prefill_s)
     auto_rows.append(dict(row, drafter=drafter, alpha=None, fixed_speedups=[fixed_speedups[k] for k in ks]))
     log(f"  {drafter}: auto {row['speedup_vs_plain']:.3f}x plain, {row['vs_best_fixed']:.3f} of fixed K={best} "
-        f"(K chosen most {row['chosen_num_draft']}); fixed K=1..{cfg.max_k} (sweep): "
+        f"(K chosen most {row['chosen_num_draft']}; plain against itself {row['plain_vs_plain']:.3f}); "
+        f"fixed K=1..{cfg.max_k} (sweep): "
         + " ".join(f"{fixed_speedups[k]:.2f}" for k in ks[1:]))
     loop.forget_compiled(keep)
 
@@ -381,6 +424,7 @@ def run_cost_model(model, workdir, cfg: CostValidationConfig = CostValidationCon
       "best_k_within_one_fraction_from_step_times_by_acceptance": within_step_a,
       "step_ms_every_draft_wrong": step_by_end[0.0].tolist(), "step_ms_every_draft_right": step_by_end[1.0].tolist(),
       "best_k_within_one_fraction_linear_nonexpert": within_linear,
+      "speedup_at_predicted_over_best": cost_of_prediction,
       "crossover": {"predicted_n": predicted_cross, "measured_n": measured_cross, "rows": cross_rows},
       "speedups": sweep_rows,
       "auto": auto_rows,
@@ -403,30 +447,30 @@ def run_cost_model(model, workdir, cfg: CostValidationConfig = CostValidationCon
 
 def auto_against_fixed(model, prompts, max_new_tokens: int, auto_spec, fixed_spec, repeats: int, prefill_s: float,
                        reference=None) -> dict[str, Any]:
-  """Runs alternating plain / auto / fixed-K decoding (same seeds); medians of the per-round
-  decode-phase ratios: auto over plain, fixed over plain, and auto over fixed."""
-  auto_plain, fixed_plain, auto_fixed, stats = [], [], [], {}
-  passes_by_k, accepted, passes, rates = None, 0.0, 0, []
-  for r in range(repeats):
-    t_plain, _ = decode_seconds(model, prompts, max_new_tokens, msj.SpecParams(), r, prefill_s)
-    t_auto, stats = decode_seconds(model, prompts, max_new_tokens, auto_spec, r, prefill_s, reference)
-    t_fixed, _ = decode_seconds(model, prompts, max_new_tokens, fixed_spec, r, prefill_s, reference)
-    auto_plain.append(t_plain / t_auto)
-    fixed_plain.append(t_plain / t_fixed)
-    auto_fixed.append(t_fixed / t_auto)
-    counts = np.asarray(stats["passes_by_num_draft"])
-    passes_by_k = counts if passes_by_k is None else passes_by_k + counts
-    accepted += stats["mean_accepted_length"] * stats["verify_passes"]
-    passes += stats["verify_passes"]
-    rates.append(stats["tokens_per_second"])
-  return {"speedup_vs_plain": statistics.median(auto_plain), "best_fixed_num_draft": fixed_spec.num_draft,
-          "best_fixed_speedup": statistics.median(fixed_plain), "vs_best_fixed": statistics.median(auto_fixed),
-          # Over all repeats; the calibrated per-K pass times auto chose with.
+  """Plain, auto and fixed-K decoding side by side (`round_robin_runs`, same seeds); medians of
+  the per-round decode-phase ratios: auto over plain, fixed over plain, and auto over fixed.
+
+  Plain decoding also runs a second time in every round: `plain_vs_plain`, the same program
+  against itself, is the timing noise these ratios carry (ideally 1.0)."""
+  seconds, stats = round_robin_runs(model, prompts, max_new_tokens,
+                                    {"auto": auto_spec, "plain_again": msj.SpecParams(), "fixed": fixed_spec},
+                                    repeats, prefill_s, reference)
+  auto_stats = stats["auto"]
+  passes_by_k = np.sum([s["passes_by_num_draft"] for s in auto_stats], axis=0)
+  passes = sum(s["verify_passes"] for s in auto_stats)
+  accepted = sum(s["mean_accepted_length"] * s["verify_passes"] for s in auto_stats)
+  return {"speedup_vs_plain": median_ratio(seconds[None], seconds["auto"]),
+          "best_fixed_num_draft": fixed_spec.num_draft,
+          "best_fixed_speedup": median_ratio(seconds[None], seconds["fixed"]),
+          "vs_best_fixed": median_ratio(seconds["fixed"], seconds["auto"]),
+          "plain_vs_plain": median_ratio(seconds[None], seconds["plain_again"]),
+          # Over all repeats; the calibrated per-K pass times auto chose with (last run).
           "chosen_num_draft": int(np.argmax(passes_by_k)),
           "mean_num_draft": float(np.arange(passes_by_k.size) @ passes_by_k / max(passes_by_k.sum(), 1)),
-          "passes_by_num_draft": passes_by_k.tolist(), "calibrated_step_ms": stats["calibrated_step_ms"],
+          "passes_by_num_draft": passes_by_k.tolist(), "calibrated_step_ms": auto_stats[-1]["calibrated_step_ms"],
           # Over all repeats (weighted by verify passes) and their median.
-          "mean_accepted_length": accepted / max(passes, 1), "tokens_per_second": statistics.median(rates)}
+          "mean_accepted_length": accepted / max(passes, 1),
+          "tokens_per_second": statistics.median(s["tokens_per_second"] for s in auto_stats)}
 
 
 def format_summary(cm) -> str:
@@ -442,12 +486,19 @@ def format_summary(cm) -> str:
                f"{cm['best_k_within_one_fraction_linear_nonexpert']:.0%} (linear non-expert), "
                f"{cm['best_k_within_one_fraction_from_step_times']:.0%} (measured pass times), "
                f"{cm['best_k_within_one_fraction_from_step_times_by_acceptance']:.0%} (interpolated by acceptance)")
+  if "speedup_at_predicted_over_best" in cm:
+    c = cm["speedup_at_predicted_over_best"]
+    lines.append("measured speedup at the predicted K within 5% of the best measured: " + ", ".join(
+        f"{c[col]['within_5pct']:.0%} ({name}, worst {c[col]['worst']:.2f})" for col, name in zip(
+            PREDICTORS, ("bytes model", "linear non-expert", "measured pass times", "interpolated by acceptance"))))
   lines.append(f"verify time median relative error: {cm['verify_time_median_rel_error']:.1%}; crossover "
                f"predicted n = {cm['crossover']['predicted_n']}, measured n = {cm['crossover']['measured_n']}")
   for r in cm["auto"]:
     who = r["drafter"] + (f" a={r['alpha']:.2f}" if r["alpha"] is not None else "")
     vs = f", {r['vs_best_fixed']:.3f} of best fixed K={r['best_fixed_num_draft']}"
-    lines.append(f"auto {who}: {r['speedup_vs_plain']:.3f}x plain{vs} (K chosen most {r['chosen_num_draft']})")
+    control = f"; plain against itself {r['plain_vs_plain']:.3f}" if "plain_vs_plain" in r else ""
+    lines.append(f"auto {who}: {r['speedup_vs_plain']:.3f}x plain{vs} (K chosen most {r['chosen_num_draft']})"
+                 + control)
   return "\n".join(lines)
 
 

@@ -5,7 +5,9 @@ import os
 import pathlib
 import subprocess
 import sys
+import types
 
+import numpy as np
 import pytest
 
 import moespec_jax as msj
@@ -48,6 +50,30 @@ def test_config_rejects_bad_values():
     cost_validation.CostValidationConfig(real_drafters=("eagle",))
 
 
+def test_round_robin_alternates_order_and_pairs_each_round(monkeypatch):
+  """Plain and every spec run once per round, in reversed order every other round; a spec's
+  speedup is the median of per-round ratios (a slow round moves plain and the spec together)."""
+  calls = []
+  slow = {1: 3.0}  # round 1 runs everything 3x slower
+  base = {"none": 1.0, "a": 0.5, "b": 2.0}
+
+  def fake_generate(model, prompts, max_new_tokens, spec, seed, reference_tokens):
+    label = "none" if spec.drafter == "none" else ("a" if spec.num_draft == 1 else "b")
+    calls.append((seed, label))
+    seconds = 0.1 + base[label] * slow.get(seed, 1.0)
+    tokens = np.zeros((1, 4), np.int32) if label != "b" or seed < 2 else np.ones((1, 4), np.int32)
+    return types.SimpleNamespace(tokens=tokens, stats={"seconds": seconds, "tokens_per_second": 4 / seconds})
+
+  monkeypatch.setattr(msj, "generate", fake_generate)
+  specs = {1: msj.SpecParams(drafter="ngram", num_draft=1), 2: msj.SpecParams(drafter="ngram", num_draft=2)}
+  speedup, _, _ = cost_validation.round_robin_speedups(None, [[1]], 4, specs, rounds=2, prefill_s=0.1)
+  assert calls == [(0, "none"), (0, "a"), (0, "b"), (1, "b"), (1, "a"), (1, "none")]
+  assert speedup[1] == pytest.approx(2.0) and speedup[2] == pytest.approx(0.5)
+  with pytest.raises(AssertionError, match="differs from plain"):  # round 2: b's tokens differ
+    cost_validation.round_robin_runs(None, [[1]], 4, specs, rounds=3, prefill_s=0.1,
+                                     check_tokens=np.zeros((1, 4), np.int32))
+
+
 @pytest.mark.slow
 def test_quick_run_writes_the_documented_metrics(tiny_config, tmp_path):
   msj.Model.init(tiny_config.replace(max_seq_len=512), seed=0).save(tmp_path / "m")
@@ -63,10 +89,14 @@ def test_quick_run_writes_the_documented_metrics(tiny_config, tmp_path):
   assert len(cm["best_k"]) == 5 and all({"alpha", "predicted", "measured"} <= set(r) for r in cm["best_k"])
   assert all(0 <= r["predicted"] <= 2 and 0 <= r["measured"] <= 2 for r in cm["best_k"])
   assert 0.0 <= cm["best_k_within_one_fraction"] <= 1.0
+  assert set(cm["speedup_at_predicted_over_best"]) == set(cost_validation.PREDICTORS)
+  assert all(0.0 <= c["within_5pct"] <= 1.0 and 0.0 < c["worst"] <= c["median"] <= 1.0
+             for c in cm["speedup_at_predicted_over_best"].values())
   assert set(cm["crossover"]) >= {"predicted_n", "measured_n"}
   assert [r["n_tokens"] for r in cm["verify_time"]] == [1, 2, 3]
   assert {r["drafter"] for r in cm["auto"]} == {"controlled", "ngram"}
   assert all(r["mean_accepted_length"] >= 1.0 and r["tokens_per_second"] > 0 for r in cm["auto"])
+  assert all(r["plain_vs_plain"] > 0 for r in cm["auto"])
   for name in ("staircase.png", "verify_time.png", "unique_experts.png"):
     assert (tmp_path / "out" / name).stat().st_size > 0
   bad = subprocess.run([sys.executable, "-m", "experiments.cost_model", "--n_alphas=1"], cwd=ROOT, env=env,
