@@ -113,8 +113,22 @@ def test_auto_greedy_tokens_equal_plain_greedy(auto_model, auto_plain, drafter):
   assert len(s["passes_by_num_draft"]) == 4 and sum(s["passes_by_num_draft"]) == s["verify_passes"]
   assert 0 <= s["chosen_num_draft"] <= 3 and len(s["calibrated_step_ms"]) == 4
   assert np.all(np.diff(s["calibrated_step_ms"]) >= 0) and min(s["calibrated_step_ms"]) > 0
-  if drafter == "controlled":  # acceptance 0.8: speculation is used
-    assert s["mean_accepted_length"] > 1.5
+
+
+@pytest.mark.parametrize("acceptance", [0.0, 0.8])
+def test_auto_drafts_where_it_pays(auto_model, auto_plain, acceptance, monkeypatch):
+  """With pass times where a K = 3 pass costs 1.6 plain passes: at acceptance 0.8 auto drafts
+  (mean accepted length well above 1); at 0 it stays plain after its first evidence. (Fixed
+  pass times: what auto chooses must not hang on the timings of a loaded test machine.)"""
+  monkeypatch.setattr(loop, "calibrate_step_ms", lambda ls, args: np.array([1.0, 1.2, 1.4, 1.6], np.float32))
+  spec = msj.SpecParams(drafter="controlled", num_draft="auto", max_draft=3, controlled_acceptance=acceptance)
+  out = msj.generate(auto_model, RAGGED, max_new_tokens=20, spec=spec, reference_tokens=auto_plain)
+  np.testing.assert_array_equal(out.tokens, auto_plain)
+  passes_K = out.stats["passes_by_num_draft"]
+  if acceptance:
+    assert out.stats["mean_accepted_length"] > 1.5 and passes_K[3] > passes_K[0]
+  else:
+    assert out.stats["mean_accepted_length"] == 1.0 and passes_K[0] > 2 * sum(passes_K[1:])
 
 
 def test_auto_drafts_only_as_far_as_the_cache_has_room(auto_model):
