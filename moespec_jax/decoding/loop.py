@@ -168,6 +168,7 @@ def _init(model, tokens_BT, lengths_B, key, draft_inputs, ls: LoopSpec):
       "passes_by_K": jnp.zeros((k_max + 1,), jnp.float32),
       # auto K: each row's decayed (accepted, tried) draft counts (shadow drafts included).
       "acceptance_evidence": jnp.zeros((batch, 2), jnp.float32),
+      "auto_k": jnp.int32(0),  # auto K: the K of the last segment
   }
   return {"step": jnp.int32(1), "cache": out.cache, "pos": lengths_B, "pending": first_B,
           "gen": jnp.ones((batch,), jnp.int32), "done": (first_B == config.eos_id) | (ls.max_new_tokens <= 1),
@@ -324,7 +325,7 @@ def _auto_segment(model, carry, step_ms_K, ls: LoopSpec):
   stats = carry["stats"]
   remaining_B = jnp.where(carry["done"], 0, ls.max_new_tokens - carry["gen"])
   k, n_passes = auto_draft.choose_k(stats["acceptance_evidence"], step_ms_K, remaining_B=remaining_B,
-                                    shadow=ls.drafter in auto_draft.SHADOW_DRAFTERS)
+                                    shadow=ls.drafter in auto_draft.SHADOW_DRAFTERS, current_k=stats["auto_k"])
   if ls.drafter == "ngram":
     # Prompt lookup with no match in any active row has nothing to verify: plain passes.
     _, valid_B1 = drafters_lib.ngram_propose(carry["dstate"]["seq"], carry["pos"] + 1, 1)
@@ -334,6 +335,7 @@ def _auto_segment(model, carry, step_ms_K, ls: LoopSpec):
   # Never more drafts than the cache has room for after any active row's position, nor than
   # any row can still commit.
   k = jnp.clip(k, 0, jnp.minimum(_cache_room(carry, ls.cache_len), jnp.max(remaining_B) - 1))
+  carry = dict(carry, stats=dict(stats, auto_k=k))
   for kk in range(ls.num_draft + 1):
     carry = _run_passes(model, carry, kk, k, n_passes, ls)
   return carry

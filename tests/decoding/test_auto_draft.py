@@ -243,3 +243,15 @@ def test_bad_auto_and_controlled_arguments(auto_model, auto_plain):
                  reference_tokens=auto_plain)
   with pytest.raises(ValueError, match="drafter='controlled' only"):
     msj.generate(auto_model, RAGGED, max_new_tokens=4, reference_tokens=auto_plain)
+
+
+def test_settled_choice_keeps_its_k_unless_another_is_clearly_faster():
+  """K = 1 predicted ~10% faster than plain (past DRAFT_MARGIN): chosen with no history, but a
+  settled estimate keeps the current K, since a change costs SWITCH_MARGIN; a young one does not."""
+  step_ms = jnp.asarray([1.0, 1.2], jnp.float32)
+  settled = jnp.asarray([8.0, 20.0], jnp.float32)  # a ~ 0.41, optimistic ~ 0.46
+  choose = lambda ev, cur: int(auto_draft.choose_k(ev, step_ms, shadow=True, current_k=cur)[0])
+  assert int(auto_draft.choose_k(settled, step_ms, shadow=True)[0]) == 1
+  assert choose(settled, jnp.int32(0)) == 0 and choose(settled, jnp.int32(1)) == 1
+  young = jnp.asarray([2.0, 4.0], jnp.float32)
+  assert choose(young, jnp.int32(0)) == 1
