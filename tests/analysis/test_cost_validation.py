@@ -88,7 +88,8 @@ def test_quick_run_writes_the_documented_metrics(tiny_config, tmp_path):
   assert all((f["gbps"] is None or f["gbps"] > 0) and f["fixed_ms"] >= 0 for f in cm["fitted"])
   assert len(cm["best_k"]) == 5 and all({"alpha", "predicted", "measured"} <= set(r) for r in cm["best_k"])
   assert all(0 <= r["predicted"] <= 2 and 0 <= r["measured"] <= 2 for r in cm["best_k"])
-  assert 0.0 <= cm["best_k_within_one_fraction"] <= 1.0
+  assert all(0.0 <= cm["best_k_within_one_fraction" + suffix] <= 1.0
+             for suffix, _ in cost_validation.PREDICTORS.values())
   assert set(cm["speedup_at_predicted_over_best"]) == set(cost_validation.PREDICTORS)
   assert all(0.0 <= c["within_5pct"] <= 1.0 and 0.0 < c["worst"] <= c["median"] <= 1.0
              for c in cm["speedup_at_predicted_over_best"].values())

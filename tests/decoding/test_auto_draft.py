@@ -119,7 +119,7 @@ def test_auto_greedy_tokens_equal_plain_greedy(auto_model, auto_plain, drafter):
 def test_auto_drafts_where_it_pays(auto_model, auto_plain, acceptance, monkeypatch):
   """With pass times where a K = 3 pass costs 1.6 plain passes: at acceptance 0.8 auto drafts
   (mean accepted length well above 1); at 0 it stays plain after its first evidence. (Fixed
-  pass times: what auto chooses must not hang on the timings of a loaded test machine.)"""
+  pass times: what auto chooses must not depend on the timings of a loaded test machine.)"""
   monkeypatch.setattr(loop, "calibrate_step_ms", lambda ls, args: np.array([1.0, 1.2, 1.4, 1.6], np.float32))
   spec = msj.SpecParams(drafter="controlled", num_draft="auto", max_draft=3, controlled_acceptance=acceptance)
   out = msj.generate(auto_model, RAGGED, max_new_tokens=20, spec=spec, reference_tokens=auto_plain)
