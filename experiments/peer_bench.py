@@ -8,9 +8,11 @@ For one random checkpoint per family (built offline with transformers, ~20-50M p
 - n-gram prompt lookup (`SpecParams(drafter="ngram", num_draft="auto")`, up to --num_draft
   tokens; --noauto_draft: fixed K) vs transformers' `prompt_lookup_num_tokens` at batch 1
   (transformers' assisted generation is batch 1 only);
-on code prompts (UTF-8 bytes of standard-library sources as token ids). Each measurement is
-repeated, moespec-jax and transformers alternating, and the median reported; compilation and
-a warm-up call are excluded. Writes DIR/metrics.json and DIR/table.md. Needs the dev extra.
+on code prompts (UTF-8 bytes of standard-library sources as token ids). Measurements run in
+rounds: at batch 1 both implementations' plain and prompt-lookup decoding once each per round,
+at batch 8 both plain decoders, the order reversing from round to round; tokens/s are medians
+over rounds and the summary's ratios medians of within-round ratios (this machine's speed drifts
+by tens of percent over minutes). Compilation and a warm-up call are excluded. Writes DIR/metrics.json and DIR/table.md. Needs the dev extra.
 """
 
 from __future__ import annotations
@@ -37,6 +39,9 @@ _PROMPT_LEN = flags.DEFINE_integer("prompt_len", 192, "Prompt tokens per row.")
 _AUTO = flags.DEFINE_bool("auto_draft", True, "Our n-gram decoder with num_draft='auto' (K <= --num_draft, "
                           "K = 0 where lookup does not pay); else a fixed K = --num_draft.")
 
+# How the rows were measured (a resumed run keeps only rows measured the same way): every
+# measurement of one batch size in the same rounds, ratios taken within a round.
+PROTOCOL = "interleaved-rounds"
 # ~20-50M parameters per family (embeddings included).
 BENCH_SIZE = dict(vocab=8192, hidden=256, layers=4, heads=8, experts=16, top_k=2, moe_hidden=320,
                   max_len=1024)
@@ -53,13 +58,18 @@ def code_prompts(n: int, length: int) -> list[list[int]]:
   return [data[s:s + length].tolist() for s in starts]
 
 
-def _median_time(fn, repeats: int) -> tuple[float, list[float], object]:
-  times, out = [], None
-  for _ in range(repeats):
-    start = time.perf_counter()
-    out = fn()
-    times.append(time.perf_counter() - start)
-  return statistics.median(times), times, out
+def interleaved_seconds(fns: dict, rounds: int) -> tuple[dict, dict]:
+  """Wall seconds of every function in `fns`, once per round, the order reversing from one round
+  to the next: every measurement of a round sees the same stretch of this machine's load, so
+  ratios are taken within rounds. Returns ({label: [seconds per round]}, {label: last output})."""
+  labels = list(fns)
+  seconds, last = {k: [] for k in labels}, {}
+  for r in range(rounds):
+    for k in (labels if r % 2 == 0 else labels[::-1]):
+      start = time.perf_counter()
+      last[k] = fns[k]()
+      seconds[k].append(time.perf_counter() - start)
+  return seconds, last
 
 
 def bench_family(family: str, ckpt: pathlib.Path, size: dict, *, max_new: int, repeats: int,
@@ -83,53 +93,60 @@ def bench_family(family: str, ckpt: pathlib.Path, size: dict, *, max_new: int, r
                          do_sample=False, eos_token_id=None, pad_token_id=0, **kw)
     return out[:, ids.shape[1]:].numpy()
 
-  for batch, drafter in ((1, "none"), (8, "none"), (1, "ngram")):
+  # Batch 1: plain and prompt lookup of both implementations in the same rounds (the n-gram
+  # speedups are ratios within a round); batch 8: plain decoding of both.
+  for batch, drafters in ((1, ("none", "ngram")), (8, ("none",))):
     prompts = code_prompts(batch, prompt_len)
-    if drafter == "ngram":
-      spec = msj.SpecParams(drafter="ngram", num_draft="auto" if auto_draft else num_draft, max_draft=num_draft)
-    else:
-      spec = msj.SpecParams(drafter="none")
-    hf_kw = {"prompt_lookup_num_tokens": num_draft} if drafter == "ngram" else {}
-    ours_fn = lambda: msj.generate(model, prompts, max_new_tokens=max_new, spec=spec)  # noqa: E731
-    hf_fn = lambda: hf_generate(prompts, **hf_kw)  # noqa: E731
-    ours_fn(), hf_fn()  # compile / warm up
-    ours_t, hf_t, ours_out, hf_out = [], [], None, None
-    for _ in range(repeats):  # alternate so that both see the same machine load
-      t, _, ours_out = _median_time(ours_fn, 1)
-      ours_t.append(t)
-      t, _, hf_out = _median_time(hf_fn, 1)
-      hf_t.append(t)
-    ours_tokens = ours_out.tokens
-    ours_n = int(np.sum(ours_tokens >= 0))
-    match = [bool(np.array_equal(ours_tokens[b][ours_tokens[b] >= 0],
-                                 hf_out[b][:int(np.sum(ours_tokens[b] >= 0))])) for b in range(batch)]
-    common = dict(family=family, params=n_params, batch_size=batch, drafter=drafter,
-                  num_draft=num_draft if drafter == "ngram" else 0, max_new_tokens=max_new,
-                  prompt_len=prompt_len, auto_draft=bool(auto_draft and drafter == "ngram"))
-    rows.append({**common, "impl": "moespec_jax", "tokens_per_second": ours_n / statistics.median(ours_t),
-                 "seconds": ours_t, "mean_accepted_length": ours_out.stats.get("mean_accepted_length"),
-                 "passes_by_num_draft": ours_out.stats.get("passes_by_num_draft"),
-                 "tokens_identical_to_transformers": all(match)})
-    rows.append({**common, "impl": "transformers", "tokens_per_second": hf_out.size / statistics.median(hf_t),
-                 "seconds": hf_t, "mean_accepted_length": None,
-                 "tokens_identical_to_transformers": True})
+    fns = {}
+    for drafter in drafters:
+      if drafter == "ngram":
+        spec = msj.SpecParams(drafter="ngram", num_draft="auto" if auto_draft else num_draft, max_draft=num_draft)
+      else:
+        spec = msj.SpecParams(drafter="none")
+      hf_kw = {"prompt_lookup_num_tokens": num_draft} if drafter == "ngram" else {}
+      fns[("moespec_jax", drafter)] = lambda spec=spec: msj.generate(model, prompts, max_new_tokens=max_new, spec=spec)
+      fns[("transformers", drafter)] = lambda hf_kw=hf_kw: hf_generate(prompts, **hf_kw)
+    for fn in fns.values():  # compile / warm up
+      fn()
+    seconds, last = interleaved_seconds(fns, repeats)
+    for drafter in drafters:
+      ours_out, hf_out = last[("moespec_jax", drafter)], last[("transformers", drafter)]
+      ours_tokens = ours_out.tokens
+      ours_n = int(np.sum(ours_tokens >= 0))
+      match = [bool(np.array_equal(ours_tokens[b][ours_tokens[b] >= 0],
+                                   hf_out[b][:int(np.sum(ours_tokens[b] >= 0))])) for b in range(batch)]
+      common = dict(family=family, params=n_params, batch_size=batch, drafter=drafter,
+                    num_draft=num_draft if drafter == "ngram" else 0, max_new_tokens=max_new,
+                    prompt_len=prompt_len, auto_draft=bool(auto_draft and drafter == "ngram"))
+      ours_t, hf_t = seconds[("moespec_jax", drafter)], seconds[("transformers", drafter)]
+      rows.append({**common, "impl": "moespec_jax", "tokens_per_second": ours_n / statistics.median(ours_t),
+                   "tokens": ours_n, "seconds": ours_t, "mean_accepted_length": ours_out.stats.get("mean_accepted_length"),
+                   "passes_by_num_draft": ours_out.stats.get("passes_by_num_draft"),
+                   "tokens_identical_to_transformers": all(match)})
+      rows.append({**common, "impl": "transformers", "tokens_per_second": hf_out.size / statistics.median(hf_t),
+                   "tokens": int(hf_out.size), "seconds": hf_t, "mean_accepted_length": None,
+                   "tokens_identical_to_transformers": True})
   return rows
 
 
 def summarize(rows: list[dict]) -> list[dict]:
-  """Per family: speed ratios (ours / transformers) and each side's n-gram speedup over plain."""
+  """Per family: speed ratios (ours / transformers) and each side's n-gram speedup over its own
+  plain decoding, each the median over rounds of the ratio of tokens/s within a round."""
   out = []
   for family in dict.fromkeys(r["family"] for r in rows):
-    tps = {(r["impl"], r["batch_size"], r["drafter"]): r["tokens_per_second"]
-           for r in rows if r["family"] == family}
-    ident = all(r["tokens_identical_to_transformers"] for r in rows if r["family"] == family)
+    by = {(r["impl"], r["batch_size"], r["drafter"]): r for r in rows if r["family"] == family}
+
+    def ratio(num, den):
+      a, b = by[num], by[den]
+      return statistics.median((a["tokens"] / ta) / (b["tokens"] / tb) for ta, tb in zip(a["seconds"], b["seconds"]))
+
     out.append(dict(
         family=family,
-        plain_ratio_b1=tps[("moespec_jax", 1, "none")] / tps[("transformers", 1, "none")],
-        plain_ratio_b8=tps[("moespec_jax", 8, "none")] / tps[("transformers", 8, "none")],
-        ngram_speedup_ours=tps[("moespec_jax", 1, "ngram")] / tps[("moespec_jax", 1, "none")],
-        ngram_speedup_transformers=tps[("transformers", 1, "ngram")] / tps[("transformers", 1, "none")],
-        tokens_identical=ident))
+        plain_ratio_b1=ratio(("moespec_jax", 1, "none"), ("transformers", 1, "none")),
+        plain_ratio_b8=ratio(("moespec_jax", 8, "none"), ("transformers", 8, "none")),
+        ngram_speedup_ours=ratio(("moespec_jax", 1, "ngram"), ("moespec_jax", 1, "none")),
+        ngram_speedup_transformers=ratio(("transformers", 1, "ngram"), ("transformers", 1, "none")),
+        tokens_identical=all(r["tokens_identical_to_transformers"] for r in by.values())))
   return out
 
 
@@ -160,7 +177,8 @@ def _finished_rows(path: pathlib.Path, *, quick, size, repeats, max_new, prompt_
   if not path.exists():
     return []
   old = json.loads(path.read_text())
-  same = (old.get("quick") == quick and old.get("size") == size and old.get("repeats") == repeats
+  same = (old.get("protocol") == PROTOCOL and old.get("quick") == quick and old.get("size") == size
+          and old.get("repeats") == repeats
           and all(r["max_new_tokens"] == max_new and r["prompt_len"] == prompt_len
                   and r["num_draft"] in (0, num_draft) and r.get("auto_draft", False) == (
                       auto_draft and r["drafter"] == "ngram") for r in old.get("rows", [])))
@@ -201,7 +219,7 @@ def main(argv):
     summary = summarize(rows)
     text = table(rows, summary)
     atomic.write_json_atomic(workdir / "metrics.json", {
-        "experiment": "peer_bench", "quick": quick, "size": size, "repeats": repeats,
+        "experiment": "peer_bench", "protocol": PROTOCOL, "quick": quick, "size": size, "repeats": repeats,
         "families_done": sorted({r["family"] for r in rows}), "rows": rows, "summary": summary})
     atomic.write_text_atomic(workdir / "table.md", text)
     print(f"{family}: done", flush=True)

@@ -15,8 +15,10 @@ cost next to nothing (n-gram lookup, the controlled drafter) keep the evidence f
 K = 0: each plain pass checks the one draft they would have proposed against the token the
 target produced ("shadow" drafts: greedy, whether it matches; sampled, its acceptance
 probability), so auto leaves K = 0 as soon as drafting pays again. The MTP heads skip their
-upkeep at K = 0 (their state goes stale), so with them K = 0 is chosen only after MIN_EVIDENCE
-tried drafts and auto stays plain once it got there. With the n-gram drafter, a segment where
+upkeep at K = 0 (their state goes stale), so with them K = 0 is final: it is chosen only after
+MIN_EVIDENCE tried drafts and only where drafting would not pay even at a high bound on the
+acceptance (STOP_CONFIDENCE standard errors above the estimate): a start that accepts less
+than the rest of the text (a prompt's continuation, then boilerplate) must not end drafting. With the n-gram drafter, a segment where
 no active row's context has a match is NO_MATCH_PASSES plain passes (nothing to verify;
 transformers' prompt lookup also decodes plainly without a match).
 """
@@ -31,6 +33,7 @@ PRIOR_WEIGHT = 2.0  # in tried drafts
 EVIDENCE_DECAY = 0.95  # per pass that brings evidence (drafts or shadow drafts)
 MIN_EVIDENCE = 6.0  # tried drafts before K = 0 may be chosen (drafters without shadow drafts)
 OPTIMISM = 0.5  # standard errors added to the acceptance estimate when choosing K
+STOP_CONFIDENCE = 2.0  # the same for the final K = 0 of drafters without shadow drafts
 SEGMENT_PASSES = 4  # passes per choice of K once the estimate is settled
 PLAIN_SEGMENT_PASSES = 16  # the same at K = 0
 SETTLED_EVIDENCE = 16.0  # tried drafts before segments grow from 1 pass to SEGMENT_PASSES
@@ -57,12 +60,13 @@ def acceptance_estimate(evidence_2):
   return jnp.clip(a, 0.0, MAX_ACCEPTANCE)
 
 
-def optimistic_acceptance(evidence_2):
-  """The estimate plus OPTIMISM binomial standard errors."""
+def optimistic_acceptance(evidence_2, standard_errors: float | None = None):
+  """The estimate plus `standard_errors` (default OPTIMISM) binomial standard errors."""
   evidence_2 = jnp.asarray(evidence_2)
   a = acceptance_estimate(evidence_2)
   spread = jnp.sqrt(a * (1.0 - a) / (evidence_2[..., 1] + PRIOR_WEIGHT))
-  return jnp.clip(a + OPTIMISM * spread, 0.0, MAX_ACCEPTANCE)
+  z = OPTIMISM if standard_errors is None else standard_errors
+  return jnp.clip(a + z * spread, 0.0, MAX_ACCEPTANCE)
 
 
 def tokens_per_pass_K(a, num_k: int):
@@ -92,8 +96,9 @@ def choose_k(evidence_B2, step_ms_K, *, shadow: bool, remaining_B=None, current_
   beats plain decoding by DRAFT_MARGIN; one pass while the estimate rests on few drafts (in
   any unfinished row), then SEGMENT_PASSES; at K = 0, PLAIN_SEGMENT_PASSES
   (YOUNG_PLAIN_PASSES while the estimate is young, with shadow drafts).
-  `shadow`: plain passes bring evidence (see the module docstring); without it K = 0 needs
-  MIN_EVIDENCE tried drafts over all rows. `current_k`: the K of the last segment, kept unless
+  `shadow`: plain passes bring evidence (see the module docstring); without it K = 0 is final
+  and needs MIN_EVIDENCE tried drafts over all rows and plain decoding faster than every K at
+  STOP_CONFIDENCE standard errors above the estimate. `current_k`: the K of the last segment, kept unless
   another K is predicted faster by SWITCH_MARGIN (once the estimate is settled)."""
   evidence_B2 = jnp.atleast_2d(jnp.asarray(evidence_B2, jnp.float32))
   remaining_B = (jnp.ones(evidence_B2.shape[0], jnp.float32) if remaining_B is None
@@ -106,7 +111,9 @@ def choose_k(evidence_B2, step_ms_K, *, shadow: bool, remaining_B=None, current_
     time_K = jnp.where(jnp.arange(time_K.shape[0]) == current_k, time_K, time_K * (1.0 + switch))
   tried = jnp.sum(evidence_B2[:, 1])
   if not shadow:
-    time_K = time_K.at[0].set(jnp.where(tried >= MIN_EVIDENCE, time_K[0], jnp.inf))
+    high_K = finish_ms(optimistic_acceptance(evidence_B2, STOP_CONFIDENCE), remaining_B, step_ms_K)
+    stop = (tried >= MIN_EVIDENCE) & (high_K[0] <= jnp.min(high_K[1:] * (1.0 + DRAFT_MARGIN)))
+    time_K = time_K.at[0].set(jnp.where(stop, time_K[0], jnp.inf))
   k = jnp.argmin(time_K).astype(jnp.int32)
   drafting = jnp.where(settled, jnp.int32(SEGMENT_PASSES), jnp.int32(1))
   # Without shadow drafts K = 0 brings no evidence: the estimate will not change.

@@ -31,6 +31,28 @@ def test_predicted_expert_time_follows_bytes(tiny_config):
     cost_validation.expert_time_ms(tiny_config, {"dedup": fits["dedup"]}, [4.0], 3, "per_slot")
 
 
+def test_median_ratio_interval_brackets_the_median_and_narrows_with_rounds():
+  rng = np.random.default_rng(1)
+  few, many = (rng.lognormal(0.0, 0.1, (2, n)) for n in (9, 201))
+  intervals = []
+  for num, den in (few, many):
+    lo, hi = cost_validation.median_ratio_interval(num, den)
+    assert lo <= cost_validation.median_ratio(num, den) <= hi
+    intervals.append(hi - lo)
+  assert intervals[1] < intervals[0] / 2
+  assert cost_validation.median_ratio_interval([2.0, 4.0, 6.0], [1.0, 2.0, 3.0]) == (2.0, 2.0)
+
+
+def test_auto_goals_count_medians_and_interval_ends():
+  def row(vs_plain, vs_plain_hi, vs_best, vs_best_hi):
+    return {"speedup_vs_plain": vs_plain, "speedup_vs_plain_interval": (vs_plain - 0.05, vs_plain_hi),
+            "vs_best_fixed": vs_best, "vs_best_fixed_interval": (vs_best - 0.05, vs_best_hi)}
+  rows = [row(1.0, 1.02, 0.96, 0.99), row(0.95, 0.98, 0.9, 0.93), row(0.9, 0.92, 0.99, 1.0)]
+  assert cost_validation.auto_goals(rows) == {
+      "rows": 3, "within_plain": 1, "not_measurably_below_plain": 2,
+      "within_best_fixed": 2, "not_measurably_below_best_fixed": 2}
+
+
 def test_flat_kernel_timings_give_an_overhead_bound_fit(tiny_config, monkeypatch):
   times = iter([0.06, 0.06, 0.05, 0.05, 0.04, 0.04])  # n = 1, 2, 4; both methods: faster with n
   monkeypatch.setattr(cost_validation, "time_layer", lambda *a, **k: next(times))
@@ -98,6 +120,11 @@ def test_quick_run_writes_the_documented_metrics(tiny_config, tmp_path):
   assert {r["drafter"] for r in cm["auto"]} == {"controlled", "ngram"}
   assert all(r["mean_accepted_length"] >= 1.0 and r["tokens_per_second"] > 0 for r in cm["auto"])
   assert all(r["plain_vs_plain"] > 0 for r in cm["auto"])
+  for r in cm["auto"]:
+    for name in ("speedup_vs_plain", "vs_best_fixed", "best_fixed_speedup", "plain_vs_plain"):
+      lo, hi = r[name + "_interval"]
+      assert 0 < lo <= r[name] <= hi
+  assert cm["auto_goals"] == cost_validation.auto_goals(cm["auto"]) and cm["auto_goals"]["rows"] == 3
   for name in ("staircase.png", "verify_time.png", "unique_experts.png"):
     assert (tmp_path / "out" / name).stat().st_size > 0
   bad = subprocess.run([sys.executable, "-m", "experiments.cost_model", "--n_alphas=1"], cwd=ROOT, env=env,

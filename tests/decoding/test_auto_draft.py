@@ -255,3 +255,15 @@ def test_settled_choice_keeps_its_k_unless_another_is_clearly_faster():
   assert choose(settled, jnp.int32(0)) == 0 and choose(settled, jnp.int32(1)) == 1
   young = jnp.asarray([2.0, 4.0], jnp.float32)
   assert choose(young, jnp.int32(0)) == 1
+
+
+def test_final_plain_needs_confidence_without_shadow_drafts():
+  """Without shadow drafts K = 0 is final, so it is chosen only where drafting would not pay
+  even at a high bound on the acceptance: 7.5 of 8.5 drafts accepted (an estimate of 0.81,
+  where these pass times make plain decoding the best choice at the estimate) keeps drafting;
+  2 of 12 stops; with shadow drafts the same evidence may pick K = 0 (it is not final)."""
+  step_ms = [1.08, 2.17, 2.84, 3.5, 4.14, 4.77, 5.38, 5.99, 6.57]  # MTP heads on the default model
+  hopeful, poor = (7.46, 8.46), (2.0, 12.0)
+  assert _k(*hopeful, step_ms, shadow=True) == 0
+  assert _k(*hopeful, step_ms) >= 1
+  assert _choice(*poor, step_ms) == (0, auto_draft.PLAIN_SEGMENT_PASSES)
