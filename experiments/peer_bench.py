@@ -12,7 +12,8 @@ on code prompts (UTF-8 bytes of standard-library sources as token ids). Measurem
 rounds: at batch 1 both implementations' plain and prompt-lookup decoding once each per round,
 at batch 8 both plain decoders, the order reversing from round to round; tokens/s are medians
 over rounds and the summary's ratios medians of within-round ratios (this machine's speed drifts
-by tens of percent over minutes). Compilation and a warm-up call are excluded. Writes DIR/metrics.json and DIR/table.md. Needs the dev extra.
+by tens of percent over minutes). Compilation and a warm-up call are excluded. Writes
+DIR/metrics.json and DIR/table.md. Needs the dev extra.
 """
 
 from __future__ import annotations
@@ -120,7 +121,8 @@ def bench_family(family: str, ckpt: pathlib.Path, size: dict, *, max_new: int, r
                     prompt_len=prompt_len, auto_draft=bool(auto_draft and drafter == "ngram"))
       ours_t, hf_t = seconds[("moespec_jax", drafter)], seconds[("transformers", drafter)]
       rows.append({**common, "impl": "moespec_jax", "tokens_per_second": ours_n / statistics.median(ours_t),
-                   "tokens": ours_n, "seconds": ours_t, "mean_accepted_length": ours_out.stats.get("mean_accepted_length"),
+                   "tokens": ours_n, "seconds": ours_t,
+                   "mean_accepted_length": ours_out.stats.get("mean_accepted_length"),
                    "passes_by_num_draft": ours_out.stats.get("passes_by_num_draft"),
                    "tokens_identical_to_transformers": all(match)})
       rows.append({**common, "impl": "transformers", "tokens_per_second": hf_out.size / statistics.median(hf_t),

@@ -18,9 +18,10 @@ probability), so auto leaves K = 0 as soon as drafting pays again. The MTP heads
 upkeep at K = 0 (their state goes stale), so with them K = 0 is final: it is chosen only after
 MIN_EVIDENCE tried drafts and only where drafting would not pay even at a high bound on the
 acceptance (STOP_CONFIDENCE standard errors above the estimate): a start that accepts less
-than the rest of the text (a prompt's continuation, then boilerplate) must not end drafting. With the n-gram drafter, a segment where
-no active row's context has a match is NO_MATCH_PASSES plain passes (nothing to verify;
-transformers' prompt lookup also decodes plainly without a match).
+than the rest of the text (a prompt's continuation, then boilerplate) must not end drafting.
+With the n-gram drafter, a segment where no active row's context has a match is
+NO_MATCH_PASSES plain passes (nothing to verify; transformers' prompt lookup also decodes
+plainly without a match).
 """
 
 from __future__ import annotations
