@@ -3,7 +3,10 @@
   python -m experiments.peer_bench --workdir=runs/peer_bench [--quick]
 
 For one random checkpoint per family (built offline with transformers, ~20-50M parameters;
---quick: tiny ones), loaded by `moespec_jax.Model.load`:
+--quick: tiny ones) and for the default trained model exported as a Qwen2-MoE checkpoint
+(`trained_qwen2_moe`: random weights never repeat their context, so on them prompt lookup finds
+no draft to accept and both n-gram columns measure only its overhead), each loaded by
+`moespec_jax.Model.load`:
 - plain greedy tokens/s of moespec-jax vs transformers `generate` at batch 1 and 8;
 - n-gram prompt lookup (`SpecParams(drafter="ngram", num_draft="auto")`, up to --num_draft
   tokens; --noauto_draft: fixed K) vs transformers' `prompt_lookup_num_tokens` at batch 1
@@ -37,12 +40,17 @@ _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 64, "Tokens generated per prom
 _REPEATS = flags.DEFINE_integer("repeats", 5, "Timed repeats per measurement (median).")
 _NUM_DRAFT = flags.DEFINE_integer("num_draft", 4, "Draft length of both prompt-lookup decoders.")
 _PROMPT_LEN = flags.DEFINE_integer("prompt_len", 192, "Prompt tokens per row.")
+_TRAINED = flags.DEFINE_bool(
+    "trained", True, "Also the default trained model, exported as a Qwen2-MoE checkpoint (trained first when "
+    "missing; not with --quick): a model whose output repeats its context, so prompt lookup has drafts to accept.")
 _AUTO = flags.DEFINE_bool("auto_draft", True, "Our n-gram decoder with num_draft='auto' (K <= --num_draft, "
                           "K = 0 where lookup does not pay); else a fixed K = --num_draft.")
 
 # How the rows were measured (a resumed run keeps only rows measured the same way): every
 # measurement of one batch size in the same rounds, ratios taken within a round.
 PROTOCOL = "interleaved-rounds"
+# The default trained model (configs/tiny.py, byte vocabulary) exported as a Qwen2-MoE checkpoint.
+TRAINED = "trained_qwen2_moe"
 # ~20-50M parameters per family (embeddings included).
 BENCH_SIZE = dict(vocab=8192, hidden=256, layers=4, heads=8, experts=16, top_k=2, moe_hidden=320,
                   max_len=1024)
@@ -211,10 +219,16 @@ def main(argv):
   done = {r["family"] for r in rows}
   if done:
     print(f"resuming: {sorted(done)} already measured in {workdir / 'metrics.json'}", flush=True)
-  for family in families:
+  todo = [(f, workdir / "checkpoints" / (f"{f}-quick" if quick else f)) for f in families]
+  if _TRAINED.value and not quick:
+    todo.append((TRAINED, workdir / "checkpoints" / TRAINED))
+  for family, ckpt in todo:
     if family in done:
       continue
-    ckpt = workdir / "checkpoints" / (f"{family}-quick" if quick else family)
+    if family == TRAINED and not (ckpt / "config.json").is_file():
+      from moespec_jax.default_model import ensure_default_model  # pylint: disable=g-import-not-at-top
+      from moespec_jax.hf import export  # pylint: disable=g-import-not-at-top
+      export.export_qwen2_moe(ensure_default_model(train_heads=False), ckpt)
     rows += bench_family(family, ckpt, size, max_new=max_new, repeats=repeats,
                          num_draft=_NUM_DRAFT.value, prompt_len=prompt_len, auto_draft=_AUTO.value)
     # Written after each family, so that a long run leaves its finished part.

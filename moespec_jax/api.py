@@ -71,6 +71,13 @@ class Model:
       checkpoint.save_pytree(tmp / "params", nnx.to_pure_dict(self.state))
     return path
 
+  def save_hf(self, path) -> pathlib.Path:
+    """Writes a Hugging Face checkpoint in the Qwen2-MoE layout to `path` atomically (config.json
+    and model.safetensors; transformers loads it, as does `load`). ValueError for a layout
+    Qwen2-MoE cannot express; MTP heads are not written (`moespec_jax.hf.export`)."""
+    from moespec_jax.hf import export  # pylint: disable=g-import-not-at-top
+    return export.export_qwen2_moe(self, path)
+
   @classmethod
   def load(cls, path, dtype: str | None = None) -> "Model":
     """Loads a directory written by `save`, or a Hugging Face model directory.

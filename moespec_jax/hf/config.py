@@ -1,7 +1,7 @@
 """Hugging Face `config.json` -> `ModelConfig` for the supported MoE families.
 
 Supported `model_type`s: mixtral, qwen2_moe, qwen3_moe, olmoe, deepseek_v2, deepseek_v3.
-Layouts the model cannot express (sliding windows, sparse-step layer patterns, rope scaling
+Layouts the model cannot express (sliding windows, dense layers other than a prefix, rope scaling
 other than DeepSeek's YaRN, ...) are refused with a ValueError naming the field.
 """
 
@@ -62,13 +62,17 @@ def _rope(hf: dict[str, Any], family: str) -> tuple[float, dict[str, Any] | None
       rope_mscale=float(merged.get("mscale") or 0.0), rope_mscale_all_dim=float(merged.get("mscale_all_dim") or 0.0))
 
 
-def _check_sparse_layout(hf: dict[str, Any], family: str):
+def _dense_prefix(hf: dict[str, Any], family: str) -> int:
+  """The number of leading dense layers (`mlp_only_layers` = [0, ..., k - 1]); other sparse
+  layouts are refused."""
   if int(hf.get("decoder_sparse_step", 1)) != 1:
     _refuse(family, f"decoder_sparse_step={hf['decoder_sparse_step']} (only 1: every layer MoE)")
-  if hf.get("mlp_only_layers"):
+  dense = sorted(int(i) for i in hf.get("mlp_only_layers") or [])
+  if dense != list(range(len(dense))):
     _refuse(family, f"mlp_only_layers={hf['mlp_only_layers']} (dense layers only as a prefix)")
   if hf.get("use_sliding_window"):
     _refuse(family, "use_sliding_window=true")
+  return len(dense)
 
 
 def to_model_config(hf: dict[str, Any], dtype: str = "float32") -> tuple[ModelConfig, ImportSpec]:
@@ -119,14 +123,14 @@ def _to_model_config(hf: dict[str, Any], dtype: str) -> tuple[ModelConfig, Impor
     kw.update(n_routed_experts=int(hf["num_local_experts"]), expert_hidden=int(hf["intermediate_size"]),
               norm_topk_prob=True)
   elif family == "qwen2_moe":
-    _check_sparse_layout(hf, family)
     shared = int(hf.get("shared_expert_intermediate_size") or 0)
+    kw.update(first_k_dense=_dense_prefix(hf, family), dense_hidden=int(hf["intermediate_size"]))
     kw.update(n_routed_experts=int(hf["num_experts"]), expert_hidden=int(hf["moe_intermediate_size"]),
               norm_topk_prob=bool(hf.get("norm_topk_prob", False)), qkv_bias=bool(hf.get("qkv_bias", True)),
               n_shared_experts=1 if shared else 0, shared_expert_hidden=shared,
               shared_expert_gate=bool(shared))
   elif family == "qwen3_moe":
-    _check_sparse_layout(hf, family)
+    kw.update(first_k_dense=_dense_prefix(hf, family), dense_hidden=int(hf["intermediate_size"]))
     experts = hf.get("num_experts") or hf.get("num_local_experts")
     kw.update(n_routed_experts=int(experts), expert_hidden=int(hf["moe_intermediate_size"]),
               norm_topk_prob=bool(hf.get("norm_topk_prob", True)), qk_norm="head")

@@ -192,7 +192,9 @@ def test_tokenizer_json_and_missing_tokenizer(pairs, tmp_path):
 def test_unsupported_layouts_are_refused(pairs):
   q2 = json.loads((pairs["qwen2_moe"][2] / "config.json").read_text())
   with pytest.raises(ValueError, match="mlp_only_layers"):
-    hf.to_model_config({**q2, "mlp_only_layers": [0]})
+    hf.to_model_config({**q2, "mlp_only_layers": [1]})
+  prefix, _ = hf.to_model_config({**q2, "mlp_only_layers": [1, 0], "intermediate_size": 80})
+  assert prefix.first_k_dense == 2 and prefix.dense_hidden == 80
   with pytest.raises(ValueError, match="decoder_sparse_step"):
     hf.to_model_config({**q2, "decoder_sparse_step": 2})
   mx = json.loads((pairs["mixtral"][2] / "config.json").read_text())

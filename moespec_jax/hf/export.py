@@ -1,0 +1,127 @@
+"""A moespec-jax model as a Hugging Face Qwen2-MoE checkpoint (config.json + model.safetensors).
+
+Qwen2-MoE is the family that expresses the models trained here (grouped-query attention,
+softmax top-k routing, one shared expert, dense layers first): transformers loads the directory
+as `Qwen2MoeForCausalLM` and computes the same logits, and `Model.load` reads it back. Our
+shared expert has no gate; Qwen2-MoE's always has one (sigmoid(x . w)), so it is written with
+w = 0 and the shared down projection doubled: sigmoid(0) * 2 = 1, exactly. The MTP heads have
+no place in the layout and are not written. Nothing here needs torch or transformers.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import numpy as np
+from flax import nnx
+from safetensors.numpy import save_file
+
+from moespec_jax.config import ModelConfig
+from moespec_jax.io import atomic
+
+
+def _refuse(field: str, value, why: str):
+  raise ValueError(f"Qwen2-MoE export: {field}={value!r} {why}")
+
+
+def check_exportable(config: ModelConfig) -> None:
+  """ValueError naming the first field the Qwen2-MoE layout cannot express."""
+  if config.attention_type != "gqa":
+    _refuse("attention_type", config.attention_type, "(Qwen2-MoE attention is grouped-query)")
+  if config.qk_norm != "none":
+    _refuse("qk_norm", config.qk_norm, "(Qwen2-MoE has no query/key norm)")
+  if config.rope_scaling != "none":
+    _refuse("rope_scaling", config.rope_scaling, "(only plain RoPE)")
+  if config.n_moe_layers == 0:
+    _refuse("first_k_dense", config.first_k_dense, "leaves no MoE layer")
+  if config.score_func != "softmax" or config.use_score_bias or config.n_groups != 1:
+    _refuse("score_func", config.score_func, "with score bias or groups (Qwen2-MoE routes by softmax top-k)")
+  if config.routed_scaling_factor != 1.0:
+    _refuse("routed_scaling_factor", config.routed_scaling_factor, "(Qwen2-MoE does not scale gates)")
+  if config.n_shared_experts == 0:
+    _refuse("n_shared_experts", 0, "(Qwen2-MoE layers always have a shared expert)")
+
+
+def qwen2_moe_config(config: ModelConfig) -> dict:
+  """The transformers config.json of `config` in the Qwen2-MoE layout."""
+  check_exportable(config)
+  return {
+      "architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe", "dtype": config.dtype,
+      "vocab_size": config.vocab_size, "hidden_size": config.d_model, "num_hidden_layers": config.n_layers,
+      "num_attention_heads": config.n_heads, "num_key_value_heads": config.n_kv_heads,
+      "head_dim": config.head_dim, "hidden_act": "silu", "rms_norm_eps": config.norm_eps,
+      "max_position_embeddings": config.max_seq_len,
+      "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
+      "qkv_bias": config.qkv_bias, "tie_word_embeddings": config.tie_embeddings,
+      "num_experts": config.n_routed_experts, "num_experts_per_tok": config.top_k,
+      "moe_intermediate_size": config.expert_hidden, "norm_topk_prob": config.norm_topk_prob,
+      "shared_expert_intermediate_size": config.shared_width,
+      # Dense layers (a prefix here) are Qwen2-MoE's mlp_only_layers, of width intermediate_size.
+      "mlp_only_layers": list(range(config.first_k_dense)), "decoder_sparse_step": 1,
+      "intermediate_size": config.dense_hidden if config.first_k_dense else config.expert_hidden,
+      "use_sliding_window": False, "sliding_window": None,
+      "bos_token_id": config.bos_id, "eos_token_id": config.eos_id, "pad_token_id": None,
+  }
+
+
+def _out_in(w_IO: np.ndarray) -> np.ndarray:
+  """[in, out] (ours) -> [out, in] (a torch Linear's weight)."""
+  return np.ascontiguousarray(np.asarray(w_IO, np.float32).T)
+
+
+def qwen2_moe_tensors(config: ModelConfig, pure: dict) -> dict[str, np.ndarray]:
+  """Our pure parameter dict as Qwen2-MoE tensor names (the inverse of `hf.weights`' import)."""
+  check_exportable(config)
+  d = config.d_model
+  f32 = lambda x: np.ascontiguousarray(np.asarray(x, np.float32))  # noqa: E731
+  out = {"model.embed_tokens.weight": f32(pure["embed_VD"]), "model.norm.weight": f32(pure["final_norm"]["weight"])}
+  if not config.tie_embeddings:
+    out["lm_head.weight"] = _out_in(pure["lm_head_DV"])
+  for i in range(config.n_layers):
+    layer, p = pure["layers"][i], f"model.layers.{i}"
+    attn = layer["attn"]
+    out[f"{p}.input_layernorm.weight"] = f32(layer["attn_norm"]["weight"])
+    out[f"{p}.post_attention_layernorm.weight"] = f32(layer["ffn_norm"]["weight"])
+    for name in ("q", "k", "v"):
+      out[f"{p}.self_attn.{name}_proj.weight"] = _out_in(np.asarray(attn[f"w_{name}_DHK"]).reshape(d, -1))
+    out[f"{p}.self_attn.o_proj.weight"] = _out_in(np.asarray(attn["w_o_HKD"]).reshape(-1, d))
+    if config.qkv_bias:
+      out.update({f"{p}.self_attn.q_proj.bias": f32(attn["b_q_HK"]).reshape(-1),
+                  f"{p}.self_attn.k_proj.bias": f32(attn["b_k_GK"]).reshape(-1),
+                  f"{p}.self_attn.v_proj.bias": f32(attn["b_v_GK"]).reshape(-1)})
+    ffn = layer["ffn"]
+    if not config.is_moe_layer(i):
+      for name in ("gate", "up"):
+        out[f"{p}.mlp.{name}_proj.weight"] = _out_in(ffn[f"w_{name}_DF"])
+      out[f"{p}.mlp.down_proj.weight"] = _out_in(ffn["w_down_FD"])
+      continue
+    out[f"{p}.mlp.gate.weight"] = _out_in(ffn["w_router_DE"])
+    for e in range(config.n_routed_experts):
+      out[f"{p}.mlp.experts.{e}.gate_proj.weight"] = _out_in(ffn["w_gate_EDF"][e])
+      out[f"{p}.mlp.experts.{e}.up_proj.weight"] = _out_in(ffn["w_up_EDF"][e])
+      out[f"{p}.mlp.experts.{e}.down_proj.weight"] = _out_in(ffn["w_down_EFD"][e])
+    shared = ffn["shared"]
+    out[f"{p}.mlp.shared_expert.gate_proj.weight"] = _out_in(shared["w_gate_DF"])
+    out[f"{p}.mlp.shared_expert.up_proj.weight"] = _out_in(shared["w_up_DF"])
+    if config.shared_expert_gate:
+      out[f"{p}.mlp.shared_expert.down_proj.weight"] = _out_in(shared["w_down_FD"])
+      out[f"{p}.mlp.shared_expert_gate.weight"] = f32(ffn["w_shared_gate_D"]).reshape(1, d)
+    else:  # an ungated shared expert: gate weight 0 (sigmoid 1/2), down projection doubled
+      out[f"{p}.mlp.shared_expert.down_proj.weight"] = 2.0 * _out_in(shared["w_down_FD"])
+      out[f"{p}.mlp.shared_expert_gate.weight"] = np.zeros((1, d), np.float32)
+  return out
+
+
+def export_qwen2_moe(model, path) -> pathlib.Path:
+  """Writes `model` (a `moespec_jax.Model`) to `path` as a Qwen2-MoE checkpoint, atomically
+  (replacing `path`): config.json and model.safetensors, float32. No tokenizer is written;
+  the token ids are the model's own."""
+  config = model.config
+  hf_config = qwen2_moe_config(config)
+  tensors = qwen2_moe_tensors(config, nnx.to_pure_dict(model.state))
+  path = pathlib.Path(path)
+  with atomic.atomic_dir(path) as tmp:
+    (tmp / "config.json").write_text(json.dumps(hf_config, indent=2))
+    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+  return path

@@ -1,0 +1,68 @@
+"""Export to a Hugging Face Qwen2-MoE checkpoint: transformers computes our logits and greedy
+tokens; Model.load reads it back; layouts Qwen2-MoE cannot express are refused."""
+
+import jax
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="the HF export tests need torch (dev extra)")
+transformers = pytest.importorskip("transformers", reason="the HF export tests need transformers (dev extra)")
+
+import moespec_jax as msj  # noqa: E402
+from flax import nnx  # noqa: E402
+from moespec_jax.hf import export  # noqa: E402
+
+ATOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def exported(tiny_config, tmp_path_factory):
+  """A random model shaped like the default one (dense first layer, ungated shared expert, no
+  biases), its norms perturbed; its export; transformers' model of it."""
+  model = msj.Model.init(tiny_config, seed=3)
+  pure = nnx.to_pure_dict(model.state)
+  rng = np.random.default_rng(0)
+  pure = jax.tree_util.tree_map_with_path(
+      lambda path, x: (x + 0.2 * rng.standard_normal(x.shape).astype(x.dtype))
+      if any(getattr(k, "key", None) == "weight" for k in path) else x, pure)
+  nnx.replace_by_pure_dict(model.state, pure)
+  path = model.save_hf(tmp_path_factory.mktemp("export") / "qwen2_moe")
+  ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+  return model, path, ref
+
+
+def test_transformers_computes_our_logits(exported):
+  model, _, ref = exported
+  tokens = np.random.default_rng(1).integers(0, 256, size=(2, 24)).astype(np.int32)
+  with torch.no_grad():
+    want = ref(torch.tensor(tokens, dtype=torch.long)).logits.float().numpy()
+  diff = np.abs(np.asarray(model.forward(tokens)) - want).max()
+  assert diff <= ATOL, f"max |logit diff| {diff}"
+  assert type(ref).__name__ == "Qwen2MoeForCausalLM"
+  assert type(ref.model.layers[0].mlp).__name__ == "Qwen2MoeMLP"  # the dense first layer
+
+
+def test_export_round_trips_and_greedy_tokens_match(exported):
+  model, path, ref = exported
+  back = msj.Model.load(path)
+  for field in ("d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "n_routed_experts", "top_k",
+                "expert_hidden", "dense_hidden", "first_k_dense", "norm_topk_prob", "vocab_size"):
+    assert getattr(back.config, field) == getattr(model.config, field), field
+  tokens = np.random.default_rng(2).integers(0, 256, size=(1, 12)).astype(np.int32)
+  np.testing.assert_allclose(np.asarray(back.forward(tokens)), np.asarray(model.forward(tokens)), atol=1e-5)
+  ours = msj.generate(model, [tokens[0].tolist()], max_new_tokens=16).tokens[0]
+  with torch.no_grad():
+    ids = torch.tensor(tokens, dtype=torch.long)
+    theirs = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False,
+                          eos_token_id=None, pad_token_id=0)[0, 12:].numpy()
+  np.testing.assert_array_equal(ours[ours >= 0], theirs[:int(np.sum(ours >= 0))])
+
+
+@pytest.mark.parametrize("change, field", [(dict(attention_type="mla", kv_lora_rank=8, qk_nope_head_dim=8,
+                                                  qk_rope_head_dim=8, v_head_dim=8), "attention_type"),
+                                            (dict(score_func="sigmoid"), "score_func"),
+                                            (dict(qk_norm="head"), "qk_norm"),
+                                            (dict(n_shared_experts=0), "n_shared_experts")])
+def test_layouts_qwen2_moe_cannot_express_are_refused(tiny_config, change, field):
+  with pytest.raises(ValueError, match=f"Qwen2-MoE export: {field}="):
+    export.qwen2_moe_config(tiny_config.replace(**change))
