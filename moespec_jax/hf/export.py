@@ -35,8 +35,12 @@ def check_exportable(config: ModelConfig) -> None:
     _refuse("rope_scaling", config.rope_scaling, "(only plain RoPE)")
   if config.n_moe_layers == 0:
     _refuse("first_k_dense", config.first_k_dense, "leaves no MoE layer")
-  if config.score_func != "softmax" or config.use_score_bias or config.n_groups != 1:
-    _refuse("score_func", config.score_func, "with score bias or groups (Qwen2-MoE routes by softmax top-k)")
+  if config.score_func != "softmax":
+    _refuse("score_func", config.score_func, "(Qwen2-MoE routes by softmax top-k)")
+  if config.use_score_bias:
+    _refuse("use_score_bias", True, "(Qwen2-MoE has no routing correction bias)")
+  if config.n_groups != 1:
+    _refuse("n_groups", config.n_groups, "(Qwen2-MoE has no group-limited routing)")
   if config.routed_scaling_factor != 1.0:
     _refuse("routed_scaling_factor", config.routed_scaling_factor, "(Qwen2-MoE does not scale gates)")
   if config.n_shared_experts == 0:
