@@ -99,8 +99,8 @@ def choose_k(evidence_B2, step_ms_K, *, shadow: bool, remaining_B=None, current_
   (YOUNG_PLAIN_PASSES while the estimate is young, with shadow drafts).
   `shadow`: plain passes bring evidence (see the module docstring); without it K = 0 is final
   and needs MIN_EVIDENCE tried drafts over all rows and plain decoding faster than every K at
-  STOP_CONFIDENCE standard errors above the estimate. `current_k`: the K of the last segment, kept unless
-  another K is predicted faster by SWITCH_MARGIN (once the estimate is settled)."""
+  STOP_CONFIDENCE standard errors above the estimate. `current_k`: the K of the last segment,
+  kept unless another K is predicted faster by SWITCH_MARGIN (once the estimate is settled)."""
   evidence_B2 = jnp.atleast_2d(jnp.asarray(evidence_B2, jnp.float32))
   remaining_B = (jnp.ones(evidence_B2.shape[0], jnp.float32) if remaining_B is None
                  else jnp.asarray(remaining_B, jnp.float32))
