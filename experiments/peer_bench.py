@@ -225,7 +225,7 @@ def main(argv):
   for family, ckpt in todo:
     if family in done:
       continue
-    if family == TRAINED and not (ckpt / "config.json").is_file():
+    if family == TRAINED:  # exported afresh (seconds): a retrained default model never meets a stale copy
       from moespec_jax.default_model import ensure_default_model  # pylint: disable=g-import-not-at-top
       from moespec_jax.hf import export  # pylint: disable=g-import-not-at-top
       export.export_qwen2_moe(ensure_default_model(train_heads=False), ckpt)

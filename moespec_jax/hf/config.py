@@ -124,13 +124,13 @@ def _to_model_config(hf: dict[str, Any], dtype: str) -> tuple[ModelConfig, Impor
               norm_topk_prob=True)
   elif family == "qwen2_moe":
     shared = int(hf.get("shared_expert_intermediate_size") or 0)
-    kw.update(first_k_dense=_dense_prefix(hf, family), dense_hidden=int(hf["intermediate_size"]))
+    kw["first_k_dense"] = _dense_prefix(hf, family)
     kw.update(n_routed_experts=int(hf["num_experts"]), expert_hidden=int(hf["moe_intermediate_size"]),
               norm_topk_prob=bool(hf.get("norm_topk_prob", False)), qkv_bias=bool(hf.get("qkv_bias", True)),
               n_shared_experts=1 if shared else 0, shared_expert_hidden=shared,
               shared_expert_gate=bool(shared))
   elif family == "qwen3_moe":
-    kw.update(first_k_dense=_dense_prefix(hf, family), dense_hidden=int(hf["intermediate_size"]))
+    kw["first_k_dense"] = _dense_prefix(hf, family)
     experts = hf.get("num_experts") or hf.get("num_local_experts")
     kw.update(n_routed_experts=int(experts), expert_hidden=int(hf["moe_intermediate_size"]),
               norm_topk_prob=bool(hf.get("norm_topk_prob", True)), qk_norm="head")
@@ -177,7 +177,7 @@ def _to_model_config(hf: dict[str, Any], dtype: str) -> tuple[ModelConfig, Impor
       mtp = int(hf.get("num_nextn_predict_layers") or 0)
   if yarn:
     kw.update(yarn)
-  if not kw["first_k_dense"]:
+  if "dense_hidden" not in kw:  # Qwen's dense layers (and unused otherwise): intermediate_size
     kw["dense_hidden"] = int(hf.get("intermediate_size") or kw["expert_hidden"])
   spec = ImportSpec(family=family, moe_prefix=prefix, expert_names=names,
                     rope_interleaved=interleaved, num_mtp_layers=mtp)

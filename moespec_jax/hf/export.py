@@ -51,7 +51,7 @@ def qwen2_moe_config(config: ModelConfig) -> dict:
   """The transformers config.json of `config` in the Qwen2-MoE layout."""
   check_exportable(config)
   return {
-      "architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe", "dtype": config.dtype,
+      "architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe", "dtype": "float32",
       "vocab_size": config.vocab_size, "hidden_size": config.d_model, "num_hidden_layers": config.n_layers,
       "num_attention_heads": config.n_heads, "num_key_value_heads": config.n_kv_heads,
       "head_dim": config.head_dim, "hidden_act": "silu", "rms_norm_eps": config.norm_eps,

@@ -66,3 +66,19 @@ def test_export_round_trips_and_greedy_tokens_match(exported):
 def test_layouts_qwen2_moe_cannot_express_are_refused(tiny_config, change, field):
   with pytest.raises(ValueError, match=f"Qwen2-MoE export: {field}="):
     export.qwen2_moe_config(tiny_config.replace(**change))
+
+
+def test_an_imported_qwen2_moe_exports_to_the_same_model(tmp_path):
+  """The branches our own models do not take: a gated shared expert, q/k/v biases and tied
+  embeddings (a random transformers Qwen2-MoE, imported, exported, loaded by transformers again)."""
+  from moespec_jax.hf import tiny_families
+  ref = tiny_families.build("qwen2_moe", tmp_path / "original")
+  model = msj.Model.load(tmp_path / "original")
+  c = model.config
+  assert c.shared_expert_gate and c.qkv_bias and c.tie_embeddings
+  again = transformers.AutoModelForCausalLM.from_pretrained(model.save_hf(tmp_path / "exported"),
+                                                            dtype=torch.float32).eval()
+  tokens = torch.tensor(np.random.default_rng(3).integers(0, 250, size=(2, 16)), dtype=torch.long)
+  with torch.no_grad():
+    diff = (ref(tokens).logits - again(tokens).logits).abs().max().item()
+  assert diff <= 1e-5, f"max |logit diff| {diff}"
