@@ -20,6 +20,7 @@ import numpy as np
 
 import pallas_kernels
 from moespec_jax.analysis import cost_validation
+from moespec_jax.analysis.roofline import stream_read_gbps
 from pallas_kernels import bytes as kbytes
 
 SHAPES = {
@@ -43,14 +44,6 @@ _MAX_WEIGHT_GB = flags.DEFINE_float("max_weight_gb", 3.0, "Benchmark a subset of
 _BACKEND = flags.DEFINE_string("backend", "auto", "Kernel backend for dedup/per_slot.")
 _QUICK = flags.DEFINE_bool("quick", False, "Small run (tiny shape, n 1,2,4, 3 repeats) for tests.")
 _SEED = flags.DEFINE_integer("seed", 0, "Routing and weight seed.")
-
-
-def stream_read_gbps(repeats=7):
-  """Streaming read bandwidth: jnp.sum over a 256 MB f32 array (median of repeats)."""
-  a = jnp.ones((64 * 1024 * 1024,), jnp.float32)
-  f = jax.jit(jnp.sum)
-  t = _median_time(f, (a,), repeats)
-  return a.nbytes / t / 1e9
 
 
 def _median_time(f, args, repeats):

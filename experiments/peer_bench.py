@@ -15,7 +15,13 @@ on code prompts (UTF-8 bytes of standard-library sources as token ids). Measurem
 rounds: at batch 1 both implementations' plain and prompt-lookup decoding once each per round,
 at batch 8 both plain decoders, the order reversing from round to round; tokens/s are medians
 over rounds and the summary's ratios medians of within-round ratios (this machine's speed drifts
-by tens of percent over minutes). Compilation and a warm-up call are excluded. Writes
+by tens of percent over minutes). Compilation and a warm-up call are excluded.
+
+The memory-bound ceiling beside the plain rows (`analysis/roofline`): the weight bytes one decode
+step reads (routed experts as our decoding routed them: both sides emit the same tokens) and the
+streaming read bandwidth, measured before the first family and after each; `ceiling_ratio_b*` is
+the largest speed ratio over transformers that any decoder reading those bytes at that bandwidth
+could reach, and `read_gbps` what each side sustained (prefill included: a lower bound). Writes
 DIR/metrics.json and DIR/table.md. Needs the dev extra.
 """
 
@@ -31,6 +37,7 @@ from absl import flags
 import numpy as np
 
 from moespec_jax import cli
+from moespec_jax.analysis import roofline
 from moespec_jax.io import atomic
 
 _WORKDIR = flags.DEFINE_string("workdir", "runs/peer_bench", "Where metrics.json and table.md go.")
@@ -127,21 +134,29 @@ def bench_family(family: str, ckpt: pathlib.Path, size: dict, *, max_new: int, r
       common = dict(family=family, params=n_params, batch_size=batch, drafter=drafter,
                     num_draft=num_draft if drafter == "ngram" else 0, max_new_tokens=max_new,
                     prompt_len=prompt_len, auto_draft=bool(auto_draft and drafter == "ngram"))
+      if drafter == "none":  # the same tokens, so the same experts, on both sides
+        step_bytes = roofline.decode_weight_bytes(model.config, ours_out.stats["unique_experts_per_pass"])
+        common["weight_bytes_per_step"] = step_bytes
       ours_t, hf_t = seconds[("moespec_jax", drafter)], seconds[("transformers", drafter)]
-      rows.append({**common, "impl": "moespec_jax", "tokens_per_second": ours_n / statistics.median(ours_t),
-                   "tokens": ours_n, "seconds": ours_t,
-                   "mean_accepted_length": ours_out.stats.get("mean_accepted_length"),
-                   "passes_by_num_draft": ours_out.stats.get("passes_by_num_draft"),
-                   "tokens_identical_to_transformers": all(match)})
-      rows.append({**common, "impl": "transformers", "tokens_per_second": hf_out.size / statistics.median(hf_t),
-                   "tokens": int(hf_out.size), "seconds": hf_t, "mean_accepted_length": None,
-                   "tokens_identical_to_transformers": True})
+      for impl, n_tokens, times, extra in (
+          ("moespec_jax", ours_n, ours_t, {"mean_accepted_length": ours_out.stats.get("mean_accepted_length"),
+                                            "passes_by_num_draft": ours_out.stats.get("passes_by_num_draft"),
+                                            "tokens_identical_to_transformers": all(match)}),
+          ("transformers", int(hf_out.size), hf_t, {"mean_accepted_length": None,
+                                                    "tokens_identical_to_transformers": True})):
+        row = {**common, "impl": impl, "tokens_per_second": n_tokens / statistics.median(times),
+               "tokens": n_tokens, "seconds": times, **extra}
+        if drafter == "none":  # one step per generated token and row
+          row["read_gbps"] = step_bytes * row["tokens_per_second"] / batch / 1e9
+        rows.append(row)
   return rows
 
 
-def summarize(rows: list[dict]) -> list[dict]:
+def summarize(rows: list[dict], stream_gbps: float | None = None) -> list[dict]:
   """Per family: speed ratios (ours / transformers) and each side's n-gram speedup over its own
-  plain decoding, each the median over rounds of the ratio of tokens/s within a round."""
+  plain decoding, each the median over rounds of the ratio of tokens/s within a round; with
+  `stream_gbps`, the memory-bound ceiling on the plain ratios (`roofline`) and the share of
+  the streaming bandwidth our plain decoding sustained."""
   out = []
   for family in dict.fromkeys(r["family"] for r in rows):
     by = {(r["impl"], r["batch_size"], r["drafter"]): r for r in rows if r["family"] == family}
@@ -150,13 +165,20 @@ def summarize(rows: list[dict]) -> list[dict]:
       a, b = by[num], by[den]
       return statistics.median((a["tokens"] / ta) / (b["tokens"] / tb) for ta, tb in zip(a["seconds"], b["seconds"]))
 
-    out.append(dict(
+    s = dict(
         family=family,
         plain_ratio_b1=ratio(("moespec_jax", 1, "none"), ("transformers", 1, "none")),
         plain_ratio_b8=ratio(("moespec_jax", 8, "none"), ("transformers", 8, "none")),
         ngram_speedup_ours=ratio(("moespec_jax", 1, "ngram"), ("moespec_jax", 1, "none")),
         ngram_speedup_transformers=ratio(("transformers", 1, "ngram"), ("transformers", 1, "none")),
-        tokens_identical=all(r["tokens_identical_to_transformers"] for r in by.values())))
+        tokens_identical=all(r["tokens_identical_to_transformers"] for r in by.values()))
+    for batch in (1, 8):
+      ours, theirs = by[("moespec_jax", batch, "none")], by[("transformers", batch, "none")]
+      if stream_gbps and "weight_bytes_per_step" in ours:
+        bound = roofline.bound_tokens_per_second(ours["weight_bytes_per_step"], stream_gbps, batch)
+        s[f"ceiling_ratio_b{batch}"] = bound / theirs["tokens_per_second"]
+        s[f"stream_fraction_b{batch}"] = ours["read_gbps"] / stream_gbps
+    out.append(s)
   return out
 
 
@@ -173,11 +195,14 @@ def table(rows: list[dict], summary: list[dict]) -> str:
                  f"{r['tokens_per_second'] / h['tokens_per_second']:.2f}x | "
                  f"{r['tokens_identical_to_transformers']} |")
   lines += ["", "| family | plain b1 ratio | plain b8 ratio | n-gram speedup (ours) | "
-            "prompt-lookup speedup (transformers) | identical |", "|---|---|---|---|---|---|"]
+            "prompt-lookup speedup (transformers) | identical | b1 / b8 ceiling ratio | "
+            "b1 / b8 share of stream bandwidth (ours) |", "|---|---|---|---|---|---|---|---|"]
+  pair = lambda s, key, fmt: (" / ".join(format(s[f"{key}_b{b}"], fmt) for b in (1, 8))  # noqa: E731
+                              if f"{key}_b8" in s else "-")
   for s in summary:
     lines.append(f"| {s['family']} | {s['plain_ratio_b1']:.2f}x | {s['plain_ratio_b8']:.2f}x | "
                  f"{s['ngram_speedup_ours']:.2f}x | {s['ngram_speedup_transformers']:.2f}x | "
-                 f"{s['tokens_identical']} |")
+                 f"{s['tokens_identical']} | {pair(s, 'ceiling_ratio', '.2f')} | {pair(s, 'stream_fraction', '.0%')} |")
   return "\n".join(lines) + "\n"
 
 
@@ -191,7 +216,8 @@ def _finished_rows(path: pathlib.Path, *, quick, size, repeats, max_new, prompt_
           and old.get("repeats") == repeats
           and all(r["max_new_tokens"] == max_new and r["prompt_len"] == prompt_len
                   and r["num_draft"] in (0, num_draft) and r.get("auto_draft", False) == (
-                      auto_draft and r["drafter"] == "ngram") for r in old.get("rows", [])))
+                      auto_draft and r["drafter"] == "ngram")
+                  and (r["drafter"] != "none" or "weight_bytes_per_step" in r) for r in old.get("rows", [])))
   return list(old.get("rows", [])) if same else []
 
 
@@ -217,6 +243,8 @@ def main(argv):
   rows = _finished_rows(workdir / "metrics.json", quick=quick, size=size, repeats=repeats, max_new=max_new,
                         prompt_len=prompt_len, num_draft=_NUM_DRAFT.value, auto_draft=_AUTO.value)
   done = {r["family"] for r in rows}
+  streams = [roofline.stream_read_gbps()]
+  print(f"stream read bandwidth: {streams[-1]:.1f} GB/s", flush=True)
   if done:
     print(f"resuming: {sorted(done)} already measured in {workdir / 'metrics.json'}", flush=True)
   todo = [(f, workdir / "checkpoints" / (f"{f}-quick" if quick else f)) for f in families]
@@ -231,15 +259,17 @@ def main(argv):
       export.export_qwen2_moe(ensure_default_model(train_heads=False), ckpt)
     rows += bench_family(family, ckpt, size, max_new=max_new, repeats=repeats,
                          num_draft=_NUM_DRAFT.value, prompt_len=prompt_len, auto_draft=_AUTO.value)
+    streams.append(roofline.stream_read_gbps())
     # Written after each family, so that a long run leaves its finished part.
-    summary = summarize(rows)
+    summary = summarize(rows, statistics.median(streams))
     text = table(rows, summary)
     atomic.write_json_atomic(workdir / "metrics.json", {
         "experiment": "peer_bench", "protocol": PROTOCOL, "quick": quick, "size": size, "repeats": repeats,
+        "stream_read_gbps": statistics.median(streams), "stream_read_gbps_samples": streams,
         "families_done": sorted({r["family"] for r in rows}), "rows": rows, "summary": summary})
     atomic.write_text_atomic(workdir / "table.md", text)
     print(f"{family}: done", flush=True)
-  print(text)
+  print(table(rows, summarize(rows, statistics.median(streams))))
 
 
 if __name__ == "__main__":

@@ -182,7 +182,7 @@ class ModelConfig:
     norms = 2 * d
     dense_ffn = 3 * d * self.dense_hidden
     shared = 3 * d * self.shared_width + (d if self.shared_expert_gate else 0)
-    router = d * e
+    router = d * e + (e if self.use_score_bias else 0)  # the routing correction bias (DeepSeek-V3)
     expert = 3 * d * f
     emb = self.vocab_size * d * (1 if self.tie_embeddings else 2) + d
     total = emb + self.n_layers * (attn + norms)

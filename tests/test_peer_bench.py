@@ -26,3 +26,20 @@ def test_summary_ratios_are_medians_of_within_round_ratios():
   assert s["plain_ratio_b1"] == pytest.approx(5.0) and s["plain_ratio_b8"] == pytest.approx(3.0)
   assert s["ngram_speedup_ours"] == pytest.approx(1.25) and s["ngram_speedup_transformers"] == pytest.approx(1.0)
   assert s["tokens_identical"]
+
+
+def test_summary_ceiling_is_the_stream_bound_over_transformers():
+  """At 10 GB/s, 0.1 GB per step bounds batch 8 at 800 tokens/s: 2x transformers' 400; ours
+  sustained 6 GB/s, 60% of the stream."""
+  def row(impl, batch, drafter, tok_s, **extra):
+    return {"family": "f", "impl": impl, "batch_size": batch, "drafter": drafter, "seconds": [1.0], "params": 1e6,
+            "tokens": tok_s, "tokens_per_second": tok_s, "tokens_identical_to_transformers": True, **extra}
+  plain = lambda impl, batch, tok_s: row(impl, batch, "none", tok_s, weight_bytes_per_step=1e8,  # noqa: E731
+                                          read_gbps=1e8 * tok_s / batch / 1e9)
+  rows = [plain("moespec_jax", 1, 60), plain("transformers", 1, 20), row("moespec_jax", 1, "ngram", 90),
+          row("transformers", 1, "ngram", 30), plain("moespec_jax", 8, 480), plain("transformers", 8, 400)]
+  (s,) = peer_bench.summarize(rows, stream_gbps=10.0)
+  assert s["ceiling_ratio_b8"] == pytest.approx(2.0) and s["ceiling_ratio_b1"] == pytest.approx(5.0)
+  assert s["stream_fraction_b8"] == pytest.approx(0.6) and s["stream_fraction_b1"] == pytest.approx(0.6)
+  assert "| 5.00 / 2.00 | 60% / 60% |" in peer_bench.table(rows, [s])
+  assert "ceiling_ratio_b8" not in peer_bench.summarize(rows)[0]  # no bandwidth measured: no ceiling

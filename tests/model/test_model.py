@@ -81,10 +81,12 @@ def test_forward_returns_hidden_and_routing(tiny_model, tiny_config):
   np.testing.assert_allclose(np.asarray(out.routing.probs).sum(-1), 1.0, atol=1e-5)
 
 
-def test_param_counts_match_the_module(tiny_config):
-  _, state = nnx.split(Transformer(tiny_config, rngs=nnx.Rngs(0)))
+@pytest.mark.parametrize("change", [{}, {"use_score_bias": True, "score_func": "sigmoid"}])
+def test_param_counts_match_the_module(tiny_config, change):
+  config = tiny_config.replace(**change)
+  _, state = nnx.split(Transformer(config, rngs=nnx.Rngs(0)))
   n = sum(x.size for x in jax.tree.leaves(nnx.to_pure_dict(state)))
-  assert n == tiny_config.param_counts()["total"]
+  assert n == config.param_counts()["total"]
 
 
 def test_dropless_moe_equals_dense_all_experts_reference():

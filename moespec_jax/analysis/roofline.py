@@ -1,0 +1,50 @@
+"""The memory-bound ceiling of decoding: the weight bytes one decode step must read, and the
+machine's streaming read bandwidth.
+
+No implementation of the same weights in the same dtype decodes faster than
+bandwidth / bytes-per-step steps per second, so this ceiling over a peer's measured tokens/s is
+the largest speed ratio any decoder of those weights can reach over that peer
+(experiments/peer_bench reports it beside the measured ratios).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from moespec_jax.analysis import cost_validation
+
+STREAM_BYTES = 256 * 1024 * 1024  # far beyond the processor's caches
+
+
+def stream_read_gbps(repeats: int = 7) -> float:
+  """Streaming read bandwidth (GB/s): a jitted jnp.sum over a 256 MB f32 array, median of repeats."""
+  a = jnp.ones((STREAM_BYTES // 4,), jnp.float32)
+  t_ms = cost_validation.median_time_ms(jax.jit(jnp.sum), (a,), repeats)
+  return a.nbytes / (t_ms / 1e3) / 1e9
+
+
+def decode_weight_bytes(config, unique_experts_L: Sequence[float]) -> float:
+  """Weight bytes one decode step of the target reads: every weight but the routed experts and
+  the input embedding table (a step gathers one row per token of it; it is read whole only as
+  a tied output head), plus each MoE layer's distinct routed experts (`unique_experts_L`, e.g.
+  `generate(...).stats["unique_experts_per_pass"]`). MTP heads are not counted."""
+  unique_L = np.asarray(unique_experts_L, float)
+  if unique_L.shape != (config.n_moe_layers,):
+    raise ValueError(f"unique_experts_L must have one entry per MoE layer ({config.n_moe_layers}), "
+                     f"got shape {unique_L.shape}")
+  if np.any(unique_L < 0) or np.any(unique_L > config.n_routed_experts):
+    raise ValueError(f"unique_experts_L must lie in [0, {config.n_routed_experts}], got {unique_L.tolist()}")
+  expert = 3 * config.d_model * config.expert_hidden
+  params = config.param_counts()["total"] - config.n_moe_layers * config.n_routed_experts * expert
+  if not config.tie_embeddings:
+    params -= config.vocab_size * config.d_model
+  return float((params + unique_L.sum() * expert) * jnp.dtype(config.dtype).itemsize)
+
+
+def bound_tokens_per_second(weight_bytes: float, read_gbps: float, batch_size: int) -> float:
+  """Tokens/s of a decoder that does nothing but read `weight_bytes` per step at `read_gbps`."""
+  return read_gbps * 1e9 / weight_bytes * batch_size
