@@ -55,7 +55,8 @@ class Attention(nnx.Module):
     return q_BTHK, k_BTGK, v_BTGK
 
   def __call__(self, x_BTD, positions_BT, rope, layer_cache=None, *, fresh_cache: bool = False):
-    """Returns (out_BTD, (keys_NSK, values_NSK) or None), N = B * n_kv_heads.
+    """Returns (out_BTD, (keys_NKS, values_NSK) or None), N = B * n_kv_heads (keys key-major:
+    `cache.KVCache`).
 
     With `layer_cache=(keys, values)`, the pass's keys/values are written at their positions
     (each row's positions must be contiguous) and queries attend to the cache (positions <=
@@ -77,16 +78,19 @@ class Attention(nnx.Module):
     g, r, k = self.n_kv_heads, self.n_heads // self.n_kv_heads, self.head_dim
     scale = 1.0 / jnp.sqrt(jnp.float32(k))
     q_NQK = q_BTHK.reshape(b, t, g, r, k).transpose(0, 2, 1, 3, 4).reshape(b * g, t * r, k)
-    new_cache = None if layer_cache is None else tuple(
-        cache_lib.write_positions(c, new, positions_BT[:, 0]) for c, new in zip(layer_cache, (k_BTGK, v_BTGK)))
+    new_cache = None if layer_cache is None else (
+        cache_lib.write_positions(layer_cache[0], k_BTGK, positions_BT[:, 0], key_major=True),
+        cache_lib.write_positions(layer_cache[1], v_BTGK, positions_BT[:, 0]))
     if new_cache is None or fresh_cache:  # S: the pass's own positions
       keys_NSK, values_NSK = (x.swapaxes(1, 2).reshape(b * g, t, k) for x in (k_BTGK, v_BTGK))
       key_pos_BS = positions_BT
+      scores_NQS = jnp.einsum("nqk,nsk->nqs", q_NQK, keys_NSK)
     else:
-      keys_NSK, values_NSK = new_cache
-      key_pos_BS = jnp.arange(keys_NSK.shape[1])[None]
+      keys_NKS, values_NSK = new_cache
+      key_pos_BS = jnp.arange(keys_NKS.shape[2])[None]
+      scores_NQS = jnp.einsum("nqk,nks->nqs", q_NQK, keys_NKS)
     visible_BQS = jnp.repeat(key_pos_BS[:, None, :] <= positions_BT[:, :, None], r, axis=1)
-    scores_BGQS = jnp.einsum("nqk,nsk->nqs", q_NQK, keys_NSK).astype(jnp.float32).reshape(b, g, t * r, -1)
+    scores_BGQS = scores_NQS.astype(jnp.float32).reshape(b, g, t * r, -1)
     probs_BGQS = jax.nn.softmax(jnp.where(visible_BQS[:, None], scores_BGQS * scale, -1e30), axis=-1)
     probs_NQS = probs_BGQS.reshape(b * g, t * r, -1).astype(values_NSK.dtype)
     out_NQK = jnp.einsum("nqs,nsk->nqk", probs_NQS, values_NSK)

@@ -64,7 +64,8 @@ def test_fresh_cache_prefill_equals_cached_prefill_and_skips_nothing_it_needs(ti
   np.testing.assert_allclose(np.asarray(fresh.hidden), np.asarray(plain.hidden), atol=1e-5, rtol=1e-5)
   for a, b in zip(jax.tree.leaves(fresh.cache), jax.tree.leaves(plain.cache)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
-  assert fresh.cache.keys[0].shape == (2 * module.config.n_kv_heads, 16, module.config.head_dim)
+  assert fresh.cache.keys[0].shape == (2 * module.config.n_kv_heads, module.config.head_dim, 16)
+  assert fresh.cache.values[0].shape == (2 * module.config.n_kv_heads, 16, module.config.head_dim)
   pos = jnp.broadcast_to(jnp.arange(6, 10), (2, 4))
   nxt = module(jnp.asarray(tokens[:, 6:]), pos, fresh.cache)
   np.testing.assert_allclose(np.asarray(nxt.logits), np.asarray(module(jnp.asarray(tokens)).logits)[:, 6:],
