@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from moespec_jax.analysis import cost_validation
+from pallas_kernels import bytes as kbytes
 
 STREAM_BYTES = 256 * 1024 * 1024  # far beyond the processor's caches
 
@@ -38,11 +39,12 @@ def decode_weight_bytes(config, unique_experts_L: Sequence[float]) -> float:
                      f"got shape {unique_L.shape}")
   if np.any(unique_L < 0) or np.any(unique_L > config.n_routed_experts):
     raise ValueError(f"unique_experts_L must lie in [0, {config.n_routed_experts}], got {unique_L.tolist()}")
-  expert = 3 * config.d_model * config.expert_hidden
-  params = config.param_counts()["total"] - config.n_moe_layers * config.n_routed_experts * expert
+  itemsize = jnp.dtype(config.dtype).itemsize
+  expert = kbytes.expert_bytes(config.d_model, config.expert_hidden, itemsize)
+  other = config.param_counts()["total"] * itemsize - config.n_moe_layers * config.n_routed_experts * expert
   if not config.tie_embeddings:
-    params -= config.vocab_size * config.d_model
-  return float((params + unique_L.sum() * expert) * jnp.dtype(config.dtype).itemsize)
+    other -= config.vocab_size * config.d_model * itemsize
+  return float(other + unique_L.sum() * expert)
 
 
 def bound_tokens_per_second(weight_bytes: float, read_gbps: float, batch_size: int) -> float:

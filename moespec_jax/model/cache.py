@@ -58,16 +58,16 @@ def write_rows(buffer_BS, new_BT, start_B):
   return jax.vmap(one_row)(buffer_BS, new_BT, start_B)
 
 
-def write_positions(cache_NSD, new_BTHD, start_B, *, key_major: bool = False):
+def write_positions(cache, new_BTHD, start_B, *, key_major: bool = False):
   """Writes a pass's T new entries per row (as the projections give them, [B, T, H, D]) into
-  the [N = B * H, S, D] cache (`key_major`: [N, D, S]) at each row's start position (in place
-  under jit)."""
+  the cache, [N = B * H, S, D] (`key_major`: [N, D, S]), at each row's start position (in
+  place under jit)."""
   b, t, h, d = new_BTHD.shape
-  new_NTD = jnp.swapaxes(new_BTHD, 1, 2).reshape(b * h, t, d).astype(cache_NSD.dtype)
+  new_NTD = jnp.swapaxes(new_BTHD, 1, 2).reshape(b * h, t, d).astype(cache.dtype)
   new = jnp.swapaxes(new_NTD, 1, 2) if key_major else new_NTD
   axis = 2 if key_major else 1
   if b == 1:  # one start for every head: a plain update, not a scatter
-    return jax.lax.dynamic_update_slice_in_dim(cache_NSD, new, start_B[0], axis=axis)
+    return jax.lax.dynamic_update_slice_in_dim(cache, new, start_B[0], axis=axis)
   start_N = jnp.repeat(start_B, h)
   return jax.vmap(lambda c, n, s: jax.lax.dynamic_update_slice_in_dim(c, n, s, axis=axis - 1))(
-      cache_NSD, new, start_N)
+      cache, new, start_N)
