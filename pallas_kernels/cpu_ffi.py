@@ -1,7 +1,8 @@
-"""CPU fast paths: the C++ expert FFN (csrc/moe_ffn_cpu.cc) built on first use, called via jax.ffi.
+"""CPU fast paths, built on first use and called via jax.ffi: the C++ expert FFN
+(csrc/moe_ffn_cpu.cc) and a monotonic clock that compiled programs read (csrc/clock_cpu.cc).
 
 The shared library is compiled by the system C++ compiler ($MOESPEC_CXX, default g++) into
-$MOESPEC_CACHE/build (default ~/.cache/moespec_jax/build), named by a hash of the source, the
+$MOESPEC_CACHE/build (default ~/.cache/moespec_jax/build), named by a hash of the sources, the
 flags, the compiler, the CPU and the jax version, and written atomically (temporary file +
 os.replace), so concurrent processes never load a half-written library. Nothing is downloaded.
 If no compiler is found, `ensure_built` raises `CpuKernelUnavailable` with the reason; callers
@@ -23,9 +24,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-_SOURCE = pathlib.Path(__file__).parent / "csrc" / "moe_ffn_cpu.cc"
-_TARGET = "moespec_moe_ffn_f32"
-_SYMBOL = "MoespecMoeFfnF32"
+_CSRC = pathlib.Path(__file__).parent / "csrc"
+_SOURCES = (_CSRC / "moe_ffn_cpu.cc", _CSRC / "clock_cpu.cc")
+# FFI target -> the handler symbol the library exports.
+_TARGETS = {"moespec_moe_ffn_f32": "MoespecMoeFfnF32", "moespec_clock_cpu": "MoespecClockCpu"}
 _FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno")
 MODES = {"dedup": 0, "per_slot": 1}
 
@@ -64,7 +66,7 @@ def library_path():
   """Where the library for this source/compiler/CPU lives (it may not exist yet)."""
   cxx = _compiler()
   h = hashlib.sha256()
-  for part in (_SOURCE.read_bytes(), " ".join(_FLAGS).encode(), cxx.encode(), _cpu_signature().encode(),
+  for part in (*(src.read_bytes() for src in _SOURCES), " ".join(_FLAGS).encode(), cxx.encode(), _cpu_signature().encode(),
                jax.__version__.encode()):
     h.update(part)
   return cache_dir() / "build" / f"moe_ffn_cpu-{h.hexdigest()[:16]}.so"
@@ -75,11 +77,11 @@ def _build(out):
   out.parent.mkdir(parents=True, exist_ok=True)
   fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=out.name + ".", suffix=".tmp")
   os.close(fd)
-  cmd = [cxx, *_FLAGS, f"-I{jax.ffi.include_dir()}", str(_SOURCE), "-o", tmp]
+  cmd = [cxx, *_FLAGS, f"-I{jax.ffi.include_dir()}", *map(str, _SOURCES), "-o", tmp]
   try:
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
-      raise CpuKernelUnavailable(f"compiling {_SOURCE.name} failed:\n{' '.join(cmd)}\n{proc.stderr[-4000:]}")
+      raise CpuKernelUnavailable(f"compiling {', '.join(src.name for src in _SOURCES)} failed:\n{' '.join(cmd)}\n{proc.stderr[-4000:]}")
     os.replace(tmp, out)
   finally:
     if os.path.exists(tmp):
@@ -97,7 +99,8 @@ def ensure_built():
         logging.info("building the C++ CPU expert kernel into %s", path)
         _build(path)
       lib = ctypes.CDLL(str(path))
-      jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(getattr(lib, _SYMBOL)), platform="cpu")
+      for target, symbol in _TARGETS.items():
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
     except CpuKernelUnavailable as e:
       _state["error"] = str(e)
       raise
@@ -139,7 +142,24 @@ def expert_ffn_cpu(x_TD, expert_ids_TK, gates_TK, w_gate_EDF, w_up_EDF, w_down_E
     raise ValueError(f"method must be one of {tuple(MODES)}, got {method!r}")
   ensure_built()
   f32 = jnp.float32
-  out = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct(x_TD.shape, f32), vmap_method="sequential")(
+  out = jax.ffi.ffi_call("moespec_moe_ffn_f32", jax.ShapeDtypeStruct(x_TD.shape, f32), vmap_method="sequential")(
       x_TD.astype(f32), expert_ids_TK.astype(jnp.int32), gates_TK.astype(f32), w_gate_EDF.astype(f32),
       w_up_EDF.astype(f32), w_down_EFD.astype(f32), mode=np.int32(MODES[method]))
   return out.astype(x_TD.dtype)
+
+
+def clock_after(x):
+  """(x, now): `x` (int32, any shape) passed through, and a CLOCK_MONOTONIC reading taken after
+  x was computed and before anything that uses the returned x runs (int32 [2]: seconds,
+  nanoseconds). Inside a compiled CPU program, no host round trip; see `elapsed_ms`."""
+  ensure_built()
+  x = jnp.asarray(x, jnp.int32)
+  return jax.ffi.ffi_call("moespec_clock_cpu", (jax.ShapeDtypeStruct(x.shape, jnp.int32),
+                                                jax.ShapeDtypeStruct((2,), jnp.int32)),
+                          has_side_effect=True, vmap_method="sequential")(x)
+
+
+def elapsed_ms(start_2, end_2):
+  """Milliseconds (f32) between two `clock_after` readings."""
+  seconds = (end_2[0] - start_2[0]).astype(jnp.float32)
+  return seconds * 1e3 + (end_2[1] - start_2[1]).astype(jnp.float32) * 1e-6

@@ -5,6 +5,7 @@ bf16 inputs and weights 5e-2 (bf16 rounding of h and of the products).
 """
 
 import functools
+import time
 
 import jax
 import jax.numpy as jnp
@@ -174,6 +175,28 @@ def test_cpu_build_is_cached_by_hash(cpu_kernel):
   del cpu_kernel
   path = cpu_ffi.library_path()
   assert path.exists() and path.parent.name == "build" and path.suffix == ".so"
+
+
+def test_clock_inside_a_compiled_loop(cpu_kernel):
+  """clock_after passes its operand through and reads a clock ordered by data: readings around
+  each of 3 loop iterations of real work never go back and add up to the loop's time."""
+  del cpu_kernel
+  def body(i, state):
+    x_I, a_DD, elapsed_3 = state
+    x_I, start_2 = cpu_ffi.clock_after(x_I)
+    for _ in range(8):
+      a_DD = jnp.tanh(a_DD @ a_DD + x_I[0].astype(jnp.float32))
+    x_I, end_2 = cpu_ffi.clock_after(x_I + (a_DD[0, 0] > 2.0).astype(jnp.int32))
+    return x_I, a_DD, elapsed_3.at[i].set(cpu_ffi.elapsed_ms(start_2, end_2))
+
+  run = jax.jit(lambda x_I, a_DD: jax.lax.fori_loop(0, 3, body, (x_I, a_DD, jnp.zeros(3))))
+  a_DD = jnp.full((256, 256), 1e-3, jnp.float32)
+  jax.block_until_ready(run(jnp.arange(4, dtype=jnp.int32), a_DD))
+  start = time.perf_counter()
+  x_I, _, elapsed_3 = jax.block_until_ready(run(jnp.arange(4, dtype=jnp.int32), a_DD))
+  wall_ms = (time.perf_counter() - start) * 1e3
+  np.testing.assert_array_equal(x_I, np.arange(4))
+  assert np.all(np.asarray(elapsed_3) > 0) and float(np.sum(elapsed_3)) <= wall_ms
 
 
 # ---- entry point and byte accounting ----

@@ -22,10 +22,23 @@ than the rest of the text (a prompt's continuation, then boilerplate) must not e
 With the n-gram drafter, a segment where no active row's context has a match is
 NO_MATCH_PASSES plain passes (nothing to verify; transformers' prompt lookup also decodes
 plainly without a match).
+
+The calibrated pass times are a snapshot, and on a shared machine the ratios between K's pass
+times drift by 10-20% within minutes (memory bandwidth taken by others slows long passes more
+than short ones). So with SpecParams(auto_timing=True), on CPU, the loop also times its own
+segments (a clock read inside the
+program, pallas_kernels.cpu_ffi.clock_after, no host round trip): `record_pass_time` keeps,
+per K, decayed evidence of the log ratio of measured to calibrated time per pass, and
+`corrected_step_ms` scales each K's calibrated time by it (K's not yet run take the level of
+all K's run so far). A K chosen on a wrong calibration is thus measured and corrected within a
+few segments.
 """
 
 from __future__ import annotations
 
+import math
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -51,6 +64,13 @@ DRAFT_MARGIN = 0.1
 # passes alternating every 8 tokens: 12-18% more time than the same passes unmixed; every 32
 # tokens: none), and near break-even the choice would otherwise flip with the estimate's noise.
 SWITCH_MARGIN = 0.15
+# Pass times measured in the loop: evidence per K decays by TIMING_DECAY per segment run at that
+# K; a K's own evidence outweighs the level pooled over all K's once it has more than
+# TIMING_PRIOR_PASSES passes; a segment's ratio to calibration is clipped to within a factor
+# MAX_TIMING_RATIO (a stall of the machine is not the pass's cost).
+TIMING_DECAY = 0.8
+TIMING_PRIOR_PASSES = 4.0
+MAX_TIMING_RATIO = 4.0
 
 
 def acceptance_estimate(evidence_2):
@@ -121,6 +141,27 @@ def choose_k(evidence_B2, step_ms_K, *, shadow: bool, remaining_B=None, current_
   young_plain = YOUNG_PLAIN_PASSES if shadow else PLAIN_SEGMENT_PASSES
   plain = jnp.where(settled, jnp.int32(PLAIN_SEGMENT_PASSES), jnp.int32(young_plain))
   return k, jnp.where(k == 0, plain, drafting)
+
+
+def record_pass_time(timing_K2, k, passes, elapsed_ms, step_ms_K):
+  """`timing_K2` (decayed [sum of passes * log(measured / calibrated ms per pass), passes] per K)
+  after a segment of `passes` passes at K = k that took `elapsed_ms`; unchanged if passes == 0."""
+  passes = jnp.asarray(passes, jnp.float32)
+  per_pass_ms = elapsed_ms / jnp.maximum(passes, 1.0)
+  limit = math.log(MAX_TIMING_RATIO)
+  log_ratio = jnp.clip(jnp.log(jnp.maximum(per_pass_ms, 1e-6) / step_ms_K[k]), -limit, limit)
+  updated = timing_K2.at[k].set(TIMING_DECAY * timing_K2[k] + jnp.stack([passes * log_ratio, passes]))
+  return jnp.where(passes > 0, updated, timing_K2)
+
+
+def corrected_step_ms(step_ms_K, timing_K2):
+  """Calibrated pass times scaled by what the loop measured (`record_pass_time`): each K by its
+  own evidence, shrunk towards the level pooled over all K's (K's not yet run: that level),
+  then made non-decreasing in K (a longer pass never costs less)."""
+  sums_K, weights_K = timing_K2[:, 0], timing_K2[:, 1]
+  pooled = jnp.sum(sums_K) / jnp.maximum(jnp.sum(weights_K), 1e-6)
+  log_ratio_K = (sums_K + TIMING_PRIOR_PASSES * pooled) / (weights_K + TIMING_PRIOR_PASSES)
+  return jax.lax.cummax(step_ms_K * jnp.exp(log_ratio_K), axis=0)
 
 
 def monotone_step_times(step_ms_K) -> np.ndarray:

@@ -5,7 +5,8 @@ decoding through the same loop with K = 0.
 
 `num_draft="auto"`: every few passes K in 0..max_draft is chosen by the cost model from the
 rows' running acceptance estimates and the per-pass times measured for this model, batch and
-drafter (`calibrate_step_ms`, once per program); one inner loop per K, of which the chosen one
+drafter (`calibrate_step_ms`, once per program) and, on CPU, corrected by the loop's own clock
+as it decodes (`auto_draft.corrected_step_ms`); one inner loop per K, of which the chosen one
 runs. Its cache keeps no lookahead room: K shrinks where the cache ends.
 
 Params and the KV caches are explicit pytrees; the NNX module is merged inside the jit.
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import time
 from typing import Any, Sequence
 
@@ -34,6 +36,7 @@ from moespec_jax.decoding.params import SamplingParams, SpecParams
 from moespec_jax.model import cache as cache_lib
 from moespec_jax.model import mtp as mtp_lib
 from moespec_jax.model.budget import ExpertBudget
+from pallas_kernels import cpu_ffi
 
 
 @dataclasses.dataclass
@@ -52,6 +55,7 @@ class LoopSpec:
   drafter: str  # none | mtp | ngram | controlled
   num_draft: int  # K; with `auto`, the largest K a pass may choose
   auto: bool = False
+  timed: bool = False  # auto K corrects its calibration by the loop's own clock (CPU)
   expert_budget: ExpertBudget | None = None
   measure_quality: bool = False
 
@@ -169,6 +173,12 @@ def _init(model, tokens_BT, lengths_B, key, draft_inputs, ls: LoopSpec):
       # auto K: each row's decayed (accepted, tried) draft counts (shadow drafts included).
       "acceptance_evidence": jnp.zeros((batch, 2), jnp.float32),
       "auto_k": jnp.int32(0),  # auto K: the K of the last segment
+      # auto K, timed (CPU): per-K evidence of measured / calibrated pass time
+      # (auto_draft.record_pass_time), the clock at the last segment's start and the passes run
+      # before it (-1: no segment yet).
+      "pass_timing": jnp.zeros((k_max + 1, 2), jnp.float32),
+      "segment_clock": jnp.zeros((2,), jnp.int32),
+      "segment_start_passes": jnp.int32(-1),
   }
   return {"step": jnp.int32(1), "cache": out.cache, "pos": lengths_B, "pending": first_B,
           "gen": jnp.ones((batch,), jnp.int32), "done": (first_B == config.eos_id) | (ls.max_new_tokens <= 1),
@@ -323,6 +333,15 @@ def _auto_segment(model, carry, step_ms_K, ls: LoopSpec):
   update the state in place.
   """
   stats = carry["stats"]
+  if ls.timed:  # the last segment's time per pass corrects its K's calibrated time
+    pos_B, now_2 = cpu_ffi.clock_after(carry["pos"])
+    started = stats["segment_start_passes"]
+    passes = jnp.where(started >= 0, stats["verify_passes"] - started, 0)
+    timing_K2 = auto_draft.record_pass_time(stats["pass_timing"], stats["auto_k"], passes,
+                                            cpu_ffi.elapsed_ms(stats["segment_clock"], now_2), step_ms_K)
+    stats = dict(stats, pass_timing=timing_K2, segment_clock=now_2, segment_start_passes=stats["verify_passes"])
+    carry = dict(carry, pos=pos_B)
+    step_ms_K = auto_draft.corrected_step_ms(step_ms_K, timing_K2)
   remaining_B = jnp.where(carry["done"], 0, ls.max_new_tokens - carry["gen"])
   k, n_passes = auto_draft.choose_k(stats["acceptance_evidence"], step_ms_K, remaining_B=remaining_B,
                                     shadow=ls.drafter in auto_draft.SHADOW_DRAFTERS, current_k=stats["auto_k"])
@@ -455,7 +474,8 @@ def calibrate_step_ms(ls: LoopSpec, args) -> np.ndarray:
   when its drafts are wrong (random tokens route to more distinct experts than the model's
   own continuation), so the pass times at one rate misjudge another.
   """
-  sig = _signature(_generate_spec, ls, *args)
+  # Timed and untimed programs pass alike: they share one calibration.
+  sig = _signature(_generate_spec, dataclasses.replace(ls, timed=False), *args)
   if ls.drafter == "controlled":
     draft_inputs = args[-1]  # as _prepare builds them
     sig = (sig, float(draft_inputs["acceptance"]))
@@ -520,9 +540,11 @@ def _prepare(model, prompts, max_new_tokens, sampling, spec, seed, reference_tok
     tokens[i, :len(p)] = p
 
   budget = resolve_budget(spec, config)
+  auto = auto and k_draft > 0
   ls = LoopSpec(max_new_tokens=int(max_new_tokens), cache_len=cache_len, sampling=sampling,
                 expert_method=model.expert_method(spec.kernel), drafter=spec.drafter if k_draft else "none",
-                num_draft=k_draft, auto=auto and k_draft > 0, expert_budget=budget,
+                num_draft=k_draft, auto=auto, timed=auto and spec.auto_timing and loop_clock_available(),
+                expert_budget=budget,
                 measure_quality=bool(spec.measure_quality and budget is not None))
   draft_inputs = {}
   if reference is not None:
@@ -531,6 +553,23 @@ def _prepare(model, prompts, max_new_tokens, sampling, spec, seed, reference_tok
   args = (model.graphdef, model.state, jnp.asarray(tokens), jnp.asarray(lengths), jax.random.key(int(seed)),
           draft_inputs)
   return spec, ls, args
+
+
+def loop_clock_available() -> bool:
+  """Whether compiled programs can read a clock here (CPU backend, C++ library built); where
+  not, auto K chooses from its calibration alone (logged once)."""
+  if jax.default_backend() == "cpu" and cpu_ffi.available():
+    return True
+  if not _CLOCK_WARNED:
+    _CLOCK_WARNED.append(True)
+    reason = (f"the {jax.default_backend()} backend" if jax.default_backend() != "cpu"
+              else cpu_ffi.unavailable_reason())
+    logging.warning("num_draft='auto' chooses K from calibrated pass times alone: no clock inside "
+                    "compiled programs (%s)", reason)
+  return False
+
+
+_CLOCK_WARNED: list[bool] = []
 
 
 def generate(model, prompts, max_new_tokens: int = 64, sampling: SamplingParams | None = None,
@@ -602,6 +641,10 @@ def _stats(raw, tokens_BN, seconds: float, spec: SpecParams, ls: LoopSpec, step_
     stats["chosen_num_draft"] = int(np.argmax(by_k))
     stats["mean_num_draft"] = float(np.sum(np.arange(by_k.size) * by_k) / max(by_k.sum(), 1))
     stats["calibrated_step_ms"] = [float(t) for t in step_ms_K]
+    stats["auto_timing"] = ls.timed
+    if ls.timed:  # the pass times auto chose with at the end: calibration corrected by the loop's clock
+      stats["corrected_step_ms"] = [float(t) for t in auto_draft.corrected_step_ms(
+          jnp.asarray(step_ms_K, jnp.float32), jnp.asarray(raw["pass_timing"]))]
     # The acceptance estimate at the end, pooled over the rows (decayed evidence from drafts
     # and shadow drafts).
     stats["acceptance_estimate"] = float(auto_draft.acceptance_estimate(raw["acceptance_evidence"].sum(0)))

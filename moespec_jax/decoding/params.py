@@ -41,11 +41,14 @@ class SpecParams:
 
   num_draft: K, or "auto": each pass chooses K in 0..max_draft with the cost model from the
   running acceptance estimate (decoding/auto_draft.py; K = 0 where speculation does not pay).
+  auto_timing (num_draft="auto", CPU; experimental, off by default): also correct the calibrated
+  pass times by the times the loop measures while it decodes (auto_draft.corrected_step_ms).
   """
 
   drafter: str = "none"
   num_draft: int | str = 3
   max_draft: int = 8
+  auto_timing: bool = False
   controlled_acceptance: float = 0.5
   mode: str = "exact"
   expert_budget: int | None = None
@@ -82,5 +85,7 @@ class SpecParams:
     if isinstance(self.max_draft, bool) or not isinstance(self.max_draft, int) or not 1 <= self.max_draft <= 16:
       raise ValueError(f"max_draft (the largest K of num_draft='auto') must be an int in [1, 16], "
                        f"got {self.max_draft!r}")
+    if not isinstance(self.auto_timing, bool):
+      raise ValueError(f"auto_timing must be a bool, got {self.auto_timing!r}")
     if not isinstance(self.controlled_acceptance, (int, float)) or not 0.0 <= self.controlled_acceptance <= 1.0:
       raise ValueError(f"controlled_acceptance must be in [0, 1], got {self.controlled_acceptance!r}")

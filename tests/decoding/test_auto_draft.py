@@ -267,3 +267,53 @@ def test_final_plain_needs_confidence_without_shadow_drafts():
   assert _k(*hopeful, step_ms, shadow=True) == 0
   assert _k(*hopeful, step_ms) >= 1
   assert _choice(*poor, step_ms) == (0, auto_draft.PLAIN_SEGMENT_PASSES)
+
+
+def test_pass_time_correction_without_evidence_is_the_calibration():
+  step_ms = jnp.asarray([1.0, 1.5, 1.8, 2.0], jnp.float32)
+  timing = jnp.zeros((4, 2), jnp.float32)
+  np.testing.assert_allclose(auto_draft.corrected_step_ms(step_ms, timing), step_ms)
+  # A segment of no passes records nothing.
+  np.testing.assert_array_equal(auto_draft.record_pass_time(timing, 2, 0, 5.0, step_ms), timing)
+
+
+def test_pass_time_correction_follows_the_measured_k():
+  """K = 3 measured at twice its calibration over many segments: K = 3 approaches 2x, K's never
+  run take the pooled level (here all of K = 3), and the result stays non-decreasing."""
+  step_ms = jnp.asarray([1.0, 1.5, 1.8, 2.0], jnp.float32)
+  timing = jnp.zeros((4, 2), jnp.float32)
+  for _ in range(30):
+    timing = auto_draft.record_pass_time(timing, 3, 4, 4 * 2 * 2.0, step_ms)
+  corrected = np.asarray(auto_draft.corrected_step_ms(step_ms, timing))
+  np.testing.assert_allclose(corrected, 2.0 * np.asarray(step_ms), rtol=1e-5)
+  # Now K = 0 measured at its calibration: K = 0 moves back towards 1x, K = 3 stays near 2x.
+  for _ in range(30):
+    timing = auto_draft.record_pass_time(timing, 0, 16, 16 * 1.0, step_ms)
+  corrected = np.asarray(auto_draft.corrected_step_ms(step_ms, timing))
+  assert corrected[0] < 1.15 and 3.6 < corrected[3] < 4.0
+  assert np.all(np.diff(corrected) >= 0)
+
+
+def test_pass_time_correction_clips_a_stall():
+  step_ms = jnp.asarray([1.0, 2.0], jnp.float32)
+  timing = auto_draft.record_pass_time(jnp.zeros((2, 2), jnp.float32), 0, 1, 1e4, step_ms)
+  np.testing.assert_allclose(timing[0], [np.log(auto_draft.MAX_TIMING_RATIO), 1.0], rtol=1e-6)
+
+
+@pytest.mark.parametrize("calibrated_ms", [1e-3, 1e3])
+def test_auto_timing_measures_passes_in_the_loop(auto_model, auto_plain, calibrated_ms, monkeypatch):
+  """Calibrations far too fast (1 us a pass) or far too slow (1 s) against the real passes of
+  the tiny model: every K the loop ran (and, pooled, every other) is corrected by the clipped
+  factor, so the clock inside the program measured something between those bounds."""
+  monkeypatch.setattr(loop, "calibrate_step_ms", lambda ls, args: np.full((4,), calibrated_ms, np.float32))
+  spec = msj.SpecParams(drafter="controlled", num_draft="auto", max_draft=3, controlled_acceptance=0.8,
+                        auto_timing=True)
+  out = msj.generate(auto_model, RAGGED, max_new_tokens=20, spec=spec, reference_tokens=auto_plain)
+  np.testing.assert_array_equal(out.tokens, auto_plain)
+  assert out.stats["auto_timing"] is True
+  factor = auto_draft.MAX_TIMING_RATIO if calibrated_ms < 1 else 1 / auto_draft.MAX_TIMING_RATIO
+  np.testing.assert_allclose(out.stats["corrected_step_ms"], np.full(4, calibrated_ms * factor), rtol=1e-4)
+  untimed = msj.generate(auto_model, RAGGED, max_new_tokens=20, reference_tokens=auto_plain,
+                         spec=msj.SpecParams(drafter="controlled", num_draft="auto", max_draft=3,
+                                             controlled_acceptance=0.8))
+  assert untimed.stats["auto_timing"] is False and "corrected_step_ms" not in untimed.stats
