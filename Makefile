@@ -18,7 +18,7 @@ demo: $(STAMP)
 	$(PY) -m experiments.demo --workdir=runs/demo
 
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n 2 --dist loadfile tests
 
 clean-venv:
 	rm -rf $(VENV)

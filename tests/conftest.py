@@ -1,8 +1,21 @@
-"""Shared fixtures: one tiny random model per session, so compiled programs are reused."""
+"""Shared fixtures (one tiny random model per session, so compiled programs are reused) and what
+keeps the compile-bound suite fast: see the comments below."""
 
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# The suite compiles a few hundred small programs: LLVM's optimisations took a third of their
+# compile time and buy nothing at these shapes (CLI tests' subprocesses inherit this).
+if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
+# One compilation cache per run, shared by the workers and the CLI tests' subprocesses (the same
+# tiny programs are compiled in several processes); made here, removed when the run ends.
+_OWN_CACHE = "JAX_COMPILATION_CACHE_DIR" not in os.environ
+if _OWN_CACHE:
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="moespec-tests-xla-")
+  os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
 
 import pytest  # noqa: E402
 
@@ -22,3 +35,17 @@ def tiny_config() -> ModelConfig:
 def tiny_model(tiny_config):
   import moespec_jax as msj
   return msj.Model.init(tiny_config, seed=0)
+
+
+def pytest_collection_modifyitems(config, items):
+  """Files with slow tests first, each file's order kept: `make test` deals whole files to two
+  workers (pytest-xdist, --dist loadfile), and a long file dealt last would run alone."""
+  del config
+  slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+  items.sort(key=lambda item: item.path not in slow_files)
+
+
+def pytest_unconfigure(config):
+  del config
+  if _OWN_CACHE:
+    shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)

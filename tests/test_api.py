@@ -22,6 +22,7 @@ def _greedy_by_forward(model, prompt, n):
   return out
 
 
+@pytest.mark.slow
 def test_greedy_generate_equals_forward_oracle_on_a_ragged_batch(tiny_model):
   prompts = [[5, 9, 30, 41], [7], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]]
   out = msj.generate(tiny_model, prompts, max_new_tokens=10)

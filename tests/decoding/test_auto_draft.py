@@ -152,6 +152,7 @@ def test_cache_room():
   assert int(loop._cache_room(dict(carry, done=jnp.asarray([False, True, True])), 64)) == 3
 
 
+@pytest.mark.slow
 def test_auto_ngram_without_a_match_runs_plain_passes(auto_model, auto_plain):
   """A pass where no row's context has an n-gram match verifies nothing extra (K = 0)."""
   rows = [i for i, p in enumerate(RAGGED) if int(auto_plain[i][0]) not in p]
@@ -163,6 +164,7 @@ def test_auto_ngram_without_a_match_runs_plain_passes(auto_model, auto_plain):
   assert out.stats["passes_by_num_draft"] == [1, 0, 0, 0]
 
 
+@pytest.mark.slow
 def test_plain_passes_bring_shadow_evidence(auto_model, auto_plain, monkeypatch):
   """Starting from a prior that makes K = 0 the best choice, the plain passes' shadow drafts
   (always right at acceptance 1) raise the estimate until auto drafts; at acceptance 0 they

@@ -209,6 +209,7 @@ def test_unsupported_layouts_are_refused(pairs):
     hf.to_model_config({**v3, "moe_layer_freq": 2})
 
 
+@pytest.mark.slow
 def test_deepseek_v3_mtp_layer_is_loaded(pairs, tmp_path):
   from safetensors.numpy import load_file, save_file
   _, model, path = pairs["deepseek_v3"]

@@ -41,6 +41,7 @@ def test_cached_decoding_equals_full_forward_ragged(tiny_model):
     pos = pos + 1
 
 
+@pytest.mark.slow
 def test_multi_token_pass_with_cache_equals_full_forward(tiny_model):
   module = tiny_model.module()
   tokens = np.random.default_rng(1).integers(0, 256, size=(2, 12)).astype(np.int32)

@@ -11,6 +11,7 @@ import moespec_jax as msj
 from moespec_jax.training import mtp
 
 
+@pytest.mark.slow
 def test_mtp_training_saves_heads_with_the_model_and_resumes(tiny_model, tmp_path):
   tc = mtp.MTPTrainConfig(num_mtp_modules=2, loss="distill", batch_size=2, seq_len=24, steps=3,
                           warmup_steps=1, eval_batches=1, checkpoint_every=2, log_every_seconds=1e9)

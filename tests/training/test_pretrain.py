@@ -24,6 +24,7 @@ def _leaves(model):
   return [np.asarray(x) for x in jax.tree.leaves(model.state)]
 
 
+@pytest.mark.slow
 def test_resume_after_interruption_matches_an_uninterrupted_run(tmp_path, monkeypatch):
   config = ModelConfig(**TINY)
   tc = pretrain.TrainConfig(**TC)
