@@ -510,11 +510,20 @@ def _ratio_text(row, name: str) -> str:
   return f"{row[name]:.3f} [{lo:.3f}, {hi:.3f}]"
 
 
+def _passes_text(passes_K) -> str:
+  """Where auto's passes went: the share at K = 0 and the K >= 1 it drafted with most."""
+  passes_K = np.asarray(passes_K, float)
+  plain = passes_K[0] / max(passes_K.sum(), 1.0)
+  drafting = (f"drafting mostly at K={int(np.argmax(passes_K[1:])) + 1}" if passes_K[1:].sum()
+              else "never drafting")
+  return f"{plain:.0%} of passes plain, {drafting}"
+
+
 def describe_auto(r) -> str:
   """One line per auto row: its medians over rounds with their 90% intervals."""
   who = r["drafter"] + (f" a={r['alpha']:.2f}" if r["alpha"] is not None else "")
   return (f"auto {who}: {_ratio_text(r, 'speedup_vs_plain')}x plain, {_ratio_text(r, 'vs_best_fixed')} of "
-          f"best fixed K={r['best_fixed_num_draft']} (K chosen most {r['chosen_num_draft']}, mean "
+          f"best fixed K={r['best_fixed_num_draft']} ({_passes_text(r['passes_by_num_draft'])}, mean K "
           f"{r['mean_num_draft']:.2f}); plain against itself {_ratio_text(r, 'plain_vs_plain')}")
 
 

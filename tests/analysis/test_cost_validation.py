@@ -130,3 +130,14 @@ def test_quick_run_writes_the_documented_metrics(tiny_config, tmp_path):
   bad = subprocess.run([sys.executable, "-m", "experiments.cost_model", "--n_alphas=1"], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=300)
   assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "n_alphas" in bad.stderr
+
+
+def test_auto_row_text_says_where_the_passes_went():
+  row = {"drafter": "controlled", "alpha": 0.7, "best_fixed_num_draft": 2, "mean_num_draft": 2.18,
+         "passes_by_num_draft": [1236, 6, 3, 353, 106, 132, 1, 2, 316],
+         **{name: 1.0 for name in ("speedup_vs_plain", "vs_best_fixed", "plain_vs_plain")},
+         **{f"{name}_interval": (0.9, 1.1) for name in ("speedup_vs_plain", "vs_best_fixed", "plain_vs_plain")}}
+  text = cost_validation.describe_auto(row)
+  assert "57% of passes plain, drafting mostly at K=3, mean K 2.18" in text
+  assert "100% of passes plain, never drafting" in cost_validation.describe_auto(
+      dict(row, passes_by_num_draft=[40, 0, 0], mean_num_draft=0.0))
