@@ -66,7 +66,8 @@ def library_path():
   """Where the library for this source/compiler/CPU lives (it may not exist yet)."""
   cxx = _compiler()
   h = hashlib.sha256()
-  for part in (*(src.read_bytes() for src in _SOURCES), " ".join(_FLAGS).encode(), cxx.encode(), _cpu_signature().encode(),
+  sources = tuple(src.read_bytes() for src in _SOURCES)
+  for part in (*sources, " ".join(_FLAGS).encode(), cxx.encode(), _cpu_signature().encode(),
                jax.__version__.encode()):
     h.update(part)
   return cache_dir() / "build" / f"moe_ffn_cpu-{h.hexdigest()[:16]}.so"
@@ -81,7 +82,8 @@ def _build(out):
   try:
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
-      raise CpuKernelUnavailable(f"compiling {', '.join(src.name for src in _SOURCES)} failed:\n{' '.join(cmd)}\n{proc.stderr[-4000:]}")
+      names = ", ".join(src.name for src in _SOURCES)
+      raise CpuKernelUnavailable(f"compiling {names} failed:\n{' '.join(cmd)}\n{proc.stderr[-4000:]}")
     os.replace(tmp, out)
   finally:
     if os.path.exists(tmp):

@@ -5,9 +5,9 @@ decoding through the same loop with K = 0.
 
 `num_draft="auto"`: every few passes K in 0..max_draft is chosen by the cost model from the
 rows' running acceptance estimates and the per-pass times measured for this model, batch and
-drafter (`calibrate_step_ms`, once per program) and, on CPU, corrected by the loop's own clock
-as it decodes (`auto_draft.corrected_step_ms`); one inner loop per K, of which the chosen one
-runs. Its cache keeps no lookahead room: K shrinks where the cache ends.
+drafter (`calibrate_step_ms`, once per program) and, with `SpecParams(auto_timing=True)` on
+CPU, corrected by the loop's own clock as it decodes (`auto_draft.corrected_step_ms`); one
+inner loop per K, of which the chosen one runs. Its cache keeps no lookahead room: K shrinks where the cache ends.
 
 Params and the KV caches are explicit pytrees; the NNX module is merged inside the jit.
 Every row has its own PRNG key (folded with the pass index), its own position and accepted
@@ -560,16 +560,15 @@ def loop_clock_available() -> bool:
   not, auto K chooses from its calibration alone (logged once)."""
   if jax.default_backend() == "cpu" and cpu_ffi.available():
     return True
-  if not _CLOCK_WARNED:
-    _CLOCK_WARNED.append(True)
-    reason = (f"the {jax.default_backend()} backend" if jax.default_backend() != "cpu"
-              else cpu_ffi.unavailable_reason())
-    logging.warning("num_draft='auto' chooses K from calibrated pass times alone: no clock inside "
-                    "compiled programs (%s)", reason)
+  _warn_no_clock(f"the {jax.default_backend()} backend" if jax.default_backend() != "cpu"
+                 else cpu_ffi.unavailable_reason())
   return False
 
 
-_CLOCK_WARNED: list[bool] = []
+@functools.cache
+def _warn_no_clock(reason: str) -> None:
+  logging.warning("num_draft='auto' chooses K from calibrated pass times alone: no clock inside "
+                  "compiled programs (%s)", reason)
 
 
 def generate(model, prompts, max_new_tokens: int = 64, sampling: SamplingParams | None = None,
