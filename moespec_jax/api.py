@@ -16,6 +16,7 @@ from moespec_jax.config import ModelConfig
 from moespec_jax.data import tokenizer as tokenizer_lib
 from moespec_jax.io import atomic, checkpoint
 from moespec_jax.model import ForwardOutput, Transformer
+from pallas_kernels import cpu_ffi
 
 FORMAT = "moespec_jax"
 FORMAT_VERSION = 1
@@ -24,6 +25,11 @@ FORMAT_VERSION = 1
 @functools.partial(jax.jit, static_argnums=(0,), static_argnames=("expert_method",))
 def _forward(graphdef, state, tokens_BT, *, expert_method):
   return nnx.merge(graphdef, state)(tokens_BT, expert_method=expert_method)
+
+
+@functools.partial(jax.jit, static_argnums=(1,))
+def _pack_head(weight, tied: bool):
+  return cpu_ffi.pack_columns(weight.T if tied else weight)
 
 
 class Model:
@@ -40,6 +46,7 @@ class Model:
     self.tokenizer = tokenizer
     # Hugging Face import only: {"spec": ImportSpec}.
     self.hf_extras: dict[str, Any] = {}
+    self._packed_head = None  # (the head weight it was packed from, the packed blocks)
 
   # Construction -----------------------------------------------------------------------
   @classmethod
@@ -55,6 +62,14 @@ class Model:
   def from_module(cls, module: Transformer, tokenizer) -> "Model":
     graphdef, state = nnx.split(module)
     return cls(module.config, graphdef, state, tokenizer)
+
+  def packed_head(self):
+    """The output head as `pallas_kernels.cpu_ffi.pack_columns` blocks, what decoding on CPU
+    reads (computed once per head array, then reused by every generate call)."""
+    source = self.state["embed_VD" if self.config.tie_embeddings else "lm_head_DV"][...]
+    if self._packed_head is None or self._packed_head[0] is not source:
+      self._packed_head = (source, _pack_head(source, self.config.tie_embeddings))
+    return self._packed_head[1]
 
   def module(self) -> Transformer:
     """A fresh NNX module holding this model's parameters."""

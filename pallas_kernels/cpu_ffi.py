@@ -1,5 +1,6 @@
 """CPU fast paths, built on first use and called via jax.ffi: the C++ expert FFN
-(csrc/moe_ffn_cpu.cc) and a monotonic clock that compiled programs read (csrc/clock_cpu.cc).
+(csrc/moe_ffn_cpu.cc), the dense product of the decoding output head (csrc/dense_cpu.cc; both on
+csrc/gemv.h) and a monotonic clock that compiled programs read (csrc/clock_cpu.cc).
 
 The shared library is compiled by the system C++ compiler ($MOESPEC_CXX, default g++) into
 $MOESPEC_CACHE/build (default ~/.cache/moespec_jax/build), named by a hash of the sources, the
@@ -25,9 +26,14 @@ import jax.numpy as jnp
 import numpy as np
 
 _CSRC = pathlib.Path(__file__).parent / "csrc"
-_SOURCES = (_CSRC / "moe_ffn_cpu.cc", _CSRC / "clock_cpu.cc")
+_SOURCES = (_CSRC / "moe_ffn_cpu.cc", _CSRC / "dense_cpu.cc", _CSRC / "clock_cpu.cc")
+_HEADERS = (_CSRC / "gemv.h",)
 # FFI target -> the handler symbol the library exports.
-_TARGETS = {"moespec_moe_ffn_f32": "MoespecMoeFfnF32", "moespec_clock_cpu": "MoespecClockCpu"}
+_TARGETS = {"moespec_moe_ffn_f32": "MoespecMoeFfnF32", "moespec_dense_f32": "MoespecDenseF32",
+            "moespec_clock_cpu": "MoespecClockCpu"}
+# Columns per block of a packed dense weight (`pack_columns`): 256 x 256 f32 blocks of a
+# [256, 8192] head streamed fastest of 128 / 256 / 512 / 1024 in decode steps.
+PACK_COLUMNS = 256
 _FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno")
 MODES = {"dedup": 0, "per_slot": 1}
 
@@ -66,7 +72,7 @@ def library_path():
   """Where the library for this source/compiler/CPU lives (it may not exist yet)."""
   cxx = _compiler()
   h = hashlib.sha256()
-  sources = tuple(src.read_bytes() for src in _SOURCES)
+  sources = tuple(src.read_bytes() for src in (*_SOURCES, *_HEADERS))
   for part in (*sources, " ".join(_FLAGS).encode(), cxx.encode(), _cpu_signature().encode(),
                jax.__version__.encode()):
     h.update(part)
@@ -78,7 +84,7 @@ def _build(out):
   out.parent.mkdir(parents=True, exist_ok=True)
   fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=out.name + ".", suffix=".tmp")
   os.close(fd)
-  cmd = [cxx, *_FLAGS, f"-I{jax.ffi.include_dir()}", *map(str, _SOURCES), "-o", tmp]
+  cmd = [cxx, *_FLAGS, f"-I{jax.ffi.include_dir()}", f"-I{_CSRC}", *map(str, _SOURCES), "-o", tmp]
   try:
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -148,6 +154,30 @@ def expert_ffn_cpu(x_TD, expert_ids_TK, gates_TK, w_gate_EDF, w_up_EDF, w_down_E
       x_TD.astype(f32), expert_ids_TK.astype(jnp.int32), gates_TK.astype(f32), w_gate_EDF.astype(f32),
       w_up_EDF.astype(f32), w_down_EFD.astype(f32), mode=np.int32(MODES[method]))
   return out.astype(x_TD.dtype)
+
+
+def pack_columns(w_DV, block: int = PACK_COLUMNS):
+  """`w_DV` [D, V] as column blocks [ceil(V / block), D, block] (zero-padded), the layout
+  `packed_matmul` streams: each block one contiguous [D, block] matrix."""
+  if w_DV.ndim != 2 or block < 1:
+    raise ValueError(f"pack_columns needs a [D, V] weight and block >= 1, got {w_DV.shape}, {block}")
+  d, v = w_DV.shape
+  n = -(-v // block)
+  w = jnp.pad(w_DV.astype(jnp.float32), ((0, 0), (0, n * block - v)))
+  return w.reshape(d, n, block).transpose(1, 0, 2)
+
+
+def packed_matmul(x_MD, w_NDC, n_cols: int | None = None):
+  """x [M, D] @ W for W packed by `pack_columns` (f32): [M, n_cols] (default all N * C columns;
+  pass V to drop the padding). The C++ kernel: each block streamed once for all M rows."""
+  ensure_built()
+  if x_MD.ndim != 2 or w_NDC.ndim != 3 or x_MD.shape[1] != w_NDC.shape[1]:
+    raise ValueError(f"packed_matmul needs x [M, D] and W [N, D, C], got {x_MD.shape} and {w_NDC.shape}")
+  m = x_MD.shape[0]
+  n, _, c = w_NDC.shape
+  y = jax.ffi.ffi_call("moespec_dense_f32", jax.ShapeDtypeStruct((m, n * c), jnp.float32),
+                       vmap_method="sequential")(x_MD.astype(jnp.float32), w_NDC.astype(jnp.float32))
+  return y if n_cols is None or n_cols == n * c else y[:, :n_cols]
 
 
 def clock_after(x):

@@ -177,6 +177,44 @@ def test_cpu_build_is_cached_by_hash(cpu_kernel):
   assert path.exists() and path.parent.name == "build" and path.suffix == ".so"
 
 
+@pytest.mark.parametrize("threads", ["1", "2", "3"])
+def test_packed_matmul_matches_numpy(cpu_kernel, monkeypatch, threads):
+  """The output head's product: any rows, widths that are not multiples of the block or of the
+  16-float vectors (padding dropped), fewer blocks than threads."""
+  del cpu_kernel
+  monkeypatch.setenv("MOESPEC_FFI_THREADS", threads)
+  rng = np.random.default_rng(0)
+  for d, v, block in ((64, 300, 256), (40, 513, 256), (32, 16, 256), (24, 100, 48)):
+    w_DV = rng.normal(size=(d, v)).astype(np.float32)
+    w_NDC = cpu_ffi.pack_columns(jnp.asarray(w_DV), block)
+    assert w_NDC.shape == (-(-v // block), d, block)
+    for m in (0, 1, 3, 8, 9, 17):
+      x_MD = rng.normal(size=(m, d)).astype(np.float32)
+      got = np.asarray(cpu_ffi.packed_matmul(jnp.asarray(x_MD), w_NDC, v))
+      assert got.shape == (m, v)
+      np.testing.assert_allclose(got, x_MD.astype(np.float64) @ w_DV, rtol=1e-5, atol=1e-4)
+
+
+def test_packed_matmul_rows_do_not_depend_on_the_pass(cpu_kernel):
+  """A row's logits are the same bits whether it is multiplied alone (a plain step) or among
+  the rows of a verification pass."""
+  del cpu_kernel
+  rng = np.random.default_rng(1)
+  w_NDC = cpu_ffi.pack_columns(jnp.asarray(rng.normal(size=(256, 1024)), jnp.float32))
+  x_MD = jnp.asarray(rng.normal(size=(18, 256)), jnp.float32)
+  together = np.asarray(cpu_ffi.packed_matmul(x_MD, w_NDC))
+  for m in (0, 5, 17):
+    np.testing.assert_array_equal(np.asarray(cpu_ffi.packed_matmul(x_MD[m:m + 1], w_NDC)), together[m:m + 1])
+
+
+def test_packed_matmul_rejects_bad_shapes(cpu_kernel):
+  del cpu_kernel
+  with pytest.raises(ValueError, match="x \\[M, D\\] and W \\[N, D, C\\]"):
+    cpu_ffi.packed_matmul(jnp.zeros((2, 8)), jnp.zeros((1, 4, 16)))
+  with pytest.raises(ValueError, match="\\[D, V\\] weight"):
+    cpu_ffi.pack_columns(jnp.zeros((2, 3, 4)))
+
+
 def test_clock_inside_a_compiled_loop(cpu_kernel):
   """clock_after passes its operand through and reads a clock ordered by data: readings around
   each of 3 loop iterations of real work never go back and add up to the loop's time."""

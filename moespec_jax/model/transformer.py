@@ -14,6 +14,7 @@ from moespec_jax.model.cache import KVCache
 from moespec_jax.model.layers import RMSNorm, SwiGLU, fan_in_init, rope_tables
 from moespec_jax.model.mla import MLAttention
 from moespec_jax.model.moe import MoE
+from pallas_kernels import cpu_ffi
 
 
 @struct.dataclass
@@ -74,6 +75,8 @@ class Transformer(nnx.Module):
       self.lm_head_DV = None
     else:
       self.lm_head_DV = nnx.Param(fan_in_init(config.d_model)(rngs.params(), (config.d_model, config.vocab_size), dtype))
+    # The head as packed column blocks inside decoding programs (not a parameter; see `head`).
+    self.packed_head_NDC = None
     # MTP drafter heads (model/mtp.py): an optional sub-tree, created after the target so that
     # the target's parameters do not depend on num_mtp_modules.
     if config.num_mtp_modules:
@@ -86,7 +89,13 @@ class Transformer(nnx.Module):
     return KVCache.for_config(self.config, batch, max_len)
 
   def head(self, hidden_BTD):
-    """Output logits (f32) from final hidden states."""
+    """Output logits (f32) from final hidden states. In decoding programs on CPU the head is
+    read as packed column blocks (`packed_head_NDC`, set by decoding.loop: a C++ product that
+    streams it, `pallas_kernels.cpu_ffi.packed_matmul`)."""
+    if self.packed_head_NDC is not None:
+      b, t, d = hidden_BTD.shape
+      logits_MV = cpu_ffi.packed_matmul(hidden_BTD.reshape(b * t, d), self.packed_head_NDC, self.config.vocab_size)
+      return logits_MV.reshape(b, t, -1)
     if self.lm_head_DV is None:  # tied: the embedding read as it lies (a .T was copied every pass)
       return jnp.einsum("btd,vd->btv", hidden_BTD, self.embed_VD[...]).astype(jnp.float32)
     return jnp.einsum("btd,dv->btv", hidden_BTD, self.lm_head_DV[...]).astype(jnp.float32)

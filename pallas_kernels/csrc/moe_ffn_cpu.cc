@@ -32,181 +32,18 @@
 #include <thread>
 #include <vector>
 
+#include "gemv.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int64_t kColBlock = 1024;  // columns of W per row tile (keeps out[m, block] in L1/L2)
-constexpr int64_t kRowTile = 8;     // rows of W combined per output load/store
+using moespec::kManyRows;
+using moespec::MultiGemvAcc;
+using moespec::ThreadsWanted;
+
 constexpr int64_t kMinUnitCols = 1024;  // experts under twice this width are one unit (see above)
-constexpr int64_t kPrefetchRows = 16;   // rows of W ahead that a panel prefetches
-constexpr int64_t kManyRows = 8;        // tokens from which a product is compute-bound
-constexpr int64_t kCachedPanelBytes = 1 << 20;  // W blocks up to this size are re-read from L2
-
-// 16 floats: one AVX-512 register (two AVX2 ones), from any float-aligned address.
-typedef float V16 __attribute__((vector_size(64), aligned(4)));
-
-// out[j, 0:16P] += sum_r in[j * ldi + r] * W[r * ldw + 0:16P] for j < M, r < R: M x P
-// accumulators stay in registers while the W panel is read once, row after row (for M = 1 and
-// a whole row, one sequential stream).
-template <int M, int P>
-inline void Panel(const float* in, int64_t ldi, int64_t R, const float* W, int64_t ldw, float* out,
-                  int64_t ldo) {
-  V16 acc[M][P];
-#pragma GCC unroll 8
-  for (int j = 0; j < M; ++j) {
-#pragma GCC unroll 32
-    for (int p = 0; p < P; ++p) acc[j][p] = *reinterpret_cast<const V16*>(out + j * ldo + 16 * p);
-  }
-  for (int64_t r = 0; r < R; ++r) {
-    const float* w = W + r * ldw;
-#pragma GCC unroll 32
-    for (int p = 0; p < P; ++p) __builtin_prefetch(w + kPrefetchRows * ldw + 16 * p);
-    float a[M];
-#pragma GCC unroll 8
-    for (int j = 0; j < M; ++j) a[j] = in[j * ldi + r];
-#pragma GCC unroll 32
-    for (int p = 0; p < P; ++p) {
-      const V16 wv = *reinterpret_cast<const V16*>(w + 16 * p);
-#pragma GCC unroll 8
-      for (int j = 0; j < M; ++j) acc[j][p] += a[j] * wv;
-    }
-  }
-#pragma GCC unroll 8
-  for (int j = 0; j < M; ++j) {
-#pragma GCC unroll 32
-    for (int p = 0; p < P; ++p) *reinterpret_cast<V16*>(out + j * ldo + 16 * p) = acc[j][p];
-  }
-}
-
-// Panel<M, nv> for a run-time nv <= P.
-template <int M, int P>
-inline void PanelOf(int nv, const float* in, int64_t ldi, int64_t R, const float* W, int64_t ldw,
-                    float* out, int64_t ldo) {
-  if (nv == P) {
-    Panel<M, P>(in, ldi, R, W, ldw, out, ldo);
-  } else if constexpr (P > 1) {
-    PanelOf<M, P - 1>(nv, in, ldi, R, W, ldw, out, ldo);
-  }
-}
-
-// Most vectors per panel for M tokens: M x P accumulators + a weight vector + M broadcasts
-// within the vector registers (32 AVX-512 registers; without AVX-512 a V16 takes two of 16).
-template <int M>
-constexpr int MaxPanel() {
-#if defined(__AVX512F__)
-  return M == 1 ? 24 : M == 2 ? 12 : M == 3 ? 8 : 6;
-#else
-  return M == 1 ? 6 : M == 2 ? 3 : M == 3 ? 2 : 1;
-#endif
-}
-
-// Columns [c0, c1) for M tokens: the 16-float vectors in near-equal panels of at most
-// MaxPanel<M>() vectors, then the remaining columns one at a time.
-template <int M>
-inline void Tile(const float* in, int64_t ldi, int64_t R, const float* W, int64_t ldw, int64_t c0,
-                 int64_t c1, float* out, int64_t ldo) {
-  constexpr int kMax = MaxPanel<M>();
-  const int64_t nv = (c1 - c0) / 16;
-  const int64_t panels = (nv + kMax - 1) / kMax;
-  int64_t c = c0;
-  for (int64_t i = 0; i < panels; ++i) {
-    const int p = static_cast<int>(nv * (i + 1) / panels - nv * i / panels);
-    PanelOf<M, kMax>(p, in, ldi, R, W + c, ldw, out + c, ldo);
-    c += 16 * p;
-  }
-  for (; c < c1; ++c) {
-    for (int j = 0; j < M; ++j) {
-      float s = out[j * ldo + c];
-      for (int64_t r = 0; r < R; ++r) s += in[j * ldi + r] * W[r * ldw + c];
-      out[j * ldo + c] = s;
-    }
-  }
-}
-
-// Wide rows: out[j, c0:c1] += sum_r in[j, r] * W[r, c0:c1] for j < m, r < R; in is [m, R]
-// (stride R), out is [m, ldo], W has row stride ldw. W is read once from memory, in tiles of
-// kRowTile rows by kColBlock columns (long contiguous pieces of each row) that stay in L1 while
-// they are applied to all m tokens.
-inline void RowTileGemvAcc(const float* in, int64_t m, int64_t R, const float* W, int64_t ldw,
-                         int64_t c0, int64_t c1, float* out, int64_t ldo) {
-  for (int64_t cb = c0; cb < c1; cb += kColBlock) {
-    const int64_t ce = std::min(c1, cb + kColBlock);
-    const int64_t nc = ce - cb;
-    int64_t r = 0;
-    for (; r + kRowTile <= R; r += kRowTile) {
-      const float* w0 = W + (r + 0) * ldw + cb;
-      const float* w1 = W + (r + 1) * ldw + cb;
-      const float* w2 = W + (r + 2) * ldw + cb;
-      const float* w3 = W + (r + 3) * ldw + cb;
-      const float* w4 = W + (r + 4) * ldw + cb;
-      const float* w5 = W + (r + 5) * ldw + cb;
-      const float* w6 = W + (r + 6) * ldw + cb;
-      const float* w7 = W + (r + 7) * ldw + cb;
-      for (int64_t j = 0; j < m; ++j) {
-        const float* xj = in + j * R + r;
-        const float a0 = xj[0], a1 = xj[1], a2 = xj[2], a3 = xj[3];
-        const float a4 = xj[4], a5 = xj[5], a6 = xj[6], a7 = xj[7];
-        float* __restrict__ o = out + j * ldo + cb;
-#pragma GCC ivdep
-        for (int64_t c = 0; c < nc; ++c) {
-          o[c] += a0 * w0[c] + a1 * w1[c] + a2 * w2[c] + a3 * w3[c] + a4 * w4[c] + a5 * w5[c] +
-                  a6 * w6[c] + a7 * w7[c];
-        }
-      }
-    }
-    for (; r < R; ++r) {
-      const float* w0 = W + r * ldw + cb;
-      for (int64_t j = 0; j < m; ++j) {
-        const float a0 = in[j * R + r];
-        float* __restrict__ o = out + j * ldo + cb;
-#pragma GCC ivdep
-        for (int64_t c = 0; c < nc; ++c) o[c] += a0 * w0[c];
-      }
-    }
-  }
-}
-
-// Columns [c0, c1) for tokens [0, m) in tiles of M (the last one shorter), one register panel
-// per tile (nv <= MaxPanel<M>()).
-template <int M>
-inline void PanelTiles(const float* in, int64_t m, int64_t R, const float* W, int64_t ldw,
-                       int64_t c0, int64_t c1, float* out, int64_t ldo) {
-  int64_t j = 0;
-  for (; j + M <= m; j += M) Tile<M>(in + j * R, R, R, W, ldw, c0, c1, out + j * ldo, ldo);
-  if constexpr (M > 1) {
-    if (j < m) PanelTiles<M - 1>(in + j * R, m - j, R, W, ldw, c0, c1, out + j * ldo, ldo);
-  }
-}
-
-// out[j, c0:c1] += sum_r in[j, r] * W[r, c0:c1] for j < m, r < R. in is [m, R] (stride R),
-// out is [m, ldo], W has row stride ldw. Three regimes:
-//  - many tokens and a W block that stays in L2 (prefill of small experts): register panels
-//    for tiles of 4 tokens, compute-bound, W re-read from L2 per tile;
-//  - narrow rows (the whole column range in one register panel): each W row is read in one
-//    contiguous piece, tokens in the largest tiles whose accumulators fit in registers (later
-//    tiles re-read W from cache);
-//  - wide rows: row tiles (RowTileGemvAcc), whose long pieces stream well. Register panels
-//    there read short strided pieces, a 4 KB page per row, and streamed at 65-90% of the
-//    row-tile rate for DeepSeek-V2-Lite, Qwen3-30B-A3B and Mixtral-8x7B expert shapes.
-inline void MultiGemvAcc(const float* in, int64_t m, int64_t R, const float* W, int64_t ldw,
-                         int64_t c0, int64_t c1, float* out, int64_t ldo) {
-  const int64_t nv = (c1 - c0 + 15) / 16;
-  const int64_t block_bytes = R * (c1 - c0) * static_cast<int64_t>(sizeof(float));
-  if ((m >= kManyRows && block_bytes <= kCachedPanelBytes) || (m >= 4 && nv <= MaxPanel<4>())) {
-    PanelTiles<4>(in, m, R, W, ldw, c0, c1, out, ldo);
-  } else if (m >= 3 && nv <= MaxPanel<3>()) {
-    PanelTiles<3>(in, m, R, W, ldw, c0, c1, out, ldo);
-  } else if (m >= 2 && nv <= MaxPanel<2>()) {
-    PanelTiles<2>(in, m, R, W, ldw, c0, c1, out, ldo);
-  } else if (nv <= MaxPanel<1>()) {
-    PanelTiles<1>(in, m, R, W, ldw, c0, c1, out, ldo);
-  } else {
-    RowTileGemvAcc(in, m, R, W, ldw, c0, c1, out, ldo);
-  }
-}
 
 inline float Silu(float v) { return v / (1.0f + std::exp(-v)); }
 
@@ -332,12 +169,6 @@ struct Shared {
   }
 };
 
-int ThreadsWanted(int64_t pool_threads) {
-  int n = static_cast<int>(std::thread::hardware_concurrency());
-  if (pool_threads > 0) n = std::min<int>(n, static_cast<int>(pool_threads) + 1);
-  if (const char* env = std::getenv("MOESPEC_FFI_THREADS")) n = std::atoi(env);
-  return std::max(1, n);
-}
 
 ffi::Error MoeFfnImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> ids,
                       ffi::Buffer<ffi::F32> gates, ffi::Buffer<ffi::F32> wg,

@@ -54,6 +54,17 @@ def test_greedy_speculative_tokens_equal_plain_greedy(two_module_model, plain_gr
     assert out.stats["mean_accepted_length"] > 1.0
 
 
+def test_packed_head_decodes_like_the_xla_head(two_module_model, plain_greedy):
+  """The default head on CPU is the packed C++ product (what plain_greedy ran); XLA's dot
+  (head_kernel='xla') emits the same tokens."""
+  assert loop._decode_params(two_module_model, msj.SpecParams())[1] is not None
+  assert loop._decode_params(two_module_model, msj.SpecParams(head_kernel="xla"))[1] is None
+  out = msj.generate(two_module_model, RAGGED + REPEATS, max_new_tokens=24, spec=msj.SpecParams(head_kernel="xla"))
+  np.testing.assert_array_equal(out.tokens, plain_greedy)
+  with pytest.raises(ValueError, match="head_kernel must be one of"):
+    msj.SpecParams(head_kernel="pallas")
+
+
 def _constant_model(config, seed=0):
   """Target and heads with a zero final-norm weight: all logits are 0 (p = q = uniform,
   greedy token 0), so every draft is accepted."""

@@ -83,6 +83,20 @@ def test_forward_returns_hidden_and_routing(tiny_model, tiny_config):
   np.testing.assert_allclose(np.asarray(out.routing.probs).sum(-1), 1.0, atol=1e-5)
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_packed_head_gives_the_xla_head_logits(tiny_config, tied):
+  import moespec_jax as msj  # pylint: disable=g-import-not-at-top
+  model = msj.Model.init(tiny_config.replace(tie_embeddings=tied), seed=3)
+  module = model.module()
+  hidden_BTD = jax.random.normal(jax.random.key(0), (2, 3, tiny_config.d_model))
+  ref_BTV = module.head(hidden_BTD)
+  module.packed_head_NDC = nnx.data(model.packed_head())
+  got_BTV = module.head(hidden_BTD)
+  assert got_BTV.shape == ref_BTV.shape == (2, 3, tiny_config.vocab_size)
+  np.testing.assert_allclose(got_BTV, ref_BTV, rtol=1e-5, atol=1e-5)
+  assert model.packed_head() is model.packed_head()  # packed once per head array
+
+
 @pytest.mark.parametrize("change", [{}, {"use_score_bias": True, "score_func": "sigmoid"}])
 def test_param_counts_match_the_module(tiny_config, change):
   config = tiny_config.replace(**change)
