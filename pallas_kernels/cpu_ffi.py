@@ -1,5 +1,6 @@
 """CPU fast paths, built on first use and called via jax.ffi: the C++ expert FFN
-(csrc/moe_ffn_cpu.cc), the dense product of the decoding output head (csrc/dense_cpu.cc; both on
+(csrc/moe_ffn_cpu.cc), the dense product of the decoding output head (csrc/dense_cpu.cc), the
+attention of decoding passes against the KV cache (csrc/attention_cpu.cc; all three on
 csrc/gemv.h) and a monotonic clock that compiled programs read (csrc/clock_cpu.cc).
 
 The shared library is compiled by the system C++ compiler ($MOESPEC_CXX, default g++) into
@@ -26,11 +27,11 @@ import jax.numpy as jnp
 import numpy as np
 
 _CSRC = pathlib.Path(__file__).parent / "csrc"
-_SOURCES = (_CSRC / "moe_ffn_cpu.cc", _CSRC / "dense_cpu.cc", _CSRC / "clock_cpu.cc")
+_SOURCES = (_CSRC / "moe_ffn_cpu.cc", _CSRC / "dense_cpu.cc", _CSRC / "attention_cpu.cc", _CSRC / "clock_cpu.cc")
 _HEADERS = (_CSRC / "gemv.h",)
 # FFI target -> the handler symbol the library exports.
 _TARGETS = {"moespec_moe_ffn_f32": "MoespecMoeFfnF32", "moespec_dense_f32": "MoespecDenseF32",
-            "moespec_clock_cpu": "MoespecClockCpu"}
+            "moespec_attention_f32": "MoespecAttentionF32", "moespec_clock_cpu": "MoespecClockCpu"}
 # Columns per block of a packed dense weight (`pack_columns`): 256 x 256 f32 blocks of a
 # [256, 8192] head streamed fastest of 128 / 256 / 512 / 1024 in decode steps.
 PACK_COLUMNS = 256
@@ -178,6 +179,21 @@ def packed_matmul(x_MD, w_NDC, n_cols: int | None = None):
   y = jax.ffi.ffi_call("moespec_dense_f32", jax.ShapeDtypeStruct((m, n * c), jnp.float32),
                        vmap_method="sequential")(x_MD.astype(jnp.float32), w_NDC.astype(jnp.float32))
   return y if n_cols is None or n_cols == n * c else y[:, :n_cols]
+
+
+def cached_attention(q_NQD, keys_NDS, values_NSD, limit_NQ):
+  """softmax(q . K) . V per (row, KV head) pair n against its cache: q [N, Q, D] (already
+  scaled), keys key-major [N, D, S], values [N, S, D], limit [N, Q] (query i sees positions
+  0..limit[n, i]). f32 [N, Q, D]. The C++ kernel reads each pair's cache once, up to its last
+  visible position. Not differentiable (decoding only)."""
+  ensure_built()
+  n, q, d = q_NQD.shape
+  if keys_NDS.shape[:2] != (n, d) or values_NSD.shape != (n, keys_NDS.shape[2], d) or limit_NQ.shape != (n, q):
+    raise ValueError(f"cached_attention needs q [N, Q, D], keys [N, D, S], values [N, S, D], limit [N, Q]; "
+                     f"got {q_NQD.shape}, {keys_NDS.shape}, {values_NSD.shape}, {limit_NQ.shape}")
+  f32 = jnp.float32
+  return jax.ffi.ffi_call("moespec_attention_f32", jax.ShapeDtypeStruct((n, q, d), f32), vmap_method="sequential")(
+      q_NQD.astype(f32), keys_NDS.astype(f32), values_NSD.astype(f32), limit_NQ.astype(jnp.int32))
 
 
 def clock_after(x):

@@ -215,6 +215,54 @@ def test_packed_matmul_rejects_bad_shapes(cpu_kernel):
     cpu_ffi.pack_columns(jnp.zeros((2, 3, 4)))
 
 
+def _attention_reference(q_NQD, keys_NDS, values_NSD, limit_NQ):
+  scores_NQS = np.einsum("nqd,nds->nqs", q_NQD.astype(np.float64), keys_NDS)
+  visible_NQS = np.arange(keys_NDS.shape[2]) <= limit_NQ[..., None]
+  scores_NQS = np.where(visible_NQS, scores_NQS, -np.inf)
+  top_NQ1 = scores_NQS.max(-1, keepdims=True)
+  probs_NQS = np.where(visible_NQS, np.exp(scores_NQS - np.where(np.isfinite(top_NQ1), top_NQ1, 0.0)), 0.0)
+  total_NQ1 = probs_NQS.sum(-1, keepdims=True)
+  probs_NQS = probs_NQS / np.where(total_NQ1 > 0, total_NQ1, 1.0)
+  return np.einsum("nqs,nsd->nqd", probs_NQS, values_NSD)
+
+
+@pytest.mark.parametrize("threads", ["1", "2", "3"])
+def test_cached_attention_matches_numpy(cpu_kernel, monkeypatch, threads):
+  """Ragged limits (none visible, some, past the cache's end), query rows that are not a
+  multiple of the panels, widths that are not multiples of 16 floats, scores far apart (the
+  exponential's range), fewer pairs than threads."""
+  del cpu_kernel
+  monkeypatch.setenv("MOESPEC_FFI_THREADS", threads)
+  rng = np.random.default_rng(0)
+  for n, q, d, s, spread in ((32, 2, 32, 256, 1.0), (4, 18, 64, 100, 1.0), (3, 5, 24, 37, 8.0), (1, 1, 16, 1, 1.0)):
+    q_NQD = (spread * rng.normal(size=(n, q, d))).astype(np.float32)
+    keys_NDS = rng.normal(size=(n, d, s)).astype(np.float32)
+    values_NSD = rng.normal(size=(n, s, d)).astype(np.float32)
+    limit_NQ = rng.integers(-1, s + 3, size=(n, q)).astype(np.int32)
+    got = np.asarray(cpu_ffi.cached_attention(*map(jnp.asarray, (q_NQD, keys_NDS, values_NSD, limit_NQ))))
+    np.testing.assert_allclose(got, _attention_reference(q_NQD, keys_NDS, values_NSD, limit_NQ), atol=2e-5)
+
+
+def test_cached_attention_rows_do_not_depend_on_the_pass(cpu_kernel):
+  """A query row's output is the same bits alone (a plain step) or among a verification
+  pass's rows; and the cache past the last visible position is never read."""
+  del cpu_kernel
+  rng = np.random.default_rng(2)
+  q_NQD = jnp.asarray(rng.normal(size=(2, 18, 32)), jnp.float32)
+  keys_NDS = rng.normal(size=(2, 32, 600)).astype(np.float32)
+  values_NSD = rng.normal(size=(2, 600, 32)).astype(np.float32)
+  limit_NQ = jnp.asarray(np.broadcast_to(np.arange(500, 518)[None], (2, 18)), jnp.int32)
+  together = np.asarray(cpu_ffi.cached_attention(q_NQD, keys_NDS, values_NSD, limit_NQ))
+  for i in (0, 7, 17):
+    alone = cpu_ffi.cached_attention(q_NQD[:, i:i + 1], keys_NDS, values_NSD, limit_NQ[:, i:i + 1])
+    np.testing.assert_array_equal(np.asarray(alone), together[:, i:i + 1])
+  keys_NDS[:, :, 518:] = np.nan
+  values_NSD[:, 518:] = np.nan
+  np.testing.assert_array_equal(np.asarray(cpu_ffi.cached_attention(q_NQD, keys_NDS, values_NSD, limit_NQ)), together)
+  with pytest.raises(ValueError, match="cached_attention needs"):
+    cpu_ffi.cached_attention(q_NQD, keys_NDS[:, :16], values_NSD, limit_NQ)
+
+
 def test_clock_inside_a_compiled_loop(cpu_kernel):
   """clock_after passes its operand through and reads a clock ordered by data: readings around
   each of 3 loop iterations of real work never go back and add up to the loop's time."""

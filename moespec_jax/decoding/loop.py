@@ -58,6 +58,7 @@ class LoopSpec:
   timed: bool = False  # auto K corrects its calibration by the loop's own clock (CPU)
   expert_budget: ExpertBudget | None = None
   measure_quality: bool = False
+  cpu_attention: bool = False  # attention against the cache on the C++ kernel (`_merge`)
 
 
 def _bucket(n: int, minimum: int = 16) -> int:
@@ -360,13 +361,15 @@ def _auto_segment(model, carry, step_ms_K, ls: LoopSpec):
   return carry
 
 
-def _merge(graphdef, params):
+def _merge(graphdef, params, ls: LoopSpec):
   """The module inside a program. `params`: (state, the packed output head or None: see
-  `_decode_params`)."""
+  `_decode_params`); `ls.cpu_attention`: passes against the cache on the C++ kernel."""
   state, packed_head_NDC = params
   model = nnx.merge(graphdef, state)
   if packed_head_NDC is not None:
     model.packed_head_NDC = nnx.data(packed_head_NDC)
+  if ls.cpu_attention:
+    model.use_cpu_cached_attention()
   return model
 
 
@@ -375,13 +378,17 @@ def _decode_params(model, spec: SpecParams):
   the CPU backend with the C++ library, its output head packed for `cpu_ffi.packed_matmul`
   (once per model: a decode step reads the head from memory, and XLA's dot read it at a third
   of the streaming rate)."""
-  packed = spec.head_kernel == "auto" and jax.default_backend() == "cpu" and cpu_ffi.available()
-  return model.state, model.packed_head() if packed else None
+  return model.state, model.packed_head() if _cpu_kernels(spec.head_kernel) else None
+
+
+def _cpu_kernels(choice: str) -> bool:
+  """Whether a head_kernel / attention_kernel choice runs the C++ kernel here."""
+  return choice == "auto" and jax.default_backend() == "cpu" and cpu_ffi.available()
 
 
 def _generate_spec(graphdef, params, tokens_BT, lengths_B, key, draft_inputs, step_ms_K, *, ls: LoopSpec):
   """Prefill, then one `lax.while_loop` of passes; returns (tokens_BN, raw statistics)."""
-  model = _merge(graphdef, params)
+  model = _merge(graphdef, params, ls)
   carry = _init(model, tokens_BT, lengths_B, key, draft_inputs, ls)
   if ls.auto:
     body = lambda c: _auto_segment(model, c, step_ms_K, ls)
@@ -420,7 +427,7 @@ def _compiled(fn, ls: LoopSpec, *args, donate_argnums=()):
 
 
 def _init_program(graphdef, params, tokens_BT, lengths_B, key, draft_inputs, *, ls: LoopSpec):
-  return _init(_merge(graphdef, params), tokens_BT, lengths_B, key, draft_inputs, ls)
+  return _init(_merge(graphdef, params, ls), tokens_BT, lengths_B, key, draft_inputs, ls)
 
 
 def _passes_program(graphdef, params, carry, k, n_passes, *, ls: LoopSpec):
@@ -431,7 +438,7 @@ def _passes_program(graphdef, params, carry, k, n_passes, *, ls: LoopSpec):
   every pass keeps their experts' weights in the processor's caches, which made drafting passes
   look 25-45% cheaper than in decoding (default model, batch 1 and 8).
   """
-  model = _merge(graphdef, params)
+  model = _merge(graphdef, params, ls)
   start = {name: carry[name] for name in ("pos", "pending", "gen", "done")}
 
   def one_pass(c, kk):
@@ -564,7 +571,8 @@ def _prepare(model, prompts, max_new_tokens, sampling, spec, seed, reference_tok
                 expert_method=model.expert_method(spec.kernel), drafter=spec.drafter if k_draft else "none",
                 num_draft=k_draft, auto=auto, timed=auto and spec.auto_timing and loop_clock_available(),
                 expert_budget=budget,
-                measure_quality=bool(spec.measure_quality and budget is not None))
+                measure_quality=bool(spec.measure_quality and budget is not None),
+                cpu_attention=_cpu_kernels(spec.attention_kernel))
   draft_inputs = {}
   if reference is not None:
     draft_inputs = {"reference": jnp.asarray(reference),

@@ -11,6 +11,7 @@ from flax import nnx
 from moespec_jax.config import ModelConfig
 from moespec_jax.model import cache as cache_lib
 from moespec_jax.model.layers import RMSNorm, apply_rope, fan_in_init
+from pallas_kernels import cpu_ffi
 
 
 class Attention(nnx.Module):
@@ -31,6 +32,9 @@ class Attention(nnx.Module):
     else:
       self.b_q_HK = self.b_k_GK = self.b_v_GK = None
     self.qk_norm = config.qk_norm
+    # Passes against the cache on the C++ kernel (cpu_ffi.cached_attention), set by the decoding
+    # loop's programs on CPU; False: XLA's products (and always without a cache).
+    self.cpu_cached_attention = False
     if config.qk_norm == "none":
       self.q_norm = self.k_norm = None
     else:
@@ -85,6 +89,11 @@ class Attention(nnx.Module):
       keys_NSK, values_NSK = (x.swapaxes(1, 2).reshape(b * g, t, k) for x in (k_BTGK, v_BTGK))
       key_pos_BS = positions_BT
       scores_NQS = jnp.einsum("nqk,nsk->nqs", q_NQK, keys_NSK)
+    elif self.cpu_cached_attention:
+      keys_NKS, values_NSK = new_cache
+      limit_NQ = jnp.broadcast_to(positions_BT[:, None, :, None], (b, g, t, r)).reshape(b * g, t * r)
+      out_NQK = cpu_ffi.cached_attention(q_NQK * scale, keys_NKS, values_NSK, limit_NQ).astype(q_NQK.dtype)
+      return self._output(out_NQK, b, t), new_cache
     else:
       keys_NKS, values_NSK = new_cache
       key_pos_BS = jnp.arange(keys_NKS.shape[2])[None]
@@ -94,5 +103,10 @@ class Attention(nnx.Module):
     probs_BGQS = jax.nn.softmax(jnp.where(visible_BQS[:, None], scores_BGQS * scale, -1e30), axis=-1)
     probs_NQS = probs_BGQS.reshape(b * g, t * r, -1).astype(values_NSK.dtype)
     out_NQK = jnp.einsum("nqs,nsk->nqk", probs_NQS, values_NSK)
+    return self._output(out_NQK, b, t), new_cache
+
+  def _output(self, out_NQK, b, t):
+    """The heads' outputs [B * G, T * R, K] projected back to the model: [B, T, D]."""
+    g, r, k = self.n_kv_heads, self.n_heads // self.n_kv_heads, self.head_dim
     out_BTHK = out_NQK.reshape(b, g, t, r, k).transpose(0, 2, 1, 3, 4).reshape(b, t, self.n_heads, k)
-    return jnp.einsum("bthk,hkd->btd", out_BTHK, self.w_o_HKD[...]), new_cache
+    return jnp.einsum("bthk,hkd->btd", out_BTHK, self.w_o_HKD[...])

@@ -85,6 +85,13 @@ class Transformer(nnx.Module):
     else:
       self.mtp = None
 
+  def use_cpu_cached_attention(self) -> None:
+    """Passes against the cache run on the C++ kernel from here on (`Attention`; decoding
+    programs on CPU). MLA attention keeps XLA's products."""
+    for _, module in nnx.iter_modules(self):
+      if isinstance(module, Attention):
+        module.cpu_cached_attention = True
+
   def new_cache(self, batch: int, max_len: int) -> KVCache:
     return KVCache.for_config(self.config, batch, max_len)
 

@@ -180,6 +180,19 @@ inline void MultiGemvAcc(const float* in, int64_t m, int64_t R, const float* W, 
   }
 }
 
+// out[j, c0:c1] += sum_r in[j, r] * W[r, c0:c1] in register panels only: every output element
+// accumulates its r terms in order, one multiply-add each, so a row's result does not depend on
+// m (a plain step and a verification pass compute the same bits for the same row). For W that
+// stays in cache (attention against one cache entry's keys and values).
+inline void PanelGemvAcc(const float* in, int64_t m, int64_t R, const float* W, int64_t ldw,
+                         int64_t c0, int64_t c1, float* out, int64_t ldo) {
+  if (m >= 4) {
+    PanelTiles<4>(in, m, R, W, ldw, c0, c1, out, ldo);
+  } else {
+    PanelTiles<1>(in, m, R, W, ldw, c0, c1, out, ldo);
+  }
+}
+
 // Threads a kernel's work is split over: the caller and XLA's intra-op pool, at most the cores
 // ($MOESPEC_FFI_THREADS overrides).
 inline int ThreadsWanted(int64_t pool_threads) {

@@ -54,15 +54,19 @@ def test_greedy_speculative_tokens_equal_plain_greedy(two_module_model, plain_gr
     assert out.stats["mean_accepted_length"] > 1.0
 
 
-def test_packed_head_decodes_like_the_xla_head(two_module_model, plain_greedy):
-  """The default head on CPU is the packed C++ product (what plain_greedy ran); XLA's dot
-  (head_kernel='xla') emits the same tokens."""
+def test_cpu_decode_kernels_decode_like_xla(two_module_model, plain_greedy):
+  """On CPU the output head (packed) and the attention against the cache run on the C++ kernels
+  by default (what plain_greedy ran); XLA's ops (head_kernel / attention_kernel 'xla') emit
+  the same tokens."""
   assert loop._decode_params(two_module_model, msj.SpecParams())[1] is not None
   assert loop._decode_params(two_module_model, msj.SpecParams(head_kernel="xla"))[1] is None
-  out = msj.generate(two_module_model, RAGGED + REPEATS, max_new_tokens=24, spec=msj.SpecParams(head_kernel="xla"))
+  assert loop._cpu_kernels("auto") and not loop._cpu_kernels("xla")
+  spec = msj.SpecParams(head_kernel="xla", attention_kernel="xla")
+  out = msj.generate(two_module_model, RAGGED + REPEATS, max_new_tokens=24, spec=spec)
   np.testing.assert_array_equal(out.tokens, plain_greedy)
-  with pytest.raises(ValueError, match="head_kernel must be one of"):
-    msj.SpecParams(head_kernel="pallas")
+  for name in ("head_kernel", "attention_kernel"):
+    with pytest.raises(ValueError, match=f"{name} must be one of"):
+      msj.SpecParams(**{name: "pallas"})
 
 
 def _constant_model(config, seed=0):

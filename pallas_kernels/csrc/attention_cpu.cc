@@ -1,0 +1,196 @@
+// Attention of a decoding pass against a KV cache for CPU, called from JAX through the XLA FFI.
+//
+// Why C++: XLA:CPU runs the two products of a decode step, q.K and p.V, as batched dots of a few
+// query rows against one (row, KV head) pair's cache at a time, at 8 GB/s of cache read in a
+// batch-8 step; and it reads every cache position, the empty ones past the last query too. Here
+// each pair's keys and values are streamed once, only up to its last visible position, and the
+// softmax runs in between, in registers and L1.
+//
+// Layouts (row-major): q [N, Q, D] (scaled), keys [N, D, S] (key-major), values [N, S, D],
+// limit [N, Q] (int32: query row i sees positions 0..limit[i]; limit < 0 sees none and returns
+// zeros), out [N, Q, D]. N = batch rows x KV heads, Q = query rows per KV head.
+//
+// Work split: contiguous ranges of pairs, one per slot, claimed from an atomic counter by the
+// caller and by tasks on XLA's intra-op pool. Each query row's arithmetic depends only on its
+// own inputs, never on Q or on which thread ran it.
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "gemv.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+// 16 floats / ints: one AVX-512 register (two AVX2 ones), loaded from any float-aligned address.
+typedef float F16 __attribute__((vector_size(64), aligned(4)));
+typedef int32_t I16 __attribute__((vector_size(64), aligned(4)));
+constexpr int kLanes = 16;
+
+// exp(x) for x <= 0 (scores minus their maximum): Cody-Waite reduction to |r| <= ln2 / 2 and
+// Cephes' degree-6 polynomial, ~1 ulp. The vector and scalar forms compute the same bits.
+template <typename F, typename I>
+inline F ExpNonPositiveOf(F x, F lowest) {
+  x = x < lowest ? lowest : x;
+  const I n = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, I);  // rounds (x <= 0)
+  const F nf = __builtin_convertvector(n, F);
+  const F r = (x - nf * 0.693359375f) + nf * 2.12194440e-4f;
+  F p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  return p * reinterpret_cast<const F&>(static_cast<const I&>((n + 127) << 23));
+}
+
+typedef float F1 __attribute__((vector_size(4)));
+typedef int32_t I1 __attribute__((vector_size(4)));
+
+// x[s] = exp(x[s] - top) for s < n.
+inline void ExpShifted(float* x, int64_t n, float top) {
+  const F16 lowest = F16{} - 87.0f;
+  int64_t s = 0;
+  for (; s + kLanes <= n; s += kLanes) {
+    F16 v;
+    std::memcpy(&v, x + s, sizeof(v));
+    v = ExpNonPositiveOf<F16, I16>(v - top, lowest);
+    std::memcpy(x + s, &v, sizeof(v));
+  }
+  for (; s < n; ++s) {
+    const F1 v = {x[s] - top};
+    x[s] = ExpNonPositiveOf<F1, I1>(v, F1{-87.0f})[0];
+  }
+}
+
+// Max and sum of x[0..n) in 16 lanes, then across them in a fixed order: vectorized, and the same
+// bits for the same inputs.
+inline float Max(const float* x, int64_t n) {
+  float top = x[0];
+  int64_t s = 0;
+  if (n >= kLanes) {
+    F16 lane;
+    std::memcpy(&lane, x, sizeof(lane));
+    for (s = kLanes; s + kLanes <= n; s += kLanes) {
+      F16 v;
+      std::memcpy(&v, x + s, sizeof(v));
+      lane = lane > v ? lane : v;
+    }
+    for (int l = 0; l < kLanes; ++l) top = std::max(top, lane[l]);
+  }
+  for (; s < n; ++s) top = std::max(top, x[s]);
+  return top;
+}
+
+inline float Sum(const float* x, int64_t n) {
+  F16 lane = {};
+  int64_t s = 0;
+  for (; s + kLanes <= n; s += kLanes) {
+    F16 v;
+    std::memcpy(&v, x + s, sizeof(v));
+    lane += v;
+  }
+  float total = 0.0f;
+  for (int l = 0; l < kLanes; ++l) total += lane[l];
+  for (; s < n; ++s) total += x[s];
+  return total;
+}
+
+struct AttentionShared {
+  std::atomic<int> next_slot{0};
+  std::atomic<int> slots_done{0};
+  const float* q = nullptr;
+  const float* keys = nullptr;
+  const float* values = nullptr;
+  const int32_t* limit = nullptr;
+  float* out = nullptr;
+  int64_t N = 0, Q = 0, D = 0, S = 0;
+  int n_slots = 1;
+
+  void Pair(int64_t n, std::vector<float>& scores) const {
+    const float* q_QD = q + n * Q * D;
+    const float* k_DS = keys + n * D * S;
+    const float* v_SD = values + n * S * D;
+    const int32_t* lim_Q = limit + n * Q;
+    float* o_QD = out + n * Q * D;
+    int64_t visible = 0;
+    for (int64_t i = 0; i < Q; ++i) visible = std::max<int64_t>(visible, std::min<int64_t>(lim_Q[i], S - 1) + 1);
+    std::fill(o_QD, o_QD + Q * D, 0.0f);
+    if (visible == 0) return;
+    scores.assign(Q * visible, 0.0f);
+    moespec::PanelGemvAcc(q_QD, Q, D, k_DS, S, 0, visible, scores.data(), visible);
+    for (int64_t i = 0; i < Q; ++i) {
+      const int64_t seen = std::min<int64_t>(lim_Q[i], S - 1) + 1;
+      float* __restrict__ s_S = scores.data() + i * visible;
+      if (seen <= 0) {
+        std::fill(s_S, s_S + visible, 0.0f);
+        continue;
+      }
+      ExpShifted(s_S, seen, Max(s_S, seen));
+      const float inv = 1.0f / Sum(s_S, seen);
+#pragma GCC ivdep
+      for (int64_t s = 0; s < seen; ++s) s_S[s] *= inv;
+      std::fill(s_S + seen, s_S + visible, 0.0f);
+    }
+    // out[i, :] = sum_s p[i, s] v[s, :]: the values rows streamed once for all query rows.
+    moespec::PanelGemvAcc(scores.data(), Q, visible, v_SD, D, 0, D, o_QD, D);
+  }
+
+  void Work() {
+    std::vector<float> scores;
+    for (;;) {
+      const int s = next_slot.fetch_add(1);
+      if (s >= n_slots) return;
+      for (int64_t n = N * s / n_slots; n < N * (s + 1) / n_slots; ++n) Pair(n, scores);
+      slots_done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+ffi::Error AttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> keys,
+                         ffi::Buffer<ffi::F32> values, ffi::Buffer<ffi::S32> limit,
+                         ffi::ResultBuffer<ffi::F32> out) {
+  auto qd = q.dimensions(), kd = keys.dimensions(), vd = values.dimensions(), ld = limit.dimensions();
+  if (qd.size() != 3 || kd.size() != 3 || vd.size() != 3 || ld.size() != 2 || kd[0] != qd[0] ||
+      kd[1] != qd[2] || vd[0] != qd[0] || vd[1] != kd[2] || vd[2] != qd[2] || ld[0] != qd[0] ||
+      ld[1] != qd[1]) {
+    return ffi::Error::InvalidArgument(
+        "attention_cpu: expected q [N, Q, D], keys [N, D, S], values [N, S, D], limit [N, Q]");
+  }
+  auto sh = std::make_shared<AttentionShared>();
+  sh->q = q.typed_data();
+  sh->keys = keys.typed_data();
+  sh->values = values.typed_data();
+  sh->limit = limit.typed_data();
+  sh->out = out->typed_data();
+  sh->N = qd[0];
+  sh->Q = qd[1];
+  sh->D = qd[2];
+  sh->S = kd[2];
+  if (sh->N == 0 || sh->Q == 0) return ffi::Error::Success();
+  sh->n_slots = static_cast<int>(
+      std::max<int64_t>(1, std::min<int64_t>(moespec::ThreadsWanted(pool.num_threads()), sh->N)));
+  for (int s = 1; s < sh->n_slots; ++s) pool.Schedule([sh]() { sh->Work(); });
+  sh->Work();
+  // Every slot is claimed by a running thread; a pool task that starts later finds none left.
+  while (sh->slots_done.load(std::memory_order_acquire) < sh->n_slots) std::this_thread::yield();
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoespecAttentionF32, AttentionImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
