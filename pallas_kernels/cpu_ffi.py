@@ -81,20 +81,29 @@ def library_path():
 
 
 def _build(out):
+  """Compiles each source in its own compiler process, all at once (the build is compile-bound
+  and the sources are independent), links them into `out` atomically."""
   cxx = _compiler()
   out.parent.mkdir(parents=True, exist_ok=True)
-  fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=out.name + ".", suffix=".tmp")
-  os.close(fd)
-  cmd = [cxx, *_FLAGS, f"-I{jax.ffi.include_dir()}", f"-I{_CSRC}", *map(str, _SOURCES), "-o", tmp]
-  try:
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+  compile_flags = [f for f in _FLAGS if f != "-shared"]
+  includes = [f"-I{jax.ffi.include_dir()}", f"-I{_CSRC}"]
+  with tempfile.TemporaryDirectory(dir=out.parent, prefix=out.name + ".") as tmp:
+    objects = [str(pathlib.Path(tmp) / f"{src.stem}.o") for src in _SOURCES]
+    commands = [[cxx, *compile_flags, *includes, "-c", str(src), "-o", obj] for src, obj in zip(_SOURCES, objects)]
+    running = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for cmd in commands]
+    failures = []
+    for src, cmd, proc in zip(_SOURCES, commands, running):
+      _, stderr = proc.communicate()
+      if proc.returncode != 0:
+        failures.append(f"compiling {src.name} failed:\n{' '.join(cmd)}\n{stderr[-4000:]}")
+    if failures:
+      raise CpuKernelUnavailable("\n".join(failures))
+    library = str(pathlib.Path(tmp) / out.name)
+    link = [cxx, *_FLAGS, *objects, "-o", library]
+    proc = subprocess.run(link, capture_output=True, text=True)
     if proc.returncode != 0:
-      names = ", ".join(src.name for src in _SOURCES)
-      raise CpuKernelUnavailable(f"compiling {names} failed:\n{' '.join(cmd)}\n{proc.stderr[-4000:]}")
-    os.replace(tmp, out)
-  finally:
-    if os.path.exists(tmp):
-      os.unlink(tmp)
+      raise CpuKernelUnavailable(f"linking {out.name} failed:\n{' '.join(link)}\n{proc.stderr[-4000:]}")
+    os.replace(library, out)
 
 
 def ensure_built():

@@ -171,6 +171,16 @@ def test_cpu_kernel_missing_compiler_is_reported(monkeypatch, tmp_path, caplog):
     pallas_kernels._with_grouped_vjp.cache_clear()  # pylint: disable=protected-access
 
 
+def test_cpu_build_failure_names_the_source_and_leaves_nothing(monkeypatch, tmp_path):
+  broken = tmp_path / "broken.cc"
+  broken.write_text("int f() { return undefined_name; }\n")
+  monkeypatch.setattr(cpu_ffi, "_SOURCES", (broken,))
+  out = tmp_path / "build" / "lib.so"
+  with pytest.raises(cpu_ffi.CpuKernelUnavailable, match="compiling broken.cc failed"):
+    cpu_ffi._build(out)  # pylint: disable=protected-access
+  assert list((tmp_path / "build").iterdir()) == []
+
+
 def test_cpu_build_is_cached_by_hash(cpu_kernel):
   del cpu_kernel
   path = cpu_ffi.library_path()
