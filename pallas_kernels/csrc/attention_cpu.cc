@@ -10,19 +10,16 @@
 // limit [N, Q] (int32: query row i sees positions 0..limit[i]; limit < 0 sees none and returns
 // zeros), out [N, Q, D]. N = batch rows x KV heads, Q = query rows per KV head.
 //
-// Work split: contiguous ranges of pairs, one per slot, claimed from an atomic counter by the
-// caller and by tasks on XLA's intra-op pool. Each query row's arithmetic depends only on its
-// own inputs, never on Q or on which thread ran it.
+// Work split: contiguous ranges of pairs, one per slot (slots.h). Each query row's arithmetic
+// depends only on its own inputs, never on Q or on which thread ran it.
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstring>
-#include <memory>
-#include <thread>
 #include <vector>
 
 #include "gemv.h"
+#include "slots.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -103,16 +100,13 @@ inline float Sum(const float* x, int64_t n) {
   return total;
 }
 
-struct AttentionShared {
-  std::atomic<int> next_slot{0};
-  std::atomic<int> slots_done{0};
-  const float* q = nullptr;
-  const float* keys = nullptr;
-  const float* values = nullptr;
-  const int32_t* limit = nullptr;
-  float* out = nullptr;
-  int64_t N = 0, Q = 0, D = 0, S = 0;
-  int n_slots = 1;
+struct Problem {
+  const float* q;
+  const float* keys;
+  const float* values;
+  const int32_t* limit;
+  float* out;
+  int64_t N, Q, D, S;
 
   void Pair(int64_t n, std::vector<float>& scores) const {
     const float* q_QD = q + n * Q * D;
@@ -143,15 +137,6 @@ struct AttentionShared {
     moespec::PanelGemvAcc(scores.data(), Q, visible, v_SD, D, 0, D, o_QD, D);
   }
 
-  void Work() {
-    std::vector<float> scores;
-    for (;;) {
-      const int s = next_slot.fetch_add(1);
-      if (s >= n_slots) return;
-      for (int64_t n = N * s / n_slots; n < N * (s + 1) / n_slots; ++n) Pair(n, scores);
-      slots_done.fetch_add(1, std::memory_order_release);
-    }
-  }
 };
 
 ffi::Error AttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> keys,
@@ -164,23 +149,14 @@ ffi::Error AttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buf
     return ffi::Error::InvalidArgument(
         "attention_cpu: expected q [N, Q, D], keys [N, D, S], values [N, S, D], limit [N, Q]");
   }
-  auto sh = std::make_shared<AttentionShared>();
-  sh->q = q.typed_data();
-  sh->keys = keys.typed_data();
-  sh->values = values.typed_data();
-  sh->limit = limit.typed_data();
-  sh->out = out->typed_data();
-  sh->N = qd[0];
-  sh->Q = qd[1];
-  sh->D = qd[2];
-  sh->S = kd[2];
-  if (sh->N == 0 || sh->Q == 0) return ffi::Error::Success();
-  sh->n_slots = static_cast<int>(
-      std::max<int64_t>(1, std::min<int64_t>(moespec::ThreadsWanted(pool.num_threads()), sh->N)));
-  for (int s = 1; s < sh->n_slots; ++s) pool.Schedule([sh]() { sh->Work(); });
-  sh->Work();
-  // Every slot is claimed by a running thread; a pool task that starts later finds none left.
-  while (sh->slots_done.load(std::memory_order_acquire) < sh->n_slots) std::this_thread::yield();
+  const Problem p{q.typed_data(), keys.typed_data(), values.typed_data(), limit.typed_data(),
+                  out->typed_data(), qd[0], qd[1], qd[2], kd[2]};
+  if (p.N == 0 || p.Q == 0) return ffi::Error::Success();
+  const int n_slots = moespec::SlotsFor(pool, p.N);
+  moespec::RunSlots(pool, n_slots, [&](int s) {
+    std::vector<float> scores;
+    for (int64_t n = p.N * s / n_slots; n < p.N * (s + 1) / n_slots; ++n) p.Pair(n, scores);
+  });
   return ffi::Error::Success();
 }
 

@@ -33,6 +33,7 @@
 #include <vector>
 
 #include "gemv.h"
+#include "slots.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -41,7 +42,6 @@ namespace {
 
 using moespec::kManyRows;
 using moespec::MultiGemvAcc;
-using moespec::ThreadsWanted;
 
 constexpr int64_t kMinUnitCols = 1024;  // experts under twice this width are one unit (see above)
 
@@ -147,29 +147,6 @@ std::vector<std::vector<int32_t>> DealUnits(const Problem& p, int n_slots) {
   return slots;
 }
 
-struct Shared {
-  std::atomic<int> next_slot{0};
-  std::atomic<int> slots_done{0};
-  Problem problem;
-  std::vector<std::vector<int32_t>> slots;  // unit indices per slot
-  std::vector<std::vector<float>> partial;  // per slot [T, D]; slot 0 writes y directly
-  float* y = nullptr;
-
-  void Work() {
-    const int n_slots = static_cast<int>(slots.size());
-    std::unique_ptr<Scratch> scratch;
-    for (;;) {
-      const int s = next_slot.fetch_add(1);
-      if (s >= n_slots) return;
-      if (!scratch) scratch = std::make_unique<Scratch>(problem);
-      float* dst = s == 0 ? y : partial[s].data();
-      for (int32_t u : slots[s]) RunUnit(problem, problem.units[u], dst, *scratch);
-      slots_done.fetch_add(1, std::memory_order_release);
-    }
-  }
-};
-
-
 ffi::Error MoeFfnImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> ids,
                       ffi::Buffer<ffi::F32> gates, ffi::Buffer<ffi::F32> wg,
                       ffi::Buffer<ffi::F32> wu, ffi::Buffer<ffi::F32> wd,
@@ -178,8 +155,7 @@ ffi::Error MoeFfnImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   if (xd.size() != 2 || idd.size() != 2 || wgd.size() != 3) {
     return ffi::Error::InvalidArgument("moe_ffn_cpu: expected x [T, D], ids [T, K], Wg [E, D, F]");
   }
-  auto sh = std::make_shared<Shared>();
-  Problem& p = sh->problem;
+  Problem p;
   p.T = xd[0];
   p.D = xd[1];
   p.K = idd[1];
@@ -225,20 +201,18 @@ ffi::Error MoeFfnImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   PlanUnits(p);
   float* yp = y->typed_data();
   std::memset(yp, 0, sizeof(float) * p.T * p.D);
-  sh->y = yp;
-  const int n_units = static_cast<int>(p.units.size());
-  const int n_slots = std::max(1, std::min<int>(ThreadsWanted(pool.num_threads()), n_units));
-  sh->slots = DealUnits(p, n_slots);
-  sh->partial.resize(n_slots);
-  for (int s = 1; s < n_slots; ++s) sh->partial[s].assign(p.T * p.D, 0.0f);
+  const int n_slots = moespec::SlotsFor(pool, static_cast<int64_t>(p.units.size()));
+  const std::vector<std::vector<int32_t>> slots = DealUnits(p, n_slots);
+  // Each slot has its own output (slot 0 writes y), summed in slot order below.
+  std::vector<std::vector<float>> partial(n_slots);
+  for (int s = 1; s < n_slots; ++s) partial[s].assign(p.T * p.D, 0.0f);
+  moespec::RunSlots(pool, n_slots, [&](int s) {
+    Scratch scratch(p);
+    float* dst = s == 0 ? yp : partial[s].data();
+    for (int32_t u : slots[s]) RunUnit(p, p.units[u], dst, scratch);
+  });
   for (int s = 1; s < n_slots; ++s) {
-    pool.Schedule([sh]() { sh->Work(); });
-  }
-  sh->Work();
-  // Every slot is claimed by a running thread; a pool task that starts later finds none left.
-  while (sh->slots_done.load(std::memory_order_acquire) < n_slots) std::this_thread::yield();
-  for (int s = 1; s < n_slots; ++s) {
-    const float* src = sh->partial[s].data();
+    const float* src = partial[s].data();
 #pragma GCC ivdep
     for (int64_t i = 0; i < p.T * p.D; ++i) yp[i] += src[i];
   }
