@@ -196,38 +196,48 @@ def measured_crossover(config, trace, n_list, windows: int, repeats: int, seed: 
 
 
 # Generation-level measurements --------------------------------------------------------------
-def prefill_seconds(model, prompts, repeats: int) -> float:
-  """Median time of the prefill (and first token) alone: a generate() of one token."""
-  msj.generate(model, prompts, max_new_tokens=1)
-  return statistics.median(msj.generate(model, prompts, max_new_tokens=1, seed=r).stats["seconds"]
-                           for r in range(repeats))
+@dataclasses.dataclass(frozen=True)
+class RoundRobin:
+  """Per-round decode-phase seconds and stats ({label: [per round]}) and each round's prefill."""
+  seconds: dict
+  stats: dict
+  prefill_s: list
 
 
-def round_robin_runs(model, prompts, max_new_tokens: int, specs: dict, rounds: int, prefill_s: float,
-                     reference=None, check_tokens=None):
+def round_robin_runs(model, prompts, max_new_tokens: int, specs: dict, rounds: int, reference=None,
+                     check_tokens=None) -> RoundRobin:
   """Decode-phase seconds of plain decoding (label None) and of each spec in `specs` (key: its
   label, e.g. K), `rounds` times each, side by side.
 
   Each round runs plain decoding and every spec once (the order reverses from one round to the
   next), so every spec is measured in the same stretch of time as plain and as the others: a
-  slow spell of the machine moves them together. `check_tokens`: every run's tokens must equal
+  slow spell of the machine moves them together. The prefill (a one-token generate()) is timed
+  at the start and at the end of every round and the faster of the two is subtracted from that
+  round's runs: a prefill timed once, in a slow moment, would shrink every decode time by the
+  same wrong amount and inflate every ratio. `check_tokens`: every run's tokens must equal
   these (greedy speculative decoding is exact).
-
-  Returns ({label: [seconds per round]}, {label: [stats per round]}).
   """
   labels = [None] + list(specs)
   seconds = {k: [] for k in labels}
   stats = {k: [] for k in labels}
+  prefills = []
+  msj.generate(model, prompts, max_new_tokens=1)
   for r in range(rounds):
+    totals = {}
+    before = msj.generate(model, prompts, max_new_tokens=1, seed=r).stats["seconds"]
     for k in (labels if r % 2 == 0 else labels[::-1]):
       spec = msj.SpecParams() if k is None else specs[k]
       out = msj.generate(model, prompts, max_new_tokens=max_new_tokens, spec=spec, seed=r,
                          reference_tokens=reference if spec.drafter == "controlled" else None)
       if check_tokens is not None and not np.array_equal(out.tokens, check_tokens):
         raise AssertionError(f"speculative greedy output differs from plain ({spec})")
-      seconds[k].append(max(out.stats["seconds"] - prefill_s, 1e-9))
+      totals[k] = out.stats["seconds"]
       stats[k].append(out.stats)
-  return seconds, stats
+    after = msj.generate(model, prompts, max_new_tokens=1, seed=r).stats["seconds"]
+    prefills.append(min(before, after))
+    for k in labels:
+      seconds[k].append(max(totals[k] - prefills[-1], 1e-9))
+  return RoundRobin(seconds, stats, prefills)
 
 
 def median_ratio(num, den) -> float:
@@ -245,15 +255,18 @@ def median_ratio_interval(num, den, level: float = 0.9, resamples: int = 2000, s
   return float(np.quantile(medians, tail)), float(np.quantile(medians, 1.0 - tail))
 
 
-def round_robin_speedups(model, prompts, max_new_tokens: int, specs: dict, rounds: int, prefill_s: float,
-                         reference=None, check_tokens=None):
+def round_robin_speedups(model, prompts, max_new_tokens: int, specs: dict, rounds: int, reference=None,
+                         check_tokens=None, prefills=None):
   """Each spec's decode-phase speedup over plain decoding: the median over rounds of plain's
   time over the spec's in the same round (`round_robin_runs`).
 
-  Returns ({label: speedup}, {label: median tokens/s}, {label: stats of its last run}).
+  Returns ({label: speedup}, {label: median tokens/s}, {label: stats of its last run}); each
+  round's prefill seconds are appended to `prefills` when given.
   """
-  seconds, stats = round_robin_runs(model, prompts, max_new_tokens, specs, rounds, prefill_s, reference,
-                                    check_tokens)
+  runs = round_robin_runs(model, prompts, max_new_tokens, specs, rounds, reference, check_tokens)
+  if prefills is not None:
+    prefills.extend(runs.prefill_s)
+  seconds, stats = runs.seconds, runs.stats
   return ({k: median_ratio(seconds[None], seconds[k]) for k in specs},
           {k: statistics.median(s["tokens_per_second"] for s in stats[k]) for k in specs},
           {k: stats[k][-1] for k in specs})
@@ -294,7 +307,6 @@ def run_cost_model(model, workdir, cfg: CostValidationConfig = CostValidationCon
   log(f"[3/6] measured pass times, K = 0..{cfg.max_k} (controlled drafter, batch 1)")
   plain = msj.generate(model, prompts, max_new_tokens=cfg.max_new_tokens)
   reference = plain.tokens
-  prefill_s = prefill_seconds(model, prompts, max(cfg.repeats, 5))
   step_spec = msj.SpecParams(drafter="controlled", num_draft=cfg.max_k, controlled_acceptance=0.5)
   measured_step = loop.step_times_ms(model, prompts, cfg.max_new_tokens, spec=step_spec,
                                      reference_tokens=reference, repeats=cfg.kernel_repeats)
@@ -325,18 +337,18 @@ def run_cost_model(model, workdir, cfg: CostValidationConfig = CostValidationCon
       f"{np.median(rel_err):.1%} (n = 2..{n_max}); with a linear non-expert term "
       f"({slope_ms * 1e3:.0f} us per token, fitted at n = 1 and {n_max}): "
       f"{np.median(rel_err_linear) if rel_err_linear else float('nan'):.1%} (n = 2..{n_max - 1})")
-  log(f"  prefill {prefill_s * 1e3:.1f} ms (subtracted from every run's time: decode-phase speedups)")
 
   log(f"[4/6] measured speedups: {len(cfg.alphas)} acceptance rates x K = 1..{cfg.max_k}, {cfg.repeats} rounds "
       f"of plain and every K side by side")
   keep = loop.compiled_signatures()
   speedups = {(a, 0): 1.0 for a in cfg.alphas}
   sweep_rows = []
+  prefills = []  # every round's prefill, subtracted from its runs (decode-phase speedups)
   progress = cli.Progress(len(cfg.alphas), desc="cost_model sweep", unit="rates", every_s=20.0)
   for i, a in enumerate(cfg.alphas):
     specs = {k: msj.SpecParams(drafter="controlled", num_draft=k, controlled_acceptance=a) for k in ks[1:]}
     ratio_K, tps_K, stats_K = round_robin_speedups(model, prompts, cfg.max_new_tokens, specs, cfg.repeats,
-                                                   prefill_s, reference, check_tokens=reference)
+                                                   reference, check_tokens=reference, prefills=prefills)
     for k in ks[1:]:
       speedups[(a, k)] = ratio_K[k]
       sweep_rows.append({"alpha": a, "num_draft": k, "speedup": ratio_K[k], "tokens_per_second": tps_K[k],
@@ -344,6 +356,8 @@ def run_cost_model(model, workdir, cfg: CostValidationConfig = CostValidationCon
                          "predicted_accepted_length": float(cost_model.tokens_per_pass(a, k))})
     progress.update(i + 1, best_k=max(ks, key=lambda k: speedups[(a, k)]))
   loop.forget_compiled(keep)
+  log(f"  prefill, timed in every round and subtracted from its runs: median {np.median(prefills) * 1e3:.1f} ms "
+      f"(range {min(prefills) * 1e3:.1f}-{max(prefills) * 1e3:.1f})")
 
   def t_verify_pred(n):
     return predicted_verify[n]
@@ -392,7 +406,7 @@ def run_cost_model(model, workdir, cfg: CostValidationConfig = CostValidationCon
               else cost_model.best_k(a, cfg.max_k, t_step(1), lambda k: 0.0, t_step)[0])
     spec = msj.SpecParams(drafter="controlled", num_draft="auto", max_draft=cfg.max_k, controlled_acceptance=a)
     fixed = msj.SpecParams(drafter="controlled", num_draft=best_k, controlled_acceptance=a)
-    row = auto_against_fixed(model, prompts, cfg.max_new_tokens, spec, fixed, cfg.auto_repeats, prefill_s, reference)
+    row = auto_against_fixed(model, prompts, cfg.max_new_tokens, spec, fixed, cfg.auto_repeats, reference)
     auto_rows.append(dict(row, drafter="controlled", alpha=a))
     log("  " + describe_auto(auto_rows[-1]))
 
@@ -400,14 +414,14 @@ def run_cost_model(model, workdir, cfg: CostValidationConfig = CostValidationCon
   drafters = [d for d in cfg.real_drafters if d != "mtp" or config.num_mtp_modules]
   for drafter in drafters:
     specs = {k: msj.SpecParams(drafter=drafter, num_draft=k) for k in ks[1:]}
-    fixed_speedups, _, _ = round_robin_speedups(model, prompts, cfg.max_new_tokens, specs, cfg.repeats, prefill_s,
-                                                check_tokens=reference)
+    fixed_speedups, _, _ = round_robin_speedups(model, prompts, cfg.max_new_tokens, specs, cfg.repeats,
+                                                check_tokens=reference, prefills=prefills)
     fixed_speedups[0] = 1.0
     loop.forget_compiled(keep)
     best = max(ks, key=lambda k: fixed_speedups[k])
     spec = msj.SpecParams(drafter=drafter, num_draft="auto", max_draft=cfg.max_k)
     fixed = msj.SpecParams(drafter=drafter if best else "none", num_draft=best)
-    row = auto_against_fixed(model, prompts, cfg.max_new_tokens, spec, fixed, cfg.auto_repeats, prefill_s)
+    row = auto_against_fixed(model, prompts, cfg.max_new_tokens, spec, fixed, cfg.auto_repeats)
     auto_rows.append(dict(row, drafter=drafter, alpha=None, fixed_speedups=[fixed_speedups[k] for k in ks]))
     log(f"  {describe_auto(auto_rows[-1])}; fixed K=1..{cfg.max_k} (sweep): "
         + " ".join(f"{fixed_speedups[k]:.2f}" for k in ks[1:]))
@@ -423,8 +437,11 @@ def run_cost_model(model, workdir, cfg: CostValidationConfig = CostValidationCon
       "verify_time_median_rel_error": float(np.median(rel_err)),
       "verify_time_median_rel_error_linear_nonexpert": float(np.median(rel_err_linear)) if rel_err_linear else None,
       "nonexpert_ms_per_token": slope_ms,
-      "prefill_ms": prefill_s * 1e3,
-      "speedup_definition": "decode phase: (plain seconds - prefill) / (speculative seconds - prefill)",
+      # Timed in every round (the faster of a one-token run before and after it); median, range.
+      "prefill_ms": float(np.median(prefills) * 1e3),
+      "prefill_ms_range": [float(min(prefills) * 1e3), float(max(prefills) * 1e3)],
+      "speedup_definition": ("decode phase: (plain seconds - prefill) / (speculative seconds - prefill), "
+                             "the prefill timed in the same round"),
       "best_k": best_rows,
       **{f"best_k_within_one_fraction{suffix}": within[col] for col, (suffix, _) in PREDICTORS.items()},
       "step_ms_every_draft_wrong": step_by_end[0.0].tolist(), "step_ms_every_draft_right": step_by_end[1.0].tolist(),
@@ -450,16 +467,16 @@ def run_cost_model(model, workdir, cfg: CostValidationConfig = CostValidationCon
   return result
 
 
-def auto_against_fixed(model, prompts, max_new_tokens: int, auto_spec, fixed_spec, repeats: int, prefill_s: float,
+def auto_against_fixed(model, prompts, max_new_tokens: int, auto_spec, fixed_spec, repeats: int,
                        reference=None) -> dict[str, Any]:
   """Plain, auto and fixed-K decoding side by side (`round_robin_runs`, same seeds); medians of
   the per-round decode-phase ratios: auto over plain, fixed over plain, and auto over fixed.
 
   Plain decoding also runs a second time in every round: `plain_vs_plain`, the same program
   against itself, is the timing noise these ratios carry (ideally 1.0)."""
-  seconds, stats = round_robin_runs(model, prompts, max_new_tokens,
-                                    {"auto": auto_spec, "plain_again": msj.SpecParams(), "fixed": fixed_spec},
-                                    repeats, prefill_s, reference)
+  runs = round_robin_runs(model, prompts, max_new_tokens,
+                          {"auto": auto_spec, "plain_again": msj.SpecParams(), "fixed": fixed_spec}, repeats, reference)
+  seconds, stats = runs.seconds, runs.stats
   auto_stats = stats["auto"]
   passes_by_k = np.sum([s["passes_by_num_draft"] for s in auto_stats], axis=0)
   passes = sum(s["verify_passes"] for s in auto_stats)

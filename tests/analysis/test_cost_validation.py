@@ -1,5 +1,6 @@
 """The cost-model validation: byte accounting of a predicted pass, the --quick run end to end."""
 
+import itertools
 import json
 import os
 import pathlib
@@ -73,27 +74,37 @@ def test_config_rejects_bad_values():
 
 
 def test_round_robin_alternates_order_and_pairs_each_round(monkeypatch):
-  """Plain and every spec run once per round, in reversed order every other round; a spec's
-  speedup is the median of per-round ratios (a slow round moves plain and the spec together)."""
+  """Plain and every spec run once per round, in reversed order every other round, between two
+  one-token runs (the round's prefill, the faster of the two, subtracted from its runs); a
+  spec's speedup is the median of per-round ratios (a slow round moves plain and the spec
+  together)."""
   calls = []
   slow = {1: 3.0}  # round 1 runs everything 3x slower
   base = {"none": 1.0, "a": 0.5, "b": 2.0}
+  # After the warm-up: round 0 min(0.1, 0.3), round 1 min(0.6, 0.3).
+  prefill = itertools.chain([0.2, 0.1, 0.3, 0.6, 0.3], itertools.repeat(0.1))
 
-  def fake_generate(model, prompts, max_new_tokens, spec, seed, reference_tokens):
+  def fake_generate(model, prompts, max_new_tokens, spec=None, seed=0, reference_tokens=None):
+    if max_new_tokens == 1:
+      calls.append((seed, "prefill"))
+      return types.SimpleNamespace(tokens=np.zeros((1, 1), np.int32), stats={"seconds": next(prefill)})
     label = "none" if spec.drafter == "none" else ("a" if spec.num_draft == 1 else "b")
     calls.append((seed, label))
-    seconds = 0.1 + base[label] * slow.get(seed, 1.0)
+    seconds = (0.1 if seed == 0 else 0.3) + base[label] * slow.get(seed, 1.0)
     tokens = np.zeros((1, 4), np.int32) if label != "b" or seed < 2 else np.ones((1, 4), np.int32)
     return types.SimpleNamespace(tokens=tokens, stats={"seconds": seconds, "tokens_per_second": 4 / seconds})
 
   monkeypatch.setattr(msj, "generate", fake_generate)
   specs = {1: msj.SpecParams(drafter="ngram", num_draft=1), 2: msj.SpecParams(drafter="ngram", num_draft=2)}
-  speedup, _, _ = cost_validation.round_robin_speedups(None, [[1]], 4, specs, rounds=2, prefill_s=0.1)
-  assert calls == [(0, "none"), (0, "a"), (0, "b"), (1, "b"), (1, "a"), (1, "none")]
+  prefills = []
+  speedup, _, _ = cost_validation.round_robin_speedups(None, [[1]], 4, specs, rounds=2, prefills=prefills)
+  assert calls == [(0, "prefill"), (0, "prefill"), (0, "none"), (0, "a"), (0, "b"), (0, "prefill"),
+                   (1, "prefill"), (1, "b"), (1, "a"), (1, "none"), (1, "prefill")]
+  assert prefills == pytest.approx([0.1, 0.3])
+  # Exact only with each round's own prefill subtracted (0.1 in round 0, 0.3 in round 1).
   assert speedup[1] == pytest.approx(2.0) and speedup[2] == pytest.approx(0.5)
   with pytest.raises(AssertionError, match="differs from plain"):  # round 2: b's tokens differ
-    cost_validation.round_robin_runs(None, [[1]], 4, specs, rounds=3, prefill_s=0.1,
-                                     check_tokens=np.zeros((1, 4), np.int32))
+    cost_validation.round_robin_runs(None, [[1]], 4, specs, rounds=3, check_tokens=np.zeros((1, 4), np.int32))
 
 
 @pytest.mark.slow
