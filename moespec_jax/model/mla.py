@@ -8,7 +8,9 @@ rotary key k_r [qk_rope_head_dim] (stored as the cache's keys [B, S, 1, C] and v
     out_t       = (sum_s p(t, s) c_s) W_uv W_o
 
 which equals expanding per-head keys/values from c (up to float rounding) without
-materialising them. RoPE uses the half-split layout; checkpoints with interleaved rotary
+materialising them: what a decode or verification pass against the cache reads. A prefill (or
+a pass without a cache), many queries against few keys, expands them instead
+(k_nope = c W_uk, v = c W_uv per head): smaller products there. RoPE uses the half-split layout; checkpoints with interleaved rotary
 pairs are permuted at import (`moespec_jax.hf`).
 """
 
@@ -117,28 +119,23 @@ class MLAttention(nnx.Module):
     new_cache = None if layer_cache is None else tuple(
         cache_lib.write_positions(c, new, positions_BT[:, 0])
         for c, new in zip(layer_cache, (latent_BTGC, k_rope_BTGR)))
-    q_lat_BTHC = jnp.einsum("bthn,chn->bthc", q_nope_BTHN, self.w_uk_CHN[...])
     scale = jnp.float32(softmax_scale(cfg))
-
-    # XLA:CPU's speed for these batched products depends on the operand order (the same
-    # contraction): the latent first ran p.c 1.3-5x faster in every pass shape measured (batch
-    # 1-8, 1-192 queries, 5 layers), and q.c 1.4-1.6x faster in a prefill but 1.5-1.9x slower in
-    # a decode step, so the scores take the order by pass.
-    def scores(latent_BSC, k_rope_BSR, visible_BTS, latent_first=False):
-      if latent_first:
-        s_BHTS = (jnp.einsum("bsc,bthc->bhts", latent_BSC, q_lat_BTHC)
-                  + jnp.einsum("bsr,bthr->bhts", k_rope_BSR, q_rope_BTHR))
-      else:
-        s_BHTS = (jnp.einsum("bthc,bsc->bhts", q_lat_BTHC, latent_BSC)
-                  + jnp.einsum("bthr,bsr->bhts", q_rope_BTHR, k_rope_BSR))
-      return jnp.where(visible_BTS[:, None], s_BHTS.astype(jnp.float32) * scale, -1e30)
-
-    latent_BTC, k_rope_BTR = latent_BTGC[:, :, 0], k_rope_BTGR[:, :, 0]
     own_visible_BTT = positions_BT[:, None, :] <= positions_BT[:, :, None]
-    if new_cache is None or fresh_cache:  # the pass's own positions only
-      probs_BHTT = jax.nn.softmax(scores(latent_BTC, k_rope_BTR, own_visible_BTT, latent_first=True), axis=-1)
-      out_lat_BTHC = jnp.einsum("bsc,bhts->bthc", latent_BTC, probs_BHTT.astype(latent_BTC.dtype))
-    elif x_BTD.shape[0] > 1:  # the updated cache (positions <= each query's own)
+    if new_cache is None or fresh_cache:
+      out_BTHV = self._own_attention(q_nope_BTHN, q_rope_BTHR, latent_BTGC[:, :, 0], k_rope_BTGR[:, :, 0],
+                                     own_visible_BTT, scale)
+      return jnp.einsum("bthv,hvd->btd", out_BTHV, self.w_o_HVD[...]), new_cache
+    q_lat_BTHC = jnp.einsum("bthn,chn->bthc", q_nope_BTHN, self.w_uk_CHN[...])
+
+    def scores(latent_BSC, k_rope_BSR, visible_BTS):
+      s_BHTS = (jnp.einsum("bthc,bsc->bhts", q_lat_BTHC, latent_BSC)
+                + jnp.einsum("bthr,bsr->bhts", q_rope_BTHR, k_rope_BSR)).astype(jnp.float32) * scale
+      return jnp.where(visible_BTS[:, None], s_BHTS, -1e30)
+
+    # XLA:CPU's speed for p.c depends on the operand order (the same contraction): the latent
+    # first ran 1.3-5x faster in the decode-pass shapes measured (batch 1-8, 1-9 queries).
+    latent_BTC, k_rope_BTR = latent_BTGC[:, :, 0], k_rope_BTGR[:, :, 0]
+    if x_BTD.shape[0] > 1:  # the updated cache (positions <= each query's own)
       latent_BSC, k_rope_BSR = new_cache
       key_pos_S = jnp.arange(latent_BSC.shape[1])
       probs_BHTS = jax.nn.softmax(scores(latent_BSC, k_rope_BSR, key_pos_S[None, None] <= positions_BT[:, :, None]),
@@ -162,3 +159,15 @@ class MLAttention(nnx.Module):
                       + jnp.einsum("bsc,bhts->bthc", latent_BTC, probs_own_BHTT))
     out_BTHV = jnp.einsum("bthc,chv->bthv", out_lat_BTHC, self.w_uv_CHV[...])
     return jnp.einsum("bthv,hvd->btd", out_BTHV, self.w_o_HVD[...]), new_cache
+
+  def _own_attention(self, q_nope_BTHN, q_rope_BTHR, latent_BTC, k_rope_BTR, visible_BTT, scale):
+    """Attention among the pass's own positions (a prefill, or no cache) with per-head keys and
+    values expanded from the latent: [B, T, H, V]. Many queries against few keys each: the
+    expanded products are 3-4x smaller than the latent ones (qk_nope_head_dim + qk_rope_head_dim
+    and v_head_dim against kv_lora_rank + qk_rope_head_dim and kv_lora_rank per head)."""
+    k_nope_BTHN = jnp.einsum("btc,chn->bthn", latent_BTC, self.w_uk_CHN[...])
+    values_BTHV = jnp.einsum("btc,chv->bthv", latent_BTC, self.w_uv_CHV[...])
+    s_BHTS = (jnp.einsum("bthn,bshn->bhts", q_nope_BTHN, k_nope_BTHN)
+              + jnp.einsum("bthr,bsr->bhts", q_rope_BTHR, k_rope_BTR)).astype(jnp.float32) * scale
+    probs_BHTS = jax.nn.softmax(jnp.where(visible_BTT[:, None], s_BHTS, -1e30), axis=-1)
+    return jnp.einsum("bshv,bhts->bthv", values_BTHV, probs_BHTS.astype(values_BTHV.dtype))
