@@ -6,7 +6,9 @@ dedup/per-slot crossover, and num_draft='auto' against plain decoding and the be
       [--n_alphas=21] [--max_k=8] [--repeats=7] [--auto_repeats=31] [--max_new_tokens=128]
 
 Writes `workdir/metrics.json` (key `cost_model`), `staircase.png`, `verify_time.png` and
-`unique_experts.png`. Batch 1, greedy (the controlled drafter's acceptance is geometric only
+`unique_experts.png`. Resumable: each acceptance rate of the sweep and each auto row is kept in
+`workdir/progress.json` as it finishes; rerun the same command (same settings, same model) after
+an interruption and only the rest is measured (the file is removed when the run completes). Batch 1, greedy (the controlled drafter's acceptance is geometric only
 against greedy verification).
 """
 
@@ -40,10 +42,7 @@ def main(argv):
     from moespec_jax.default_model import ensure_default_model
     model = ensure_default_model()
   if _QUICK.value:
-    cfg = cost_validation.CostValidationConfig(
-        alphas=(0.0, 0.25, 0.5, 0.75, 1.0), max_k=2, max_new_tokens=16, repeats=1, kernel_n=(1, 2, 4),
-        kernel_repeats=2, crossover_windows=2, trace_segments=4, auto_alphas=(0.0, 1.0), auto_repeats=1,
-        real_drafters=("ngram",))
+    cfg = cost_validation.QUICK_CONFIG
   else:
     alphas = tuple(float(a) for a in np.round(np.linspace(0.0, 1.0, _N_ALPHAS.value), 3))
     cfg = cost_validation.CostValidationConfig(alphas=alphas, max_k=_MAX_K.value, repeats=_REPEATS.value,

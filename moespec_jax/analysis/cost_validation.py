@@ -40,7 +40,7 @@ from moespec_jax import cli
 from moespec_jax.analysis import cost_model, routing, routing_report, traces
 from moespec_jax.data import corpus
 from moespec_jax.decoding import loop
-from moespec_jax.io import atomic
+from moespec_jax.io import atomic, progress
 from pallas_kernels import bytes as kbytes
 
 FITTED_METHODS = ("dedup", "per_slot")
@@ -88,6 +88,19 @@ class CostValidationConfig:
     bad = [d for d in self.real_drafters if d not in ("mtp", "ngram")]
     if bad:
       raise ValueError(f"real_drafters must be among mtp, ngram; got {bad}")
+
+
+QUICK_CONFIG = CostValidationConfig(
+    alphas=(0.0, 0.25, 0.5, 0.75, 1.0), max_k=2, max_new_tokens=16, repeats=1, kernel_n=(1, 2, 4),
+    kernel_repeats=2, crossover_windows=2, trace_segments=4, auto_alphas=(0.0, 1.0), auto_repeats=1,
+    real_drafters=("ngram",))
+
+
+def progress_settings(model, cfg: CostValidationConfig) -> dict[str, Any]:
+  """What a resumed run must share with the interrupted one: the validation's settings, the
+  model's config and its weights."""
+  return {"experiment": "cost_model", "config": dataclasses.asdict(cfg), "model": dataclasses.asdict(model.config),
+          "weights": progress.weights_fingerprint(model.state)}
 
 
 # Single-layer expert timings ------------------------------------------------------------------
@@ -283,6 +296,9 @@ def run_cost_model(model, workdir, cfg: CostValidationConfig = CostValidationCon
   began = time.perf_counter()
   prompts = corpus.held_out_prompts(1, prompt_bytes=cfg.prompt_bytes, seed=cfg.seed)
   ks = list(range(cfg.max_k + 1))
+  # The sweep's acceptance rates and the auto rows are kept as they finish (workdir/progress.json):
+  # an interrupted run, rerun with the same settings on the same model, measures only the rest.
+  parts = progress.RunProgress(workdir / "progress.json", progress_settings(model, cfg), log=log)
 
   log(f"[1/6] routing traces ({cfg.trace_segments} held-out windows) and unique experts under four models")
   trace = traces.heldout_trace(model, n_segments=cfg.trace_segments)
@@ -344,17 +360,24 @@ def run_cost_model(model, workdir, cfg: CostValidationConfig = CostValidationCon
   speedups = {(a, 0): 1.0 for a in cfg.alphas}
   sweep_rows = []
   prefills = []  # every round's prefill, subtracted from its runs (decode-phase speedups)
-  progress = cli.Progress(len(cfg.alphas), desc="cost_model sweep", unit="rates", every_s=20.0)
-  for i, a in enumerate(cfg.alphas):
+  bar = cli.Progress(len(cfg.alphas), desc="cost_model sweep", unit="rates", every_s=20.0)
+
+  def sweep_rate(a):
     specs = {k: msj.SpecParams(drafter="controlled", num_draft=k, controlled_acceptance=a) for k in ks[1:]}
+    rate_prefills = []
     ratio_K, tps_K, stats_K = round_robin_speedups(model, prompts, cfg.max_new_tokens, specs, cfg.repeats,
-                                                   reference, check_tokens=reference, prefills=prefills)
-    for k in ks[1:]:
-      speedups[(a, k)] = ratio_K[k]
-      sweep_rows.append({"alpha": a, "num_draft": k, "speedup": ratio_K[k], "tokens_per_second": tps_K[k],
-                         "mean_accepted_length": stats_K[k]["mean_accepted_length"],
-                         "predicted_accepted_length": float(cost_model.tokens_per_pass(a, k))})
-    progress.update(i + 1, best_k=max(ks, key=lambda k: speedups[(a, k)]))
+                                                   reference, check_tokens=reference, prefills=rate_prefills)
+    return {"prefills": rate_prefills,
+            "rows": [{"num_draft": k, "speedup": ratio_K[k], "tokens_per_second": tps_K[k],
+                      "mean_accepted_length": stats_K[k]["mean_accepted_length"]} for k in ks[1:]]}
+
+  for i, a in enumerate(cfg.alphas):
+    part = parts.cached(f"sweep/{a}", lambda: sweep_rate(a))
+    prefills += part["prefills"]
+    for r in part["rows"]:
+      speedups[(a, r["num_draft"])] = r["speedup"]
+      sweep_rows.append(dict(r, alpha=a, predicted_accepted_length=float(cost_model.tokens_per_pass(a, r["num_draft"]))))
+    bar.update(i + 1, best_k=max(ks, key=lambda k: speedups[(a, k)]))
   loop.forget_compiled(keep)
   log(f"  prefill, timed in every round and subtracted from its runs: median {np.median(prefills) * 1e3:.1f} ms "
       f"(range {min(prefills) * 1e3:.1f}-{max(prefills) * 1e3:.1f})")
@@ -406,26 +429,35 @@ def run_cost_model(model, workdir, cfg: CostValidationConfig = CostValidationCon
               else cost_model.best_k(a, cfg.max_k, t_step(1), lambda k: 0.0, t_step)[0])
     spec = msj.SpecParams(drafter="controlled", num_draft="auto", max_draft=cfg.max_k, controlled_acceptance=a)
     fixed = msj.SpecParams(drafter="controlled", num_draft=best_k, controlled_acceptance=a)
-    row = auto_against_fixed(model, prompts, cfg.max_new_tokens, spec, fixed, cfg.auto_repeats, reference)
+    row = parts.cached(f"auto/controlled/{a}", lambda: auto_against_fixed(
+        model, prompts, cfg.max_new_tokens, spec, fixed, cfg.auto_repeats, reference))
     auto_rows.append(dict(row, drafter="controlled", alpha=a))
     log("  " + describe_auto(auto_rows[-1]))
 
   log("[6/6] num_draft='auto' with the model's drafters, against every fixed K")
   drafters = [d for d in cfg.real_drafters if d != "mtp" or config.num_mtp_modules]
-  for drafter in drafters:
+
+  def real_drafter_row(drafter):
     specs = {k: msj.SpecParams(drafter=drafter, num_draft=k) for k in ks[1:]}
+    drafter_prefills = []
     fixed_speedups, _, _ = round_robin_speedups(model, prompts, cfg.max_new_tokens, specs, cfg.repeats,
-                                                check_tokens=reference, prefills=prefills)
+                                                check_tokens=reference, prefills=drafter_prefills)
     fixed_speedups[0] = 1.0
     loop.forget_compiled(keep)
     best = max(ks, key=lambda k: fixed_speedups[k])
     spec = msj.SpecParams(drafter=drafter, num_draft="auto", max_draft=cfg.max_k)
     fixed = msj.SpecParams(drafter=drafter if best else "none", num_draft=best)
     row = auto_against_fixed(model, prompts, cfg.max_new_tokens, spec, fixed, cfg.auto_repeats)
-    auto_rows.append(dict(row, drafter=drafter, alpha=None, fixed_speedups=[fixed_speedups[k] for k in ks]))
-    log(f"  {describe_auto(auto_rows[-1])}; fixed K=1..{cfg.max_k} (sweep): "
-        + " ".join(f"{fixed_speedups[k]:.2f}" for k in ks[1:]))
     loop.forget_compiled(keep)
+    return {"row": dict(row, drafter=drafter, alpha=None, fixed_speedups=[fixed_speedups[k] for k in ks]),
+            "prefills": drafter_prefills}
+
+  for drafter in drafters:
+    part = parts.cached(f"auto/{drafter}", lambda: real_drafter_row(drafter))
+    prefills += part["prefills"]
+    auto_rows.append(part["row"])
+    log(f"  {describe_auto(auto_rows[-1])}; fixed K=1..{cfg.max_k} (sweep): "
+        + " ".join(f"{s:.2f}" for s in part["row"]["fixed_speedups"][1:]))
 
   result = {"cost_model": {
       # gbps None: time did not grow with bytes over the fitted pass sizes (overhead-bound).
@@ -463,6 +495,7 @@ def run_cost_model(model, workdir, cfg: CostValidationConfig = CostValidationCon
   plot_verify_time(result["cost_model"], workdir / "verify_time.png")
   routing_report.plot_routing(rstats, workdir / "unique_experts.png")
   log(format_summary(result["cost_model"]))
+  parts.finish()
   log(f"wrote {workdir / 'metrics.json'} and plots (staircase, verify_time, unique_experts)")
   return result
 

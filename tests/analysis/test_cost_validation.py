@@ -110,12 +110,23 @@ def test_round_robin_alternates_order_and_pairs_each_round(monkeypatch):
 @pytest.mark.slow
 def test_quick_run_writes_the_documented_metrics(tiny_config, tmp_path):
   msj.Model.init(tiny_config.replace(max_seq_len=512), seed=0).save(tmp_path / "m")
+  # A run interrupted after one acceptance rate of the sweep: the rerun resumes it, not re-measures it.
+  settings = cost_validation.progress_settings(msj.Model.load(tmp_path / "m"), cost_validation.QUICK_CONFIG)
+  done = {"prefills": [0.0123], "rows": [{"num_draft": k, "speedup": 1.2345, "tokens_per_second": 99.0,
+                                         "mean_accepted_length": 1.5} for k in (1, 2)]}
+  (tmp_path / "out").mkdir()
+  (tmp_path / "out" / "progress.json").write_text(json.dumps({"settings": settings, "parts": {"sweep/0.5": done}}))
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   res = subprocess.run([sys.executable, "-m", "experiments.cost_model", f"--workdir={tmp_path / 'out'}",
                         f"--model={tmp_path / 'm'}", "--quick"], cwd=ROOT, env=env, capture_output=True,
                        text=True, timeout=600)
   assert res.returncode == 0, res.stderr
+  assert "resuming: 1 finished part(s)" in res.stdout + res.stderr
+  assert not (tmp_path / "out" / "progress.json").exists()  # removed once the run is complete
   cm = json.loads((tmp_path / "out" / "metrics.json").read_text())["cost_model"]
+  assert [r["speedup"] for r in cm["speedups"] if r["alpha"] == 0.5] == [1.2345, 1.2345]
+  assert [r["speedup"] for r in cm["speedups"] if r["alpha"] == 0.25] != [1.2345, 1.2345]
+  assert cm["prefill_ms_range"][0] <= 12.3 + 1e-6 and 12.3 - 1e-6 <= cm["prefill_ms_range"][1]
   assert {f["method"] for f in cm["fitted"]} == {"dedup", "per_slot"}
   # Tiny layers can be overhead-bound (gbps None: no growth with bytes); never a negative fit.
   assert all((f["gbps"] is None or f["gbps"] > 0) and f["fixed_ms"] >= 0 for f in cm["fitted"])
