@@ -6,10 +6,11 @@ dedup/per-slot crossover, and num_draft='auto' against plain decoding and the be
       [--n_alphas=21] [--max_k=8] [--repeats=7] [--auto_repeats=31] [--max_new_tokens=128]
 
 Writes `workdir/metrics.json` (key `cost_model`), `staircase.png`, `verify_time.png` and
-`unique_experts.png`. Resumable: each acceptance rate of the sweep and each auto row is kept in
-`workdir/progress.json` as it finishes; rerun the same command (same settings, same model) after
-an interruption and only the rest is measured (the file is removed when the run completes). Batch 1, greedy (the controlled drafter's acceptance is geometric only
-against greedy verification).
+`unique_experts.png`. Batch 1, greedy (the controlled drafter's acceptance is geometric only
+against greedy verification). Resumable: each acceptance rate of the sweep and each auto row is
+kept in `workdir/progress.json` as it finishes; rerun the same command (same settings, same
+model) after an interruption and only the rest is measured (the file is removed when the run
+completes).
 """
 
 import numpy as np

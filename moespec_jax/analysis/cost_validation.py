@@ -269,20 +269,18 @@ def median_ratio_interval(num, den, level: float = 0.9, resamples: int = 2000, s
 
 
 def round_robin_speedups(model, prompts, max_new_tokens: int, specs: dict, rounds: int, reference=None,
-                         check_tokens=None, prefills=None):
+                         check_tokens=None):
   """Each spec's decode-phase speedup over plain decoding: the median over rounds of plain's
   time over the spec's in the same round (`round_robin_runs`).
 
-  Returns ({label: speedup}, {label: median tokens/s}, {label: stats of its last run}); each
-  round's prefill seconds are appended to `prefills` when given.
+  Returns ({label: speedup}, {label: median tokens/s}, {label: stats of its last run}, [each
+  round's prefill seconds]).
   """
   runs = round_robin_runs(model, prompts, max_new_tokens, specs, rounds, reference, check_tokens)
-  if prefills is not None:
-    prefills.extend(runs.prefill_s)
   seconds, stats = runs.seconds, runs.stats
   return ({k: median_ratio(seconds[None], seconds[k]) for k in specs},
           {k: statistics.median(s["tokens_per_second"] for s in stats[k]) for k in specs},
-          {k: stats[k][-1] for k in specs})
+          {k: stats[k][-1] for k in specs}, runs.prefill_s)
 
 
 # The run -------------------------------------------------------------------------------------
@@ -364,9 +362,8 @@ def run_cost_model(model, workdir, cfg: CostValidationConfig = CostValidationCon
 
   def sweep_rate(a):
     specs = {k: msj.SpecParams(drafter="controlled", num_draft=k, controlled_acceptance=a) for k in ks[1:]}
-    rate_prefills = []
-    ratio_K, tps_K, stats_K = round_robin_speedups(model, prompts, cfg.max_new_tokens, specs, cfg.repeats,
-                                                   reference, check_tokens=reference, prefills=rate_prefills)
+    ratio_K, tps_K, stats_K, rate_prefills = round_robin_speedups(
+        model, prompts, cfg.max_new_tokens, specs, cfg.repeats, reference, check_tokens=reference)
     return {"prefills": rate_prefills,
             "rows": [{"num_draft": k, "speedup": ratio_K[k], "tokens_per_second": tps_K[k],
                       "mean_accepted_length": stats_K[k]["mean_accepted_length"]} for k in ks[1:]]}
@@ -439,9 +436,8 @@ def run_cost_model(model, workdir, cfg: CostValidationConfig = CostValidationCon
 
   def real_drafter_row(drafter):
     specs = {k: msj.SpecParams(drafter=drafter, num_draft=k) for k in ks[1:]}
-    drafter_prefills = []
-    fixed_speedups, _, _ = round_robin_speedups(model, prompts, cfg.max_new_tokens, specs, cfg.repeats,
-                                                check_tokens=reference, prefills=drafter_prefills)
+    fixed_speedups, _, _, drafter_prefills = round_robin_speedups(model, prompts, cfg.max_new_tokens, specs,
+                                                                  cfg.repeats, check_tokens=reference)
     fixed_speedups[0] = 1.0
     loop.forget_compiled(keep)
     best = max(ks, key=lambda k: fixed_speedups[k])
@@ -469,7 +465,8 @@ def run_cost_model(model, workdir, cfg: CostValidationConfig = CostValidationCon
       "verify_time_median_rel_error": float(np.median(rel_err)),
       "verify_time_median_rel_error_linear_nonexpert": float(np.median(rel_err_linear)) if rel_err_linear else None,
       "nonexpert_ms_per_token": slope_ms,
-      # Timed in every round (the faster of a one-token run before and after it); median, range.
+      # Timed in every round (the faster of a one-token run before and after it); median and range
+      # over the rounds of the fixed-K sweeps (the auto rows subtract their own rounds' too).
       "prefill_ms": float(np.median(prefills) * 1e3),
       "prefill_ms_range": [float(min(prefills) * 1e3), float(max(prefills) * 1e3)],
       "speedup_definition": ("decode phase: (plain seconds - prefill) / (speculative seconds - prefill), "
