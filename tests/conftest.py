@@ -6,10 +6,16 @@ import shutil
 import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# The suite compiles a few hundred small programs: LLVM's optimisations took a third of their
-# compile time and buy nothing at these shapes (CLI tests' subprocesses inherit this).
-if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
+# The suite compiles a few hundred small programs, and their compile time is most of its time:
+# LLVM's optimisations took a third of it and buy nothing at these shapes, and XLA:CPU's newer
+# fusion emitters and LLVM's expensive passes took a further 20-40% of the rest (an auto-K
+# generate call on the tiny model: 12-17 s of compilation against 9.5 s without them). CLI
+# tests' subprocesses inherit these.
+_FAST_COMPILE_FLAGS = {"xla_backend_optimization_level": "0", "xla_cpu_use_fusion_emitters": "false",
+                       "xla_llvm_disable_expensive_passes": "true"}
+for _name, _value in _FAST_COMPILE_FLAGS.items():
+  if _name not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --{_name}={_value}").strip()
 # One compilation cache per run, shared by the workers and the CLI tests' subprocesses (the same
 # tiny programs are compiled in several processes); made here, removed when the run ends.
 _OWN_CACHE = "JAX_COMPILATION_CACHE_DIR" not in os.environ
