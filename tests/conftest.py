@@ -7,10 +7,10 @@ import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # The suite compiles a few hundred small programs, and their compile time is most of its time:
-# LLVM's optimisations took a third of it and buy nothing at these shapes, and XLA:CPU's newer
-# fusion emitters and LLVM's expensive passes took a further 20-40% of the rest (an auto-K
-# generate call on the tiny model: 12-17 s of compilation against 9.5 s without them). CLI
-# tests' subprocesses inherit these.
+# LLVM's optimisations took a third of it and buy nothing at these shapes; without XLA:CPU's
+# newer fusion emitters and LLVM's expensive passes as well, plain, auto-K and n-gram generate
+# calls on the tiny model compiled in 9.5-9.6 s against 12.0-18.4 s with them (make test: 6m14s
+# against 8m45s). CLI tests' subprocesses inherit these.
 _FAST_COMPILE_FLAGS = {"xla_backend_optimization_level": "0", "xla_cpu_use_fusion_emitters": "false",
                        "xla_llvm_disable_expensive_passes": "true"}
 for _name, _value in _FAST_COMPILE_FLAGS.items():

@@ -17,8 +17,11 @@ def test_parts_are_reused_by_a_rerun_with_the_same_settings(tmp_path):
   run = progress.RunProgress(path, {"a": (1, 2)}, log=logs.append)
   fresh = run.cached("x", lambda: compute(0.5))
   assert fresh == {"1": 0.5, "pair": [0.5, 0.5]}  # the JSON form, as a resumed run reads it
+  def interrupted():
+    raise RuntimeError("killed")
+
   with pytest.raises(RuntimeError):  # interrupted during the next part: nothing of it is kept
-    run.cached("y", lambda: (_ for _ in ()).throw(RuntimeError("killed")))
+    run.cached("y", interrupted)
   rerun = progress.RunProgress(path, {"a": [1, 2]}, log=logs.append)
   assert rerun.cached("x", lambda: compute(9.0)) == fresh and calls == [0.5]
   assert rerun.cached("y", lambda: compute(2.0)) == {"1": 2.0, "pair": [2.0, 2.0]} and calls == [0.5, 2.0]
