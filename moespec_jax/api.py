@@ -32,6 +32,11 @@ def _pack_head(weight, tied: bool):
   return cpu_ffi.pack_columns(weight.T if tied else weight)
 
 
+@functools.partial(jax.jit, static_argnums=(0,))
+def _pack_dense(graphdef, state):
+  return nnx.merge(graphdef, state).pack_dense()
+
+
 class Model:
   """A target MoE model (and its MTP heads once trained) with its tokenizer.
 
@@ -47,6 +52,7 @@ class Model:
     # Hugging Face import only: {"spec": ImportSpec}.
     self.hf_extras: dict[str, Any] = {}
     self._packed_head = None  # (the head weight it was packed from, the packed blocks)
+    self._packed_dense = None  # (the parameter arrays they were packed from, the packed blocks)
 
   # Construction -----------------------------------------------------------------------
   @classmethod
@@ -70,6 +76,15 @@ class Model:
     if self._packed_head is None or self._packed_head[0] is not source:
       self._packed_head = (source, _pack_head(source, self.config.tie_embeddings))
     return self._packed_head[1]
+
+  def packed_dense(self) -> dict[str, dict[str, jax.Array]]:
+    """The dense projections (attention, dense and shared SwiGLUs) packed for the C++ product of
+    decoding on CPU (`Transformer.pack_dense`; computed once per parameter set, then reused)."""
+    leaves = jax.tree.leaves(self.state)
+    cached = self._packed_dense
+    if cached is None or len(cached[0]) != len(leaves) or any(a is not b for a, b in zip(cached[0], leaves)):
+      self._packed_dense = (leaves, _pack_dense(self.graphdef, self.state))
+    return self._packed_dense[1]
 
   def module(self) -> Transformer:
     """A fresh NNX module holding this model's parameters."""

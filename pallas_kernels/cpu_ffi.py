@@ -32,9 +32,12 @@ _HEADERS = (_CSRC / "gemv.h", _CSRC / "slots.h")
 # FFI target -> the handler symbol the library exports.
 _TARGETS = {"moespec_moe_ffn_f32": "MoespecMoeFfnF32", "moespec_dense_f32": "MoespecDenseF32",
             "moespec_attention_f32": "MoespecAttentionF32", "moespec_clock_cpu": "MoespecClockCpu"}
-# Columns per block of a packed dense weight (`pack_columns`): for a [256, 8192] head, batch-8
-# decode steps ran 1.10x / 1.10x / 1.08x faster than XLA's dot with 128 / 256 / 512 columns.
-PACK_COLUMNS = 256
+# Columns per block of a packed dense weight (`pack_columns`): 4 vectors, so that register panels
+# of up to 4 rows cover a block (gemv.h) and a pass of several rows reads each block once from
+# memory. Output head of a Mixtral-layout checkpoint ([256, 8192]), 64 against 256 columns:
+# 1.05x whole calls at batch 1 and 8, 1.17x with n-gram drafts of 4 (9 rounds each); default model
+# (264 columns) within the noise (0.97-1.03x).
+PACK_COLUMNS = 64
 _FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno")
 MODES = {"dedup": 0, "per_slot": 1}
 

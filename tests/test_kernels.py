@@ -189,12 +189,12 @@ def test_cpu_build_is_cached_by_hash(cpu_kernel):
 
 @pytest.mark.parametrize("threads", ["1", "2", "3"])
 def test_packed_matmul_matches_numpy(cpu_kernel, monkeypatch, threads):
-  """The output head's product: any rows, widths that are not multiples of the block or of the
-  16-float vectors (padding dropped), fewer blocks than threads."""
+  """The output head's and the dense projections' product: any rows, widths that are not
+  multiples of the block or of the 16-float vectors (padding dropped), fewer blocks than threads."""
   del cpu_kernel
   monkeypatch.setenv("MOESPEC_FFI_THREADS", threads)
   rng = np.random.default_rng(0)
-  for d, v, block in ((64, 300, 256), (40, 513, 256), (32, 16, 256), (24, 100, 48)):
+  for d, v, block in ((64, 300, 256), (40, 513, 256), (32, 16, 256), (24, 100, 48), (48, 200, 64), (32, 40, 64)):
     w_DV = rng.normal(size=(d, v)).astype(np.float32)
     w_NDC = cpu_ffi.pack_columns(jnp.asarray(w_DV), block)
     assert w_NDC.shape == (-(-v // block), d, block)
@@ -205,12 +205,13 @@ def test_packed_matmul_matches_numpy(cpu_kernel, monkeypatch, threads):
       np.testing.assert_allclose(got, x_MD.astype(np.float64) @ w_DV, rtol=1e-5, atol=1e-4)
 
 
-def test_packed_matmul_rows_do_not_depend_on_the_pass(cpu_kernel):
-  """A row's logits are the same bits whether it is multiplied alone (a plain step) or among
-  the rows of a verification pass."""
+@pytest.mark.parametrize("block", [cpu_ffi.PACK_COLUMNS, 256])
+def test_packed_matmul_rows_do_not_depend_on_the_pass(cpu_kernel, block):
+  """A row's product is the same bits whether it is multiplied alone (a plain step) or among
+  the rows of a verification pass, for the blocks decoding packs and for wider ones."""
   del cpu_kernel
   rng = np.random.default_rng(1)
-  w_NDC = cpu_ffi.pack_columns(jnp.asarray(rng.normal(size=(256, 1024)), jnp.float32))
+  w_NDC = cpu_ffi.pack_columns(jnp.asarray(rng.normal(size=(256, 1024)), jnp.float32), block)
   x_MD = jnp.asarray(rng.normal(size=(18, 256)), jnp.float32)
   together = np.asarray(cpu_ffi.packed_matmul(x_MD, w_NDC))
   for m in (0, 5, 17):

@@ -362,23 +362,28 @@ def _auto_segment(model, carry, step_ms_K, ls: LoopSpec):
 
 
 def _merge(graphdef, params, ls: LoopSpec):
-  """The module inside a program. `params`: (state, the packed output head or None: see
-  `_decode_params`); `ls.cpu_attention`: passes against the cache on the C++ kernel."""
-  state, packed_head_NDC = params
+  """The module inside a program. `params`: (state, the packed output head or None, the packed
+  dense projections or None: see `_decode_params`); `ls.cpu_attention`: passes against the
+  cache on the C++ kernel."""
+  state, packed_head_NDC, packed_dense = params
   model = nnx.merge(graphdef, state)
   if packed_head_NDC is not None:
     model.packed_head_NDC = nnx.data(packed_head_NDC)
+  if packed_dense is not None:
+    model.use_packed_dense(packed_dense)
   if ls.cpu_attention:
     model.use_cpu_cached_attention()
   return model
 
 
 def _decode_params(model, spec: SpecParams):
-  """What the programs take as parameters: the model's state and, with head_kernel='auto' on
-  the CPU backend with the C++ library, its output head packed for `cpu_ffi.packed_matmul`
-  (once per model: a decode step reads the head from memory, and XLA's dot read it at a third
-  of the streaming rate)."""
-  return model.state, model.packed_head() if _cpu_kernels(spec.head_kernel) else None
+  """What the programs take as parameters: the model's state and, on the CPU backend with the
+  C++ library, its output head (head_kernel='auto') and its dense projections
+  (dense_kernel='auto') packed for `cpu_ffi.packed_matmul`, once per model: a decode step reads
+  them from memory, and XLA's dot read the head at a third of the streaming rate and re-packs
+  the projections on every multi-row product."""
+  return (model.state, model.packed_head() if _cpu_kernels(spec.head_kernel) else None,
+          model.packed_dense() if _cpu_kernels(spec.dense_kernel) else None)
 
 
 def _cpu_kernels(choice: str) -> bool:

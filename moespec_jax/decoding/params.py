@@ -12,10 +12,11 @@ DRAFTERS = ("none", "mtp", "ngram", "controlled")
 AVAILABLE_DRAFTERS = DRAFTERS
 MODES = ("exact", "budgeted")
 KERNELS = ("auto", "dedup", "per_slot", "xla")
-# The output head's product and the attention against the KV cache in decoding: "auto" is the C++
-# kernel on the CPU backend (pallas_kernels.cpu_ffi.packed_matmul / cached_attention; XLA where
-# the library cannot be built, or on TPU/GPU); "xla" keeps XLA's ops.
-HEAD_KERNELS = ATTENTION_KERNELS = ("auto", "xla")
+# The output head's product, the attention against the KV cache and the dense projections
+# (attention, dense and shared SwiGLUs) in decoding: "auto" is the C++ kernel on the CPU backend
+# (pallas_kernels.cpu_ffi.packed_matmul / cached_attention; XLA where the library cannot be
+# built, or on TPU/GPU); "xla" keeps XLA's ops.
+HEAD_KERNELS = ATTENTION_KERNELS = DENSE_KERNELS = ("auto", "xla")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +60,7 @@ class SpecParams:
   kernel: str = "auto"
   head_kernel: str = "auto"
   attention_kernel: str = "auto"
+  dense_kernel: str = "auto"
   # Budgeted (APPROXIMATE) mode only: what happens to a token whose expert was cut, and whether
   # the budget holds for the whole batch's pass (what the kernels read) or per row.
   budget_policy: str = "truncate"
@@ -89,6 +91,8 @@ class SpecParams:
       raise ValueError(f"head_kernel must be one of {HEAD_KERNELS}, got {self.head_kernel!r}")
     if self.attention_kernel not in ATTENTION_KERNELS:
       raise ValueError(f"attention_kernel must be one of {ATTENTION_KERNELS}, got {self.attention_kernel!r}")
+    if self.dense_kernel not in DENSE_KERNELS:
+      raise ValueError(f"dense_kernel must be one of {DENSE_KERNELS}, got {self.dense_kernel!r}")
     if self.num_draft != "auto" and (isinstance(self.num_draft, bool) or not isinstance(self.num_draft, int)
                                      or self.num_draft < 0):
       raise ValueError(f"num_draft must be an int >= 0 or 'auto', got {self.num_draft!r}")

@@ -10,7 +10,7 @@ from flax import nnx
 
 from moespec_jax.config import ModelConfig
 from moespec_jax.model import cache as cache_lib
-from moespec_jax.model.layers import RMSNorm, apply_rope, fan_in_init
+from moespec_jax.model.layers import RMSNorm, apply_rope, fan_in_init, packed_product, use_packed
 from pallas_kernels import cpu_ffi
 
 
@@ -35,6 +35,8 @@ class Attention(nnx.Module):
     # Passes against the cache on the C++ kernel (cpu_ffi.cached_attention), set by the decoding
     # loop's programs on CPU; False: XLA's products (and always without a cache).
     self.cpu_cached_attention = False
+    # [Wq | Wk | Wv] and Wo packed for decoding programs on CPU (`set_packed`; not parameters).
+    self.packed_qkv_NDC = self.packed_o_NDC = None
     if config.qk_norm == "none":
       self.q_norm = self.k_norm = None
     else:
@@ -42,11 +44,34 @@ class Attention(nnx.Module):
       self.q_norm = RMSNorm(q_dim, config.norm_eps, dtype=dtype)
       self.k_norm = RMSNorm(k_dim, config.norm_eps, dtype=dtype)
 
+  def pack(self) -> dict:
+    """The projections as `cpu_ffi.pack_columns` blocks, for `set_packed`: queries, keys and
+    values side by side (one product per pass), and the output projection."""
+    d = self.w_q_DHK.shape[0]
+    qkv_DN = jnp.concatenate([w[...].reshape(d, -1) for w in (self.w_q_DHK, self.w_k_DHK, self.w_v_DHK)], axis=1)
+    o_ND = self.w_o_HKD[...].reshape(self.n_heads * self.head_dim, d)
+    return {"qkv": cpu_ffi.pack_columns(qkv_DN),
+            "o": cpu_ffi.pack_columns(o_ND)}
+
+  def set_packed(self, packed: dict) -> None:
+    self.packed_qkv_NDC = nnx.data(packed["qkv"])
+    self.packed_o_NDC = nnx.data(packed["o"])
+
+  def _qkv(self, x_BTD):
+    """The three projections, without biases: [B, T, H, K], [B, T, G, K], [B, T, G, K]."""
+    if use_packed(self.packed_qkv_NDC, x_BTD):
+      h, g, k = self.n_heads, self.n_kv_heads, self.head_dim
+      qkv_BTN = packed_product(x_BTD, self.packed_qkv_NDC, (h + 2 * g) * k).astype(x_BTD.dtype)
+      q_BTN, k_BTN, v_BTN = jnp.split(qkv_BTN, [h * k, (h + g) * k], axis=-1)
+      return (q_BTN.reshape(*x_BTD.shape[:2], h, k), k_BTN.reshape(*x_BTD.shape[:2], g, k),
+              v_BTN.reshape(*x_BTD.shape[:2], g, k))
+    return (jnp.einsum("btd,dhk->bthk", x_BTD, self.w_q_DHK[...]),
+            jnp.einsum("btd,dgk->btgk", x_BTD, self.w_k_DHK[...]),
+            jnp.einsum("btd,dgk->btgk", x_BTD, self.w_v_DHK[...]))
+
   def _project(self, x_BTD):
     """Queries, keys and values before RoPE: [B, T, H, K], [B, T, G, K], [B, T, G, K]."""
-    q_BTHK = jnp.einsum("btd,dhk->bthk", x_BTD, self.w_q_DHK[...])
-    k_BTGK = jnp.einsum("btd,dgk->btgk", x_BTD, self.w_k_DHK[...])
-    v_BTGK = jnp.einsum("btd,dgk->btgk", x_BTD, self.w_v_DHK[...])
+    q_BTHK, k_BTGK, v_BTGK = self._qkv(x_BTD)
     if self.b_q_HK is not None:
       q_BTHK = q_BTHK + self.b_q_HK[...]
       k_BTGK = k_BTGK + self.b_k_GK[...]
@@ -68,13 +93,8 @@ class Attention(nnx.Module):
     the pass's own keys only (not to the empty entries).
     """
     cos, sin = rope
-    if self.b_q_HK is None and self.q_norm is None:
-      q_BTHK = apply_rope(jnp.einsum("btd,dhk->bthk", x_BTD, self.w_q_DHK[...]), cos, sin)
-      k_BTGK = apply_rope(jnp.einsum("btd,dgk->btgk", x_BTD, self.w_k_DHK[...]), cos, sin)
-      v_BTGK = jnp.einsum("btd,dgk->btgk", x_BTD, self.w_v_DHK[...])
-    else:
-      q_BTHK, k_BTGK, v_BTGK = self._project(x_BTD)
-      q_BTHK, k_BTGK = apply_rope(q_BTHK, cos, sin), apply_rope(k_BTGK, cos, sin)
+    q_BTHK, k_BTGK, v_BTGK = self._project(x_BTD)
+    q_BTHK, k_BTGK = apply_rope(q_BTHK, cos, sin), apply_rope(k_BTGK, cos, sin)
 
     # Queries of one KV head stacked as Q = T * R rows (t-major), one batch entry per (row, KV
     # head) pair N = B * G, as the cache lies: the products are plain batched matmuls over N.
@@ -109,4 +129,7 @@ class Attention(nnx.Module):
     """The heads' outputs [B * G, T * R, K] projected back to the model: [B, T, D]."""
     g, r, k = self.n_kv_heads, self.n_heads // self.n_kv_heads, self.head_dim
     out_BTHK = out_NQK.reshape(b, g, t, r, k).transpose(0, 2, 1, 3, 4).reshape(b, t, self.n_heads, k)
+    if use_packed(self.packed_o_NDC, out_BTHK):
+      d = self.w_o_HKD.shape[2]
+      return packed_product(out_BTHK.reshape(b, t, -1), self.packed_o_NDC, d).astype(out_BTHK.dtype)
     return jnp.einsum("bthk,hkd->btd", out_BTHK, self.w_o_HKD[...])

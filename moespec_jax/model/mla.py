@@ -25,7 +25,8 @@ from flax import nnx
 
 from moespec_jax.config import ModelConfig
 from moespec_jax.model import cache as cache_lib
-from moespec_jax.model.layers import RMSNorm, apply_rope, fan_in_init
+from moespec_jax.model.layers import RMSNorm, apply_rope, fan_in_init, packed_product, use_packed
+from pallas_kernels import cpu_ffi
 
 # DeepSeek's q/kv latent norms use their own epsilon, not the config's rms_norm_eps.
 LATENT_NORM_EPS = 1e-6
@@ -92,6 +93,56 @@ class MLAttention(nnx.Module):
     self.w_uk_CHN = nnx.Param(fan_in_init(c)(rngs.params(), (c, h, n), dtype))
     self.w_uv_CHV = nnx.Param(fan_in_init(c)(rngs.params(), (c, h, v), dtype))
     self.w_o_HVD = nnx.Param(fan_in_init(h * v, out_scale)(rngs.params(), (h, v, d), dtype))
+    # Packed for decoding programs on CPU (`set_packed`; not parameters): the products of x
+    # side by side ([Wq or Wqa | Wkv | Wkr]), Wqb and Wo.
+    self.packed_x_NDC = self.packed_qb_NDC = self.packed_o_NDC = None
+
+  def pack(self) -> dict:
+    """The dense projections as `cpu_ffi.pack_columns` blocks, for `set_packed` (the per-head
+    up-projections W_uk and W_uv stay XLA's batched products)."""
+    d = self.w_kv_DC.shape[0]
+    w_q = self.w_q_DHK[...].reshape(d, -1) if self.w_q_DHK is not None else self.w_qa_DQ[...]
+    packed = {"x": cpu_ffi.pack_columns(jnp.concatenate([w_q, self.w_kv_DC[...], self.w_kr_DR[...]], axis=1)),
+              "o": cpu_ffi.pack_columns(self.w_o_HVD[...].reshape(-1, d))}
+    if self.w_qb_QHK is not None:
+      packed["qb"] = cpu_ffi.pack_columns(self.w_qb_QHK[...].reshape(self.w_qb_QHK.shape[0], -1))
+    return packed
+
+  def set_packed(self, packed: dict) -> None:
+    self.packed_x_NDC = nnx.data(packed["x"])
+    self.packed_o_NDC = nnx.data(packed["o"])
+    if "qb" in packed:
+      self.packed_qb_NDC = nnx.data(packed["qb"])
+
+  def _project(self, x_BTD):
+    """Queries [B, T, H, N + R], the latent before its norm [B, T, C] and the rotary key before
+    RoPE [B, T, R]."""
+    cfg = self.config
+    h, qk = cfg.n_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+    b, t = x_BTD.shape[:2]
+    if use_packed(self.packed_x_NDC, x_BTD):
+      q_cols = h * qk if self.w_q_DHK is not None else cfg.q_lora_rank
+      n_cols = q_cols + cfg.kv_lora_rank + cfg.qk_rope_head_dim
+      xs_BTN = packed_product(x_BTD, self.packed_x_NDC, n_cols).astype(x_BTD.dtype)
+      q_BTQ, latent_BTC, k_rope_BTR = jnp.split(xs_BTN, [q_cols, q_cols + cfg.kv_lora_rank], axis=-1)
+      if self.w_q_DHK is not None:
+        return q_BTQ.reshape(b, t, h, qk), latent_BTC, k_rope_BTR
+      q_BTQ = self.q_norm(q_BTQ)
+      q_BTHK = packed_product(q_BTQ, self.packed_qb_NDC, h * qk).astype(x_BTD.dtype).reshape(b, t, h, qk)
+      return q_BTHK, latent_BTC, k_rope_BTR
+    if self.w_q_DHK is not None:
+      q_BTHK = jnp.einsum("btd,dhk->bthk", x_BTD, self.w_q_DHK[...])
+    else:
+      q_BTQ = self.q_norm(jnp.einsum("btd,dq->btq", x_BTD, self.w_qa_DQ[...]))
+      q_BTHK = jnp.einsum("btq,qhk->bthk", q_BTQ, self.w_qb_QHK[...])
+    return (q_BTHK, jnp.einsum("btd,dc->btc", x_BTD, self.w_kv_DC[...]),
+            jnp.einsum("btd,dr->btr", x_BTD, self.w_kr_DR[...]))
+
+  def _output(self, out_BTHV):
+    if use_packed(self.packed_o_NDC, out_BTHV):
+      b, t = out_BTHV.shape[:2]
+      return packed_product(out_BTHV.reshape(b, t, -1), self.packed_o_NDC, self.w_o_HVD.shape[2]).astype(out_BTHV.dtype)
+    return jnp.einsum("bthv,hvd->btd", out_BTHV, self.w_o_HVD[...])
 
   def __call__(self, x_BTD, positions_BT, rope=None, layer_cache=None, *, fresh_cache: bool = False):
     """Returns (out_BTD, (latent_BSC, rope_key_BSR) or None); `rope` is unused (own tables).
@@ -107,14 +158,10 @@ class MLAttention(nnx.Module):
     angles_BTF = positions_BT.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq_F)
     cos, sin = jnp.cos(angles_BTF) * attn_factor, jnp.sin(angles_BTF) * attn_factor
 
-    if self.w_q_DHK is not None:
-      q_BTHK = jnp.einsum("btd,dhk->bthk", x_BTD, self.w_q_DHK[...])
-    else:
-      q_BTQ = self.q_norm(jnp.einsum("btd,dq->btq", x_BTD, self.w_qa_DQ[...]))
-      q_BTHK = jnp.einsum("btq,qhk->bthk", q_BTQ, self.w_qb_QHK[...])
+    q_BTHK, latent_BTC, k_rope_BTR = self._project(x_BTD)
     q_nope_BTHN, q_rope_BTHR = q_BTHK[..., :n], apply_rope(q_BTHK[..., n:], cos, sin)
-    latent_BTGC = self.kv_norm(jnp.einsum("btd,dc->btc", x_BTD, self.w_kv_DC[...]))[:, :, None]
-    k_rope_BTGR = apply_rope(jnp.einsum("btd,dr->btr", x_BTD, self.w_kr_DR[...])[:, :, None], cos, sin)
+    latent_BTGC = self.kv_norm(latent_BTC)[:, :, None]
+    k_rope_BTGR = apply_rope(k_rope_BTR[:, :, None], cos, sin)
 
     new_cache = None if layer_cache is None else tuple(
         cache_lib.write_positions(c, new, positions_BT[:, 0])
@@ -124,7 +171,7 @@ class MLAttention(nnx.Module):
     own_visible_BTT = positions_BT[:, None, :] <= positions_BT[:, :, None]
     if new_cache is None or fresh_cache:
       out_BTHV = self._own_attention(q_nope_BTHN, q_rope_BTHR, latent_BTC, k_rope_BTR, own_visible_BTT, scale)
-      return jnp.einsum("bthv,hvd->btd", out_BTHV, self.w_o_HVD[...]), new_cache
+      return self._output(out_BTHV), new_cache
     q_lat_BTHC = jnp.einsum("bthn,chn->bthc", q_nope_BTHN, self.w_uk_CHN[...])
 
     def scores(latent_BSC, k_rope_BSR, visible_BTS):
@@ -158,7 +205,7 @@ class MLAttention(nnx.Module):
       out_lat_BTHC = (jnp.einsum("bsc,bhts->bthc", old_latent_BSC, probs_old_BHTS)
                       + jnp.einsum("bsc,bhts->bthc", latent_BTC, probs_own_BHTT))
     out_BTHV = jnp.einsum("bthc,chv->bthv", out_lat_BTHC, self.w_uv_CHV[...])
-    return jnp.einsum("bthv,hvd->btd", out_BTHV, self.w_o_HVD[...]), new_cache
+    return self._output(out_BTHV), new_cache
 
   def _own_attention(self, q_nope_BTHN, q_rope_BTHR, latent_BTC, k_rope_BTR, visible_BTT, scale):
     """Attention among the pass's own positions (a prefill, or no cache) with per-head keys and

@@ -33,6 +33,10 @@ class ForwardOutput:
   cache: KVCache | None
 
 
+def _path_key(path) -> str:
+  return "/".join(str(part) for part in path)
+
+
 class Block(nnx.Module):
   """Pre-norm block: x + attn(norm(x)), then x + ffn(norm(x)); ffn is dense or MoE."""
 
@@ -91,6 +95,19 @@ class Transformer(nnx.Module):
     for _, module in nnx.iter_modules(self):
       if isinstance(module, Attention):
         module.cpu_cached_attention = True
+
+  def pack_dense(self) -> dict[str, dict[str, jax.Array]]:
+    """The dense projections of every attention (GQA and MLA) and SwiGLU (dense layers, shared
+    experts, MTP blocks) packed for `use_packed_dense`, by module path."""
+    return {_path_key(path): module.pack() for path, module in nnx.iter_modules(self)
+            if isinstance(module, (Attention, MLAttention, SwiGLU))}
+
+  def use_packed_dense(self, packed: dict[str, dict[str, jax.Array]]) -> None:
+    """Passes of few rows read the dense projections packed by `pack_dense` from here on, with
+    the C++ product (decoding programs on CPU; `layers.PACKED_MAX_ROWS`)."""
+    for path, module in nnx.iter_modules(self):
+      if _path_key(path) in packed:
+        module.set_packed(packed[_path_key(path)])
 
   def new_cache(self, batch: int, max_len: int) -> KVCache:
     return KVCache.for_config(self.config, batch, max_len)

@@ -55,16 +55,18 @@ def test_greedy_speculative_tokens_equal_plain_greedy(two_module_model, plain_gr
 
 
 def test_cpu_decode_kernels_decode_like_xla(two_module_model, plain_greedy):
-  """On CPU the output head (packed) and the attention against the cache run on the C++ kernels
-  by default (what plain_greedy ran); XLA's ops (head_kernel / attention_kernel 'xla') emit
-  the same tokens."""
-  assert loop._decode_params(two_module_model, msj.SpecParams())[1] is not None
+  """On CPU the output head and the dense projections (packed) and the attention against the
+  cache run on the C++ kernels by default (what plain_greedy ran); XLA's ops (head_kernel /
+  attention_kernel / dense_kernel 'xla') emit the same tokens."""
+  _, packed_head, packed_dense = loop._decode_params(two_module_model, msj.SpecParams())
+  assert packed_head is not None and packed_dense is not None
   assert loop._decode_params(two_module_model, msj.SpecParams(head_kernel="xla"))[1] is None
+  assert loop._decode_params(two_module_model, msj.SpecParams(dense_kernel="xla"))[2] is None
   assert loop._cpu_kernels("auto") and not loop._cpu_kernels("xla")
-  spec = msj.SpecParams(head_kernel="xla", attention_kernel="xla")
+  spec = msj.SpecParams(head_kernel="xla", attention_kernel="xla", dense_kernel="xla")
   out = msj.generate(two_module_model, RAGGED + REPEATS, max_new_tokens=24, spec=spec)
   np.testing.assert_array_equal(out.tokens, plain_greedy)
-  for name in ("head_kernel", "attention_kernel"):
+  for name in ("head_kernel", "attention_kernel", "dense_kernel"):
     with pytest.raises(ValueError, match=f"{name} must be one of"):
       msj.SpecParams(**{name: "pallas"})
 

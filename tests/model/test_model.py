@@ -115,6 +115,39 @@ def test_packed_head_gives_the_xla_head_logits(tiny_config, tied):
   assert model.packed_head() is model.packed_head()  # packed once per head array
 
 
+MLA = dict(attention_type="mla", kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8)
+
+
+@pytest.mark.parametrize("change", [{}, {"qkv_bias": True, "qk_norm": "head"}, {"qk_norm": "full"}, MLA,
+                                    dict(MLA, q_lora_rank=24)])
+def test_packed_dense_projections_give_the_xla_pass(tiny_config, change):
+  """Decoding programs on CPU read the attention projections and the dense / shared SwiGLUs
+  packed (`Transformer.use_packed_dense`): prefill and cached pass give XLA's logits, with
+  q/k/v biases, q/k norms and MLA (queries projected directly or through a latent) too. (A row's products do not depend on the other rows of the
+  pass: tests/test_kernels.py.)"""
+  import moespec_jax as msj  # pylint: disable=g-import-not-at-top
+  config = tiny_config.replace(n_shared_experts=1, **change)
+  model = msj.Model.init(config, seed=4)
+  packed = model.packed_dense()
+  assert model.packed_dense() is packed  # packed once per parameter set
+  assert {"layers/0/attn", "layers/0/ffn", "layers/1/ffn/shared"} <= set(packed)
+  tokens = np.random.default_rng(3).integers(0, 256, size=(3, 9)).astype(np.int32)
+
+  def logits(use_packed):
+    module = model.module()
+    if use_packed:
+      module.use_packed_dense(packed)
+      assert module.layers[1].ffn.shared.packed_gate_up_NDC is not None
+      attn = module.layers[2].attn
+      assert (attn.packed_x_NDC if change.get("attention_type") == "mla" else attn.packed_qkv_NDC) is not None
+    prefill = module(jnp.asarray(tokens[:, :6]), None, module.new_cache(3, 16))
+    pos = jnp.broadcast_to(jnp.arange(6, 9), (3, 3))
+    return prefill.logits, module(jnp.asarray(tokens[:, 6:]), pos, prefill.cache).logits
+
+  for ref, got in zip(logits(False), logits(True)):
+    np.testing.assert_allclose(got, ref, atol=2e-5, rtol=2e-5)
+
+
 @pytest.mark.parametrize("change", [{}, {"use_score_bias": True, "score_func": "sigmoid"}])
 def test_param_counts_match_the_module(tiny_config, change):
   config = tiny_config.replace(**change)
