@@ -66,7 +66,9 @@ def write_positions(cache, new_BTHD, start_B, *, key_major: bool = False):
   new_NTD = jnp.swapaxes(new_BTHD, 1, 2).reshape(b * h, t, d).astype(cache.dtype)
   new = jnp.swapaxes(new_NTD, 1, 2) if key_major else new_NTD
   axis = 2 if key_major else 1
-  if b == 1:  # one start for every head: a plain update, not a scatter
+  # One start for every head: a plain update, not a scatter. (Not for several key-major positions:
+  # XLA:CPU then copied the whole cache into the update instead of writing in place.)
+  if b == 1 and not (key_major and t > 1):
     return jax.lax.dynamic_update_slice_in_dim(cache, new, start_B[0], axis=axis)
   start_N = jnp.repeat(start_B, h)
   return jax.vmap(lambda c, n, s: jax.lax.dynamic_update_slice_in_dim(c, n, s, axis=axis - 1))(
