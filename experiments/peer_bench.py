@@ -15,7 +15,9 @@ on code prompts (UTF-8 bytes of standard-library sources as token ids). Measurem
 rounds: at batch 1 both implementations' plain and prompt-lookup decoding once each per round,
 at batch 8 both plain decoders, the order reversing from round to round; tokens/s are medians
 over rounds and the summary's ratios medians of within-round ratios (this machine's speed drifts
-by tens of percent over minutes). Compilation and a warm-up call are excluded.
+by tens of percent over minutes). Compilation and a warm-up call are excluded; every timed call
+starts with the processor's caches emptied (a call that followed one of its own kind found its
+weights cached, one that followed the other implementation did not).
 
 The memory-bound ceiling beside the plain rows (`analysis/roofline`): the weight bytes one decode
 step reads (routed experts as our decoding routed them: both sides emit the same tokens) and the
@@ -74,14 +76,18 @@ def code_prompts(n: int, length: int) -> list[list[int]]:
   return [data[s:s + length].tolist() for s in starts]
 
 
-def interleaved_seconds(fns: dict, rounds: int) -> tuple[dict, dict]:
+def interleaved_seconds(fns: dict, rounds: int, before=roofline.flush_caches) -> tuple[dict, dict]:
   """Wall seconds of every function in `fns`, once per round, the order reversing from one round
   to the next: every measurement of a round sees the same stretch of this machine's load, so
-  ratios are taken within rounds. Returns ({label: [seconds per round]}, {label: last output})."""
+  ratios are taken within rounds. `before` runs ahead of every call, untimed: by default it
+  empties the processor's caches (`roofline.flush_caches`), so that no call finds its weights
+  left there by a call of its own kind. Returns ({label: [seconds per round]}, {label: last
+  output})."""
   labels = list(fns)
   seconds, last = {k: [] for k in labels}, {}
   for r in range(rounds):
     for k in (labels if r % 2 == 0 else labels[::-1]):
+      before()
       start = time.perf_counter()
       last[k] = fns[k]()
       seconds[k].append(time.perf_counter() - start)

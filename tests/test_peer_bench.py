@@ -8,8 +8,9 @@ from experiments import peer_bench
 def test_interleaved_seconds_runs_every_function_once_per_round_reversing_the_order():
   calls = []
   fns = {name: (lambda name=name: calls.append(name) or name) for name in ("a", "b", "c")}
-  seconds, last = peer_bench.interleaved_seconds(fns, 3)
-  assert calls == ["a", "b", "c", "c", "b", "a", "a", "b", "c"]
+  seconds, last = peer_bench.interleaved_seconds(fns, 3, before=lambda: calls.append("flush"))
+  assert calls == ["flush", "a", "flush", "b", "flush", "c", "flush", "c", "flush", "b", "flush", "a",
+                   "flush", "a", "flush", "b", "flush", "c"]
   assert last == {"a": "a", "b": "b", "c": "c"} and all(len(v) == 3 for v in seconds.values())
 
 

@@ -28,6 +28,20 @@ def stream_read_gbps(repeats: int = 7) -> float:
   return a.nbytes / (t_ms / 1e3) / 1e9
 
 
+_FLUSH: list = []
+
+
+def flush_caches(nbytes: int = 4 * 32 * 1024 * 1024) -> None:
+  """Reads `nbytes` (default four times this machine's 32 MB last-level cache) of other data, so
+  that what runs next finds none of its weights in the processor's caches. Benchmarks that
+  alternate implementations call it before every timed call: otherwise a call that follows its
+  own kind finds its weights cached (a ~20M-parameter model fits there) and one that follows the
+  other implementation does not, which favours whichever order repeats a kind."""
+  if not _FLUSH or _FLUSH[0].nbytes != nbytes:
+    _FLUSH[:] = [np.ones(nbytes // 4, np.float32)]
+  float(_FLUSH[0].sum())
+
+
 def decode_weight_bytes(config, unique_experts_L: Sequence[float]) -> float:
   """Weight bytes one decode step of the target reads: every weight but the routed experts and
   the input embedding table (a step gathers one row per token of it; it is read whole only as

@@ -39,3 +39,12 @@ def test_bound_scales_with_bandwidth_and_batch():
   assert roofline.bound_tokens_per_second(1e9, 10.0, 1) == pytest.approx(10.0)
   assert roofline.bound_tokens_per_second(1e8, 10.0, 8) == pytest.approx(800.0)
   assert roofline.stream_read_gbps(repeats=1) > 0
+
+
+def test_flush_caches_reads_a_buffer_of_the_requested_size():
+  roofline.flush_caches(1 << 20)
+  assert roofline._FLUSH[0].nbytes == 1 << 20
+  roofline.flush_caches(1 << 20)  # reused, not reallocated
+  first = roofline._FLUSH[0]
+  roofline.flush_caches(1 << 20)
+  assert roofline._FLUSH[0] is first
