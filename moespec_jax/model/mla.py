@@ -139,9 +139,11 @@ class MLAttention(nnx.Module):
             jnp.einsum("btd,dr->btr", x_BTD, self.w_kr_DR[...]))
 
   def _output(self, out_BTHV):
+    """The heads' outputs [B, T, H, V] projected back to the model: [B, T, D]."""
     if use_packed(self.packed_o_NDC, out_BTHV):
       b, t = out_BTHV.shape[:2]
-      return packed_product(out_BTHV.reshape(b, t, -1), self.packed_o_NDC, self.w_o_HVD.shape[2]).astype(out_BTHV.dtype)
+      out_BTD = packed_product(out_BTHV.reshape(b, t, -1), self.packed_o_NDC, self.w_o_HVD.shape[2])
+      return out_BTD.astype(out_BTHV.dtype)
     return jnp.einsum("bthv,hvd->btd", out_BTHV, self.w_o_HVD[...])
 
   def __call__(self, x_BTD, positions_BT, rope=None, layer_cache=None, *, fresh_cache: bool = False):

@@ -39,7 +39,8 @@ from flax import nnx
 
 from moespec_jax.config import ModelConfig
 from moespec_jax.model.cache import KVCache
-from moespec_jax.model.layers import RMSNorm, fan_in_init, rope_tables
+from moespec_jax.model.layers import RMSNorm, fan_in_init, packed_product, rope_tables, use_packed
+from pallas_kernels import cpu_ffi
 
 
 class MTPModule(nnx.Module):
@@ -58,19 +59,38 @@ class MTPModule(nnx.Module):
     self.head_norm = RMSNorm(d, config.norm_eps) if config.mtp_head_norm else None
     self.head_DV = (nnx.Param(fan_in_init(d)(rngs.params(), (d, config.vocab_size), dtype))
                     if config.mtp_own_head else None)
+    # W_p (and an own head) packed for decoding programs on CPU (`set_packed`; not parameters).
+    self.packed_proj_NDC = self.packed_head_NDC = None
+
+  def pack(self) -> dict:
+    """W_p (and an own head) as `cpu_ffi.pack_columns` blocks, for `set_packed`."""
+    packed = {"proj": cpu_ffi.pack_columns(self.w_proj_CD[...])}
+    if self.head_DV is not None:
+      packed["head"] = cpu_ffi.pack_columns(self.head_DV[...])
+    return packed
+
+  def set_packed(self, packed: dict) -> None:
+    self.packed_proj_NDC = nnx.data(packed["proj"])
+    if "head" in packed:
+      self.packed_head_NDC = nnx.data(packed["head"])
 
   def logits(self, model, h_BTD):
     """Output logits of the module's hidden state (the target's head unless it has its own)."""
     normed_BTD = self.head_norm(h_BTD) if self.head_norm is not None else model.final_norm(h_BTD)
     if self.head_DV is None:
       return model.head(normed_BTD)
+    if use_packed(self.packed_head_NDC, normed_BTD):
+      return packed_product(normed_BTD, self.packed_head_NDC, self.head_DV.shape[1])
     return jnp.einsum("btd,dv->btv", normed_BTD, self.head_DV[...])
 
   def __call__(self, hidden_BTD, next_emb_BTD, positions_BT, rope, layer_cache, *, expert_method,
                fresh_cache: bool = False):
     """Returns (h_BTD, new layer cache, routing)."""
     x_BTC = jnp.concatenate([self.hidden_norm(hidden_BTD), self.embed_norm(next_emb_BTD)], axis=-1)
-    x_BTD = jnp.einsum("btc,cd->btd", x_BTC, self.w_proj_CD[...])
+    if use_packed(self.packed_proj_NDC, x_BTC):
+      x_BTD = packed_product(x_BTC, self.packed_proj_NDC, self.w_proj_CD.shape[1]).astype(x_BTC.dtype)
+    else:
+      x_BTD = jnp.einsum("btc,cd->btd", x_BTC, self.w_proj_CD[...])
     return self.block(x_BTD, positions_BT, rope, layer_cache, expert_method=expert_method,
                       fresh_cache=fresh_cache)
 

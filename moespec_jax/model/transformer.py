@@ -97,10 +97,11 @@ class Transformer(nnx.Module):
         module.cpu_cached_attention = True
 
   def pack_dense(self) -> dict[str, dict[str, jax.Array]]:
-    """The dense projections of every attention (GQA and MLA) and SwiGLU (dense layers, shared
-    experts, MTP blocks) packed for `use_packed_dense`, by module path."""
+    """The dense projections packed for `use_packed_dense`, by module path: every module that
+    packs its own (`pack` / `set_packed`: attention, GQA and MLA; SwiGLU, dense layers and shared
+    experts; MTP modules' W_p and own heads, and their blocks')."""
     return {_path_key(path): module.pack() for path, module in nnx.iter_modules(self)
-            if isinstance(module, (Attention, MLAttention, SwiGLU))}
+            if callable(getattr(module, "pack", None))}
 
   def use_packed_dense(self, packed: dict[str, dict[str, jax.Array]]) -> None:
     """Passes of few rows read the dense projections packed by `pack_dense` from here on, with

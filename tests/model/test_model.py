@@ -148,6 +148,31 @@ def test_packed_dense_projections_give_the_xla_pass(tiny_config, change):
     np.testing.assert_allclose(got, ref, atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("own_head", [False, True])
+def test_packed_mtp_module_gives_the_xla_logits(tiny_config, own_head):
+  """An MTP module's W_p, own head and block are packed with the target's."""
+  import moespec_jax as msj  # pylint: disable=g-import-not-at-top
+  from moespec_jax.model.layers import rope_tables  # pylint: disable=g-import-not-at-top
+  config = tiny_config.replace(num_mtp_modules=1, mtp_own_head=own_head, mtp_head_norm=own_head)
+  model = msj.Model.init(config, seed=5)
+  packed = model.packed_dense()
+  assert {"mtp/0", "mtp/0/block/attn", "mtp/0/block/ffn/shared"} <= set(packed)
+  assert ("head" in packed["mtp/0"]) == own_head
+  hidden_BTD, emb_BTD = (jax.random.normal(jax.random.key(i), (2, 5, config.d_model)) for i in range(2))
+  positions_BT = jnp.broadcast_to(jnp.arange(5), (2, 5))
+  rope = rope_tables(positions_BT, config.head_dim, config.rope_theta)
+
+  def logits(use_packed):
+    module = model.module()
+    if use_packed:
+      module.use_packed_dense(packed)
+      assert module.mtp[0].packed_proj_NDC is not None
+    h_BTD, _, _ = module.mtp[0](hidden_BTD, emb_BTD, positions_BT, rope, None, expert_method="xla")
+    return module.mtp[0].logits(module, h_BTD)
+
+  np.testing.assert_allclose(logits(True), logits(False), atol=2e-5, rtol=2e-5)
+
+
 @pytest.mark.parametrize("change", [{}, {"use_score_bias": True, "score_func": "sigmoid"}])
 def test_param_counts_match_the_module(tiny_config, change):
   config = tiny_config.replace(**change)
