@@ -47,11 +47,30 @@ class RMSNorm(nnx.Module):
     return (y * self.weight[...].astype(jnp.float32)).astype(x.dtype)
 
 
-def rope_tables(positions_BT, head_dim: int, theta: float):
-  """cos/sin tables [B, T, head_dim / 2] for integer positions."""
-  inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
-  angles_BTF = positions_BT.astype(jnp.float32)[..., None] * inv_freq
-  return jnp.cos(angles_BTF), jnp.sin(angles_BTF)
+def rope_tables(positions_BT, head_dim: int, theta: float, *, inv_freq_F=None, scale: float = 1.0):
+  """cos/sin tables [B, T, head_dim / 2] for integer positions (`inv_freq_F`: the rotary
+  frequencies, default theta^(-2i / head_dim); `scale` multiplies both, as YaRN's attention
+  factor). Computed once per pass for every layer (`_materialized`)."""
+  if inv_freq_F is None:
+    inv_freq_F = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+  angles_BTF = positions_BT.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq_F, jnp.float32)
+  f = angles_BTF.shape[-1]
+  cos_sin_BTG = _materialized(jnp.concatenate([jnp.cos(angles_BTF), jnp.sin(angles_BTF)], axis=-1) * scale)
+  return cos_sin_BTG[..., :f], cos_sin_BTG[..., f:]
+
+
+def _materialized(x_BTG):
+  """x, computed once where XLA:CPU would recompute it inside every consumer.
+
+  XLA:CPU fused the rotary tables' cos and sin into each layer's rotation of queries and keys and
+  evaluated them once per head there (their optimization barrier is dropped before fusion); a
+  product with the identity (exact: x * 1 plus zeros) is not fused into its consumers. A
+  Qwen3-MoE-layout checkpoint's batch-8 prefill of 192 tokens ran 1.087x faster, a whole 64-token
+  call 1.071x (interleaved rounds, same tokens). Other backends compute x as it is."""
+  if jax.default_backend() != "cpu":
+    return x_BTG
+  eye_GG = jnp.eye(x_BTG.shape[-1], dtype=x_BTG.dtype)
+  return jnp.einsum("btg,gh->bth", x_BTG, eye_GG, precision=jax.lax.Precision.HIGHEST)
 
 
 def apply_rope(x_BTHD, cos_BTF, sin_BTF):

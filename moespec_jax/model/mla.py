@@ -25,6 +25,7 @@ from flax import nnx
 
 from moespec_jax.config import ModelConfig
 from moespec_jax.model import cache as cache_lib
+from moespec_jax.model import layers
 from moespec_jax.model.layers import RMSNorm, apply_rope, fan_in_init, packed_product, use_packed
 from pallas_kernels import cpu_ffi
 
@@ -59,6 +60,13 @@ def rope_inv_freq(config: ModelConfig) -> tuple[np.ndarray, float]:
   else:
     attn_factor = _yarn_mscale(factor)
   return inv_freq.astype(np.float32), float(attn_factor)
+
+
+def rope_tables(positions_BT, config: ModelConfig):
+  """cos/sin tables [B, T, qk_rope_head_dim / 2] of MLA's rotary key dims (YaRN included)."""
+  inv_freq_F, attn_factor = rope_inv_freq(config)
+  return layers.rope_tables(positions_BT, config.qk_rope_head_dim, config.rope_theta, inv_freq_F=inv_freq_F,
+                            scale=attn_factor)
 
 
 def softmax_scale(config: ModelConfig) -> float:
@@ -146,19 +154,16 @@ class MLAttention(nnx.Module):
       return out_BTD.astype(out_BTHV.dtype)
     return jnp.einsum("bthv,hvd->btd", out_BTHV, self.w_o_HVD[...])
 
-  def __call__(self, x_BTD, positions_BT, rope=None, layer_cache=None, *, fresh_cache: bool = False):
-    """Returns (out_BTD, (latent_BSC, rope_key_BSR) or None); `rope` is unused (own tables).
+  def __call__(self, x_BTD, positions_BT, rope, layer_cache=None, *, fresh_cache: bool = False):
+    """Returns (out_BTD, (latent_BSC, rope_key_BSR) or None); `rope`: `mla.rope_tables`.
 
     With a cache, queries attend to the cache's earlier positions and to the pass's own entries
     (positions <= their own), which are written into the cache; with `fresh_cache` (a prefill)
     only to the pass's own entries.
     """
-    del rope
     cfg = self.config
     n = cfg.qk_nope_head_dim
-    inv_freq_F, attn_factor = rope_inv_freq(cfg)
-    angles_BTF = positions_BT.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq_F)
-    cos, sin = jnp.cos(angles_BTF) * attn_factor, jnp.sin(angles_BTF) * attn_factor
+    cos, sin = rope
 
     q_BTHK, latent_BTC, k_rope_BTR = self._project(x_BTD)
     q_nope_BTHN, q_rope_BTHR = q_BTHK[..., :n], apply_rope(q_BTHK[..., n:], cos, sin)

@@ -39,7 +39,7 @@ from flax import nnx
 
 from moespec_jax.config import ModelConfig
 from moespec_jax.model.cache import KVCache
-from moespec_jax.model.layers import RMSNorm, fan_in_init, packed_product, rope_tables, use_packed
+from moespec_jax.model.layers import RMSNorm, fan_in_init, packed_product, use_packed
 from pallas_kernels import cpu_ffi
 
 
@@ -109,9 +109,8 @@ def module_for_depth(depth: int, num_modules: int) -> tuple[int, int]:
 def run_module(model, m: int, hidden_BTD, next_tokens_BT, positions_BT, cache: KVCache | None, *,
                expert_method: str, compute_logits: bool = True, fresh_cache: bool = False):
   """Module `m` (0-based) over T tokens; returns (h_BTD, logits_BTV or None, new cache or None)."""
-  c = model.config
   emb_BTD = jnp.take(model.embed_VD[...], next_tokens_BT, axis=0)
-  rope = rope_tables(positions_BT, c.head_dim, c.rope_theta)
+  rope = model.rope(positions_BT)
   layer_cache = None if cache is None else (cache.keys[m], cache.values[m])
   h_BTD, layer_new, _ = model.mtp[m](hidden_BTD, emb_BTD, positions_BT, rope, layer_cache,
                                      expert_method=expert_method, fresh_cache=fresh_cache)

@@ -11,6 +11,7 @@ from flax import nnx, struct
 from moespec_jax.config import ModelConfig
 from moespec_jax.model.attention import Attention
 from moespec_jax.model.cache import KVCache
+from moespec_jax.model import mla
 from moespec_jax.model.layers import RMSNorm, SwiGLU, fan_in_init, rope_tables
 from moespec_jax.model.mla import MLAttention
 from moespec_jax.model.moe import MoE
@@ -110,6 +111,13 @@ class Transformer(nnx.Module):
       if _path_key(path) in packed:
         module.set_packed(packed[_path_key(path)])
 
+  def rope(self, positions_BT):
+    """The rotary cos/sin tables of a pass, shared by its layers (MLA: its rotary key dims)."""
+    c = self.config
+    if c.attention_type == "mla":
+      return mla.rope_tables(positions_BT, c)
+    return rope_tables(positions_BT, c.head_dim, c.rope_theta)
+
   def new_cache(self, batch: int, max_len: int) -> KVCache:
     return KVCache.for_config(self.config, batch, max_len)
 
@@ -143,7 +151,7 @@ class Transformer(nnx.Module):
     if positions_BT is None:
       positions_BT = jnp.broadcast_to(jnp.arange(tokens_BT.shape[1], dtype=jnp.int32), tokens_BT.shape)
     x_BTD = jnp.take(self.embed_VD[...], tokens_BT, axis=0)
-    rope = rope_tables(positions_BT, c.head_dim, c.rope_theta)
+    rope = self.rope(positions_BT)
     new_keys, new_values, routings = [], [], []
     for i, block in enumerate(self.layers):
       layer_cache = None if cache is None else (cache.keys[i], cache.values[i])

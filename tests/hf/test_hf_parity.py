@@ -13,7 +13,6 @@ transformers = pytest.importorskip("transformers", reason="the HF parity tests n
 import moespec_jax as msj  # noqa: E402
 from flax import nnx  # noqa: E402
 from moespec_jax.model import mtp as mtp_lib  # noqa: E402
-from moespec_jax.model.layers import rope_tables  # noqa: E402
 from moespec_jax import hf  # noqa: E402
 from moespec_jax.hf import tiny_families  # noqa: E402
 
@@ -256,7 +255,7 @@ def test_deepseek_v3_mtp_layer_is_loaded(pairs, tmp_path):
   module = loaded.module()
   n = x.shape[0]
   positions = jnp.arange(n, dtype=jnp.int32)[None]
-  rope = rope_tables(positions, c.head_dim, c.rope_theta)
+  rope = module.rope(positions)
   y, _, _ = module.layers[c.n_layers - 1](jnp.asarray(x[None], jnp.float32), positions, rope, None,
                                           expert_method="xla")
   want = rms(np.asarray(y)[0]) @ tensors[mtp + "shared_head.head.weight"].T
