@@ -1,7 +1,6 @@
 """The public API: generate, bad inputs, save/load round trip."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 

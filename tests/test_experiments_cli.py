@@ -1,13 +1,11 @@
 """The experiment CLIs as a user runs them: bad flags and bad values give one line and exit 2."""
 
-import json
 import os
 import subprocess
 import sys
 
 import pytest
 
-import moespec_jax as msj
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

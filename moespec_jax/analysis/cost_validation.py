@@ -37,7 +37,7 @@ import numpy as np
 import moespec_jax as msj
 import pallas_kernels
 from moespec_jax import cli
-from moespec_jax.analysis import cost_model, routing, routing_report, traces
+from moespec_jax.analysis import cost_model, draft_policy_sim, routing_report, traces
 from moespec_jax.data import corpus
 from moespec_jax.decoding import loop
 from moespec_jax.io import atomic, progress
@@ -428,7 +428,11 @@ def run_cost_model(model, workdir, cfg: CostValidationConfig = CostValidationCon
     fixed = msj.SpecParams(drafter="controlled", num_draft=best_k, controlled_acceptance=a)
     row = parts.cached(f"auto/controlled/{a}", lambda: auto_against_fixed(
         model, prompts, cfg.max_new_tokens, spec, fixed, cfg.auto_repeats, reference))
-    auto_rows.append(dict(row, drafter="controlled", alpha=a))
+    # The policy's own cost, free of timing noise: the same acceptance and the pass times auto
+    # chose with, in simulation (analysis/draft_policy_sim).
+    simulated = draft_policy_sim.auto_regret(a, row["calibrated_step_ms"], n_tokens=cfg.max_new_tokens - 1)
+    auto_rows.append(dict(row, drafter="controlled", alpha=a, simulated={
+        k: simulated[k] for k in ("plain_over_auto", "best_fixed_num_draft", "best_fixed_over_auto")}))
     log("  " + describe_auto(auto_rows[-1]))
 
   log("[6/6] num_draft='auto' with the model's drafters, against every fixed K")
@@ -569,9 +573,14 @@ def _passes_text(passes_K) -> str:
 def describe_auto(r) -> str:
   """One line per auto row: its medians over rounds with their 90% intervals."""
   who = r["drafter"] + (f" a={r['alpha']:.2f}" if r["alpha"] is not None else "")
-  return (f"auto {who}: {_ratio_text(r, 'speedup_vs_plain')}x plain, {_ratio_text(r, 'vs_best_fixed')} of "
+  line = (f"auto {who}: {_ratio_text(r, 'speedup_vs_plain')}x plain, {_ratio_text(r, 'vs_best_fixed')} of "
           f"best fixed K={r['best_fixed_num_draft']} ({_passes_text(r['passes_by_num_draft'])}, mean K "
           f"{r['mean_num_draft']:.2f}); plain against itself {_ratio_text(r, 'plain_vs_plain')}")
+  if "simulated" in r:
+    sim = r["simulated"]
+    line += (f"; simulated: {sim['plain_over_auto']:.3f}x plain, {sim['best_fixed_over_auto']:.3f} of best "
+             f"fixed K={sim['best_fixed_num_draft']}")
+  return line
 
 
 def auto_goals(rows) -> dict[str, int]:

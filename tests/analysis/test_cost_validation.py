@@ -146,6 +146,10 @@ def test_quick_run_writes_the_documented_metrics(tiny_config, tmp_path):
     for name in ("speedup_vs_plain", "vs_best_fixed", "best_fixed_speedup", "plain_vs_plain"):
       lo, hi = r[name + "_interval"]
       assert 0 < lo <= r[name] <= hi
+  for r in cm["auto"]:  # the controlled rows beside their simulation (analysis/draft_policy_sim)
+    assert ("simulated" in r) == (r["drafter"] == "controlled")
+    if "simulated" in r:
+      assert r["simulated"]["plain_over_auto"] > 0 and 0 <= r["simulated"]["best_fixed_num_draft"] <= 2
   assert cm["auto_goals"] == cost_validation.auto_goals(cm["auto"]) and cm["auto_goals"]["rows"] == 3
   for name in ("staircase.png", "verify_time.png", "unique_experts.png"):
     assert (tmp_path / "out" / name).stat().st_size > 0
@@ -163,3 +167,6 @@ def test_auto_row_text_says_where_the_passes_went():
   assert "57% of passes plain, drafting mostly at K=3, mean K 2.18" in text
   assert "100% of passes plain, never drafting" in cost_validation.describe_auto(
       dict(row, passes_by_num_draft=[40, 0, 0], mean_num_draft=0.0))
+  simulated = {"plain_over_auto": 1.25, "best_fixed_num_draft": 3, "best_fixed_over_auto": 0.97}
+  assert "simulated: 1.250x plain, 0.970 of best fixed K=3" in cost_validation.describe_auto(
+      dict(row, simulated=simulated))

@@ -1,7 +1,6 @@
 """roofline: the weight bytes of a decode step, counted against the model's own parameters."""
 
 import jax
-import numpy as np
 import pytest
 
 import moespec_jax as msj

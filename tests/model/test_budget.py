@@ -1,6 +1,5 @@
 """MoE-Spec expert budgeting (approximate mode) at the routing and model level."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

@@ -1,0 +1,103 @@
+"""Offline simulation of `num_draft="auto"` (decoding/auto_draft.py): the policy's own cost, free
+of timing noise.
+
+On the development machine the same program run twice differs by several percent, so a measured
+comparison of auto against plain decoding and against the best fixed K mixes what the policy
+costs (passes spent learning the acceptance rate, K chosen on a noisy estimate, changes of K)
+with that noise. Here one row decodes `n_tokens` tokens under geometric acceptance with rate a
+(each draft accepted independently with probability a: the controlled drafter, greedy) and each
+pass with K drafts costs step_ms[K]; the policy runs exactly as the decoding loop runs it
+(`auto_draft.choose_k` per segment, the same evidence updates, shadow drafts on plain passes),
+and fixed K runs the same random acceptances. `switch_ms`: time added whenever K changes between
+segments (after a change the first passes run slower: decoding/auto_draft.SWITCH_MARGIN).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from moespec_jax.decoding import auto_draft
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyRun:
+  """Mean over simulated runs: decode time (ms) and passes at each K."""
+  mean_ms: float
+  passes_by_k: list[float]
+
+
+@functools.cache
+def _choose(shadow: bool) -> Callable:
+  return jax.jit(functools.partial(auto_draft.choose_k, shadow=shadow))
+
+
+def _accepted(rng: np.random.Generator, acceptance: float, k: int) -> int:
+  """Drafts accepted in a pass of K: the first rejection ends the run."""
+  n = 0
+  while n < k and rng.random() < acceptance:
+    n += 1
+  return n
+
+
+def simulate(acceptance: float, step_ms_K: Sequence[float], *, num_draft: int | str = "auto",
+             n_tokens: int = 127, runs: int = 100, shadow: bool = True,
+             switch_ms: Callable[[int, int], float] | float = 0.0, seed: int = 0) -> PolicyRun:
+  """Decodes `n_tokens` tokens `runs` times with num_draft="auto" (K in 0..len(step_ms_K) - 1)
+  or a fixed K; `shadow`: plain passes bring evidence (n-gram and controlled drafters)."""
+  if not 0.0 <= acceptance <= 1.0:
+    raise ValueError(f"acceptance must be in [0, 1], got {acceptance}")
+  step = np.asarray(step_ms_K, np.float64)
+  if step.ndim != 1 or step.size < 2 or np.any(step <= 0):
+    raise ValueError(f"step_ms_K must hold a positive time for each K = 0..max (at least 2), got {step_ms_K}")
+  auto = num_draft == "auto"
+  if not auto and not (isinstance(num_draft, int) and 0 <= num_draft < step.size):
+    raise ValueError(f"num_draft must be 'auto' or an int in [0, {step.size}), got {num_draft!r}")
+  switch = switch_ms if callable(switch_ms) else (lambda old, new: float(switch_ms))
+  choose, step_j = _choose(shadow), jnp.asarray(step, jnp.float32)
+  rng = np.random.default_rng(seed)
+  total_ms, passes_K = 0.0, np.zeros(step.size)
+  for _ in range(runs):
+    evidence = np.zeros(2, np.float32)
+    generated, current_k, elapsed = 0, 0, 0.0
+    while generated < n_tokens:
+      remaining = n_tokens - generated
+      if auto:
+        k, n_passes = (int(x) for x in choose(jnp.asarray(evidence), step_j, remaining_B=jnp.float32([remaining]),
+                                              current_k=jnp.int32(current_k)))
+      else:
+        k, n_passes = num_draft, n_tokens
+      k = min(k, remaining - 1)  # as the loop: never more drafts than a row can still commit
+      if auto and k != current_k and generated:
+        elapsed += switch(current_k, k)
+      current_k = k
+      for _ in range(n_passes):
+        if generated >= n_tokens:
+          break
+        if k:
+          accepted = _accepted(rng, acceptance, k)
+          tried = min(accepted + 1, k)
+        else:
+          accepted, tried = (float(rng.random() < acceptance), 1) if shadow else (0, 0)
+        if tried:
+          evidence = auto_draft.EVIDENCE_DECAY * evidence + np.float32([accepted, tried])
+        generated += min((accepted if k else 0) + 1, n_tokens - generated)
+        elapsed += step[k]
+        passes_K[k] += 1
+    total_ms += elapsed
+  return PolicyRun(total_ms / runs, (passes_K / runs).tolist())
+
+
+def auto_regret(acceptance: float, step_ms_K: Sequence[float], **kwargs) -> dict:
+  """Auto against plain decoding and against the best fixed K (the one with the least mean time
+  on the same acceptances): plain_over_auto and best_fixed_over_auto (1.0: as fast)."""
+  fixed = [simulate(acceptance, step_ms_K, num_draft=k, **kwargs).mean_ms for k in range(len(step_ms_K))]
+  auto = simulate(acceptance, step_ms_K, **kwargs)
+  best = int(np.argmin(fixed))
+  return {"acceptance": acceptance, "plain_over_auto": fixed[0] / auto.mean_ms, "best_fixed_num_draft": best,
+          "best_fixed_over_auto": fixed[best] / auto.mean_ms, "auto_passes_by_num_draft": auto.passes_by_k}

@@ -1,0 +1,53 @@
+"""num_draft='auto' in simulation: the policy's own cost against plain and the best fixed K."""
+
+import numpy as np
+import pytest
+
+from moespec_jax.analysis import cost_model, draft_policy_sim as sim
+
+# Pass times of the default model on the development machine (ms, K = 0..8: plain, then K drafts
+# verified; experiments/cost_model's measurement, every draft wrong and every draft right
+# averaged, smoothed as auto K smooths its calibration).
+STEP_MS = [0.77, 1.07, 1.24, 1.42, 1.6, 1.79, 1.99, 2.19, 2.4]
+
+
+def test_fixed_k_commits_the_geometric_tokens_per_pass():
+  """Fixed K under acceptance a: the mean passes match (1 - a^(K+1)) / (1 - a) tokens per pass."""
+  for a, k in ((0.6, 3), (0.9, 5)):
+    run = sim.simulate(a, STEP_MS, num_draft=k, n_tokens=4000, runs=3)
+    passes = sum(run.passes_by_k)
+    assert run.passes_by_k[k] == passes
+    assert 4000 / passes == pytest.approx(cost_model.tokens_per_pass(a, k), rel=0.03)
+    assert run.mean_ms == pytest.approx(passes * STEP_MS[k])
+
+
+@pytest.mark.parametrize("acceptance", [0.0, 0.2])
+def test_auto_stays_plain_where_drafts_are_rejected(acceptance):
+  r = sim.auto_regret(acceptance, STEP_MS)
+  assert r["best_fixed_num_draft"] == 0
+  assert r["plain_over_auto"] >= 0.97  # the goal: never more than 3% slower than plain decoding
+  assert r["auto_passes_by_num_draft"][0] >= 0.9 * sum(r["auto_passes_by_num_draft"])
+
+
+@pytest.mark.parametrize("acceptance", [0.7, 0.9, 1.0])
+def test_auto_drafts_close_to_the_best_fixed_k_where_drafts_are_accepted(acceptance):
+  r = sim.auto_regret(acceptance, STEP_MS)
+  assert r["best_fixed_num_draft"] >= 2 and r["plain_over_auto"] > 1.2
+  assert r["best_fixed_over_auto"] >= 0.95  # the goal: within 5% of the best fixed K
+
+
+def test_a_cost_per_change_of_k_is_charged():
+  free = sim.simulate(0.8, STEP_MS, runs=20)
+  charged = sim.simulate(0.8, STEP_MS, runs=20, switch_ms=1.0)
+  assert charged.passes_by_k == free.passes_by_k  # the same choices, the same acceptances
+  assert charged.mean_ms > free.mean_ms
+
+
+def test_bad_arguments_are_refused():
+  with pytest.raises(ValueError, match="acceptance"):
+    sim.simulate(1.5, STEP_MS)
+  with pytest.raises(ValueError, match="step_ms_K"):
+    sim.simulate(0.5, [1.0])
+  with pytest.raises(ValueError, match="num_draft"):
+    sim.simulate(0.5, STEP_MS, num_draft=9)
+  assert np.isfinite(sim.simulate(0.5, STEP_MS, runs=1).mean_ms)
