@@ -42,6 +42,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from moespec_jax.analysis import routing as routing_lib
+
 PRIOR_ACCEPTANCE = 0.5
 PRIOR_WEIGHT = 2.0  # in tried drafts
 EVIDENCE_DECAY = 0.95  # per pass that brings evidence (drafts or shadow drafts)
@@ -178,14 +180,41 @@ def monotone_step_times(step_ms_K) -> np.ndarray:
   return np.concatenate([np.full(int(w), m) for m, w in blocks])
 
 
-def smooth_step_times(step_ms_K) -> np.ndarray:
-  """Measured per-K pass times, denoised: a least-squares fit of c0 + c1 K + c2 K^2 + c3 [K >= 1]
-  (drafting starts at K = 1; the expert part grows sublinearly) where there are enough points,
-  then made non-decreasing. One noisy measurement must not flip the choice of K."""
+def smooth_step_times(step_ms_K, routing: tuple[int, int] = (0, 0)) -> np.ndarray:
+  """Measured per-K pass times, denoised: one noisy measurement must not flip the choice of K.
+
+  Where there are enough points, a least-squares fit of the pass's parts,
+    t(K) = c0 + c1 [K >= 1] + c2 K + c3 (U(K + 1) - U(1)),  c2, c3 >= 0,
+  (plain passes are fitted exactly: drafting starts at K = 1; per-token work grows linearly; the experts read grow as U(n), the
+  distinct experts among n tokens routed uniformly, `routing` = (routed experts, top-k); none
+  for a dense model), then made non-decreasing. A free quadratic fitted to 9 noisy points
+  could bend down at the top and make the longest passes look nearly free; here each extra
+  drafted token costs at least its share of the expert term.
+  """
   t = np.asarray(step_ms_K, float)
   k = np.arange(t.size, dtype=float)
   if t.size >= 6:
-    features = np.stack([np.ones_like(k), k, k * k, (k >= 1).astype(float)], axis=1)
-    coef, *_ = np.linalg.lstsq(features, t, rcond=None)
-    t = np.maximum(features @ coef, 1e-3)
+    n_experts, top_k = routing
+    unique = [routing_lib.uniform_unique(n_experts, top_k, int(n)) if n_experts else 0.0 for n in k + 1]
+    features = np.stack([np.ones_like(k), (k >= 1).astype(float), k, np.asarray(unique) - unique[0]], axis=1)
+    t = np.maximum(features @ nonnegative_lstsq(features, t, free=(0, 1)), 1e-3)
   return monotone_step_times(t)
+
+
+def nonnegative_lstsq(features_NP, target_N, free=()) -> np.ndarray:
+  """Least squares with every coefficient but those in `free` non-negative (exact: the best of
+  the unconstrained fits over each support that keeps its coefficients non-negative; for the
+  handful of columns here)."""
+  n_cols = features_NP.shape[1]
+  constrained = [c for c in range(n_cols) if c not in free]
+  best, best_residual = None, np.inf
+  for mask in range(1 << len(constrained)):
+    support = sorted(list(free) + [c for i, c in enumerate(constrained) if mask >> i & 1])
+    coef = np.zeros(n_cols)
+    if support:
+      coef[support] = np.linalg.lstsq(features_NP[:, support], target_N, rcond=None)[0]
+    if np.all(coef[constrained] >= 0):
+      residual = float(np.sum((features_NP @ coef - target_N) ** 2))
+      if residual < best_residual:
+        best, best_residual = coef, residual
+  return best

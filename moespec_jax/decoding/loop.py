@@ -59,6 +59,9 @@ class LoopSpec:
   expert_budget: ExpertBudget | None = None
   measure_quality: bool = False
   cpu_attention: bool = False  # attention against the cache on the C++ kernel (`_merge`)
+  # (routed experts, top-k), (0, 0) for a dense model: the shape of the experts' part of the
+  # pass times that auto K's calibration fits (auto_draft.smooth_step_times)
+  routing: tuple[int, int] = (0, 0)
 
 
 def _bucket(n: int, minimum: int = 16) -> int:
@@ -511,7 +514,7 @@ def calibrate_step_ms(ls: LoopSpec, args) -> np.ndarray:
     draft_inputs = args[-1]  # as _prepare builds them
     sig = (sig, float(draft_inputs["acceptance"]))
   if sig not in _CALIBRATED:
-    _CALIBRATED[sig] = auto_draft.smooth_step_times(measure_step_ms(ls, args)).astype(np.float32)
+    _CALIBRATED[sig] = auto_draft.smooth_step_times(measure_step_ms(ls, args), ls.routing).astype(np.float32)
   return _CALIBRATED[sig]
 
 
@@ -577,7 +580,8 @@ def _prepare(model, prompts, max_new_tokens, sampling, spec, seed, reference_tok
                 num_draft=k_draft, auto=auto, timed=auto and spec.auto_timing and loop_clock_available(),
                 expert_budget=budget,
                 measure_quality=bool(spec.measure_quality and budget is not None),
-                cpu_attention=_cpu_kernels(spec.attention_kernel))
+                cpu_attention=_cpu_kernels(spec.attention_kernel),
+                routing=(config.n_routed_experts, config.top_k) if config.n_moe_layers else (0, 0))
   draft_inputs = {}
   if reference is not None:
     draft_inputs = {"reference": jnp.asarray(reference),

@@ -7,6 +7,7 @@ import pytest
 
 import moespec_jax as msj
 from moespec_jax.analysis import cost_model
+from moespec_jax.analysis import routing as routing_lib
 from moespec_jax.decoding import auto_draft, drafters, loop
 
 RAGGED = [[5, 9, 30, 41], [7], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [10, 20, 30, 10, 20, 30, 10]]
@@ -90,16 +91,45 @@ def test_monotone_step_times_pools_violations():
   np.testing.assert_array_equal(auto_draft.monotone_step_times([1, 2, 3]), [1, 2, 3])
 
 
+def _pass_times(k, routing=(32, 4)):
+  unique = np.array([routing_lib.uniform_unique(*routing, int(n)) for n in k + 1])
+  return 0.8 + 0.25 * (k >= 1) + 0.1 * k + 0.05 * (unique - unique[0])
+
+
 def test_smooth_step_times_absorbs_one_outlier():
   k = np.arange(9)
-  clean = 2.0 + 0.4 * k - 0.01 * k * k + 0.3 * (k >= 1)
+  clean = _pass_times(k)
+  np.testing.assert_allclose(auto_draft.smooth_step_times(clean, (32, 4)), clean, rtol=1e-9)
   noisy = clean.copy()
   noisy[3] *= 0.6  # one fast outlier
-  out = auto_draft.smooth_step_times(noisy)
+  out = auto_draft.smooth_step_times(noisy, (32, 4))
   assert np.all(np.diff(out) >= 0)
   assert np.max(np.abs(out - clean) / clean) < 0.12
-  np.testing.assert_allclose(auto_draft.smooth_step_times(clean), clean, rtol=1e-9)
   np.testing.assert_array_equal(auto_draft.smooth_step_times([1.0, 0.5, 2.0]), [0.75, 0.75, 2.0])
+
+
+@pytest.mark.parametrize("routing", [(32, 4), (0, 0)])
+def test_smooth_step_times_never_makes_long_passes_free(routing):
+  """A measurement that levels off at the top (noise) must not make the longest drafts look free:
+  each extra drafted token keeps a positive cost, and plain passes are fitted exactly."""
+  k = np.arange(9)
+  measured = _pass_times(k)
+  measured[6:] = measured[5]
+  out = auto_draft.smooth_step_times(measured, routing)
+  assert np.all(np.diff(out[1:]) > 0.01)
+  assert out[0] == pytest.approx(measured[0], rel=1e-9)
+
+
+def test_nonnegative_lstsq_meets_the_optimality_conditions():
+  rng = np.random.default_rng(0)
+  for _ in range(20):
+    x_NP, y_N = rng.normal(size=(12, 4)), rng.normal(size=12)
+    coef = auto_draft.nonnegative_lstsq(x_NP, y_N, free=(0,))
+    gradient = x_NP.T @ (x_NP @ coef - y_N)
+    assert np.all(coef[1:] >= 0)
+    assert abs(gradient[0]) < 1e-8
+    for c in range(1, 4):  # on the boundary the objective must not decrease into the feasible side
+      assert (abs(gradient[c]) < 1e-8) if coef[c] > 0 else (gradient[c] > -1e-8)
 
 
 @pytest.mark.parametrize("drafter", ["ngram", "mtp", "controlled"])
