@@ -185,18 +185,22 @@ def smooth_step_times(step_ms_K, routing: tuple[int, int] = (0, 0)) -> np.ndarra
 
   Where there are enough points, a least-squares fit of the pass's parts,
     t(K) = c0 + c1 [K >= 1] + c2 K + c3 (U(K + 1) - U(1)),  c2, c3 >= 0,
-  (plain passes are fitted exactly: drafting starts at K = 1; per-token work grows linearly; the experts read grow as U(n), the
-  distinct experts among n tokens routed uniformly, `routing` = (routed experts, top-k); none
-  for a dense model), then made non-decreasing. A free quadratic fitted to 9 noisy points
-  could bend down at the top and make the longest passes look nearly free; here each extra
-  drafted token costs at least its share of the expert term.
+  then made non-decreasing: plain passes are fitted exactly (drafting starts at K = 1),
+  per-token work grows linearly, and the experts read grow as U(n), the distinct experts among
+  n uniformly routed tokens (`routing` = (routed experts, top-k); no such term for a dense
+  model, (0, 0)). A free quadratic fitted to 9 noisy points could bend down at the top and make
+  the longest drafts look nearly free; here the cost of one more drafted token can only shrink
+  as far as the expert term saturates.
   """
   t = np.asarray(step_ms_K, float)
   k = np.arange(t.size, dtype=float)
   if t.size >= 6:
+    columns = [np.ones_like(k), (k >= 1).astype(float), k]
     n_experts, top_k = routing
-    unique = [routing_lib.uniform_unique(n_experts, top_k, int(n)) if n_experts else 0.0 for n in k + 1]
-    features = np.stack([np.ones_like(k), (k >= 1).astype(float), k, np.asarray(unique) - unique[0]], axis=1)
+    if n_experts:
+      unique = np.array([routing_lib.uniform_unique(n_experts, top_k, int(n)) for n in k + 1])
+      columns.append(unique - unique[0])
+    features = np.stack(columns, axis=1)
     t = np.maximum(features @ nonnegative_lstsq(features, t, free=(0, 1)), 1e-3)
   return monotone_step_times(t)
 

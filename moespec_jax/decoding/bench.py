@@ -13,7 +13,6 @@ import statistics
 import time
 from typing import Any, Sequence
 
-
 import moespec_jax as msj
 from moespec_jax import cli
 from moespec_jax.data import corpus

@@ -42,8 +42,9 @@ def test_bound_scales_with_bandwidth_and_batch():
 
 def test_flush_caches_reads_a_buffer_of_the_requested_size():
   roofline.flush_caches(1 << 20)
-  assert roofline._FLUSH[0].nbytes == 1 << 20
-  roofline.flush_caches(1 << 20)  # reused, not reallocated
   first = roofline._FLUSH[0]
+  assert first.nbytes == 1 << 20
   roofline.flush_caches(1 << 20)
-  assert roofline._FLUSH[0] is first
+  assert roofline._FLUSH[0] is first  # reused, not reallocated
+  roofline.flush_caches(1 << 21)
+  assert roofline._FLUSH[0].nbytes == 1 << 21

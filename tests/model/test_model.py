@@ -123,8 +123,8 @@ MLA = dict(attention_type="mla", kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_he
 def test_packed_dense_projections_give_the_xla_pass(tiny_config, change):
   """Decoding programs on CPU read the attention projections and the dense / shared SwiGLUs
   packed (`Transformer.use_packed_dense`): prefill and cached pass give XLA's logits, with
-  q/k/v biases, q/k norms and MLA (queries projected directly or through a latent) too. (A row's products do not depend on the other rows of the
-  pass: tests/test_kernels.py.)"""
+  q/k/v biases, q/k norms and MLA (queries projected directly or through a latent) too. (A row's
+  products do not depend on the other rows of the pass: tests/test_kernels.py.)"""
   import moespec_jax as msj  # pylint: disable=g-import-not-at-top
   config = tiny_config.replace(n_shared_experts=1, **change)
   model = msj.Model.init(config, seed=4)
