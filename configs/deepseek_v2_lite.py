@@ -1,6 +1,8 @@
-"""Shape-only config: DeepSeek-V2-Lite (15.7B total, 2.4B active). Attention is MLA in the real model (kv_lora_rank 512, qk_rope 64, qk_nope 128, v 128); here GQA with 16 kv heads stands in until MLA lands.
+"""Shape-only config: DeepSeek-V2-Lite (15.7B total, 2.4B active), the seeds' headline model.
 
-The published dimensions, for kernel benchmarks and the cost model; the weights are not here.
+The published dimensions (MLA attention with its 512 + 64 compressed cache, queries projected
+directly, YaRN rope), for kernel benchmarks and the cost model; the weights are not here
+(`Model.load` reads a local checkpoint).
 """
 
 import ml_collections
@@ -17,8 +19,19 @@ def get_config() -> ml_collections.ConfigDict:
       n_layers=27,
       n_heads=16,
       n_kv_heads=16,
-      head_dim=128,
+      head_dim=64,
+      attention_type="mla",
+      q_lora_rank=0,
+      kv_lora_rank=512,
+      qk_nope_head_dim=128,
+      qk_rope_head_dim=64,
+      v_head_dim=128,
       rope_theta=10000.0,
+      rope_scaling="yarn",
+      rope_factor=40.0,
+      rope_original_max_len=4096,
+      rope_mscale=0.707,
+      rope_mscale_all_dim=0.707,
       max_seq_len=4096,
       n_routed_experts=64,
       top_k=6,
@@ -31,5 +44,5 @@ def get_config() -> ml_collections.ConfigDict:
       routed_scaling_factor=1.0,
       n_groups=1,
       topk_groups=1,
-      tokenizer="none", eos_id=0, bos_id=1))
+      tokenizer="none", eos_id=100001, bos_id=100000))
   return cfg

@@ -31,5 +31,5 @@ def get_config() -> ml_collections.ConfigDict:
       routed_scaling_factor=1.0,
       n_groups=1,
       topk_groups=1,
-      tokenizer="none", eos_id=0, bos_id=1))
+      tokenizer="none", eos_id=2, bos_id=1))
   return cfg

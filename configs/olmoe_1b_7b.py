@@ -1,4 +1,4 @@
-"""Shape-only config: OLMoE-1B-7B (6.9B total, 1.3B active); q/k norm of the real model not modelled here.
+"""Shape-only config: OLMoE-1B-7B (6.9B total, 1.3B active), with its q/k RMSNorm (over all heads).
 
 The published dimensions, for kernel benchmarks and the cost model; the weights are not here.
 """
@@ -18,6 +18,7 @@ def get_config() -> ml_collections.ConfigDict:
       n_heads=16,
       n_kv_heads=16,
       head_dim=128,
+      qk_norm="full",
       rope_theta=10000.0,
       max_seq_len=4096,
       n_routed_experts=64,

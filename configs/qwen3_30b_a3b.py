@@ -1,4 +1,4 @@
-"""Shape-only config: Qwen3-30B-A3B (30.5B total, 3.3B active); q/k norm of the real model not modelled here.
+"""Shape-only config: Qwen3-30B-A3B (30.5B total, 3.3B active), with its q/k RMSNorm (per head).
 
 The published dimensions, for kernel benchmarks and the cost model; the weights are not here.
 """
@@ -18,6 +18,7 @@ def get_config() -> ml_collections.ConfigDict:
       n_heads=32,
       n_kv_heads=4,
       head_dim=128,
+      qk_norm="head",
       rope_theta=1000000.0,
       max_seq_len=4096,
       n_routed_experts=128,

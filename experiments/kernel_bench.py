@@ -9,31 +9,37 @@ every shape. Layers whose f32 weights exceed --max_weight_gb are benchmarked on 
 their experts (top_k unchanged); rows and stdout say so.
 """
 
+import importlib
 import json
 import os
 
-from absl import app
 from absl import flags
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels
+from moespec_jax import cli
 from moespec_jax.analysis import cost_validation
 from moespec_jax.analysis.roofline import stream_read_gbps
+from moespec_jax.config import model_config_from
 from pallas_kernels import bytes as kbytes
 
-SHAPES = {
-    # name: (d_model, n_routed_experts, top_k, expert_hidden)
-    "tiny": (256, 32, 4, 128),
-    "deepseek_v2_lite": (2048, 64, 6, 1408),
-    "qwen3_30b_a3b": (2048, 128, 8, 768),
-    "mixtral_8x7b": (4096, 8, 2, 14336),
-}
+
+def expert_layer_shape(config_name: str) -> tuple[int, int, int, int]:
+  """(d_model, n_routed_experts, top_k, expert_hidden) of the model in configs/<config_name>.py."""
+  config = model_config_from(importlib.import_module(f"configs.{config_name}").get_config().model)
+  return config.d_model, config.n_routed_experts, config.top_k, config.expert_hidden
+
+
+# One routed-expert layer of each model config (the published dimensions: configs/*.py).
+SHAPES = {name: expert_layer_shape(name) for name in (
+    "tiny", "deepseek_v2_lite", "qwen3_30b_a3b", "mixtral_8x7b", "olmoe_1b_7b", "deepseek_v3", "gpt_oss_20b")}
+DEFAULT_SHAPES = ("tiny", "deepseek_v2_lite", "qwen3_30b_a3b", "mixtral_8x7b")
 METHODS = ("dedup", "per_slot", "xla")
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Output directory.", required=True)
-_SHAPES = flags.DEFINE_list("shapes", list(SHAPES), f"Layer shapes among {list(SHAPES)}.")
+_SHAPES = flags.DEFINE_list("shapes", list(DEFAULT_SHAPES), f"Layer shapes among {list(SHAPES)}.")
 _N_LIST = flags.DEFINE_list("n_list", [str(n) for n in range(1, 17)], "Tokens per pass.")
 _ROUTINGS = flags.DEFINE_list("routings", ["uniform", "correlated"], "uniform and/or correlated.")
 _METHODS = flags.DEFINE_list("methods", list(METHODS), "Methods to time.")
@@ -207,10 +213,16 @@ def main(argv):
   if _QUICK.value:
     shapes, n_list, repeats = ["tiny"], [1, 2, 4], 3
   else:
-    shapes, n_list, repeats = _SHAPES.value, [int(n) for n in _N_LIST.value], _REPEATS.value
+    try:
+      n_list = [int(n) for n in _N_LIST.value]
+    except ValueError:
+      raise ValueError(f"--n_list must be whole numbers of tokens, got {_N_LIST.value}") from None
+    if not n_list or min(n_list) < 1:
+      raise ValueError(f"--n_list must hold token counts >= 1, got {_N_LIST.value}")
+    shapes, repeats = _SHAPES.value, _REPEATS.value
   run(_WORKDIR.value, shapes, n_list, _ROUTINGS.value, _METHODS.value, repeats, _OVERLAP.value,
       _MAX_WEIGHT_GB.value, _BACKEND.value, _SEED.value)
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -27,6 +27,13 @@ def test_unknown_flag_exits_2_with_one_line(module):
   _one_line_error(_run(module, "--no_such_flag=1"), "no_such_flag")
 
 
+def test_kernel_bench_unknown_shape_exits_2(tmp_path):
+  proc = _run("experiments.kernel_bench", f"--workdir={tmp_path / 'kb'}", "--shapes=tiny,nope")
+  _one_line_error(proc, "unknown shape 'nope'")
+  _one_line_error(_run("experiments.kernel_bench", f"--workdir={tmp_path / 'kb'}", "--n_list=1,two"), "--n_list")
+  assert not (tmp_path / "kb" / "metrics.json").exists()
+
+
 def test_pretrain_bad_config_file_exits_2():
   _one_line_error(_run("experiments.pretrain", "--config=configs/does_not_exist.py"), "does_not_exist")
 
