@@ -120,7 +120,7 @@ class Model:
     config_file = path / "config.json"
     if not config_file.is_file():
       raise FileNotFoundError(f"no model at {path}: {config_file} is missing")
-    meta = json.loads(config_file.read_text())
+    meta = atomic.read_json(config_file)
     if meta.get("format") != FORMAT:
       if "model_type" in meta:
         from moespec_jax import hf  # pylint: disable=g-import-not-at-top

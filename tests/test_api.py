@@ -114,6 +114,13 @@ def test_load_errors_are_clear(tmp_path):
   (tmp_path / "hf" / "config.json").write_text('{"model_type": "mixtral"}')
   with pytest.raises(ValueError, match="Hugging Face"):
     msj.Model.load(tmp_path / "hf")
+  (tmp_path / "hf" / "config.json").write_text('{"model_type": "mixtral",')  # cut short
+  with pytest.raises(ValueError, match=r"hf/config\.json is not valid JSON"):
+    msj.Model.load(tmp_path / "hf")
+  (tmp_path / "hf" / "config.json").write_text('{"model_type": "mixtral"}')
+  (tmp_path / "hf" / "model.safetensors.index.json").write_text("")
+  with pytest.raises(ValueError, match=r"index\.json is not valid JSON"):
+    msj.hf.TensorSource(tmp_path / "hf")
 
 
 def test_greedy_tokens_are_the_same_whichever_expert_kernel(tiny_model):

@@ -17,7 +17,6 @@ and padding as zero.
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import os
 import pathlib
@@ -238,7 +237,7 @@ def _read_meta(directory: pathlib.Path) -> dict:
   meta_file = directory / META_FILE
   if not meta_file.is_file():
     raise FileNotFoundError(f"no tokenizer at {directory}: {meta_file.name} is missing")
-  return json.loads(meta_file.read_text())
+  return atomic.read_json(meta_file)
 
 
 def _parse_bpe_name(name: str) -> int | None:

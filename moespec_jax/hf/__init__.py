@@ -6,7 +6,6 @@ config.json has a `model_type`. Nothing here imports torch or transformers.
 
 from __future__ import annotations
 
-import json
 import logging
 import pathlib
 
@@ -16,6 +15,7 @@ from flax import nnx
 from moespec_jax.hf.config import FAMILIES, ImportSpec, to_model_config
 from moespec_jax.hf.tokenizer import MissingTokenizer, PretrainedTokenizer, load_for_checkpoint
 from moespec_jax.hf.weights import TensorSource, count_mtp_layers, map_mtp, map_params, mtp_own_head
+from moespec_jax.io import atomic
 
 __all__ = ["FAMILIES", "ImportSpec", "MissingTokenizer", "PretrainedTokenizer", "TensorSource",
            "load_checkpoint", "to_model_config"]
@@ -49,7 +49,7 @@ def load_checkpoint(path, dtype: str | None = None):
   from moespec_jax.model import Transformer  # pylint: disable=g-import-not-at-top
 
   path = pathlib.Path(path).expanduser()
-  hf = json.loads((path / "config.json").read_text())
+  hf = atomic.read_json(path / "config.json")
   config, spec = to_model_config(hf, _resolve_dtype(hf, dtype))
   src = TensorSource(path)
   abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import pathlib
 
 from tokenizers import Tokenizer as HfTokenizer
@@ -51,7 +50,7 @@ class PretrainedTokenizer(tokenizer_lib.BpeTokenizer):
   def load(cls, directory) -> "PretrainedTokenizer":
     """Reads a directory written by `save`."""
     directory = pathlib.Path(directory)
-    meta = json.loads((directory / tokenizer_lib.META_FILE).read_text())
+    meta = atomic.read_json(directory / tokenizer_lib.META_FILE)
     tok = HfTokenizer.from_file(str(directory / tokenizer_lib.BPE_FILE))
     return cls(tok, vocab_size=meta["vocab_size"], eos_id=meta["eos_id"], bos_id=meta["bos_id"],
                name=meta.get("name", KIND))
@@ -85,7 +84,7 @@ class MissingTokenizer:
 
   @classmethod
   def load(cls, directory) -> "MissingTokenizer":
-    meta = json.loads((pathlib.Path(directory) / tokenizer_lib.META_FILE).read_text())
+    meta = atomic.read_json(pathlib.Path(directory) / tokenizer_lib.META_FILE)
     return cls(meta.get("source", directory), vocab_size=meta["vocab_size"], eos_id=meta["eos_id"],
                bos_id=meta["bos_id"])
 

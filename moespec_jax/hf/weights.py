@@ -9,7 +9,6 @@ them in memory). Linear weights are [out, in] on disk and become [in, ...] here.
 
 from __future__ import annotations
 
-import json
 import pathlib
 from typing import Any
 
@@ -18,6 +17,7 @@ from safetensors import safe_open
 
 from moespec_jax.config import ModelConfig
 from moespec_jax.hf.config import ImportSpec
+from moespec_jax.io import atomic
 
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -29,7 +29,7 @@ class TensorSource:
     directory = pathlib.Path(directory)
     index = directory / INDEX_FILE
     if index.is_file():
-      weight_map = json.loads(index.read_text())["weight_map"]
+      weight_map = atomic.read_json(index)["weight_map"]
       self._file_of = {name: directory / f for name, f in weight_map.items()}
     else:
       files = sorted(directory.glob("*.safetensors"))

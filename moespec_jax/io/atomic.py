@@ -97,6 +97,17 @@ def to_jsonable(obj: Any) -> Any:
   raise TypeError(f"cannot convert {type(obj).__name__} to JSON")
 
 
+def read_json(path: PathLike) -> Any:
+  """The JSON document in `path`; a file that does not parse is a ValueError naming it (a
+  missing one stays a FileNotFoundError)."""
+  path = pathlib.Path(path)
+  text = path.read_text()
+  try:
+    return json.loads(text)
+  except json.JSONDecodeError as e:
+    raise ValueError(f"{path} is not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})") from None
+
+
 def write_json_atomic(path: PathLike, obj: Any, *, indent: int | None = 2
                       ) -> pathlib.Path:
   """Writes `obj` as strict JSON to `path` atomically (numpy values converted)."""
