@@ -22,7 +22,8 @@ def _one_line_error(proc, fragment):
 
 
 @pytest.mark.parametrize("module", ["experiments.generate", "experiments.pretrain", "experiments.demo",
-                                    "experiments.routing_stats", "experiments.compare_modes"])
+                                    "experiments.routing_stats", "experiments.compare_modes", "experiments.project",
+                                    "experiments.kernel_bench"])
 def test_unknown_flag_exits_2_with_one_line(module):
   _one_line_error(_run(module, "--no_such_flag=1"), "no_such_flag")
 
