@@ -1,9 +1,13 @@
 """Generate text from a model.
 
   python -m experiments.generate --prompt="def fib(n):" --max_new_tokens=64
-      [--checkpoint=DIR] [--temperature=0.8 --top_k=0 --top_p=0.95] [--batch=1] [--seed=0]
+      [--checkpoint=DIR] [--temperature=0.8 --top_k=0 --top_p=0.95] [--prompt=... (a batch)]
+      [--drafter=mtp|ngram --num_draft=3|auto [--max_draft=8]]
+      [--mode=budgeted --expert_budget=N [--measure_quality]] [--seed=0]
 
-Without --checkpoint it uses the default trained model (`make demo` creates it).
+Without --checkpoint it uses the default trained model (`make demo` creates it). Exact mode
+(the default) samples the target's distribution whatever the drafter; --mode=budgeted caps the
+experts of each verification pass and is APPROXIMATE (its output says so).
 """
 
 from absl import flags
@@ -19,14 +23,32 @@ _TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "0 = greedy.")
 _TOP_K = flags.DEFINE_integer("top_k", 0, "Top-k filter (0 = off).")
 _TOP_P = flags.DEFINE_float("top_p", 1.0, "Top-p filter (1 = off).")
 _DRAFTER = flags.DEFINE_string("drafter", "none", "Drafter: none | mtp | ngram.")
-_NUM_DRAFT = flags.DEFINE_integer("num_draft", 3, "Drafted tokens per pass.")
+_NUM_DRAFT = flags.DEFINE_string("num_draft", "3", "Drafted tokens per pass, or 'auto' (chosen each "
+                                 "pass by the cost model, 0..--max_draft).")
+_MAX_DRAFT = flags.DEFINE_integer("max_draft", 8, "Largest K of --num_draft=auto.")
+_MODE = flags.DEFINE_enum("mode", "exact", ["exact", "budgeted"], "budgeted: APPROXIMATE expert budget.")
+_BUDGET = flags.DEFINE_integer("expert_budget", None, "Experts per MoE layer and pass (--mode=budgeted).")
+_QUALITY = flags.DEFINE_bool("measure_quality", False, "Budgeted: also run the exact pass and report "
+                             "top-1 agreement and KL (slower).")
 _KERNEL = flags.DEFINE_string("kernel", "auto", "Expert kernel: auto | dedup | per_slot | xla.")
 _SEED = flags.DEFINE_integer("seed", 0, "Random seed.")
+
+
+def _num_draft(text: str):
+  if text == "auto":
+    return "auto"
+  try:
+    return int(text)
+  except ValueError:
+    raise ValueError(f"--num_draft must be a whole number or 'auto', got {text!r}") from None
 
 
 def main(argv):
   if len(argv) > 1:
     raise ValueError(f"unexpected arguments: {argv[1:]}")
+  spec = msj.SpecParams(drafter=_DRAFTER.value, num_draft=_num_draft(_NUM_DRAFT.value), max_draft=_MAX_DRAFT.value,
+                        mode=_MODE.value, expert_budget=_BUDGET.value, measure_quality=_QUALITY.value,
+                        kernel=_KERNEL.value)
   path = _CHECKPOINT.value or paths.default_model_dir()
   if _CHECKPOINT.value is None and not (paths.default_model_dir() / "config.json").exists():
     raise FileNotFoundError(f"no default model at {path}: run `make demo` first or pass --checkpoint")
@@ -34,14 +56,20 @@ def main(argv):
   out = msj.generate(
       model, list(_PROMPT.value), max_new_tokens=_MAX_NEW.value,
       sampling=msj.SamplingParams(temperature=_TEMPERATURE.value, top_k=_TOP_K.value, top_p=_TOP_P.value),
-      spec=msj.SpecParams(drafter=_DRAFTER.value, num_draft=_NUM_DRAFT.value, kernel=_KERNEL.value),
-      seed=_SEED.value)
+      spec=spec, seed=_SEED.value)
   for prompt, row in zip(_PROMPT.value, out.tokens):
     print(prompt + model.tokenizer.decode([int(t) for t in row if t >= 0]))
     print("-" * 40)
   s = out.stats
   print(f"{s['generated_tokens']} tokens in {s['seconds']:.3f} s ({s['tokens_per_second']:.1f} tokens/s), "
         f"{s['passes']} passes, mean accepted length {s['mean_accepted_length']:.2f}")
+  if s.get("passes_by_num_draft") is not None:
+    print("auto K: passes by K " + " ".join(f"{k}:{n}" for k, n in enumerate(s["passes_by_num_draft"]) if n)
+          + f"; acceptance estimate {s['acceptance_estimate']:.2f}")
+  if s["approximate"]:
+    quality = (f"; top-1 agreement with exact {s['top1_agreement']:.3f}, mean KL {s['mean_kl']:.4f}"
+               if "top1_agreement" in s else "; --measure_quality reports its cost")
+    print(f"APPROXIMATE: expert budget {s['expert_budget']} per MoE layer and pass{quality}")
 
 
 if __name__ == "__main__":

@@ -45,6 +45,16 @@ def test_generate_cli_end_to_end_and_bad_values(tiny_model, tmp_path):
               "--max_new_tokens=5")
   assert proc.returncode == 0, proc.stderr
   assert proc.stdout.startswith("def f(x):") and "tokens/s" in proc.stdout
+  proc = _run("experiments.generate", f"--checkpoint={path}", "--prompt=def f(x): return x", "--max_new_tokens=6",
+              "--drafter=ngram", "--num_draft=auto", "--max_draft=3")
+  assert proc.returncode == 0, proc.stderr
+  assert "auto K: passes by K" in proc.stdout and "APPROXIMATE" not in proc.stdout
+  proc = _run("experiments.generate", f"--checkpoint={path}", "--max_new_tokens=4", "--drafter=ngram",
+              "--mode=budgeted", "--expert_budget=3", "--measure_quality")
+  assert proc.returncode == 0, proc.stderr
+  assert "APPROXIMATE: expert budget 3" in proc.stdout and "top-1 agreement" in proc.stdout
+  _one_line_error(_run("experiments.generate", f"--checkpoint={path}", "--num_draft=many"), "--num_draft")
+  _one_line_error(_run("experiments.generate", f"--checkpoint={path}", "--mode=budgeted"), "expert_budget")
   _one_line_error(_run("experiments.generate", f"--checkpoint={path}", "--top_p=0"), "top_p")
   _one_line_error(_run("experiments.generate", f"--checkpoint={path}", "--max_new_tokens=500"),
                   "max_seq_len")
