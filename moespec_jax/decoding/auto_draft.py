@@ -17,8 +17,9 @@ target produced ("shadow" drafts: greedy, whether it matches; sampled, its accep
 probability), so auto leaves K = 0 as soon as drafting pays again. The MTP heads skip their
 upkeep at K = 0 (their state goes stale), so with them K = 0 is final: it is chosen only after
 MIN_EVIDENCE tried drafts and only where drafting would not pay even at a high bound on the
-acceptance (STOP_CONFIDENCE standard errors above the estimate): a start that accepts less
-than the rest of the text (a prompt's continuation, then boilerplate) must not end drafting.
+acceptance (the Wilson score bound, STOP_CONFIDENCE standard errors above the estimate): a start
+that accepts less than the rest of the text (a prompt's continuation, then boilerplate) must not
+end drafting.
 With the n-gram drafter, a segment where no active row's context has a match is
 NO_MATCH_PASSES plain passes (nothing to verify; transformers' prompt lookup also decodes
 plainly without a match).
@@ -92,6 +93,22 @@ def optimistic_acceptance(evidence_2, standard_errors: float | None = None):
   return jnp.clip(a + z * spread, 0.0, MAX_ACCEPTANCE)
 
 
+def acceptance_upper_bound(evidence_2, standard_errors: float):
+  """The Wilson score bound `standard_errors` above the estimate (prior included in the counts).
+
+  Near a = 1, where the binomial standard error shrinks with the estimate, the normal bound
+  a + z SE overshoots: 27 of 30 accepted gives 1.0 at z = 2 where Wilson gives 0.966, and with
+  pass times that pay only above 0.99 (MTP heads at batch 8 on CPU) the normal bound kept
+  drafting at a loss for the whole generation.
+  """
+  evidence_2 = jnp.asarray(evidence_2)
+  a = acceptance_estimate(evidence_2)
+  n = evidence_2[..., 1] + PRIOR_WEIGHT
+  z2 = standard_errors * standard_errors
+  bound = (a + z2 / (2 * n) + standard_errors * jnp.sqrt(a * (1 - a) / n + z2 / (4 * n * n))) / (1 + z2 / n)
+  return jnp.clip(bound, 0.0, MAX_ACCEPTANCE)
+
+
 def tokens_per_pass_K(a, num_k: int):
   """Expected committed tokens per pass, (1 - a^(K+1)) / (1 - a), for every K in 0..num_k - 1
   at once (a: any shape, a < 1; the K axis is appended). The traced counterpart of
@@ -121,7 +138,7 @@ def choose_k(evidence_B2, step_ms_K, *, shadow: bool, remaining_B=None, current_
   (YOUNG_PLAIN_PASSES while the estimate is young, with shadow drafts).
   `shadow`: plain passes bring evidence (see the module docstring); without it K = 0 is final
   and needs MIN_EVIDENCE tried drafts over all rows and plain decoding faster than every K at
-  STOP_CONFIDENCE standard errors above the estimate. `current_k`: the K of the last segment,
+  the Wilson bound STOP_CONFIDENCE standard errors above each row's estimate. `current_k`: the K of the last segment,
   kept unless another K is predicted faster by SWITCH_MARGIN (once the estimate is settled)."""
   evidence_B2 = jnp.atleast_2d(jnp.asarray(evidence_B2, jnp.float32))
   remaining_B = (jnp.ones(evidence_B2.shape[0], jnp.float32) if remaining_B is None
@@ -134,7 +151,7 @@ def choose_k(evidence_B2, step_ms_K, *, shadow: bool, remaining_B=None, current_
     time_K = jnp.where(jnp.arange(time_K.shape[0]) == current_k, time_K, time_K * (1.0 + switch))
   tried = jnp.sum(evidence_B2[:, 1])
   if not shadow:
-    high_K = finish_ms(optimistic_acceptance(evidence_B2, STOP_CONFIDENCE), remaining_B, step_ms_K)
+    high_K = finish_ms(acceptance_upper_bound(evidence_B2, STOP_CONFIDENCE), remaining_B, step_ms_K)
     stop = (tried >= MIN_EVIDENCE) & (high_K[0] <= jnp.min(high_K[1:] * (1.0 + DRAFT_MARGIN)))
     time_K = time_K.at[0].set(jnp.where(stop, time_K[0], jnp.inf))
   k = jnp.argmin(time_K).astype(jnp.int32)

@@ -304,6 +304,37 @@ def test_final_plain_needs_confidence_without_shadow_drafts():
   assert _choice(*poor, step_ms) == (0, auto_draft.PLAIN_SEGMENT_PASSES)
 
 
+def test_stop_bound_is_the_wilson_score_bound():
+  """The final stop's bound on the acceptance: Wilson's, which stays below 1 where the normal
+  bound a + z SE reaches it (the standard error shrinks with 1 - a)."""
+  z = auto_draft.STOP_CONFIDENCE
+  for accepted, tried in [(0.0, 4.0), (3.0, 10.0), (27.0, 30.0), (300.0, 300.0)]:
+    evidence = jnp.asarray([accepted, tried], jnp.float32)
+    a = float(auto_draft.acceptance_estimate(evidence))
+    n = tried + auto_draft.PRIOR_WEIGHT
+    wilson = (a + z * z / (2 * n) + z * np.sqrt(a * (1 - a) / n + z * z / (4 * n * n))) / (1 + z * z / n)
+    bound = float(auto_draft.acceptance_upper_bound(evidence, z))
+    assert bound == pytest.approx(min(wilson, auto_draft.MAX_ACCEPTANCE), abs=1e-6)
+    assert a < bound <= auto_draft.MAX_ACCEPTANCE + 1e-6
+  near_one = jnp.asarray([27.0, 30.0], jnp.float32)
+  assert float(auto_draft.acceptance_upper_bound(near_one, z)) < 0.97
+  assert float(auto_draft.optimistic_acceptance(near_one, z)) > 0.99
+
+
+def test_final_plain_where_drafting_pays_only_near_perfect_acceptance():
+  """MTP heads at batch 8 on CPU (pass times of the default model): drafting pays by the margin
+  only above ~0.985 acceptance, so after one pass of 8 rows accepting their draft auto stops;
+  where drafting pays at a moderate acceptance (batch 1 pass times) the same evidence keeps it."""
+  batch8 = jnp.asarray([1.81, 4.21, 5.68, 7.14, 8.61, 10.08, 11.55, 13.01, 14.48], jnp.float32)
+  batch1 = jnp.asarray([0.70, 1.28, 1.66, 2.00, 2.30, 2.57, 2.82, 3.04, 3.24], jnp.float32)
+  one_pass = jnp.ones((8, 2), jnp.float32)
+  remaining = jnp.full((8,), 100.0)
+  k8, passes8 = auto_draft.choose_k(one_pass, batch8, shadow=False, remaining_B=remaining)
+  assert (int(k8), int(passes8)) == (0, auto_draft.PLAIN_SEGMENT_PASSES)
+  k1, _ = auto_draft.choose_k(one_pass, batch1, shadow=False, remaining_B=remaining)
+  assert int(k1) >= 1
+
+
 def test_pass_time_correction_without_evidence_is_the_calibration():
   step_ms = jnp.asarray([1.0, 1.5, 1.8, 2.0], jnp.float32)
   timing = jnp.zeros((4, 2), jnp.float32)
