@@ -15,6 +15,7 @@ plain passes (0 for prompt lookup; an MTP module is about one decoder layer of t
 from __future__ import annotations
 
 import dataclasses
+import functools
 import pathlib
 from typing import Any, Sequence
 
@@ -48,6 +49,7 @@ class Machine:
       raise ValueError(f"dedup_bandwidth_ratio must be in (0, 4], got {self.dedup_bandwidth_ratio}")
 
 
+@functools.cache
 def kv_values_per_token(config: ModelConfig) -> int:
   """Cached values per token over all layers (MLA: its latent and rope key)."""
   cache = jax.eval_shape(lambda: KVCache.for_config(config, 1, 1))
