@@ -1,4 +1,5 @@
-"""Shape-only config: gpt-oss-20b (21B total, 3.6B active); its attention sinks and biases, sliding window and clamped SwiGLU are not modelled here.
+"""Shape-only config: gpt-oss-20b (21B total, 3.6B active); its attention sinks and biases,
+sliding window and clamped SwiGLU are not modelled here.
 
 The published dimensions, for kernel benchmarks and the cost model; the weights are not here.
 """

@@ -9,7 +9,6 @@ every shape. Layers whose f32 weights exceed --max_weight_gb are benchmarked on 
 their experts (top_k unchanged); rows and stdout say so.
 """
 
-import importlib
 import json
 import os
 
@@ -18,17 +17,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import configs
 import pallas_kernels
 from moespec_jax import cli
 from moespec_jax.analysis import cost_validation
 from moespec_jax.analysis.roofline import stream_read_gbps
-from moespec_jax.config import model_config_from
 from pallas_kernels import bytes as kbytes
 
 
 def expert_layer_shape(config_name: str) -> tuple[int, int, int, int]:
   """(d_model, n_routed_experts, top_k, expert_hidden) of the model in configs/<config_name>.py."""
-  config = model_config_from(importlib.import_module(f"configs.{config_name}").get_config().model)
+  config = configs.model_config(config_name)
   return config.d_model, config.n_routed_experts, config.top_k, config.expert_hidden
 
 

@@ -2,14 +2,13 @@
 dimensions (their parameter totals) and the model built from them has exactly the parameters
 ModelConfig.param_counts counts (shapes only: nothing is allocated)."""
 
-import importlib
 import pathlib
 
 import jax
 import pytest
 from flax import nnx
 
-from moespec_jax.config import model_config_from
+import configs
 from moespec_jax.model.cache import KVCache
 from moespec_jax.model.transformer import Transformer
 
@@ -26,31 +25,27 @@ PUBLISHED_TOTAL = {
 }
 
 
-def _config(name):
-  return model_config_from(importlib.import_module(f"configs.{name}").get_config().model)
-
-
 def test_every_published_config_is_checked():
   assert set(PUBLISHED_TOTAL) == set(NAMES) - {"tiny", "small"}
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_config_builds(name):
-  cfg = importlib.import_module(f"configs.{name}").get_config()
+  cfg = configs.load(name)
   assert cfg.name == name
-  _config(name)
+  configs.model_config(name)
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED_TOTAL))
 def test_published_parameter_total(name):
-  total = _config(name).param_counts()["total"]
+  total = configs.model_config(name).param_counts()["total"]
   assert total == pytest.approx(PUBLISHED_TOTAL[name], rel=0.005)
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_the_module_has_the_counted_parameters(name):
   # The dense prefix and one MoE layer at the published widths: the counts are linear in layers.
-  config = _config(name)
+  config = configs.model_config(name)
   config = config.replace(n_layers=config.first_k_dense + 1)
   abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
   params = nnx.to_pure_dict(nnx.state(abstract))
@@ -63,6 +58,6 @@ def test_the_module_has_the_counted_parameters(name):
     ("deepseek_v2_lite", 27 * (512 + 64)), ("deepseek_v3", 61 * (512 + 64)),  # MLA: latent + rope key
     ("mixtral_8x7b", 32 * 2 * 8 * 128), ("qwen3_30b_a3b", 48 * 2 * 4 * 128)])
 def test_kv_cache_size_per_token(name, values_per_token):
-  config = _config(name)
+  config = configs.model_config(name)
   cache = jax.eval_shape(lambda: KVCache.for_config(config, 1, 16))
   assert sum(x.size for x in jax.tree.leaves(cache)) == 16 * values_per_token

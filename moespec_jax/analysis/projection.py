@@ -82,10 +82,17 @@ def pass_ms(config: ModelConfig, machine: Machine, n_tokens: int, *, batch: int 
             method: str = "dedup") -> float:
   """Projected time of one verification pass: bytes over bandwidth plus the fixed time (the
   routed experts at the dedup kernel's bandwidth under method='dedup')."""
-  b = pass_bytes(config, n_tokens, batch=batch, context=context, method=method)
-  expert_gbps = machine.read_gbps * (machine.dedup_bandwidth_ratio if method == "dedup" else 1.0)
-  return ((b["other_weights"] + b["kv_cache"]) / (machine.read_gbps * 1e6)
-          + b["experts"] / (expert_gbps * 1e6) + machine.fixed_ms)
+  return _time_ms(pass_bytes(config, n_tokens, batch=batch, context=context, method=method), machine, method)
+
+
+def _expert_ms(pass_bytes_: dict[str, float], machine: Machine, method: str) -> float:
+  gbps = machine.read_gbps * (machine.dedup_bandwidth_ratio if method == "dedup" else 1.0)
+  return pass_bytes_["experts"] / (gbps * 1e6)
+
+
+def _time_ms(pass_bytes_: dict[str, float], machine: Machine, method: str) -> float:
+  other = pass_bytes_["other_weights"] + pass_bytes_["kv_cache"]
+  return other / (machine.read_gbps * 1e6) + _expert_ms(pass_bytes_, machine, method) + machine.fixed_ms
 
 
 def project(config: ModelConfig, machine: Machine, *, batch: int = 1, context: int = 1024,
@@ -99,12 +106,14 @@ def project(config: ModelConfig, machine: Machine, *, batch: int = 1, context: i
                      f"{draft_cost}, {max_k}, {max_tokens}")
   alphas = [round(float(a), 4) for a in (np.linspace(0.0, 1.0, 21) if alphas is None else alphas)]
   sizes = list(range(1, max_tokens + 1))
-  rows = []
+  rows, one_token = [], {}
   for n in sizes:
     row = {"n_tokens": n}
     for method in METHODS:
-      row[f"{method}_bytes"] = pass_bytes(config, n, batch=batch, context=context, method=method)["total"]
-      row[f"{method}_ms"] = pass_ms(config, machine, n, batch=batch, context=context, method=method)
+      b = pass_bytes(config, n, batch=batch, context=context, method=method)
+      row[f"{method}_bytes"], row[f"{method}_ms"] = b["total"], _time_ms(b, machine, method)
+      if n == 1:
+        one_token[method] = b
     row["faster"] = "dedup" if row["dedup_ms"] < row["per_slot_ms"] else "per_slot"
     rows.append(row)
   verify_ms = {r["n_tokens"]: min(r["dedup_ms"], r["per_slot_ms"]) for r in rows}
@@ -115,8 +124,8 @@ def project(config: ModelConfig, machine: Machine, *, batch: int = 1, context: i
   for a in alphas:
     k, s = cost_model.best_k(a, max_k, t_plain, t_draft, t_verify)
     best.append({"alpha": a, "best_k": k, "speedup": float(s)})
-  one = pass_bytes(config, 1, batch=batch, context=context, method="per_slot")
-  expert_ms = one["experts"] / (machine.read_gbps * 1e6)
+  plain_method = rows[0]["faster"]  # the kernel of the plain pass whose time is t_plain
+  expert_ms = _expert_ms(one_token[plain_method], machine, plain_method)
   return {
       "projection": True,  # computed from the bytes model, not measured
       "model": {"params": config.param_counts(), "dtype": config.dtype, "n_moe_layers": config.n_moe_layers,

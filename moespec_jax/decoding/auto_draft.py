@@ -98,7 +98,7 @@ def acceptance_upper_bound(evidence_2, standard_errors: float):
 
   Near a = 1, where the binomial standard error shrinks with the estimate, the normal bound
   a + z SE overshoots: 27 of 30 accepted gives 1.0 at z = 2 where Wilson gives 0.966, and with
-  pass times that pay only above 0.99 (MTP heads at batch 8 on CPU) the normal bound kept
+  pass times that pay only above ~0.985 (MTP heads at batch 8 on CPU) the normal bound kept
   drafting at a loss for the whole generation.
   """
   evidence_2 = jnp.asarray(evidence_2)
@@ -138,8 +138,9 @@ def choose_k(evidence_B2, step_ms_K, *, shadow: bool, remaining_B=None, current_
   (YOUNG_PLAIN_PASSES while the estimate is young, with shadow drafts).
   `shadow`: plain passes bring evidence (see the module docstring); without it K = 0 is final
   and needs MIN_EVIDENCE tried drafts over all rows and plain decoding faster than every K at
-  the Wilson bound STOP_CONFIDENCE standard errors above each row's estimate. `current_k`: the K of the last segment,
-  kept unless another K is predicted faster by SWITCH_MARGIN (once the estimate is settled)."""
+  the Wilson bound STOP_CONFIDENCE standard errors above each row's estimate. `current_k`: the
+  K of the last segment, kept unless another K is predicted faster by SWITCH_MARGIN (once the
+  estimate is settled)."""
   evidence_B2 = jnp.atleast_2d(jnp.asarray(evidence_B2, jnp.float32))
   remaining_B = (jnp.ones(evidence_B2.shape[0], jnp.float32) if remaining_B is None
                  else jnp.asarray(remaining_B, jnp.float32))

@@ -1,6 +1,5 @@
 """analysis/projection: the bytes model on published configs (no weights, nothing measured)."""
 
-import importlib
 import json
 import os
 import subprocess
@@ -9,16 +8,16 @@ import sys
 import numpy as np
 import pytest
 
+import configs
 from moespec_jax.analysis import cost_model, projection, roofline
 from moespec_jax.analysis import routing as routing_lib
-from moespec_jax.config import model_config_from
 from pallas_kernels import bytes as kbytes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _config(name, dtype="bfloat16"):
-  return model_config_from(importlib.import_module(f"configs.{name}").get_config().model).replace(dtype=dtype)
+  return configs.model_config(name).replace(dtype=dtype)
 
 
 def test_pass_bytes_count_weights_experts_and_cache():
