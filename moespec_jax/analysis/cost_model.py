@@ -48,12 +48,20 @@ def bandwidth_ratio(dedup: KernelFit, per_slot: KernelFit) -> float:
 
 
 def crossover(pass_sizes: Sequence[int], time_dedup_ms: Sequence[float],
-              time_per_slot_ms: Sequence[float]) -> int | None:
-  """The first pass size at which dedup is faster (None if it never is)."""
-  for n, td, tp in zip(pass_sizes, time_dedup_ms, time_per_slot_ms):
-    if td < tp:
-      return int(n)
-  return None
+              time_per_slot_ms: Sequence[float], for_good: bool = False) -> int | None:
+  """The first pass size at which dedup is faster (None if it never is).
+
+  `for_good`: the first size from which dedup is faster at every larger size given. Measured
+  times cross back and forth where the two kernels cost about the same (at n = 1 they read the
+  same experts): the first win there is timing noise, not the crossover.
+  """
+  wins = [(int(n), td < tp) for n, td, tp in zip(pass_sizes, time_dedup_ms, time_per_slot_ms)]
+  if for_good:
+    first = None
+    for n, won in wins:
+      first = (first or n) if won else None
+    return first
+  return next((n for n, won in wins if won), None)
 
 
 def amdahl_ratio(f: float, unique_n: float, top_k: int) -> float:

@@ -14,10 +14,12 @@ Measurement:
   - speedup(a, K): decode time of plain decoding over that of the controlled drafter
     (acceptance a, greedy, so exactly geometric), every K of one a in the same rounds as plain
     (`round_robin_runs`), the median of the per-round ratios;
-  - the crossover: dedup vs per-slot single-layer times on windows of the traces' real routing.
+  - the crossover: dedup vs per-slot single-layer times on windows of the traces' real routing,
+    timed in alternation; the first pass size from which dedup stays faster (at n = 1 both read
+    the same experts, and which wins there is timing noise).
 Then best K per a predicted vs measured (and the measured speedup at the predicted K against
-the best measured one: where speedups are flat in K, the measured argmax moves with timing
-noise), and num_draft='auto' against plain and the best fixed K, with the controlled drafter
+the best measured one, and the agreement with the rounds resampled: where speedups are flat in
+K, the measured argmax moves with timing noise), and num_draft='auto' against plain and the best fixed K, with the controlled drafter
 and with the model's real drafters.
 """
 
@@ -98,8 +100,9 @@ QUICK_CONFIG = CostValidationConfig(
 
 def progress_settings(model, cfg: CostValidationConfig) -> dict[str, Any]:
   """What a resumed run must share with the interrupted one: the validation's settings, the
-  model's config and its weights."""
-  return {"experiment": "cost_model", "config": dataclasses.asdict(cfg), "model": dataclasses.asdict(model.config),
+  model's config and its weights (and the layout of the stored parts: 2 keeps each round's
+  speedups in the sweep's parts)."""
+  return {"experiment": "cost_model", "parts_format": 2, "config": dataclasses.asdict(cfg), "model": dataclasses.asdict(model.config),
           "weights": progress.weights_fingerprint(model.state)}
 
 
@@ -149,6 +152,26 @@ def time_layer(fns, layer_weights, ids_TK: np.ndarray, method: str, repeats: int
   return median_time_ms(every_layer, (), repeats) / len(layer_weights)
 
 
+def time_layer_pair(fns, layer_weights, ids_TK: np.ndarray, repeats: int, rng) -> dict[str, float]:
+  """`time_layer` for dedup and per-slot on the same routing and input, timed in alternation
+  (the order reversed every repeat): a slow spell of the machine moves both medians together,
+  so their comparison (the crossover) is not decided by when each was timed."""
+  n, k = ids_TK.shape
+  x = jnp.asarray(rng.standard_normal((n, layer_weights[0][0].shape[1])), jnp.float32)
+  gates = jnp.full((n, k), 1.0 / k, jnp.float32)
+  ids = jnp.asarray(ids_TK, jnp.int32)
+  calls = {m: (lambda fn=fns[m]: [fn(x, ids, gates, *w) for w in layer_weights]) for m in FITTED_METHODS}
+  for call in calls.values():
+    jax.block_until_ready(call())
+  times = {m: [] for m in FITTED_METHODS}
+  for r in range(repeats):
+    for m in (FITTED_METHODS if r % 2 == 0 else FITTED_METHODS[::-1]):
+      start = time.perf_counter()
+      jax.block_until_ready(calls[m]())
+      times[m].append(time.perf_counter() - start)
+  return {m: float(np.median(t)) * 1e3 / len(layer_weights) for m, t in times.items()}
+
+
 def fit_kernels(config, n_list: Sequence[int], repeats: int, seed: int = 0):
   """Per method, bandwidth and fixed time fitted on uniform-routing single-layer runs."""
   rng = np.random.default_rng(seed)
@@ -188,7 +211,9 @@ def expert_time_ms(config, fits, unique_L: Sequence[float], n: int, method: str 
 
 
 def measured_crossover(config, trace, n_list, windows: int, repeats: int, seed: int = 0):
-  """Dedup vs per-slot single-layer times on windows of real routing; the first n dedup wins."""
+  """Dedup vs per-slot single-layer times on windows of real routing, the two timed in
+  alternation (`time_layer_pair`). Returns (the first n from which dedup stays faster, the
+  first n at which it is faster, rows)."""
   rng = np.random.default_rng(seed)
   weights, fns = _layer_weights(config, seed), _layer_fns()
   rows = []
@@ -198,14 +223,13 @@ def measured_crossover(config, trace, n_list, windows: int, repeats: int, seed: 
       seg = trace.segments[w % len(trace.segments)]
       layer = w % trace.n_layers
       start = int(rng.integers(0, max(1, seg.shape[1] - n)))
-      ids = seg[layer, start:start + n]
+      pair = time_layer_pair(fns, weights, seg[layer, start:start + n], repeats, rng)
       for m in FITTED_METHODS:
-        t[m].append(time_layer(fns, weights, ids, m, repeats, rng))
+        t[m].append(pair[m])
     rows.append({"n_tokens": int(n), "dedup_ms": float(np.median(t["dedup"])),
                  "per_slot_ms": float(np.median(t["per_slot"]))})
-  measured_n = cost_model.crossover([r["n_tokens"] for r in rows], [r["dedup_ms"] for r in rows],
-                                    [r["per_slot_ms"] for r in rows])
-  return measured_n, rows
+  curves = ([r["n_tokens"] for r in rows], [r["dedup_ms"] for r in rows], [r["per_slot_ms"] for r in rows])
+  return cost_model.crossover(*curves, for_good=True), cost_model.crossover(*curves), rows
 
 
 # Generation-level measurements --------------------------------------------------------------
@@ -274,13 +298,34 @@ def round_robin_speedups(model, prompts, max_new_tokens: int, specs: dict, round
   time over the spec's in the same round (`round_robin_runs`).
 
   Returns ({label: speedup}, {label: median tokens/s}, {label: stats of its last run}, [each
-  round's prefill seconds]).
+  round's prefill seconds], {label: [each round's speedup]}).
   """
   runs = round_robin_runs(model, prompts, max_new_tokens, specs, rounds, reference, check_tokens)
   seconds, stats = runs.seconds, runs.stats
   return ({k: median_ratio(seconds[None], seconds[k]) for k in specs},
           {k: statistics.median(s["tokens_per_second"] for s in stats[k]) for k in specs},
-          {k: stats[k][-1] for k in specs}, runs.prefill_s)
+          {k: stats[k][-1] for k in specs}, runs.prefill_s,
+          {k: [p / q for p, q in zip(seconds[None], seconds[k])] for k in specs})
+
+
+def best_k_bootstrap(round_speedups_KR, resamples: int = 2000, seed: int = 0) -> np.ndarray:
+  """How often each K is the measured best when the rounds are resampled (percentile bootstrap).
+
+  `round_speedups_KR[k][r]`: K = k's speedup in round r (K = 0: plain, 1.0 in every round).
+  Every K of a resample draws the same rounds (they were timed side by side). Returns the share
+  of resamples whose best median speedup is at each K: where speedups are flat in K, the
+  measured best K moves with timing noise, and this says how far.
+  """
+  ratios_KR = np.asarray(round_speedups_KR, float)
+  n_rounds = ratios_KR.shape[1]
+  picks_SR = np.random.default_rng(seed).integers(0, n_rounds, (resamples, n_rounds))
+  medians_SK = np.median(ratios_KR[:, picks_SR], axis=2).T
+  return np.bincount(np.argmax(medians_SK, axis=1), minlength=ratios_KR.shape[0]) / resamples
+
+
+def share_within_one(shares_K: Sequence[float], k: int) -> float:
+  """The share of bootstrap resamples (`best_k_bootstrap`) whose best K is within 1 of k."""
+  return float(sum(s for j, s in enumerate(shares_K) if abs(j - k) <= 1))
 
 
 # The run -------------------------------------------------------------------------------------
@@ -313,10 +358,11 @@ def run_cost_model(model, workdir, cfg: CostValidationConfig = CostValidationCon
   n_list = sorted(cfg.kernel_n)
   predicted_cross = cost_model.crossover(
       n_list, [expert_time_ms(config, fits, unique_by_n[n], n, "dedup") for n in n_list],
-      [expert_time_ms(config, fits, unique_by_n[n], n, "per_slot") for n in n_list])
-  measured_cross, cross_rows = measured_crossover(config, trace, n_list, cfg.crossover_windows,
-                                                  cfg.kernel_repeats, cfg.seed)
-  log(f"  dedup/per-slot crossover: predicted n = {predicted_cross}, measured n = {measured_cross}")
+      [expert_time_ms(config, fits, unique_by_n[n], n, "per_slot") for n in n_list], for_good=True)
+  measured_cross, measured_first_win, cross_rows = measured_crossover(config, trace, n_list, cfg.crossover_windows,
+                                                                      cfg.kernel_repeats, cfg.seed)
+  log(f"  dedup/per-slot crossover (dedup faster from there on): predicted n = {predicted_cross}, measured "
+      f"n = {measured_cross} (dedup first faster at n = {measured_first_win})")
 
   log(f"[3/6] measured pass times, K = 0..{cfg.max_k} (controlled drafter, batch 1)")
   plain = msj.generate(model, prompts, max_new_tokens=cfg.max_new_tokens)
@@ -358,19 +404,22 @@ def run_cost_model(model, workdir, cfg: CostValidationConfig = CostValidationCon
   speedups = {(a, 0): 1.0 for a in cfg.alphas}
   sweep_rows = []
   prefills = []  # every round's prefill, subtracted from its runs (decode-phase speedups)
+  best_k_shares = {}  # per acceptance rate: each K's share of bootstrap resamples where it is best
   bar = cli.Progress(len(cfg.alphas), desc="cost_model sweep", unit="rates", every_s=20.0)
 
   def sweep_rate(a):
     specs = {k: msj.SpecParams(drafter="controlled", num_draft=k, controlled_acceptance=a) for k in ks[1:]}
-    ratio_K, tps_K, stats_K, rate_prefills = round_robin_speedups(
+    ratio_K, tps_K, stats_K, rate_prefills, rounds_K = round_robin_speedups(
         model, prompts, cfg.max_new_tokens, specs, cfg.repeats, reference, check_tokens=reference)
-    return {"prefills": rate_prefills,
+    return {"prefills": rate_prefills, "round_speedups": [rounds_K[k] for k in ks[1:]],
             "rows": [{"num_draft": k, "speedup": ratio_K[k], "tokens_per_second": tps_K[k],
                       "mean_accepted_length": stats_K[k]["mean_accepted_length"]} for k in ks[1:]]}
 
   for i, a in enumerate(cfg.alphas):
     part = parts.cached(f"sweep/{a}", lambda: sweep_rate(a))
     prefills += part["prefills"]
+    rounds = part["round_speedups"]
+    best_k_shares[a] = best_k_bootstrap([[1.0] * len(rounds[0])] + rounds, seed=cfg.seed).tolist()
     for r in part["rows"]:
       speedups[(a, r["num_draft"])] = r["speedup"]
       sweep_rows.append(dict(r, alpha=a, predicted_accepted_length=float(cost_model.tokens_per_pass(a, r["num_draft"]))))
@@ -405,8 +454,16 @@ def run_cost_model(model, workdir, cfg: CostValidationConfig = CostValidationCon
                       "predicted_from_step_times_by_acceptance": step_a_k,
                       "predicted_linear_nonexpert": linear_k,
                       "predicted_speedup": float(pred_s), "measured_speedup": speedups[(a, measured_k)],
-                      "measured_speedup_at_predicted": speedups[(a, pred_k)]})
+                      "measured_speedup_at_predicted": speedups[(a, pred_k)],
+                      "measured_best_k_bootstrap_shares": best_k_shares[a]})
   within = {col: float(np.mean([abs(r[col] - r["measured"]) <= 1 for r in best_rows])) for col in PREDICTORS}
+  # The same question asked of the rounds resampled: how often the measured best K lands within 1
+  # of each predictor's K, and of the measured best K itself (what timing noise leaves of the goal
+  # figure: no predictor can expect to agree with a resampled measurement more often than that).
+  within_resampled = {col: float(np.mean([share_within_one(r["measured_best_k_bootstrap_shares"], r[col])
+                                          for r in best_rows])) for col in PREDICTORS}
+  self_agreement = float(np.mean([share_within_one(r["measured_best_k_bootstrap_shares"], r["measured"])
+                                  for r in best_rows]))
   # Where measured speedups are flat in K (within run-to-run timing noise) the measured
   # argmax is itself noisy; what choosing the predicted K costs is the measured speedup there
   # against the best measured one.
@@ -417,6 +474,8 @@ def run_cost_model(model, workdir, cfg: CostValidationConfig = CostValidationCon
                                "median": float(np.median(frac))}
   log("  best K within 1 of measured: " + ", ".join(
       f"{within[col]:.0%} ({name})" for col, (_, name) in PREDICTORS.items()))
+  log(f"  rounds resampled: the measured best K within 1 of itself {self_agreement:.0%}; of the predictions "
+      + ", ".join(f"{within_resampled[col]:.0%} ({name})" for col, (_, name) in PREDICTORS.items()))
 
   log(f"[5/6] num_draft='auto' with the controlled drafter ({len(cfg.auto_alphas)} acceptance rates), "
       f"plain / auto / the best fixed K side by side")
@@ -440,7 +499,7 @@ def run_cost_model(model, workdir, cfg: CostValidationConfig = CostValidationCon
 
   def real_drafter_row(drafter):
     specs = {k: msj.SpecParams(drafter=drafter, num_draft=k) for k in ks[1:]}
-    fixed_speedups, _, _, drafter_prefills = round_robin_speedups(model, prompts, cfg.max_new_tokens, specs,
+    fixed_speedups, _, _, drafter_prefills, _ = round_robin_speedups(model, prompts, cfg.max_new_tokens, specs,
                                                                   cfg.repeats, check_tokens=reference)
     fixed_speedups[0] = 1.0
     loop.forget_compiled(keep)
@@ -477,9 +536,16 @@ def run_cost_model(model, workdir, cfg: CostValidationConfig = CostValidationCon
                              "the prefill timed in the same round"),
       "best_k": best_rows,
       **{f"best_k_within_one_fraction{suffix}": within[col] for col, (suffix, _) in PREDICTORS.items()},
+      # Rounds resampled (best_k_bootstrap): the expected share of acceptance rates where the
+      # measured best K is within 1 of each prediction, and of the full-data measured best K.
+      **{f"best_k_within_one_resampled{suffix}": within_resampled[col] for col, (suffix, _) in PREDICTORS.items()},
+      "measured_best_k_self_agreement": self_agreement,
       "step_ms_every_draft_wrong": step_by_end[0.0].tolist(), "step_ms_every_draft_right": step_by_end[1.0].tolist(),
       "speedup_at_predicted_over_best": cost_of_prediction,
-      "crossover": {"predicted_n": predicted_cross, "measured_n": measured_cross, "rows": cross_rows},
+      "crossover": {"predicted_n": predicted_cross, "measured_n": measured_cross,
+                    "measured_first_faster_n": measured_first_win,
+                    "definition": "the first pass size from which dedup is faster at every larger size measured",
+                    "rows": cross_rows},
       "speedups": sweep_rows,
       "auto": auto_rows,
       "auto_goals": auto_goals(auto_rows),
@@ -543,10 +609,14 @@ def format_summary(cm) -> str:
   lines.append("best K within 1: " + ", ".join(
       f"{cm['best_k_within_one_fraction' + suffix]:.0%} ({name})" for suffix, name in PREDICTORS.values()))
   c = cm["speedup_at_predicted_over_best"]
+  lines.append("rounds resampled, best K within 1: " + ", ".join(
+      f"{cm['best_k_within_one_resampled' + suffix]:.0%} ({name})" for suffix, name in PREDICTORS.values())
+      + f"; the measured best K of itself {cm['measured_best_k_self_agreement']:.0%}")
   lines.append("measured speedup at the predicted K within 5% of the best measured: " + ", ".join(
       f"{c[col]['within_5pct']:.0%} ({name}, worst {c[col]['worst']:.2f})" for col, (_, name) in PREDICTORS.items()))
   lines.append(f"verify time median relative error: {cm['verify_time_median_rel_error']:.1%}; crossover "
-               f"predicted n = {cm['crossover']['predicted_n']}, measured n = {cm['crossover']['measured_n']}")
+               f"predicted n = {cm['crossover']['predicted_n']}, measured n = {cm['crossover']['measured_n']} "
+               f"(dedup faster from there on; first faster at n = {cm['crossover']['measured_first_faster_n']})")
   lines += [describe_auto(r) for r in cm["auto"]]
   g = cm["auto_goals"]
   lines.append(f"auto (medians [90% intervals] over rounds): within {1 - AUTO_FLOOR_VS_PLAIN:.0%} of plain in "

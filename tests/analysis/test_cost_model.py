@@ -51,6 +51,12 @@ def test_speculation_pays_only_above_break_even():
 def test_crossover_and_amdahl():
   assert cm.crossover([1, 2, 4, 8], [5, 4, 3, 2], [1, 2, 3.5, 6]) == 4
   assert cm.crossover([1, 2], [5, 5], [1, 1]) is None
+  # Measured curves that cross back and forth: the first win against the first for good.
+  sizes, dedup, per_slot = [1, 2, 3, 4, 5], [1.0, 2.1, 2.9, 4.1, 4.8], [1.1, 2.0, 3.0, 4.0, 5.0]
+  assert cm.crossover(sizes, dedup, per_slot) == 1
+  assert cm.crossover(sizes, dedup, per_slot, for_good=True) == 5
+  assert cm.crossover(sizes, dedup[:4], per_slot[:4], for_good=True) is None
+  assert cm.crossover([1, 2, 4, 8], [5, 4, 3, 2], [1, 2, 3.5, 6], for_good=True) == 4
   assert cm.amdahl_ratio(0.3, 2.55 * 8, 8) == pytest.approx(1.465)
   assert cm.amdahl_ratio(0.0, 20, 8) == 1.0
   assert cm.amdahl_fraction(4.0, 1.0) == 0.25

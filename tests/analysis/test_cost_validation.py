@@ -44,6 +44,25 @@ def test_median_ratio_interval_brackets_the_median_and_narrows_with_rounds():
   assert cost_validation.median_ratio_interval([2.0, 4.0, 6.0], [1.0, 2.0, 3.0]) == (2.0, 2.0)
 
 
+def test_best_k_bootstrap_shares_follow_the_timing_noise():
+  rng = np.random.default_rng(0)
+  plain = np.ones(9)
+  clear = [plain, 1.3 + 0.01 * rng.standard_normal(9), 1.6 + 0.01 * rng.standard_normal(9)]
+  shares = cost_validation.best_k_bootstrap(clear, resamples=500)
+  assert shares.tolist() == [0.0, 0.0, 1.0]
+  # K = 1 and 3 equal within noise, K = 2 clearly worse: the best K splits between 1 and 3.
+  tied = [plain, 1.5 + 0.05 * rng.standard_normal(9), np.full(9, 1.2), 1.5 + 0.05 * rng.standard_normal(9)]
+  shares = cost_validation.best_k_bootstrap(tied, resamples=500)
+  assert shares.sum() == pytest.approx(1.0) and shares[0] == shares[2] == 0.0
+  assert 0.1 < shares[1] < 0.9 and 0.1 < shares[3] < 0.9
+  assert cost_validation.share_within_one(shares, 2) == pytest.approx(1.0)
+  assert cost_validation.share_within_one(shares, 0) == pytest.approx(shares[1])
+  # Every K of a resample draws the same rounds: K = 2 beats K = 1 in every round, by less than
+  # the spread between rounds, and is the best in every resample.
+  k1 = np.array([1.1, 1.5, 1.9, 1.3, 1.7])
+  assert cost_validation.best_k_bootstrap([np.ones(5), k1, k1 + 0.05], resamples=500).tolist() == [0.0, 0.0, 1.0]
+
+
 def test_auto_goals_count_medians_and_interval_ends():
   def row(vs_plain, vs_plain_hi, vs_best, vs_best_hi):
     return {"speedup_vs_plain": vs_plain, "speedup_vs_plain_interval": (vs_plain - 0.05, vs_plain_hi),
@@ -96,12 +115,13 @@ def test_round_robin_alternates_order_and_pairs_each_round(monkeypatch):
 
   monkeypatch.setattr(msj, "generate", fake_generate)
   specs = {1: msj.SpecParams(drafter="ngram", num_draft=1), 2: msj.SpecParams(drafter="ngram", num_draft=2)}
-  speedup, _, _, prefills = cost_validation.round_robin_speedups(None, [[1]], 4, specs, rounds=2)
+  speedup, _, _, prefills, per_round = cost_validation.round_robin_speedups(None, [[1]], 4, specs, rounds=2)
   assert calls == [(0, "prefill"), (0, "prefill"), (0, "none"), (0, "a"), (0, "b"), (0, "prefill"),
                    (1, "prefill"), (1, "b"), (1, "a"), (1, "none"), (1, "prefill")]
   assert prefills == pytest.approx([0.1, 0.3])
   # Exact only with each round's own prefill subtracted (0.1 in round 0, 0.3 in round 1).
   assert speedup[1] == pytest.approx(2.0) and speedup[2] == pytest.approx(0.5)
+  assert per_round[1] == pytest.approx([2.0, 2.0]) and per_round[2] == pytest.approx([0.5, 0.5])
   with pytest.raises(AssertionError, match="differs from plain"):  # round 2: b's tokens differ
     cost_validation.round_robin_runs(None, [[1]], 4, specs, rounds=3, check_tokens=np.zeros((1, 4), np.int32))
 
@@ -112,8 +132,9 @@ def test_quick_run_writes_the_documented_metrics(tiny_config, tmp_path):
   # A run interrupted after one acceptance rate of the sweep: the rerun resumes it, not re-measures it.
   settings = cost_validation.progress_settings(msj.Model.load(tmp_path / "m"), cost_validation.QUICK_CONFIG)
   # Its prefill (99 s) is far above any real one: the prefill range's top shows it was kept.
-  done = {"prefills": [99.0], "rows": [{"num_draft": k, "speedup": 1.2345, "tokens_per_second": 99.0,
-                                       "mean_accepted_length": 1.5} for k in (1, 2)]}
+  done = {"prefills": [99.0], "round_speedups": [[1.2345], [1.2345]],
+          "rows": [{"num_draft": k, "speedup": 1.2345, "tokens_per_second": 99.0,
+                    "mean_accepted_length": 1.5} for k in (1, 2)]}
   (tmp_path / "out").mkdir()
   (tmp_path / "out" / "progress.json").write_text(json.dumps({"settings": settings, "parts": {"sweep/0.5": done}}))
   env = dict(os.environ, JAX_PLATFORMS="cpu")
@@ -137,7 +158,18 @@ def test_quick_run_writes_the_documented_metrics(tiny_config, tmp_path):
   assert set(cm["speedup_at_predicted_over_best"]) == set(cost_validation.PREDICTORS)
   assert all(0.0 <= c["within_5pct"] <= 1.0 and 0.0 < c["worst"] <= c["median"] <= 1.0
              for c in cm["speedup_at_predicted_over_best"].values())
-  assert set(cm["crossover"]) >= {"predicted_n", "measured_n"}
+  assert set(cm["crossover"]) >= {"predicted_n", "measured_n", "measured_first_faster_n"}
+  # Measured dedup faster from measured_n on, and first faster no later than that.
+  cross = cm["crossover"]
+  if cross["measured_n"] is not None:
+    assert all(r["dedup_ms"] < r["per_slot_ms"] for r in cross["rows"] if r["n_tokens"] >= cross["measured_n"])
+    assert cross["measured_first_faster_n"] <= cross["measured_n"]
+  for r in cm["best_k"]:  # one round: every resample is that round, so the bootstrap is its argmax
+    shares = r["measured_best_k_bootstrap_shares"]
+    assert len(shares) == 3 and sum(shares) == pytest.approx(1.0) and shares[r["measured"]] == 1.0
+  assert cm["measured_best_k_self_agreement"] == 1.0
+  assert all(cm["best_k_within_one_resampled" + suffix] == cm["best_k_within_one_fraction" + suffix]
+             for suffix, _ in cost_validation.PREDICTORS.values())
   assert [r["n_tokens"] for r in cm["verify_time"]] == [1, 2, 3]
   assert {r["drafter"] for r in cm["auto"]} == {"controlled", "ngram"}
   assert all(r["mean_accepted_length"] >= 1.0 and r["tokens_per_second"] > 0 for r in cm["auto"])
