@@ -6,7 +6,9 @@ A verification pass of n tokens for B rows reads the weights outside the routed 
 each MoE layer's routed experts (all B n (token, slot) pairs' inputs and outputs too) and the
 KV cache of the context. Dedup reads each distinct expert of the pass once, per-slot once per
 (token, slot); distinct experts assume uniformly routed, independent tokens, N (1 - (1 - k/N)^(Bn)),
-an upper bound: real routing overlaps (`routing_stats` measures by how much on a trained model).
+an upper bound: real routing overlaps. Given a `routing_stats` measurement (`RoutingCurve`: the
+distinct experts u(n) of n consecutive tokens of one sequence, on a model with the same N and k),
+a row reads u(n) and B independent rows N (1 - (1 - u(n)/N)^B).
 A pass costs its bytes over the read bandwidth (dedup at `dedup_bandwidth_ratio` of it: seed 000
 measured 0.32-0.75 on real engines) plus a fixed time; drafting K tokens costs K * draft_cost
 plain passes (0 for prompt lookup; an MTP module is about one decoder layer of the target).
@@ -49,6 +51,42 @@ class Machine:
       raise ValueError(f"dedup_bandwidth_ratio must be in (0, 4], got {self.dedup_bandwidth_ratio}")
 
 
+@dataclasses.dataclass(frozen=True)
+class RoutingCurve:
+  """Measured distinct routed experts per MoE layer for n consecutive tokens of one sequence
+  (`experiments.routing_stats`: its empirical curve, averaged over layers)."""
+  n_experts: int
+  top_k: int
+  unique_by_n: tuple[float, ...]  # [n - 1]: n = 1, 2, ...
+  source: str = ""
+
+  def unique(self, n_tokens: int, batch: int = 1) -> float:
+    """Distinct experts of a pass of n tokens in each of `batch` independent rows."""
+    if n_tokens > len(self.unique_by_n):
+      raise ValueError(f"the routing measurement {self.source or ''} covers passes up to "
+                       f"{len(self.unique_by_n)} tokens, not {n_tokens} (rerun routing_stats with "
+                       f"--max_tokens={n_tokens})")
+    per_row = self.unique_by_n[n_tokens - 1]
+    return self.n_experts * (1.0 - (1.0 - per_row / self.n_experts) ** batch)
+
+  def check(self, config: ModelConfig) -> None:
+    if (self.n_experts, self.top_k) != (config.n_routed_experts, config.top_k):
+      raise ValueError(f"the routing measurement {self.source} is of {self.n_experts} experts, top-{self.top_k}; "
+                       f"the config routes to {config.top_k} of {config.n_routed_experts}")
+
+
+def load_routing_curve(path) -> RoutingCurve:
+  """The empirical unique-expert curve of a `routing_stats` metrics.json."""
+  stats = atomic.read_json(path).get("routing_stats")
+  if not isinstance(stats, dict) or not stats.get("unique_experts"):
+    raise ValueError(f"{path} holds no routing_stats measurement (write one with experiments.routing_stats)")
+  rows = sorted(stats["unique_experts"], key=lambda r: r["n_tokens"])
+  if [r["n_tokens"] for r in rows] != list(range(1, len(rows) + 1)):
+    raise ValueError(f"{path}: unique_experts rows must cover n = 1, 2, ... without gaps")
+  return RoutingCurve(int(stats["n_experts"]), int(stats["top_k"]), tuple(float(r["empirical"]) for r in rows),
+                      str(path))
+
+
 @functools.cache
 def kv_values_per_token(config: ModelConfig) -> int:
   """Cached values per token over all layers (MLA: its latent and rope key)."""
@@ -57,8 +95,9 @@ def kv_values_per_token(config: ModelConfig) -> int:
 
 
 def pass_bytes(config: ModelConfig, n_tokens: int, *, batch: int = 1, context: int = 0,
-               method: str = "dedup") -> dict[str, float]:
-  """Bytes one verification pass of `n_tokens` per row reads (weights at config.dtype)."""
+               method: str = "dedup", routing: RoutingCurve | None = None) -> dict[str, float]:
+  """Bytes one verification pass of `n_tokens` per row reads (weights at config.dtype); dedup's
+  distinct experts from `routing` when given, else uniform routing."""
   if method not in METHODS:
     raise ValueError(f"method must be one of {METHODS}, got {method!r}")
   if n_tokens < 1 or batch < 1 or context < 0:
@@ -67,7 +106,10 @@ def pass_bytes(config: ModelConfig, n_tokens: int, *, batch: int = 1, context: i
   tokens = n_tokens * batch
   layers = config.n_moe_layers
   other = roofline.decode_weight_bytes(config, [0.0] * layers)
-  if method == "dedup":
+  if method == "dedup" and routing is not None:
+    routing.check(config)
+    reads = routing.unique(n_tokens, batch) if layers else 0.0
+  elif method == "dedup":
     reads = routing_lib.uniform_unique(config.n_routed_experts, config.top_k, tokens) if layers else 0.0
   else:
     reads = float(tokens * config.top_k)
@@ -79,10 +121,11 @@ def pass_bytes(config: ModelConfig, n_tokens: int, *, batch: int = 1, context: i
 
 
 def pass_ms(config: ModelConfig, machine: Machine, n_tokens: int, *, batch: int = 1, context: int = 0,
-            method: str = "dedup") -> float:
+            method: str = "dedup", routing: RoutingCurve | None = None) -> float:
   """Projected time of one verification pass: bytes over bandwidth plus the fixed time (the
   routed experts at the dedup kernel's bandwidth under method='dedup')."""
-  return _time_ms(pass_bytes(config, n_tokens, batch=batch, context=context, method=method), machine, method)
+  b = pass_bytes(config, n_tokens, batch=batch, context=context, method=method, routing=routing)
+  return _time_ms(b, machine, method)
 
 
 def _expert_ms(pass_bytes_: dict[str, float], machine: Machine, method: str) -> float:
@@ -97,7 +140,7 @@ def _time_ms(pass_bytes_: dict[str, float], machine: Machine, method: str) -> fl
 
 def project(config: ModelConfig, machine: Machine, *, batch: int = 1, context: int = 1024,
             draft_cost: float = 0.0, max_k: int = 8, alphas: Sequence[float] | None = None,
-            max_tokens: int = 16) -> dict[str, Any]:
+            max_tokens: int = 16, routing: RoutingCurve | None = None) -> dict[str, Any]:
   """Pass times per size and kernel, the crossover, the Amdahl share of routed experts, and the
   best draft length per acceptance rate (the faster kernel at each pass size), as a JSON-ready
   dict."""
@@ -110,7 +153,7 @@ def project(config: ModelConfig, machine: Machine, *, batch: int = 1, context: i
   for n in sizes:
     row = {"n_tokens": n}
     for method in METHODS:
-      b = pass_bytes(config, n, batch=batch, context=context, method=method)
+      b = pass_bytes(config, n, batch=batch, context=context, method=method, routing=routing)
       row[f"{method}_bytes"], row[f"{method}_ms"] = b["total"], _time_ms(b, machine, method)
       if n == 1:
         one_token[method] = b
@@ -133,6 +176,8 @@ def project(config: ModelConfig, machine: Machine, *, batch: int = 1, context: i
                 "kv_values_per_token": kv_values_per_token(config)},
       "machine": dataclasses.asdict(machine),
       "batch_size": batch, "context": context, "draft_cost": draft_cost,
+      "routing": ("uniform (independent tokens: an upper bound on distinct experts)" if routing is None
+                  else f"measured: {routing.source} (rows independent)"),
       "passes": rows,
       "crossover_n": cost_model.crossover(sizes, [r["dedup_ms"] for r in rows], [r["per_slot_ms"] for r in rows]),
       "amdahl_expert_fraction": cost_model.amdahl_fraction(t_plain, expert_ms),
@@ -144,7 +189,8 @@ def project(config: ModelConfig, machine: Machine, *, batch: int = 1, context: i
 
 def describe(result: dict[str, Any]) -> str:
   """The projection as a text table (pass sizes, then the staircase)."""
-  lines = [f"{'n':>3} {'dedup GB':>9} {'ms':>8} {'per-slot GB':>12} {'ms':>8}  faster"]
+  lines = [f"distinct experts per pass: {result['routing']}",
+           f"{'n':>3} {'dedup GB':>9} {'ms':>8} {'per-slot GB':>12} {'ms':>8}  faster"]
   for r in result["passes"]:
     lines.append(f"{r['n_tokens']:>3} {r['dedup_bytes'] / 1e9:>9.3f} {r['dedup_ms']:>8.3f} "
                  f"{r['per_slot_bytes'] / 1e9:>12.3f} {r['per_slot_ms']:>8.3f}  {r['faster']}")

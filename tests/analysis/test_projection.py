@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import configs
-from moespec_jax.analysis import cost_model, projection, roofline
+from moespec_jax.analysis import cost_model, projection, roofline, routing_report
 from moespec_jax.analysis import routing as routing_lib
 from pallas_kernels import bytes as kbytes
 
@@ -82,16 +82,70 @@ def test_bad_machine_is_refused():
     projection.Machine(read_gbps=1.0, dedup_bandwidth_ratio=0.0)
 
 
+def _sticky_routing_stats(path, n_experts=64, top_k=8, n_tokens=2000, seed=0):
+  """routing_stats metrics of a router that keeps each expert of the previous token with
+  probability 0.5 (overlapping like a trained model's), written to `path`."""
+  rng = np.random.default_rng(seed)
+  ids = [rng.choice(n_experts, top_k, replace=False)]
+  for _ in range(n_tokens - 1):
+    keep = [x for x in ids[-1] if rng.random() < 0.5]
+    rest = np.setdiff1d(np.arange(n_experts), keep)
+    ids.append(np.array(keep + list(rng.choice(rest, top_k - len(keep), replace=False))))
+  ids = np.stack(ids)
+  trace = routing_lib.RoutingTrace([ids[None, i:i + 250] for i in range(0, n_tokens, 250)], n_experts, {})
+  stats = routing_report.routing_stats(trace, max_tokens=16, ipf_max_tokens=3, max_distance=2)
+  path.write_text(json.dumps({"routing_stats": stats}))
+  return stats
+
+
+def test_measured_routing_replaces_the_uniform_bound(tmp_path):
+  stats = _sticky_routing_stats(tmp_path / "routing.json")
+  curve = projection.load_routing_curve(tmp_path / "routing.json")
+  assert curve.unique_by_n == tuple(r["empirical"] for r in stats["unique_experts"])
+  config = _config("olmoe_1b_7b")
+  layers, expert = config.n_moe_layers, kbytes.expert_bytes(config.d_model, config.expert_hidden, 2)
+  for n in (1, 4, 16):
+    act = layers * kbytes.activation_bytes(n, config.top_k, config.d_model, 2)
+    measured = projection.pass_bytes(config, n, method="dedup", routing=curve)["experts"]
+    assert measured == pytest.approx(layers * curve.unique_by_n[n - 1] * expert + act)
+    if n > 1:  # overlapping routing reads fewer distinct experts than the uniform bound
+      assert measured < projection.pass_bytes(config, n, method="dedup")["experts"]
+  # Rows are independent sequences: B rows of u distinct experts each touch N (1 - (1 - u/N)^B).
+  u4 = curve.unique_by_n[3]
+  assert curve.unique(4, batch=3) == pytest.approx(64 * (1 - (1 - u4 / 64) ** 3))
+  assert projection.pass_bytes(config, 4, method="per_slot", routing=curve) == projection.pass_bytes(
+      config, 4, method="per_slot")
+  result = projection.project(config, projection.Machine(3000.0), routing=curve)
+  assert result["routing"].startswith("measured") and "measured" in projection.describe(result)
+  with pytest.raises(ValueError, match="covers passes up to 16 tokens, not 17"):
+    curve.unique(17)
+  with pytest.raises(ValueError, match="top-8; the config routes to 6 of 64"):
+    projection.pass_bytes(_config("deepseek_v2_lite"), 2, routing=curve)
+  (tmp_path / "other.json").write_text(json.dumps({"cost_model": {}}))
+  with pytest.raises(ValueError, match="no routing_stats"):
+    projection.load_routing_curve(tmp_path / "other.json")
+
+
 def test_cli_writes_the_projection(tmp_path):
   workdir = tmp_path / "proj"
+  _sticky_routing_stats(tmp_path / "routing.json")
   proc = subprocess.run([sys.executable, "-m", "experiments.project", "--config=configs/olmoe_1b_7b.py",
-                         "--read_gbps=3350", "--fixed_ms=0.2", f"--workdir={workdir}"],
+                         "--read_gbps=3350", "--fixed_ms=0.2", f"--workdir={workdir}",
+                         f"--routing_stats={tmp_path / 'routing.json'}"],
                         cwd=ROOT, capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr[-2000:]
   assert "PROJECTED" in proc.stdout and "best K by acceptance" in proc.stdout
+  assert "distinct experts per pass: measured" in proc.stdout
   metrics = json.loads((workdir / "metrics.json").read_text())["projection"]
   assert metrics["config_name"] == "olmoe_1b_7b" and len(metrics["passes"]) == 16
+  assert metrics["routing"].startswith("measured")
   assert (workdir / "projection.png").stat().st_size > 0
+  mismatch = subprocess.run([sys.executable, "-m", "experiments.project", "--config=configs/deepseek_v2_lite.py",
+                             "--read_gbps=3350", f"--workdir={workdir}3",
+                             f"--routing_stats={tmp_path / 'routing.json'}"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert mismatch.returncode == 2 and len(mismatch.stderr.strip().splitlines()) == 1
+  assert "top-8" in mismatch.stderr and not (workdir.parent / "proj3" / "metrics.json").exists()
   bad = subprocess.run([sys.executable, "-m", "experiments.project", "--read_gbps=-1", f"--workdir={workdir}2"],
                        cwd=ROOT, capture_output=True, text=True, timeout=300)
   assert bad.returncode == 2 and "read_gbps" in bad.stderr and "Traceback" not in bad.stderr
