@@ -136,26 +136,13 @@ def _layer_fns():
   return {m: jax.jit(lambda *a, m=m: pallas_kernels.expert_ffn(*a, method=m)) for m in FITTED_METHODS}
 
 
-def time_layer(fns, layer_weights, ids_TK: np.ndarray, method: str, repeats: int, rng) -> float:
-  """Median time (ms) of one layer's routed experts for this routing: each timed call runs it
-  on every weight set of `layer_weights` in turn (as a decoding pass does) and is divided by
-  their number."""
-  n, k = ids_TK.shape
-  x = jnp.asarray(rng.standard_normal((n, layer_weights[0][0].shape[1])), jnp.float32)
-  gates = jnp.full((n, k), 1.0 / k, jnp.float32)
-  ids = jnp.asarray(ids_TK, jnp.int32)
-  fn = fns[method]
-
-  def every_layer():
-    return [fn(x, ids, gates, *w) for w in layer_weights]
-
-  return median_time_ms(every_layer, (), repeats) / len(layer_weights)
-
-
 def time_layer_pair(fns, layer_weights, ids_TK: np.ndarray, repeats: int, rng) -> dict[str, float]:
-  """`time_layer` for dedup and per-slot on the same routing and input, timed in alternation
-  (the order reversed every repeat): a slow spell of the machine moves both medians together,
-  so their comparison (the crossover) is not decided by when each was timed."""
+  """Median time (ms) of one layer's routed experts for this routing, per method (dedup and
+  per-slot): each timed call runs a method on every weight set of `layer_weights` in turn (as a
+  decoding pass does) and is divided by their number. The two methods are timed in alternation
+  on the same input (the order reversed every repeat), after one warm-up call each: a slow spell
+  of the machine moves both medians together, so their comparison (the crossover) is not decided
+  by when each was timed."""
   n, k = ids_TK.shape
   x = jnp.asarray(rng.standard_normal((n, layer_weights[0][0].shape[1])), jnp.float32)
   gates = jnp.full((n, k), 1.0 / k, jnp.float32)
@@ -180,9 +167,10 @@ def fit_kernels(config, n_list: Sequence[int], repeats: int, seed: int = 0):
   rows = []
   for n in n_list:
     ids = np.stack([rng.choice(e, k, replace=False) for _ in range(n)]).astype(np.int32)
+    times = time_layer_pair(fns, weights, ids, repeats, rng)
     for m in FITTED_METHODS:
       rows.append({"method": m, "n_tokens": int(n), "bytes": int(kbytes.bytes_requested(ids, d, f, 4, m)),
-                   "time_ms": time_layer(fns, weights, ids, m, repeats, rng)})
+                   "time_ms": times[m]})
   fits = {}
   for m in FITTED_METHODS:
     b = [r["bytes"] for r in rows if r["method"] == m]

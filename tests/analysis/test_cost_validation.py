@@ -74,8 +74,9 @@ def test_auto_goals_count_medians_and_interval_ends():
 
 
 def test_flat_kernel_timings_give_an_overhead_bound_fit(tiny_config, monkeypatch):
-  times = iter([0.06, 0.06, 0.05, 0.05, 0.04, 0.04])  # n = 1, 2, 4; both methods: faster with n
-  monkeypatch.setattr(cost_validation, "time_layer", lambda *a, **k: next(times))
+  times = iter([0.06, 0.05, 0.04])  # n = 1, 2, 4; both methods: faster with n
+  monkeypatch.setattr(cost_validation, "time_layer_pair",
+                      lambda *a, **k: dict.fromkeys(cost_validation.FITTED_METHODS, next(times)))
   fits, rows = cost_validation.fit_kernels(tiny_config, (1, 2, 4), repeats=1)
   assert len(rows) == 6
   for fit in fits.values():
