@@ -3,7 +3,9 @@
   python -m experiments.kernel_bench --workdir=DIR [--quick] [--shapes=...] [--n_list=...]
 
 Writes DIR/metrics.json (key `kernel_bench`) atomically and PNG plots of time and effective
-bandwidth (requested bytes / time, pallas_kernels.bytes) vs n per method, crossover marked.
+bandwidth (requested bytes / time, pallas_kernels.bytes) vs n per method, crossover marked. The
+methods are timed in alternation on the same input; the crossover is the first n from which
+dedup stays faster (analysis/kernel_report).
 The streaming read bandwidth (jnp.sum over 256 MB, f32) is measured in the same run, around
 every shape. Layers whose f32 weights exceed --max_weight_gb are benchmarked on a subset of
 their experts (top_k unchanged); rows and stdout say so.
@@ -20,7 +22,7 @@ import numpy as np
 import configs
 import pallas_kernels
 from moespec_jax import cli
-from moespec_jax.analysis import cost_validation
+from moespec_jax.analysis import cost_validation, kernel_report
 from moespec_jax.analysis.roofline import stream_read_gbps
 from pallas_kernels import bytes as kbytes
 
@@ -49,11 +51,6 @@ _MAX_WEIGHT_GB = flags.DEFINE_float("max_weight_gb", 3.0, "Benchmark a subset of
 _BACKEND = flags.DEFINE_string("backend", "auto", "Kernel backend for dedup/per_slot.")
 _QUICK = flags.DEFINE_bool("quick", False, "Small run (tiny shape, n 1,2,4, 3 repeats) for tests.")
 _SEED = flags.DEFINE_integer("seed", 0, "Routing and weight seed.")
-
-
-def _median_time(f, args, repeats):
-  """Median seconds of f(*args) after a warm-up call."""
-  return cost_validation.median_time_ms(f, args, repeats) / 1e3
 
 
 def make_routing(rng, n_tokens, n_experts, top_k, kind, overlap=0.38):
@@ -96,8 +93,11 @@ def bench_shape(shape, n_list, routings, methods, repeats, overlap, max_weight_g
       g = jnp.full((n, k), 1.0 / k, jnp.float32)
       u = kbytes.unique_experts(ids)
       parts = []
+      ids_j = jnp.asarray(ids)
+      times_ms = cost_validation.median_times_alternating_ms(
+          {m: (lambda fn=fns[m]: fn(x, ids_j, g, *w)) for m in methods}, repeats)
       for m in methods:
-        t = _median_time(fns[m], (x, jnp.asarray(ids), g, *w), repeats)
+        t = times_ms[m] / 1e3
         b = kbytes.bytes_requested(ids, d, f, 4, m)
         rows.append(dict(shape=shape, n_tokens=n, method=m, routing=routing, unique_experts=u,
                          bytes_requested=int(b), time_ms=t * 1e3, effective_gbps=b / t / 1e9,
@@ -106,34 +106,6 @@ def bench_shape(shape, n_list, routings, methods, repeats, overlap, max_weight_g
       log(f"  {routing:10s} n={n:2d} unique={u:3d}  " + "  ".join(parts))
   del w
   return rows
-
-
-def summarize(rows, stream_gbps):
-  """r(n) = BW_dedup / BW_per_slot, u(n) = dedup bytes / per-slot bytes, crossover per shape."""
-  ratio, crossover = [], []
-  by = {(r["shape"], r["routing"], r["n_tokens"], r["method"]): r for r in rows}
-  for shape in sorted({r["shape"] for r in rows}):
-    for routing in sorted({r["routing"] for r in rows if r["shape"] == shape}):
-      ns = sorted({r["n_tokens"] for r in rows if r["shape"] == shape and r["routing"] == routing})
-      first = None
-      for n in ns:
-        dd, ps = by.get((shape, routing, n, "dedup")), by.get((shape, routing, n, "per_slot"))
-        if dd is None or ps is None:
-          continue
-        ratio.append(dict(shape=shape, routing=routing, n_tokens=n,
-                          r=dd["effective_gbps"] / ps["effective_gbps"],
-                          u=dd["bytes_requested"] / ps["bytes_requested"],
-                          dedup_faster=dd["time_ms"] < ps["time_ms"]))
-        if first is None and dd["time_ms"] < ps["time_ms"]:
-          first = n
-      best = {}
-      for n in ns:
-        cands = [by[(shape, routing, n, m)] for m in ("dedup", "per_slot") if (shape, routing, n, m) in by]
-        if cands:
-          best[n] = max(c["effective_gbps"] for c in cands) / stream_gbps
-      crossover.append(dict(shape=shape, routing=routing, measured_n=first,
-                            best_fraction_of_stream={str(n): v for n, v in best.items()}))
-  return ratio, crossover
 
 
 def plot(rows, crossover, workdir):
@@ -190,10 +162,11 @@ def run(workdir, shapes, n_list, routings, methods, repeats, overlap, max_weight
     streams.append(stream_read_gbps())
     log(f"stream read: {streams[-1]:.1f} GB/s")
   stream = float(np.median(streams))
-  ratio, crossover = summarize(rows, stream)
+  ratio, crossover = kernel_report.summarize(rows, stream)
   for c in crossover:
     fr = c["best_fraction_of_stream"]
-    log(f"[{c['shape']}/{c['routing']}] crossover n={c['measured_n']}; best/stream: "
+    log(f"[{c['shape']}/{c['routing']}] crossover n={c['measured_n']} (dedup faster from there on; first "
+        f"faster at n={c['first_faster_n']}); best/stream: "
         + " ".join(f"{n}:{v:.2f}" for n, v in fr.items()))
   metrics = {"kernel_bench": dict(
       stream_read_gbps=stream, stream_read_gbps_samples=streams, platform=jax.default_backend(),

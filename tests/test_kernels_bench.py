@@ -1,9 +1,11 @@
-"""CLI test of experiments/kernel_bench.py --quick: metrics keys and plots."""
+"""experiments/kernel_bench.py --quick as a user runs it (metrics keys, plots), and its crossover summary."""
 
 import json
 import os
 import subprocess
 import sys
+
+from moespec_jax.analysis import kernel_report
 
 
 def test_kernel_bench_quick(tmp_path):
@@ -20,3 +22,13 @@ def test_kernel_bench_quick(tmp_path):
   assert {r["routing"] for r in kb["rows"]} == {"uniform", "correlated"}
   assert kb["ratio"] and "crossover" in kb
   assert all(os.path.exists(p) for p in kb["plots"]) and kb["plots"]
+
+
+def test_crossover_is_where_dedup_stays_faster():
+  def row(n, method, ms):
+    return dict(shape="tiny", routing="uniform", n_tokens=n, method=method, time_ms=ms, bytes_requested=n,
+                effective_gbps=1.0 / ms)
+  times = {1: (0.9, 1.0), 2: (1.1, 1.0), 3: (1.0, 1.2), 4: (1.0, 1.5)}  # dedup, per-slot
+  rows = [row(n, m, t) for n, pair in times.items() for m, t in zip(("dedup", "per_slot"), pair)]
+  _, crossover = kernel_report.summarize(rows, stream_gbps=1.0)
+  assert crossover[0]["measured_n"] == 3 and crossover[0]["first_faster_n"] == 1

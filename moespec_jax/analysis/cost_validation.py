@@ -118,6 +118,22 @@ def median_time_ms(fn, args, repeats: int) -> float:
   return float(np.median(times)) * 1e3
 
 
+def median_times_alternating_ms(calls: dict, repeats: int) -> dict:
+  """Median wall time (ms) of each zero-argument call in `calls`, timed in alternation (the
+  order reversed every repeat) after one warm-up call each: a slow spell of the machine moves
+  every median together, so their comparison is not decided by when each was timed."""
+  for call in calls.values():
+    jax.block_until_ready(call())
+  names = list(calls)
+  times = {name: [] for name in names}
+  for r in range(repeats):
+    for name in (names if r % 2 == 0 else names[::-1]):
+      start = time.perf_counter()
+      jax.block_until_ready(calls[name]())
+      times[name].append(time.perf_counter() - start)
+  return {name: float(np.median(t)) * 1e3 for name, t in times.items()}
+
+
 def _layer_weights(config, seed: int):
   """One routed-expert weight set per MoE layer of the model (a pass reads every layer's
   experts once, so a layer's experts are usually not in the processor's caches when they
@@ -140,23 +156,13 @@ def time_layer_pair(fns, layer_weights, ids_TK: np.ndarray, repeats: int, rng) -
   """Median time (ms) of one layer's routed experts for this routing, per method (dedup and
   per-slot): each timed call runs a method on every weight set of `layer_weights` in turn (as a
   decoding pass does) and is divided by their number. The two methods are timed in alternation
-  on the same input (the order reversed every repeat), after one warm-up call each: a slow spell
-  of the machine moves both medians together, so their comparison (the crossover) is not decided
-  by when each was timed."""
+  on the same input (`median_times_alternating_ms`)."""
   n, k = ids_TK.shape
   x = jnp.asarray(rng.standard_normal((n, layer_weights[0][0].shape[1])), jnp.float32)
   gates = jnp.full((n, k), 1.0 / k, jnp.float32)
   ids = jnp.asarray(ids_TK, jnp.int32)
   calls = {m: (lambda fn=fns[m]: [fn(x, ids, gates, *w) for w in layer_weights]) for m in FITTED_METHODS}
-  for call in calls.values():
-    jax.block_until_ready(call())
-  times = {m: [] for m in FITTED_METHODS}
-  for r in range(repeats):
-    for m in (FITTED_METHODS if r % 2 == 0 else FITTED_METHODS[::-1]):
-      start = time.perf_counter()
-      jax.block_until_ready(calls[m]())
-      times[m].append(time.perf_counter() - start)
-  return {m: float(np.median(t)) * 1e3 / len(layer_weights) for m, t in times.items()}
+  return {m: t / len(layer_weights) for m, t in median_times_alternating_ms(calls, repeats).items()}
 
 
 def fit_kernels(config, n_list: Sequence[int], repeats: int, seed: int = 0):
