@@ -57,6 +57,9 @@ def test_best_k_bootstrap_shares_follow_the_timing_noise():
   assert 0.1 < shares[1] < 0.9 and 0.1 < shares[3] < 0.9
   assert cost_validation.share_within_one(shares, 2) == pytest.approx(1.0)
   assert cost_validation.share_within_one(shares, 0) == pytest.approx(shares[1])
+  assert cost_validation.plausible_best_k(shares) == (1, 3)
+  assert cost_validation.plausible_best_k([0.0, 0.05, 0.9, 0.05]) == (2, 2)
+  assert cost_validation.plausible_best_k([0.0, 0.05, 0.9, 0.05], floor=0.01) == (1, 3)
   # Every K of a resample draws the same rounds: K = 2 beats K = 1 in every round, by less than
   # the spread between rounds, and is the best in every resample.
   k1 = np.array([1.1, 1.5, 1.9, 1.3, 1.7])
