@@ -97,12 +97,13 @@ def bench_shape(shape, n_list, routings, methods, repeats, overlap, max_weight_g
       times_ms = cost_validation.median_times_alternating_ms(
           {m: (lambda fn=fns[m]: fn(x, ids_j, g, *w)) for m in methods}, repeats)
       for m in methods:
-        t = times_ms[m] / 1e3
+        t_ms = times_ms[m]
         b = kbytes.bytes_requested(ids, d, f, 4, m)
+        gbps = b / t_ms / 1e6
         rows.append(dict(shape=shape, n_tokens=n, method=m, routing=routing, unique_experts=u,
-                         bytes_requested=int(b), time_ms=t * 1e3, effective_gbps=b / t / 1e9,
+                         bytes_requested=int(b), time_ms=t_ms, effective_gbps=gbps,
                          experts_benchmarked=e_bench, n_experts=e))
-        parts.append(f"{m} {t * 1e3:8.3f} ms {b / t / 1e9:6.1f} GB/s")
+        parts.append(f"{m} {t_ms:8.3f} ms {gbps:6.1f} GB/s")
       log(f"  {routing:10s} n={n:2d} unique={u:3d}  " + "  ".join(parts))
   del w
   return rows

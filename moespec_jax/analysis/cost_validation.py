@@ -19,8 +19,8 @@ Measurement:
     the same experts, and which wins there is timing noise).
 Then best K per a predicted vs measured (and the measured speedup at the predicted K against
 the best measured one, and the agreement with the rounds resampled: where speedups are flat in
-K, the measured argmax moves with timing noise), and num_draft='auto' against plain and the best fixed K, with the controlled drafter
-and with the model's real drafters.
+K, the measured argmax moves with timing noise), and num_draft='auto' against plain and the
+best fixed K, with the controlled drafter and with the model's real drafters.
 """
 
 from __future__ import annotations
@@ -102,20 +102,14 @@ def progress_settings(model, cfg: CostValidationConfig) -> dict[str, Any]:
   """What a resumed run must share with the interrupted one: the validation's settings, the
   model's config and its weights (and the layout of the stored parts: 2 keeps each round's
   speedups in the sweep's parts)."""
-  return {"experiment": "cost_model", "parts_format": 2, "config": dataclasses.asdict(cfg), "model": dataclasses.asdict(model.config),
-          "weights": progress.weights_fingerprint(model.state)}
+  return {"experiment": "cost_model", "parts_format": 2, "config": dataclasses.asdict(cfg),
+          "model": dataclasses.asdict(model.config), "weights": progress.weights_fingerprint(model.state)}
 
 
 # Single-layer expert timings ------------------------------------------------------------------
 def median_time_ms(fn, args, repeats: int) -> float:
   """Median wall time (ms) of `fn(*args)` after one warm-up call."""
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - start)
-  return float(np.median(times)) * 1e3
+  return median_times_alternating_ms({"call": lambda: fn(*args)}, repeats)["call"]
 
 
 def median_times_alternating_ms(calls: dict, repeats: int) -> dict:
@@ -296,10 +290,10 @@ def round_robin_speedups(model, prompts, max_new_tokens: int, specs: dict, round
   """
   runs = round_robin_runs(model, prompts, max_new_tokens, specs, rounds, reference, check_tokens)
   seconds, stats = runs.seconds, runs.stats
-  return ({k: median_ratio(seconds[None], seconds[k]) for k in specs},
+  per_round = {k: [p / q for p, q in zip(seconds[None], seconds[k])] for k in specs}
+  return ({k: statistics.median(per_round[k]) for k in specs},
           {k: statistics.median(s["tokens_per_second"] for s in stats[k]) for k in specs},
-          {k: stats[k][-1] for k in specs}, runs.prefill_s,
-          {k: [p / q for p, q in zip(seconds[None], seconds[k])] for k in specs})
+          {k: stats[k][-1] for k in specs}, runs.prefill_s, per_round)
 
 
 def best_k_bootstrap(round_speedups_KR, resamples: int = 2000, seed: int = 0) -> np.ndarray:
@@ -500,8 +494,8 @@ def run_cost_model(model, workdir, cfg: CostValidationConfig = CostValidationCon
 
   def real_drafter_row(drafter):
     specs = {k: msj.SpecParams(drafter=drafter, num_draft=k) for k in ks[1:]}
-    fixed_speedups, _, _, drafter_prefills, _ = round_robin_speedups(model, prompts, cfg.max_new_tokens, specs,
-                                                                  cfg.repeats, check_tokens=reference)
+    fixed_speedups, _, _, drafter_prefills, _ = round_robin_speedups(
+        model, prompts, cfg.max_new_tokens, specs, cfg.repeats, check_tokens=reference)
     fixed_speedups[0] = 1.0
     loop.forget_compiled(keep)
     best = max(ks, key=lambda k: fixed_speedups[k])

@@ -58,12 +58,12 @@ class RoutingCurve:
   n_experts: int
   top_k: int
   unique_by_n: tuple[float, ...]  # [n - 1]: n = 1, 2, ...
-  source: str = ""
+  source: str = "(unnamed)"
 
   def unique(self, n_tokens: int, batch: int = 1) -> float:
     """Distinct experts of a pass of n tokens in each of `batch` independent rows."""
     if n_tokens > len(self.unique_by_n):
-      raise ValueError(f"the routing measurement {self.source or ''} covers passes up to "
+      raise ValueError(f"the routing measurement {self.source} covers passes up to "
                        f"{len(self.unique_by_n)} tokens, not {n_tokens} (rerun routing_stats with "
                        f"--max_tokens={n_tokens})")
     per_row = self.unique_by_n[n_tokens - 1]
@@ -106,13 +106,15 @@ def pass_bytes(config: ModelConfig, n_tokens: int, *, batch: int = 1, context: i
   tokens = n_tokens * batch
   layers = config.n_moe_layers
   other = roofline.decode_weight_bytes(config, [0.0] * layers)
-  if method == "dedup" and routing is not None:
-    routing.check(config)
-    reads = routing.unique(n_tokens, batch) if layers else 0.0
-  elif method == "dedup":
-    reads = routing_lib.uniform_unique(config.n_routed_experts, config.top_k, tokens) if layers else 0.0
-  else:
+  if method == "per_slot":
     reads = float(tokens * config.top_k)
+  elif not layers:
+    reads = 0.0
+  elif routing is not None:
+    routing.check(config)
+    reads = routing.unique(n_tokens, batch)
+  else:
+    reads = routing_lib.uniform_unique(config.n_routed_experts, config.top_k, tokens)
   experts = layers * (reads * kbytes.expert_bytes(config.d_model, config.expert_hidden, itemsize)
                       + kbytes.activation_bytes(tokens, config.top_k, config.d_model, itemsize))
   kv = batch * context * kv_values_per_token(config) * itemsize
