@@ -99,7 +99,8 @@ def encode_prompts(prompts, tokenizer, vocab_size: int, eos_id: int) -> list[lis
 
 
 def _count_unique_experts(expert_ids_LBTK, active_BT, n_experts: int):
-  """Per MoE layer, the number of distinct experts chosen by the active (row, token) pairs."""
+  """Per MoE layer, the number of distinct experts chosen by the active (row, token) pairs: the
+  experts the pass reads (finished rows and empty draft slots read none)."""
   hit_LBTKE = jax.nn.one_hot(expert_ids_LBTK, n_experts, dtype=jnp.bool_)
   hit_LBTKE = hit_LBTKE & active_BT[None, :, :, None, None]
   return jnp.sum(jnp.any(hit_LBTKE, axis=(1, 2, 3)), axis=-1).astype(jnp.float32)
@@ -137,7 +138,9 @@ def _init(model, tokens_BT, lengths_B, key, draft_inputs, ls: LoopSpec):
   row_keys_B = jax.random.split(key, batch)
 
   cache = model.new_cache(batch, ls.cache_len)
-  out = model(tokens_BT, None, cache, expert_method=ls.expert_method, compute_logits=False, fresh_cache=True)
+  prompt_BT = jnp.arange(prompt_len, dtype=jnp.int32)[None] < lengths_B[:, None]  # padding reads no experts
+  out = model(tokens_BT, None, cache, expert_method=ls.expert_method, valid_BT=prompt_BT, compute_logits=False,
+              fresh_cache=True)
   last_logits_BV = model.head(out.hidden[b_idx, lengths_B - 1][:, None])[:, 0]
   first_B = sampling_lib.sample(_row_keys(row_keys_B, 0), last_logits_BV, ls.sampling)
   out_BN = jnp.full((batch, ls.max_new_tokens + k_max + 1), -1, jnp.int32).at[:, 0].set(first_B)
@@ -156,7 +159,7 @@ def _init(model, tokens_BT, lengths_B, key, draft_inputs, ls: LoopSpec):
     h1_BD, logits1_BV, mcache = mtp_lib.fill(model, out.hidden, next_BP, positions_BP,
                                              mtp_lib.new_cache(config, batch, ls.cache_len),
                                              expert_method=ls.expert_method, at_B=lengths_B - 1,
-                                             fresh_cache=True)
+                                             valid_BT=prompt_BT, fresh_cache=True)
     dstate = {"cache": mcache, "h1": h1_BD, "logits1": logits1_BV}
   elif ls.drafter == "controlled":
     ref_BN = jnp.maximum(draft_inputs["reference"], 0)
@@ -205,7 +208,7 @@ def _draft(model, carry, k: int, draft_keys_B, ls: LoopSpec):
   keys_BK = jax.vmap(lambda key: jax.random.split(key, k))(draft_keys_B)
   drafts_BK, q_BKV, mcache = drafters_lib.mtp_propose(
       model, dstate["cache"], dstate["h1"], dstate["logits1"], carry["pos"] - 1, keys_BK, k,
-      ls.sampling, expert_method=ls.expert_method)
+      ls.sampling, expert_method=ls.expert_method, active_B=~carry["done"])
   return drafts_BK, jnp.ones((batch, k), jnp.bool_), q_BKV, dict(dstate, cache=mcache)
 
 
@@ -226,9 +229,11 @@ def _pass(model, carry, k: int, ls: LoopSpec):
     shadow_B, shadow_valid_B = shadow_B[:, 0], shadow_valid_B[:, 0] & active_B
 
   # Verify K + 1 tokens in one target pass.
+  # Finished rows and empty draft slots (no n-gram follower) read no experts: no output of
+  # theirs is used (the n-gram drafter's empty slots are a suffix: no slot after one is reached).
   inputs_BS = jnp.concatenate([pend_B[:, None], drafts_BK], axis=1)
   positions_BS = pos_B[:, None] + jnp.arange(k + 1, dtype=jnp.int32)[None]
-  active_BS = jnp.broadcast_to(active_B[:, None], inputs_BS.shape)
+  active_BS = active_B[:, None] & jnp.concatenate([jnp.ones((batch, 1), jnp.bool_), valid_BK], axis=1)
   vout = model(inputs_BS, positions_BS, carry["cache"], expert_method=ls.expert_method,
                expert_budget=ls.expert_budget, valid_BT=active_BS)
   if ls.sampling.greedy:
@@ -266,8 +271,10 @@ def _pass(model, carry, k: int, ls: LoopSpec):
     j_T = jnp.arange(k + m_total, dtype=jnp.int32)
     base_BT = jnp.concatenate([drafts_BK, jnp.zeros((batch, m_total), jnp.int32)], axis=1)
     next_BT = jnp.where(j_T[None] < n_acc_B[:, None], base_BT, next_B[:, None])
+    # Indices past the accepted ones are rolled back: they read no experts.
+    kept_BS = active_B[:, None] & (j_S[None] <= n_acc_B[:, None])
     h1_BD, logits1_BV, mcache = mtp_lib.fill(model, vout.hidden, next_BT, positions_BS, dstate["cache"],
-                                             expert_method=ls.expert_method, at_B=n_acc_B)
+                                             expert_method=ls.expert_method, at_B=n_acc_B, valid_BT=kept_BS)
     dstate = {"cache": mcache, "h1": h1_BD, "logits1": logits1_BV}
 
   # Statistics over the active rows.

@@ -68,6 +68,20 @@ def route(logits_TE, config: ModelConfig, score_bias_E=None, *, allowed_TE=None,
   return expert_ids_TK.astype(jnp.int32), gates_TK, probs_TE
 
 
+def masked_to_read_experts(ids_NK, gates_NK, valid_N):
+  """Expert ids and gates for the kernel, such that masked tokens cost no expert read.
+
+  A masked token's slots point at the experts of the pass's first valid token, with gate 0:
+  the dedup kernel reads each selected expert once per pass, so its reads are those of the
+  valid tokens alone, and the masked token's routed output is zero. (A whole slot-skipping
+  id would need every kernel to know it; this needs none to.)
+  """
+  first = jnp.argmax(valid_N)
+  keep_N1 = valid_N[:, None]
+  return (jnp.where(keep_N1, ids_NK, ids_NK[first][None]),
+          jnp.where(keep_N1, gates_NK, jnp.zeros_like(gates_NK)))
+
+
 class MoE(nnx.Module):
   """Routed experts (SwiGLU, width expert_hidden) plus fused shared experts (optionally gated)."""
 
@@ -89,7 +103,9 @@ class MoE(nnx.Module):
   def __call__(self, x_BTD, *, expert_method: str, expert_budget: "budget_lib.ExpertBudget | None" = None,
                valid_BT=None):
     """Routed + shared experts. With `expert_budget` (approximate), at most that many routed
-    experts are used, ranked over the pass's `valid_BT` tokens (default: all)."""
+    experts are used, ranked over the pass's `valid_BT` tokens (default: all). Tokens outside
+    `valid_BT` (finished rows, empty draft slots) read no expert of their own: their routed
+    output is zero (`masked_to_read_experts`). The returned routing is the router's choice."""
     b, t, d = x_BTD.shape
     x_ND = x_BTD.reshape(b * t, d)
     logits_NE = jnp.einsum("nd,de->ne", x_ND.astype(jnp.float32), self.w_router_DE[...])
@@ -101,8 +117,11 @@ class MoE(nnx.Module):
                                             valid_BT, expert_budget)
       ids_NK, gates_NK, _ = route(logits_NE, self.config, bias, allowed_TE=allowed_BTE.reshape(b * t, -1),
                                   budget_policy=expert_budget.policy)
+    run_ids_NK, run_gates_NK = ids_NK, gates_NK
+    if valid_BT is not None:
+      run_ids_NK, run_gates_NK = masked_to_read_experts(ids_NK, gates_NK, valid_BT.reshape(-1))
     y_ND = pallas_kernels.expert_ffn(
-        x_ND, ids_NK, gates_NK, self.w_gate_EDF[...], self.w_up_EDF[...], self.w_down_EFD[...],
+        x_ND, run_ids_NK, run_gates_NK, self.w_gate_EDF[...], self.w_up_EDF[...], self.w_down_EFD[...],
         method=expert_method)
     y_BTD = y_ND.reshape(b, t, d)
     if self.shared is not None:

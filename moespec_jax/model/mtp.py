@@ -84,15 +84,16 @@ class MTPModule(nnx.Module):
     return jnp.einsum("btd,dv->btv", normed_BTD, self.head_DV[...])
 
   def __call__(self, hidden_BTD, next_emb_BTD, positions_BT, rope, layer_cache, *, expert_method,
-               fresh_cache: bool = False):
-    """Returns (h_BTD, new layer cache, routing)."""
+               valid_BT=None, fresh_cache: bool = False):
+    """Returns (h_BTD, new layer cache, routing). Tokens outside `valid_BT` read no routed expert
+    (see `Transformer.__call__`)."""
     x_BTC = jnp.concatenate([self.hidden_norm(hidden_BTD), self.embed_norm(next_emb_BTD)], axis=-1)
     if use_packed(self.packed_proj_NDC, x_BTC):
       x_BTD = packed_product(x_BTC, self.packed_proj_NDC, self.w_proj_CD.shape[1]).astype(x_BTC.dtype)
     else:
       x_BTD = jnp.einsum("btc,cd->btd", x_BTC, self.w_proj_CD[...])
     return self.block(x_BTD, positions_BT, rope, layer_cache, expert_method=expert_method,
-                      fresh_cache=fresh_cache)
+                      valid_BT=valid_BT, fresh_cache=fresh_cache)
 
 
 def new_cache(config: ModelConfig, batch: int, max_len: int) -> KVCache:
@@ -107,13 +108,14 @@ def module_for_depth(depth: int, num_modules: int) -> tuple[int, int]:
 
 
 def run_module(model, m: int, hidden_BTD, next_tokens_BT, positions_BT, cache: KVCache | None, *,
-               expert_method: str, compute_logits: bool = True, fresh_cache: bool = False):
-  """Module `m` (0-based) over T tokens; returns (h_BTD, logits_BTV or None, new cache or None)."""
+               expert_method: str, compute_logits: bool = True, valid_BT=None, fresh_cache: bool = False):
+  """Module `m` (0-based) over T tokens; returns (h_BTD, logits_BTV or None, new cache or None).
+  Tokens outside `valid_BT` (default: none) read no routed expert: their outputs are not used."""
   emb_BTD = jnp.take(model.embed_VD[...], next_tokens_BT, axis=0)
   rope = model.rope(positions_BT)
   layer_cache = None if cache is None else (cache.keys[m], cache.values[m])
   h_BTD, layer_new, _ = model.mtp[m](hidden_BTD, emb_BTD, positions_BT, rope, layer_cache,
-                                     expert_method=expert_method, fresh_cache=fresh_cache)
+                                     expert_method=expert_method, valid_BT=valid_BT, fresh_cache=fresh_cache)
   logits_BTV = model.mtp[m].logits(model, h_BTD) if compute_logits else None
   if cache is not None:
     cache = KVCache(keys=cache.keys[:m] + (layer_new[0],) + cache.keys[m + 1:],
@@ -122,19 +124,21 @@ def run_module(model, m: int, hidden_BTD, next_tokens_BT, positions_BT, cache: K
 
 
 def fill(model, target_hidden_BTD, seq_BT, positions_BT, cache: KVCache, *, expert_method: str,
-         at_B=None, fresh_cache: bool = False):
+         at_B=None, valid_BT=None, fresh_cache: bool = False):
   """Runs modules 1..M over T indices; module k reads next tokens `seq_BT[:, k:]`.
 
   `seq_BT` holds T + M tokens per row: the tokens at positions [p+1, p+T+M) (unknown ones
   are placeholders). Returns (module-1 hidden, module-1 logits, new cache): at every index
   ([B, T, D], [B, T, V]), or with `at_B` at one index per row ([B, D], [B, V]; the head runs
-  there only). `fresh_cache`: the cache is empty (a prefill).
+  there only). `valid_BT` [B, T]: the indices whose outputs or cache entries are kept (the
+  others read no routed expert). `fresh_cache`: the cache is empty (a prefill).
   """
   t = target_hidden_BTD.shape[1]
   hidden, first = target_hidden_BTD, None
   for m in range(model.config.num_mtp_modules):
     hidden, _, cache = run_module(model, m, hidden, seq_BT[:, m:m + t], positions_BT, cache,
-                                  expert_method=expert_method, compute_logits=False, fresh_cache=fresh_cache)
+                                  expert_method=expert_method, compute_logits=False, valid_BT=valid_BT,
+                                  fresh_cache=fresh_cache)
     if first is None:
       first = hidden
   if at_B is None:

@@ -144,6 +144,19 @@ def test_ngram_proposes_what_followed_the_longest_earlier_match():
   assert not valid[2].any()
 
 
+def test_empty_draft_slots_read_no_experts(tiny_model):
+  """Without an n-gram match (no generated token occurs earlier) every draft slot is empty: a
+  K = 4 pass reads the experts of its pending token alone, as a plain pass does."""
+  prompts = [list(range(10, 30)), list(range(50, 62))]
+  plain = msj.generate(tiny_model, prompts, max_new_tokens=5)
+  spec = msj.generate(tiny_model, prompts, max_new_tokens=5, spec=msj.SpecParams(drafter="ngram", num_draft=4))
+  np.testing.assert_array_equal(spec.tokens, plain.tokens)
+  for prompt, row in zip(prompts, plain.tokens.tolist()):  # the premise: no token occurs twice
+    assert len(set(prompt + row)) == len(prompt + row)
+  assert spec.stats["passes"] == plain.stats["passes"]
+  np.testing.assert_allclose(spec.stats["unique_experts_per_pass"], plain.stats["unique_experts_per_pass"])
+
+
 def test_rolled_back_caches_match_a_fresh_forward(mtp_model):
   """After a pass of K = 3 drafts of which one is accepted, the next pass's target logits
   (rolled-back cache) equal a fresh forward over the committed tokens, and the MTP fill gives

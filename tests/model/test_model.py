@@ -9,7 +9,7 @@ from flax import nnx
 import pallas_kernels
 from moespec_jax.config import ModelConfig
 from moespec_jax.model import Transformer
-from moespec_jax.model.moe import route
+from moespec_jax.model.moe import masked_to_read_experts, route
 
 
 def test_cached_decoding_equals_full_forward_ragged(tiny_model):
@@ -99,6 +99,39 @@ def test_forward_returns_hidden_and_routing(tiny_model, tiny_config):
   assert out.routing.expert_ids.shape == (c.n_moe_layers, 2, 5, c.top_k)
   assert out.routing.gates.shape == (c.n_moe_layers, 2, 5, c.top_k)
   np.testing.assert_allclose(np.asarray(out.routing.probs).sum(-1), 1.0, atol=1e-5)
+
+
+def test_masked_tokens_read_no_expert_of_their_own():
+  rng = np.random.default_rng(3)
+  ids = jnp.asarray(rng.integers(0, 16, size=(6, 2)), jnp.int32)
+  gates = jnp.asarray(rng.random((6, 2)), jnp.float32)
+  valid = jnp.asarray([False, True, True, False, True, False])
+  run_ids, run_gates = masked_to_read_experts(ids, gates, valid)
+  np.testing.assert_array_equal(run_ids[valid], ids[valid])
+  np.testing.assert_array_equal(run_gates[valid], gates[valid])
+  assert not np.any(np.asarray(run_gates)[~np.asarray(valid)])
+  assert set(np.asarray(run_ids).ravel()) == set(np.asarray(ids)[np.asarray(valid)].ravel())
+
+
+def test_a_masked_pass_keeps_the_valid_tokens_outputs(tiny_model):
+  """Decoding masks finished rows and empty draft slots (a suffix of a row's pass): the valid
+  tokens' logits are those of the unmasked pass, the masked ones run no routed expert."""
+  module = tiny_model.module()
+  rng = np.random.default_rng(4)
+  prompt = jnp.asarray(rng.integers(0, 256, size=(2, 8)), jnp.int32)
+  cache = module(prompt, None, module.new_cache(2, 16)).cache
+  tokens = jnp.asarray(rng.integers(0, 256, size=(2, 4)), jnp.int32)
+  positions = jnp.broadcast_to(jnp.arange(8, 12, dtype=jnp.int32), (2, 4))
+  valid = jnp.asarray([[True, True, False, False], [True, True, True, True]])
+  full = module(tokens, positions, cache)
+  masked = module(tokens, positions, cache, valid_BT=valid)
+  np.testing.assert_allclose(np.asarray(masked.logits)[np.asarray(valid)],
+                             np.asarray(full.logits)[np.asarray(valid)], atol=1e-6, rtol=1e-6)
+  moe_block = next(block for block in module.layers if block.is_moe)
+  h = jnp.asarray(rng.normal(size=(2, 4, module.config.d_model)), jnp.float32)
+  y, _ = moe_block.ffn(h, expert_method="xla", valid_BT=valid)
+  np.testing.assert_allclose(np.asarray(y)[0, 2:], np.asarray(moe_block.ffn.shared(h))[0, 2:], atol=1e-6)
+  assert not np.allclose(np.asarray(y)[0, :2], np.asarray(moe_block.ffn.shared(h))[0, :2], atol=1e-3)
 
 
 @pytest.mark.parametrize("tied", [False, True])
