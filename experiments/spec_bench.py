@@ -6,7 +6,10 @@ its MTP heads (trained when missing).
       [--batch_sizes=1,8] [--temperatures=0,1] [--drafters=mtp,ngram] [--num_draft=1,2,3] \
       [--max_new_tokens=64]
 
-Writes `workdir/metrics.json` (key `spec_bench`) and `workdir/speedup_vs_k.png`.
+--model: a directory written by `Model.save` or a Hugging Face model directory; one without a
+tokenizer.json (a random checkpoint) is prompted with the held-out code's UTF-8 bytes as token ids
+(metrics `prompt_encoding`). Writes `workdir/metrics.json` (key `spec_bench`) and
+`workdir/speedup_vs_k.png`.
 """
 
 from absl import flags

@@ -17,7 +17,22 @@ import moespec_jax as msj
 from moespec_jax import cli
 from moespec_jax.data import corpus
 from moespec_jax.decoding import loop
+from moespec_jax.hf import tokenizer as hf_tokenizer
 from moespec_jax.io import atomic
+
+
+def bench_prompts(model, n: int, prompt_bytes: int, log=print) -> tuple[list, str]:
+  """`n` held-out code prompts and how they are encoded: text, for the model's tokenizer; for a
+  checkpoint without one (a random Hugging Face import), the same text's UTF-8 bytes as token
+  ids (`utf8_bytes`), as peer_bench prompts, which needs a vocabulary of at least 256."""
+  prompts = corpus.held_out_prompts(n, prompt_bytes=prompt_bytes, seed=0)
+  if not isinstance(model.tokenizer, hf_tokenizer.MissingTokenizer):
+    return prompts, "tokenizer"
+  if model.config.vocab_size < 256:
+    raise ValueError(f"the model at {model.tokenizer.source} has no tokenizer.json and a vocabulary of "
+                     f"{model.config.vocab_size} < 256: no prompts to give it (add its tokenizer.json)")
+  log("the model has no tokenizer.json: prompts are the held-out code's UTF-8 bytes as token ids")
+  return [list(p.encode("utf-8")) for p in prompts], "utf8_bytes"
 
 
 def timed(model, prompts, max_new_tokens: int, sampling, spec, repeats: int):
@@ -61,7 +76,7 @@ def run_spec_bench(model, workdir, *, batch_sizes: Sequence[int] = (1, 2, 4, 8),
   workdir.mkdir(parents=True, exist_ok=True)
   if "mtp" in drafters and model.config.num_mtp_modules == 0:
     raise ValueError("drafter 'mtp' needs a model with MTP heads (num_mtp_modules > 0)")
-  prompts = corpus.held_out_prompts(max(batch_sizes), prompt_bytes=prompt_bytes, seed=0)
+  prompts, encoding = bench_prompts(model, max(batch_sizes), prompt_bytes, log=log)
   total = len(batch_sizes) * len(temperatures) * (1 + len(drafters) * len(num_drafts))
   progress = cli.Progress(total, desc="spec_bench", unit="rows", every_s=15.0)
   rows, plain_rows, done = [], [], 0
@@ -92,23 +107,24 @@ def run_spec_bench(model, workdir, *, batch_sizes: Sequence[int] = (1, 2, 4, 8),
           done += 1
           progress.update(done, speedup=speedup)
           _write(workdir, rows, plain_rows, max_new_tokens, repeats, batch_sizes, prompt_bytes, model,
-                 began, complete=False)
+                 began, complete=False, encoding=encoding)
           # ~100 compiled loops do not fit in memory together: keep only the plain program.
           loop.forget_compiled(plain_programs)
       loop.forget_compiled()
   result = _write(workdir, rows, plain_rows, max_new_tokens, repeats, batch_sizes, prompt_bytes, model,
-                  began, complete=True)
+                  began, complete=True, encoding=encoding)
   plot_speedup(rows, workdir / "speedup_vs_k.png")
   log(format_table(rows))
   return result
 
 
 def _write(workdir, rows, plain_rows, max_new_tokens, repeats, batch_sizes, prompt_bytes, model, began,
-           *, complete: bool):
+           *, complete: bool, encoding: str):
   """Writes the metrics so far (a long sweep leaves usable partial results)."""
   result = {"spec_bench": {
       "rows": rows, "plain": plain_rows, "complete": complete, "max_new_tokens": max_new_tokens,
       "repeats": repeats, "n_prompts": max(batch_sizes), "prompt_bytes": prompt_bytes,
+      "prompt_encoding": encoding,
       "num_mtp_modules": model.config.num_mtp_modules, "seconds": time.perf_counter() - began,
   }}
   atomic.write_json_atomic(workdir / "metrics.json", result)
