@@ -105,15 +105,18 @@ class Attention(nnx.Module):
     new_cache = None if layer_cache is None else (
         cache_lib.write_positions(layer_cache[0], k_BTGK, positions_BT[:, 0], key_major=True),
         cache_lib.write_positions(layer_cache[1], v_BTGK, positions_BT[:, 0]))
-    if new_cache is None or fresh_cache:  # S: the pass's own positions
-      keys_NSK, values_NSK = (x.swapaxes(1, 2).reshape(b * g, t, k) for x in (k_BTGK, v_BTGK))
-      key_pos_BS = positions_BT
-      scores_NQS = jnp.einsum("nqk,nsk->nqs", q_NQK, keys_NSK)
-    elif self.cpu_cached_attention:
+    if new_cache is not None and self.cpu_cached_attention:
+      # Prefills too: the kernel reads each query's keys up to its own position only, so it
+      # neither scores masked pairs nor reads empty entries (a 256-token prefill at batch 8:
+      # 0.48x XLA's time on a Mixtral-layout layer, 0.87x on the default model's).
       keys_NKS, values_NSK = new_cache
       limit_NQ = jnp.broadcast_to(positions_BT[:, None, :, None], (b, g, t, r)).reshape(b * g, t * r)
       out_NQK = cpu_ffi.cached_attention(q_NQK * scale, keys_NKS, values_NSK, limit_NQ).astype(q_NQK.dtype)
       return self._output(out_NQK, b, t), new_cache
+    if new_cache is None or fresh_cache:  # S: the pass's own positions
+      keys_NSK, values_NSK = (x.swapaxes(1, 2).reshape(b * g, t, k) for x in (k_BTGK, v_BTGK))
+      key_pos_BS = positions_BT
+      scores_NQS = jnp.einsum("nqk,nsk->nqs", q_NQK, keys_NSK)
     else:
       keys_NKS, values_NSK = new_cache
       key_pos_BS = jnp.arange(keys_NKS.shape[2])[None]

@@ -91,8 +91,8 @@ class Transformer(nnx.Module):
       self.mtp = None
 
   def use_cpu_cached_attention(self) -> None:
-    """Passes against the cache run on the C++ kernel from here on (`Attention`; decoding
-    programs on CPU). MLA attention keeps XLA's products."""
+    """Passes against the cache, prefills into a fresh cache included, run on the C++ kernel
+    from here on (`Attention`; decoding programs on CPU). MLA attention keeps XLA's products."""
     for _, module in nnx.iter_modules(self):
       if isinstance(module, Attention):
         module.cpu_cached_attention = True

@@ -55,7 +55,8 @@ def test_multi_token_pass_with_cache_equals_full_forward(tiny_model):
 
 def test_cpu_cached_attention_equals_full_forward(tiny_model):
   """Passes against the cache on the C++ kernel (what decoding programs on CPU run): a 7-token
-  pass into the cache, then 5 more at ragged positions, against the full forward."""
+  pass into the cache (and a prefill into a fresh one), then 5 more at ragged positions, against
+  the full forward."""
   module = tiny_model.module()
   tokens = np.random.default_rng(1).integers(0, 256, size=(2, 12)).astype(np.int32)
   full = np.asarray(module(jnp.asarray(tokens)).logits)
@@ -64,6 +65,13 @@ def test_cpu_cached_attention_equals_full_forward(tiny_model):
   step = jax.jit(lambda tok, p, c: module(tok, p, c))
   out1 = step(jnp.asarray(tokens[:, :7]), jnp.broadcast_to(jnp.arange(7), (2, 7)), module.new_cache(2, 16))
   np.testing.assert_allclose(np.asarray(out1.logits), full[:, :7], atol=2e-5, rtol=2e-5)
+  # A prefill into a fresh cache (what generate runs) takes the kernel too, with the same cache.
+  prefill = jax.jit(lambda tok, c: module(tok, None, c, fresh_cache=True))
+  assert "moespec_attention_f32" in prefill.lower(jnp.asarray(tokens[:, :7]), module.new_cache(2, 16)).as_text()
+  fresh = prefill(jnp.asarray(tokens[:, :7]), module.new_cache(2, 16))
+  np.testing.assert_allclose(np.asarray(fresh.logits), full[:, :7], atol=2e-5, rtol=2e-5)
+  for a, b in zip(jax.tree.leaves(fresh.cache), jax.tree.leaves(out1.cache)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   # Row 1 re-feeds positions 5..9 (a rollback: what it wrote at 5 and 6 is overwritten).
   pos = jnp.asarray([np.arange(7, 12), np.arange(5, 10)])
   out2 = step(jnp.asarray(np.stack([tokens[0, 7:], tokens[1, 5:10]])), pos, out1.cache)
