@@ -143,8 +143,9 @@ class Transformer(nnx.Module):
     `expert_budget` (a `model.budget.ExpertBudget`) makes the pass APPROXIMATE: each MoE layer
     uses at most that many routed experts, ranked over the `valid_BT` tokens. Tokens outside
     `valid_BT` (default: none) are ones whose output is not used (finished rows, empty draft
-    slots): their routed experts are not run, so they cost no expert read, and their outputs
-    and later keys/values differ from an unmasked pass.
+    slots): they read no expert of their own (`moe.masked_to_read_experts`: the dedup kernels
+    then read the valid tokens' experts only), and their outputs and later keys/values differ
+    from an unmasked pass.
     `compute_logits=False` skips the output head (logits None): a prefill needs the head at
     its last position only (`head(hidden)` there). `fresh_cache=True` (a prefill into an empty
     cache): attention reads only the pass's own keys, not the cache's empty entries.
