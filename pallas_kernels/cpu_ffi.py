@@ -28,7 +28,7 @@ import numpy as np
 
 _CSRC = pathlib.Path(__file__).parent / "csrc"
 _SOURCES = (_CSRC / "moe_ffn_cpu.cc", _CSRC / "dense_cpu.cc", _CSRC / "attention_cpu.cc", _CSRC / "clock_cpu.cc")
-_HEADERS = (_CSRC / "gemv.h", _CSRC / "slots.h")
+_HEADERS = (_CSRC / "gemv.h", _CSRC / "slots.h", _CSRC / "vmath.h")
 # FFI target -> the handler symbol the library exports.
 _TARGETS = {"moespec_moe_ffn_f32": "MoespecMoeFfnF32", "moespec_dense_f32": "MoespecDenseF32",
             "moespec_attention_f32": "MoespecAttentionF32", "moespec_clock_cpu": "MoespecClockCpu"}

@@ -116,7 +116,7 @@ def test_cpu_kernel_uneven_shapes_and_threads(cpu_kernel, monkeypatch, threads):
   del cpu_kernel
   monkeypatch.setenv("MOESPEC_FFI_THREADS", threads)
   # Widths that are not multiples of the 16-float vectors (column tails); groups of 20 pairs on
-  # rows of 7 vectors (token tiles of 4 over two register panels); F = 2100 is cut into two
+  # rows of 7 vectors (token tiles of 6 and one of 2, over two register panels); F = 2100 is cut into two
   # units per expert at a column that is not a vector multiple (row tiles); fewer units than
   # threads (one token, top-1).
   problems = [_problem(13, 4, 2, "random", d_model=40, hidden=200),
@@ -127,6 +127,20 @@ def test_cpu_kernel_uneven_shapes_and_threads(cpu_kernel, monkeypatch, threads):
     ref = expert_ffn_reference(*args)
     for method in ("dedup", "per_slot"):
       np.testing.assert_allclose(cpu_ffi.expert_ffn_cpu(*args, method=method), ref, atol=1e-4)
+
+
+def test_cpu_kernel_activation_matches_at_large_magnitudes(cpu_kernel):
+  del cpu_kernel
+  # The C++ SwiGLU's own exp: gate pre-activations of either sign up to ~100s (sigmoid saturated
+  # at 0 and 1, exp(-|g|) below the normal floats), an activation count that is not a multiple
+  # of 16 (the one-lane tail).
+  x, ids, g, wg, wu, wd = _problem(7, 4, 2, "random", d_model=24, hidden=40)
+  x = x * 60.0
+  ref = np.asarray(expert_ffn_reference(x, ids, g, wg, wu, wd))
+  assert np.abs(np.einsum("td,tkdf->tkf", x, wg[ids])).max() > 100.0
+  for method in ("dedup", "per_slot"):
+    y = np.asarray(cpu_ffi.expert_ffn_cpu(x, ids, g, wg, wu, wd, method=method))
+    np.testing.assert_allclose(y, ref, rtol=2e-5, atol=2e-5 * np.abs(ref).max())
 
 
 def test_cpu_kernel_is_deterministic_across_threads(cpu_kernel, monkeypatch):

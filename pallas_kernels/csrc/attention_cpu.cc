@@ -20,36 +20,19 @@
 
 #include "gemv.h"
 #include "slots.h"
+#include "vmath.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-// 16 floats / ints: one AVX-512 register (two AVX2 ones), loaded from any float-aligned address.
-typedef float F16 __attribute__((vector_size(64), aligned(4)));
-typedef int32_t I16 __attribute__((vector_size(64), aligned(4)));
-constexpr int kLanes = 16;
-
-// exp(x) for x <= 0 (scores minus their maximum): Cody-Waite reduction to |r| <= ln2 / 2 and
-// Cephes' degree-6 polynomial, ~1 ulp. The vector and scalar forms compute the same bits.
-template <typename F, typename I>
-inline F ExpNonPositiveOf(F x, F lowest) {
-  x = x < lowest ? lowest : x;
-  const I n = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, I);  // rounds (x <= 0)
-  const F nf = __builtin_convertvector(n, F);
-  const F r = (x - nf * 0.693359375f) + nf * 2.12194440e-4f;
-  F p = r * 1.9875691500e-4f + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  return p * reinterpret_cast<const F&>(static_cast<const I&>((n + 127) << 23));
-}
-
-typedef float F1 __attribute__((vector_size(4)));
-typedef int32_t I1 __attribute__((vector_size(4)));
+using moespec::ExpNonPositiveOf;
+using moespec::F1;
+using moespec::F16;
+using moespec::I1;
+using moespec::I16;
+using moespec::kLanes;
 
 // x[s] = exp(x[s] - top) for s < n.
 inline void ExpShifted(float* x, int64_t n, float top) {

@@ -34,6 +34,7 @@
 
 #include "gemv.h"
 #include "slots.h"
+#include "vmath.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -44,8 +45,6 @@ using moespec::kManyRows;
 using moespec::MultiGemvAcc;
 
 constexpr int64_t kMinUnitCols = 1024;  // experts under twice this width are one unit (see above)
-
-inline float Silu(float v) { return v / (1.0f + std::exp(-v)); }
 
 struct Unit {
   int32_t group;
@@ -97,7 +96,7 @@ void RunUnit(const Problem& p, const Unit& u, float* y_part, Scratch& s) {
   // Columns f0:f1 of Wg[e], Wu[e]; out arrays indexed from f0 (shifted base pointer).
   MultiGemvAcc(xs, m, D, p.wg + e * D * F, F, f0, u.f1, hg - f0, nf);
   MultiGemvAcc(xs, m, D, p.wu + e * D * F, F, f0, u.f1, hu - f0, nf);
-  for (int64_t i = 0; i < m * nf; ++i) hg[i] = Silu(hg[i]) * hu[i];
+  moespec::SwigluInPlace(hg, hu, m * nf);
   std::fill(out, out + m * D, 0.0f);
   MultiGemvAcc(hg, m, nf, p.wd + e * F * D + f0 * D, D, 0, D, out, D);
   for (int64_t j = 0; j < m; ++j) {
