@@ -17,7 +17,8 @@ target produced ("shadow" drafts: greedy, whether it matches; sampled, its accep
 probability), so auto leaves K = 0 as soon as drafting pays again. The MTP heads skip their
 upkeep at K = 0 (their state goes stale), so with them K = 0 is final: it is chosen only after
 MIN_EVIDENCE tried drafts and only where drafting would not pay even at a high bound on the
-acceptance (the Wilson score bound, STOP_CONFIDENCE standard errors above the estimate): a start
+acceptance (the Wilson score bound, STOP_CONFIDENCE standard errors above the estimate, each
+row's and the batch's pooled): a start
 that accepts less than the rest of the text (a prompt's continuation, then boilerplate) must not
 end drafting.
 With the n-gram drafter, a segment where no active row's context has a match is
@@ -137,8 +138,11 @@ def choose_k(evidence_B2, step_ms_K, *, shadow: bool, remaining_B=None, current_
   any unfinished row), then SEGMENT_PASSES; at K = 0, PLAIN_SEGMENT_PASSES
   (YOUNG_PLAIN_PASSES while the estimate is young, with shadow drafts).
   `shadow`: plain passes bring evidence (see the module docstring); without it K = 0 is final
-  and needs MIN_EVIDENCE tried drafts over all rows and plain decoding faster than every K at
-  the Wilson bound STOP_CONFIDENCE standard errors above each row's estimate. `current_k`: the
+  and needs MIN_EVIDENCE tried drafts over the active rows and plain decoding faster than every
+  K at the Wilson bound STOP_CONFIDENCE standard errors above each row's estimate and above the
+  active rows' pooled estimate (a batch's first pass gives a row one or two drafts: one rejected
+  draft puts that row's bound near 0.8, which alone ended drafting that paid; the pooled counts
+  are the batch's evidence). `current_k`: the
   K of the last segment, kept unless another K is predicted faster by SWITCH_MARGIN (once the
   estimate is settled)."""
   evidence_B2 = jnp.atleast_2d(jnp.asarray(evidence_B2, jnp.float32))
@@ -150,10 +154,14 @@ def choose_k(evidence_B2, step_ms_K, *, shadow: bool, remaining_B=None, current_
   if current_k is not None:  # while the estimate is young, K follows it freely
     switch = jnp.where(settled, SWITCH_MARGIN, 0.0)
     time_K = jnp.where(jnp.arange(time_K.shape[0]) == current_k, time_K, time_K * (1.0 + switch))
-  tried = jnp.sum(evidence_B2[:, 1])
   if not shadow:
-    high_K = finish_ms(acceptance_upper_bound(evidence_B2, STOP_CONFIDENCE), remaining_B, step_ms_K)
-    stop = (tried >= MIN_EVIDENCE) & (high_K[0] <= jnp.min(high_K[1:] * (1.0 + DRAFT_MARGIN)))
+    active_B1 = (remaining_B > 0)[:, None]
+    pooled_2 = jnp.sum(jnp.where(active_B1, evidence_B2, 0.0), axis=0)
+    stop = pooled_2[1] >= MIN_EVIDENCE
+    for bound_B in (acceptance_upper_bound(evidence_B2, STOP_CONFIDENCE),
+                    jnp.broadcast_to(acceptance_upper_bound(pooled_2, STOP_CONFIDENCE), remaining_B.shape)):
+      high_K = finish_ms(bound_B, remaining_B, step_ms_K)
+      stop &= high_K[0] <= jnp.min(high_K[1:] * (1.0 + DRAFT_MARGIN))
     time_K = time_K.at[0].set(jnp.where(stop, time_K[0], jnp.inf))
   k = jnp.argmin(time_K).astype(jnp.int32)
   drafting = jnp.where(settled, jnp.int32(SEGMENT_PASSES), jnp.int32(1))

@@ -335,6 +335,28 @@ def test_final_plain_where_drafting_pays_only_near_perfect_acceptance():
   assert int(k1) >= 1
 
 
+def test_one_rejected_first_draft_does_not_end_drafting_that_pays():
+  """MTP heads at batch 8 where drafting pays (pass times measured on the default model, fixed
+  K = 2..4 at 1.04-1.14x plain): after a first pass in which 7 of 8 rows accept their draft, the
+  rejecting row's own bound (~0.8) would alone say stop, but the batch's pooled evidence does not:
+  drafting goes on. With every row rejecting, the pooled bound agrees and auto stops later."""
+  batch8 = jnp.asarray([1.58, 2.64, 3.57, 4.44, 5.27, 6.04, 6.78, 7.48, 8.16], jnp.float32)
+  remaining = jnp.full((8,), 100.0)
+  first_pass = jnp.asarray([[1.0, 1.0]] * 7 + [[0.0, 1.0]], jnp.float32)
+  row_bound = auto_draft.acceptance_upper_bound(first_pass[-1], auto_draft.STOP_CONFIDENCE)
+  row_alone = auto_draft.finish_ms(jnp.full((8,), row_bound), remaining, batch8)
+  assert row_alone[0] <= jnp.min(row_alone[1:]) * (1.0 + auto_draft.DRAFT_MARGIN)  # the row alone: stop
+  k, _ = auto_draft.choose_k(first_pass, batch8, shadow=False, remaining_B=remaining)
+  assert int(k) >= 1
+  rejected = jnp.asarray([[0.0, 2.0]] * 8, jnp.float32)
+  k, passes = auto_draft.choose_k(rejected, batch8, shadow=False, remaining_B=remaining)
+  assert (int(k), int(passes)) == (0, auto_draft.PLAIN_SEGMENT_PASSES)
+  # Finished rows' evidence does not count towards the pooled evidence.
+  done = jnp.zeros((8,)).at[0].set(100.0)
+  k, _ = auto_draft.choose_k(rejected, batch8, shadow=False, remaining_B=done)
+  assert int(k) >= 1
+
+
 def test_pass_time_correction_without_evidence_is_the_calibration():
   step_ms = jnp.asarray([1.0, 1.5, 1.8, 2.0], jnp.float32)
   timing = jnp.zeros((4, 2), jnp.float32)
