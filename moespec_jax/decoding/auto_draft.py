@@ -141,8 +141,8 @@ def choose_k(evidence_B2, step_ms_K, *, shadow: bool, remaining_B=None, current_
   and needs MIN_EVIDENCE tried drafts over the active rows and plain decoding faster than every
   K at the Wilson bound STOP_CONFIDENCE standard errors above each row's estimate and above the
   active rows' pooled estimate (a batch's first pass gives a row one or two drafts: one rejected
-  draft puts that row's bound near 0.8, which alone ended drafting that paid; the pooled counts
-  are the batch's evidence). `current_k`: the
+  draft puts that row's bound near 0.8, low enough alone to stop drafting that pays; the pooled
+  counts are the batch's evidence). `current_k`: the
   K of the last segment, kept unless another K is predicted faster by SWITCH_MARGIN (once the
   estimate is settled)."""
   evidence_B2 = jnp.atleast_2d(jnp.asarray(evidence_B2, jnp.float32))

@@ -82,7 +82,7 @@ inline void PanelOf(int nv, const float* in, int64_t ldi, int64_t R, const float
 template <int M>
 constexpr int MaxPanel() {
 #if defined(__AVX512F__)
-  return M == 1 ? 24 : M == 2 ? 12 : M == 3 ? 8 : M == 4 ? 6 : M <= 6 ? 4 : 3;
+  return M == 1 ? 24 : M == 2 ? 12 : M == 3 ? 8 : M == 4 ? 6 : M <= 6 ? 4 : M == 7 ? 3 : 2;
 #else
   return M == 1 ? 6 : M == 2 ? 3 : M == 3 ? 2 : 1;
 #endif
