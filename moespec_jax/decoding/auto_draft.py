@@ -79,10 +79,12 @@ MAX_TIMING_RATIO = 4.0
 
 def acceptance_estimate(evidence_2):
   """(accepted + prior) / (tried + prior weight), from decayed (accepted, tried) counts
-  (the last axis; leading axes are rows)."""
-  evidence_2 = jnp.asarray(evidence_2)
+  (the last axis; leading axes are rows). NumPy in, NumPy out (generate's statistics, no eager
+  dispatch); otherwise jax."""
+  xp = np if isinstance(evidence_2, np.ndarray) else jnp
+  evidence_2 = xp.asarray(evidence_2)
   a = (evidence_2[..., 0] + PRIOR_ACCEPTANCE * PRIOR_WEIGHT) / (evidence_2[..., 1] + PRIOR_WEIGHT)
-  return jnp.clip(a, 0.0, MAX_ACCEPTANCE)
+  return xp.clip(a, 0.0, MAX_ACCEPTANCE)
 
 
 def optimistic_acceptance(evidence_2, standard_errors: float | None = None):

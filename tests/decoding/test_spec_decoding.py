@@ -215,3 +215,25 @@ def test_ngram_in_a_run_of_equal_tokens_proposes_num_draft_tokens():
   seq = jnp.asarray([[4, 7, 7, 7, 7, 7, 7, 7, 0, 0]])
   d, valid = drafters.ngram_propose(seq, jnp.asarray([8]), 3)
   assert d[0].tolist() == [7, 7, 7] and valid[0].all()
+
+
+def test_program_cache_key_hashes_a_graphdef_once(tiny_model, mtp_model, monkeypatch):
+  """generate() finds its compiled program without re-hashing the model's GraphDef (a walk of
+  the whole module tree): one hash per graphdef object; equal graphdefs share programs."""
+  graphdef = tiny_model.graphdef
+  calls = []
+  original = type(graphdef).__hash__
+  monkeypatch.setattr(type(graphdef), "__hash__", lambda self: calls.append(1) or original(self))
+  monkeypatch.setattr(loop, "_GRAPHDEF_KEYS", {})
+  first = loop._graphdef_key(graphdef)
+  assert loop._graphdef_key(graphdef) is first and len(calls) == 1
+  twin = msj.Model.init(tiny_model.config, seed=1).graphdef  # other weights, same structure
+  assert twin is not graphdef and loop._graphdef_key(twin) == first
+  assert loop._graphdef_key(mtp_model.graphdef) != first  # MTP heads: another structure
+  ls = loop.LoopSpec(max_new_tokens=4, cache_len=64, sampling=msj.SamplingParams(), expert_method="xla",
+                     drafter="none", num_draft=0)
+  x = jnp.zeros((1, 8), jnp.int32)
+  hashed = len(calls)  # one per graphdef object so far
+  assert hashed == 3
+  assert loop._signature(loop._generate_spec, ls, graphdef, x) == loop._signature(loop._generate_spec, ls, twin, x)
+  assert len(calls) == hashed
