@@ -9,6 +9,8 @@
 #include <cstdlib>
 #include <thread>
 
+#include "vmath.h"
+
 namespace moespec {
 
 constexpr int64_t kColBlock = 1024;  // columns of W per row tile (keeps out[m, block] in L1/L2)
@@ -18,13 +20,10 @@ constexpr int64_t kManyRows = 8;        // tokens from which a product is comput
 constexpr int kTileRows = 6;            // tokens per register panel against a W block in L2
 constexpr int64_t kCachedPanelBytes = 1 << 20;  // W blocks up to this size are re-read from L2
 
-// 16 floats: one AVX-512 register (two AVX2 ones), from any float-aligned address.
-typedef float V16 __attribute__((vector_size(64), aligned(4)));
-
 // Keeps a loaded weight vector in a register. Without this GCC folds the load into each of the M > 1
 // multiply-adds that use it (M loads of one vector per row): 4-token panels against a W block in
 // L2 ran at half the speed of 5-token ones (89 against 193 GFLOPS on one core, 192 x 256 x 320).
-inline void InRegister(V16& v) {
+inline void InRegister(F16& v) {
 #if defined(__AVX512F__) && (defined(__GNUC__) || defined(__clang__))
   asm("" : "+v"(v));
 #else
@@ -38,11 +37,11 @@ inline void InRegister(V16& v) {
 template <int M, int P>
 inline void Panel(const float* in, int64_t ldi, int64_t R, const float* W, int64_t ldw, float* out,
                   int64_t ldo) {
-  V16 acc[M][P];
+  F16 acc[M][P];
 #pragma GCC unroll 8
   for (int j = 0; j < M; ++j) {
 #pragma GCC unroll 32
-    for (int p = 0; p < P; ++p) acc[j][p] = *reinterpret_cast<const V16*>(out + j * ldo + 16 * p);
+    for (int p = 0; p < P; ++p) acc[j][p] = *reinterpret_cast<const F16*>(out + j * ldo + 16 * p);
   }
   for (int64_t r = 0; r < R; ++r) {
     const float* w = W + r * ldw;
@@ -53,7 +52,7 @@ inline void Panel(const float* in, int64_t ldi, int64_t R, const float* W, int64
     for (int j = 0; j < M; ++j) a[j] = in[j * ldi + r];
 #pragma GCC unroll 32
     for (int p = 0; p < P; ++p) {
-      V16 wv = *reinterpret_cast<const V16*>(w + 16 * p);
+      F16 wv = *reinterpret_cast<const F16*>(w + 16 * p);
       if constexpr (M > 1) InRegister(wv);
 #pragma GCC unroll 8
       for (int j = 0; j < M; ++j) acc[j][p] += a[j] * wv;
@@ -62,7 +61,7 @@ inline void Panel(const float* in, int64_t ldi, int64_t R, const float* W, int64
 #pragma GCC unroll 8
   for (int j = 0; j < M; ++j) {
 #pragma GCC unroll 32
-    for (int p = 0; p < P; ++p) *reinterpret_cast<V16*>(out + j * ldo + 16 * p) = acc[j][p];
+    for (int p = 0; p < P; ++p) *reinterpret_cast<F16*>(out + j * ldo + 16 * p) = acc[j][p];
   }
 }
 
@@ -78,7 +77,7 @@ inline void PanelOf(int nv, const float* in, int64_t ldi, int64_t R, const float
 }
 
 // Most vectors per panel for M tokens: M x P accumulators + a weight vector + M broadcasts
-// within the vector registers (32 AVX-512 registers; without AVX-512 a V16 takes two of 16).
+// within the vector registers (32 AVX-512 registers; without AVX-512 an F16 takes two of 16).
 template <int M>
 constexpr int MaxPanel() {
 #if defined(__AVX512F__)

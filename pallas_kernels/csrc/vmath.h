@@ -1,7 +1,8 @@
-// Elementwise math in 16-float vectors for the C++ CPU kernels: exp of non-positive arguments
-// (attention's softmax) and the SwiGLU activation silu(g) * u (the expert FFN). Each has a
-// vector form and a one-lane form that compute the same bits, so a value never depends on where
-// it sits in an array (a plain step and a verification pass agree bit for bit).
+// The 16-float vector types of the C++ CPU kernels (gemv.h's products use them too) and their
+// elementwise math: exp of non-positive arguments (attention's softmax) and the SwiGLU activation
+// silu(g) * u (the expert FFN). Each has a vector form and a one-lane form that compute the same
+// bits, so a value never depends on where it sits in an array (a plain step and a verification
+// pass agree bit for bit).
 
 #ifndef MOESPEC_CSRC_VMATH_H_
 #define MOESPEC_CSRC_VMATH_H_
