@@ -288,6 +288,30 @@ def test_cached_attention_rows_do_not_depend_on_the_pass(cpu_kernel):
     cpu_ffi.cached_attention(q_NQD, keys_NDS[:, :16], values_NSD, limit_NQ)
 
 
+@pytest.mark.parametrize("threads", ["1", "2"])
+def test_cached_attention_prefill_blocks(cpu_kernel, monkeypatch, threads):
+  """A prefill's rows (t-major, 2 query heads per KV head, each seeing its own position) run in
+  causal blocks, spread over the threads even for one pair: each row the same bits as alone, the
+  reference's values, and nothing past the last row's position read (NaN there changes nothing)."""
+  del cpu_kernel
+  monkeypatch.setenv("MOESPEC_FFI_THREADS", threads)
+  rng = np.random.default_rng(3)
+  n, t, r, d, s = 1, 150, 2, 32, 160
+  q_NQD = rng.normal(size=(n, t * r, d)).astype(np.float32)
+  keys_NDS = rng.normal(size=(n, d, s)).astype(np.float32)
+  values_NSD = rng.normal(size=(n, s, d)).astype(np.float32)
+  limit_NQ = np.repeat(np.arange(t, dtype=np.int32), r)[None]
+  together = np.asarray(cpu_ffi.cached_attention(*map(jnp.asarray, (q_NQD, keys_NDS, values_NSD, limit_NQ))))
+  np.testing.assert_allclose(together, _attention_reference(q_NQD, keys_NDS, values_NSD, limit_NQ), atol=2e-5)
+  for i in (0, 1, 63, 64, 200, 299):
+    alone = cpu_ffi.cached_attention(q_NQD[:, i:i + 1], keys_NDS, values_NSD, limit_NQ[:, i:i + 1])
+    np.testing.assert_array_equal(np.asarray(alone), together[:, i:i + 1])
+  keys_NDS[:, :, t:] = np.nan
+  values_NSD[:, t:] = np.nan
+  np.testing.assert_array_equal(
+      np.asarray(cpu_ffi.cached_attention(*map(jnp.asarray, (q_NQD, keys_NDS, values_NSD, limit_NQ)))), together)
+
+
 def test_clock_inside_a_compiled_loop(cpu_kernel):
   """clock_after passes its operand through and reads a clock ordered by data: readings around
   each of 3 loop iterations of real work never go back and add up to the loop's time."""

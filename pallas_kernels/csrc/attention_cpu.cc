@@ -10,8 +10,10 @@
 // limit [N, Q] (int32: query row i sees positions 0..limit[i]; limit < 0 sees none and returns
 // zeros), out [N, Q, D]. N = batch rows x KV heads, Q = query rows per KV head.
 //
-// Work split: contiguous ranges of pairs, one per slot (slots.h). Each query row's arithmetic
-// depends only on its own inputs, never on Q or on which thread ran it.
+// Work split: blocks of each pair's query rows (CausalBlocks), contiguous ranges of them per slot
+// (slots.h). Each query row's arithmetic depends only on its own inputs, never on Q, on the blocks
+// or on which thread ran it: a row's scores are the same whatever keys past its own a block
+// reads, and those keys enter the values' sum with weight exactly 0.
 
 #include <algorithm>
 #include <cstdint>
@@ -33,6 +35,12 @@ using moespec::F16;
 using moespec::I1;
 using moespec::I16;
 using moespec::kLanes;
+
+// Query rows and key positions of a causal block (CausalBlocks). A prefill's rows see ever more keys
+// (t-major rows, causal): a block scores and reads keys only up to its own last row's position,
+// about half the work of scoring every row against the longest, and the blocks spread one pair's
+// rows over the threads.
+constexpr int64_t kQueryBlock = 32;
 
 // x[s] = exp(x[s] - top) for s < n.
 inline void ExpShifted(float* x, int64_t n, float top) {
@@ -91,19 +99,22 @@ struct Problem {
   float* out;
   int64_t N, Q, D, S;
 
-  void Pair(int64_t n, std::vector<float>& scores) const {
-    const float* q_QD = q + n * Q * D;
+  // Query rows [i0, i1) of pair n: scored against keys up to the last position any of them sees
+  // (a prefill's early rows skip the later keys: causal blocks), softmax, then the values.
+  void Rows(int64_t n, int64_t i0, int64_t i1, std::vector<float>& scores) const {
+    const int64_t rows = i1 - i0;
+    const float* q_QD = q + (n * Q + i0) * D;
     const float* k_DS = keys + n * D * S;
     const float* v_SD = values + n * S * D;
-    const int32_t* lim_Q = limit + n * Q;
-    float* o_QD = out + n * Q * D;
+    const int32_t* lim_Q = limit + n * Q + i0;
+    float* o_QD = out + (n * Q + i0) * D;
     int64_t visible = 0;
-    for (int64_t i = 0; i < Q; ++i) visible = std::max<int64_t>(visible, std::min<int64_t>(lim_Q[i], S - 1) + 1);
-    std::fill(o_QD, o_QD + Q * D, 0.0f);
+    for (int64_t i = 0; i < rows; ++i) visible = std::max<int64_t>(visible, std::min<int64_t>(lim_Q[i], S - 1) + 1);
+    std::fill(o_QD, o_QD + rows * D, 0.0f);
     if (visible == 0) return;
-    scores.assign(Q * visible, 0.0f);
-    moespec::PanelGemvAcc(q_QD, Q, D, k_DS, S, 0, visible, scores.data(), visible);
-    for (int64_t i = 0; i < Q; ++i) {
+    scores.assign(rows * visible, 0.0f);
+    moespec::PanelGemvAcc(q_QD, rows, D, k_DS, S, 0, visible, scores.data(), visible);
+    for (int64_t i = 0; i < rows; ++i) {
       const int64_t seen = std::min<int64_t>(lim_Q[i], S - 1) + 1;
       float* __restrict__ s_S = scores.data() + i * visible;
       if (seen <= 0) {
@@ -116,11 +127,34 @@ struct Problem {
       for (int64_t s = 0; s < seen; ++s) s_S[s] *= inv;
       std::fill(s_S + seen, s_S + visible, 0.0f);
     }
-    // out[i, :] = sum_s p[i, s] v[s, :]: the values rows streamed once for all query rows.
-    moespec::PanelGemvAcc(scores.data(), Q, visible, v_SD, D, 0, D, o_QD, D);
+    // out[i, :] = sum_s p[i, s] v[s, :]: the values rows streamed once for all the block's rows.
+    moespec::PanelGemvAcc(scores.data(), rows, visible, v_SD, D, 0, D, o_QD, D);
   }
-
 };
+
+struct Block {
+  int64_t n, i0, i1;
+  double cost;
+};
+
+// Pair n's query rows in blocks: a block holds at least kQueryBlock rows and ends before the first
+// row that sees kQueryBlock more keys than the block's first row. A prefill's rows (t-major, each
+// seeing its own position) fall into blocks of about kQueryBlock positions; a decoding pass's rows
+// (within K + 1 positions of each other) stay one block, whose keys and values are read once.
+void CausalBlocks(const Problem& p, int64_t n, std::vector<Block>& blocks) {
+  const int32_t* lim_Q = p.limit + n * p.Q;
+  auto seen = [&](int64_t i) { return std::max<int64_t>(0, std::min<int64_t>(lim_Q[i], p.S - 1) + 1); };
+  int64_t i0 = 0, top = 0;
+  for (int64_t i = 0; i < p.Q; ++i) {
+    if (i - i0 >= kQueryBlock && seen(i) >= seen(i0) + kQueryBlock) {
+      blocks.push_back({n, i0, i, static_cast<double>(i - i0) * (top + 1)});
+      i0 = i;
+      top = 0;
+    }
+    top = std::max(top, seen(i));
+  }
+  blocks.push_back({n, i0, p.Q, static_cast<double>(p.Q - i0) * (top + 1)});
+}
 
 ffi::Error AttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> keys,
                          ffi::Buffer<ffi::F32> values, ffi::Buffer<ffi::S32> limit,
@@ -135,10 +169,23 @@ ffi::Error AttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buf
   const Problem p{q.typed_data(), keys.typed_data(), values.typed_data(), limit.typed_data(),
                   out->typed_data(), qd[0], qd[1], qd[2], kd[2]};
   if (p.N == 0 || p.Q == 0) return ffi::Error::Success();
-  const int n_slots = moespec::SlotsFor(pool, p.N);
+  // Units of work: blocks of a pair's query rows (CausalBlocks), dealt to slots as contiguous
+  // ranges of near-equal estimated cost (rows x keys read).
+  std::vector<Block> blocks;
+  for (int64_t n = 0; n < p.N; ++n) CausalBlocks(p, n, blocks);
+  const int n_slots = moespec::SlotsFor(pool, static_cast<int64_t>(blocks.size()));
+  std::vector<size_t> first(n_slots + 1, blocks.size());
+  first[0] = 0;
+  double total = 0.0;
+  for (const Block& b : blocks) total += b.cost;
+  double done = 0.0;
+  for (size_t u = 0, s = 1; u < blocks.size(); ++u) {
+    done += blocks[u].cost;
+    while (s < static_cast<size_t>(n_slots) && done - 0.5 * blocks[u].cost >= total * s / n_slots) first[s++] = u;
+  }
   moespec::RunSlots(pool, n_slots, [&](int s) {
     std::vector<float> scores;
-    for (int64_t n = p.N * s / n_slots; n < p.N * (s + 1) / n_slots; ++n) p.Pair(n, scores);
+    for (size_t u = first[s]; u < first[s + 1]; ++u) p.Rows(blocks[u].n, blocks[u].i0, blocks[u].i1, scores);
   });
   return ffi::Error::Success();
 }
