@@ -15,7 +15,9 @@ on code prompts (UTF-8 bytes of standard-library sources as token ids). Measurem
 rounds: at batch 1 both implementations' plain and prompt-lookup decoding once each per round,
 at batch 8 both plain decoders, the order reversing from round to round; tokens/s are medians
 over rounds and the summary's ratios medians of within-round ratios (this machine's speed drifts
-by tens of percent over minutes). Compilation and a warm-up call are excluded; every timed call
+by tens of percent over minutes). The two n-gram speedups are also compared within each round
+(ours over transformers'), each figure with a 90% bootstrap interval over the rounds
+(`analysis/timing`): whether one side's speedup is larger than the other's or within the noise. Compilation and a warm-up call are excluded; every timed call
 starts with the processor's caches emptied (a call that followed one of its own kind found its
 weights cached, one that followed the other implementation did not).
 
@@ -39,7 +41,7 @@ from absl import flags
 import numpy as np
 
 from moespec_jax import cli
-from moespec_jax.analysis import roofline
+from moespec_jax.analysis import roofline, timing
 from moespec_jax.io import atomic
 
 _WORKDIR = flags.DEFINE_string("workdir", "runs/peer_bench", "Where metrics.json and table.md go.")
@@ -167,16 +169,25 @@ def summarize(rows: list[dict], stream_gbps: float | None = None) -> list[dict]:
   for family in dict.fromkeys(r["family"] for r in rows):
     by = {(r["impl"], r["batch_size"], r["drafter"]): r for r in rows if r["family"] == family}
 
-    def ratio(num, den):
+    def per_round(num, den):
       a, b = by[num], by[den]
-      return statistics.median((a["tokens"] / ta) / (b["tokens"] / tb) for ta, tb in zip(a["seconds"], b["seconds"]))
+      return [(a["tokens"] / ta) / (b["tokens"] / tb) for ta, tb in zip(a["seconds"], b["seconds"])]
 
+    ours = per_round(("moespec_jax", 1, "ngram"), ("moespec_jax", 1, "none"))
+    theirs = per_round(("transformers", 1, "ngram"), ("transformers", 1, "none"))
+    # All four batch-1 runs share each round: the two speedups' ratio is taken within a round too.
+    relative = [o / t for o, t in zip(ours, theirs)]
     s = dict(
         family=family,
-        plain_ratio_b1=ratio(("moespec_jax", 1, "none"), ("transformers", 1, "none")),
-        plain_ratio_b8=ratio(("moespec_jax", 8, "none"), ("transformers", 8, "none")),
-        ngram_speedup_ours=ratio(("moespec_jax", 1, "ngram"), ("moespec_jax", 1, "none")),
-        ngram_speedup_transformers=ratio(("transformers", 1, "ngram"), ("transformers", 1, "none")),
+        plain_ratio_b1=statistics.median(per_round(("moespec_jax", 1, "none"), ("transformers", 1, "none"))),
+        plain_ratio_b8=statistics.median(per_round(("moespec_jax", 8, "none"), ("transformers", 8, "none"))),
+        ngram_speedup_ours=statistics.median(ours),
+        ngram_speedup_transformers=statistics.median(theirs),
+        ngram_speedup_ours_over_transformers=statistics.median(relative),
+        # 90% bootstrap intervals (rounds resampled): what timing noise leaves of each figure.
+        ngram_speedup_ours_interval=timing.median_interval(ours),
+        ngram_speedup_transformers_interval=timing.median_interval(theirs),
+        ngram_speedup_ours_over_transformers_interval=timing.median_interval(relative),
         tokens_identical=all(r["tokens_identical_to_transformers"] for r in by.values()))
     for batch in (1, 8):
       ours, theirs = by[("moespec_jax", batch, "none")], by[("transformers", batch, "none")]
@@ -201,14 +212,17 @@ def table(rows: list[dict], summary: list[dict]) -> str:
                  f"{r['tokens_per_second'] / h['tokens_per_second']:.2f}x | "
                  f"{r['tokens_identical_to_transformers']} |")
   lines += ["", "| family | plain b1 ratio | plain b8 ratio | n-gram speedup (ours) | "
-            "prompt-lookup speedup (transformers) | identical | b1 / b8 ceiling ratio | "
-            "b1 / b8 share of stream bandwidth (ours) |", "|---|---|---|---|---|---|---|---|"]
+            "prompt-lookup speedup (transformers) | ours / transformers [90% interval] | identical | "
+            "b1 / b8 ceiling ratio | b1 / b8 share of stream bandwidth (ours) |",
+            "|---|---|---|---|---|---|---|---|---|"]
   pair = lambda s, key, fmt: (" / ".join(format(s[f"{key}_b{b}"], fmt) for b in (1, 8))  # noqa: E731
                               if f"{key}_b8" in s else "-")
   for s in summary:
     lines.append(f"| {s['family']} | {s['plain_ratio_b1']:.2f}x | {s['plain_ratio_b8']:.2f}x | "
                  f"{s['ngram_speedup_ours']:.2f}x | {s['ngram_speedup_transformers']:.2f}x | "
-                 f"{s['tokens_identical']} | {pair(s, 'ceiling_ratio', '.2f')} | {pair(s, 'stream_fraction', '.0%')} |")
+                 f"{s['ngram_speedup_ours_over_transformers']:.2f} "
+                 f"[{s['ngram_speedup_ours_over_transformers_interval'][0]:.2f}, "
+                 f"{s['ngram_speedup_ours_over_transformers_interval'][1]:.2f}] | {s['tokens_identical']} | {pair(s, 'ceiling_ratio', '.2f')} | {pair(s, 'stream_fraction', '.0%')} |")
   return "\n".join(lines) + "\n"
 
 

@@ -39,7 +39,7 @@ import numpy as np
 import moespec_jax as msj
 import pallas_kernels
 from moespec_jax import cli
-from moespec_jax.analysis import cost_model, draft_policy_sim, routing_report, traces
+from moespec_jax.analysis import cost_model, draft_policy_sim, routing_report, timing, traces
 from moespec_jax.data import corpus
 from moespec_jax.decoding import loop
 from moespec_jax.io import atomic, progress
@@ -273,11 +273,7 @@ def median_ratio(num, den) -> float:
 def median_ratio_interval(num, den, level: float = 0.9, resamples: int = 2000, seed: int = 0):
   """A percentile-bootstrap interval (rounds resampled) for `median_ratio(num, den)`: how far
   this machine's timing noise leaves the median ratio uncertain."""
-  ratios = np.asarray(num, float) / np.asarray(den, float)
-  picks = np.random.default_rng(seed).integers(0, ratios.size, (resamples, ratios.size))
-  medians = np.median(ratios[picks], axis=1)
-  tail = (1.0 - level) / 2.0
-  return float(np.quantile(medians, tail)), float(np.quantile(medians, 1.0 - tail))
+  return timing.median_interval(np.asarray(num, float) / np.asarray(den, float), level, resamples, seed)
 
 
 def round_robin_speedups(model, prompts, max_new_tokens: int, specs: dict, rounds: int, reference=None,

@@ -42,6 +42,8 @@ def test_median_ratio_interval_brackets_the_median_and_narrows_with_rounds():
     intervals.append(hi - lo)
   assert intervals[1] < intervals[0] / 2
   assert cost_validation.median_ratio_interval([2.0, 4.0, 6.0], [1.0, 2.0, 3.0]) == (2.0, 2.0)
+  with pytest.raises(ValueError, match="non-empty 1-D"):
+    cost_validation.median_ratio_interval([], [])
 
 
 def test_best_k_bootstrap_shares_follow_the_timing_noise():
