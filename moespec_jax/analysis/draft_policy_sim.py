@@ -5,7 +5,9 @@ On the development machine the same program run twice differs by several percent
 comparison of auto against plain decoding and against the best fixed K mixes what the policy
 costs (passes spent learning the acceptance rate, K chosen on a noisy estimate, changes of K)
 with that noise. Here one row decodes `n_tokens` tokens under geometric acceptance with rate a
-(each draft accepted independently with probability a: the controlled drafter, greedy) and each
+(each draft accepted independently with probability a: the controlled drafter, greedy), or
+under a per-depth profile (draft j accepted with its own probability given drafts 0..j-1 were:
+prompt lookup's runs), and each
 pass with K drafts costs step_ms[K]; the policy runs exactly as the decoding loop runs it
 (`auto_draft.choose_k` per segment, the same evidence updates, shadow drafts on plain passes),
 and fixed K runs the same random acceptances. `switch_ms`: time added whenever K changes between
@@ -37,24 +39,29 @@ def _choose(shadow: bool) -> Callable:
   return jax.jit(functools.partial(auto_draft.choose_k, shadow=shadow))
 
 
-def _accepted(rng: np.random.Generator, acceptance: float, k: int) -> int:
-  """Drafts accepted in a pass of K: the first rejection ends the run."""
+def _accepted(rng: np.random.Generator, acceptance_J: np.ndarray, k: int) -> int:
+  """Drafts accepted in a pass of K (draft j with probability acceptance_J[j]): the first
+  rejection ends the run."""
   n = 0
-  while n < k and rng.random() < acceptance:
+  while n < k and rng.random() < acceptance_J[n]:
     n += 1
   return n
 
 
-def simulate(acceptance: float, step_ms_K: Sequence[float], *, num_draft: int | str = "auto",
+def simulate(acceptance: float | Sequence[float], step_ms_K: Sequence[float], *, num_draft: int | str = "auto",
              n_tokens: int = 127, runs: int = 100, shadow: bool = True,
              switch_ms: Callable[[int, int], float] | float = 0.0, seed: int = 0) -> PolicyRun:
   """Decodes `n_tokens` tokens `runs` times with num_draft="auto" (K in 0..len(step_ms_K) - 1)
-  or a fixed K; `shadow`: plain passes bring evidence (n-gram and controlled drafters)."""
-  if not 0.0 <= acceptance <= 1.0:
-    raise ValueError(f"acceptance must be in [0, 1], got {acceptance}")
+  or a fixed K; `shadow`: plain passes bring evidence (n-gram and controlled drafters).
+  `acceptance`: one rate for every draft (geometric), or one per depth (draft j accepted with
+  probability acceptance[j] given drafts 0..j-1 were; len(step_ms_K) - 1 of them)."""
   step = np.asarray(step_ms_K, np.float64)
   if step.ndim != 1 or step.size < 2 or np.any(step <= 0):
     raise ValueError(f"step_ms_K must hold a positive time for each K = 0..max (at least 2), got {step_ms_K}")
+  acceptance_J = np.broadcast_to(np.asarray(acceptance, np.float64), (step.size - 1,)) if np.ndim(acceptance) == 0 \
+      else np.asarray(acceptance, np.float64)
+  if acceptance_J.shape != (step.size - 1,) or np.any((acceptance_J < 0) | (acceptance_J > 1)):
+    raise ValueError(f"acceptance must be a rate in [0, 1] or one per draft depth ({step.size - 1}), got {acceptance}")
   auto = num_draft == "auto"
   if not auto and not (isinstance(num_draft, int) and 0 <= num_draft < step.size):
     raise ValueError(f"num_draft must be 'auto' or an int in [0, {step.size}), got {num_draft!r}")
@@ -64,12 +71,14 @@ def simulate(acceptance: float, step_ms_K: Sequence[float], *, num_draft: int | 
   total_ms, passes_K = 0.0, np.zeros(step.size)
   for _ in range(runs):
     evidence = np.zeros(2, np.float32)
+    depth_evidence = np.zeros((step.size - 1, 2), np.float32)
     generated, current_k, elapsed = 0, 0, 0.0
     while generated < n_tokens:
       remaining = n_tokens - generated
       if auto:
         k, n_passes = (int(x) for x in choose(jnp.asarray(evidence), step_j, remaining_B=jnp.float32([remaining]),
-                                              current_k=jnp.int32(current_k)))
+                                              current_k=jnp.int32(current_k),
+                                              depth_evidence_BJ2=jnp.asarray(depth_evidence)[None]))
       else:
         k, n_passes = num_draft, n_tokens
       k = min(k, remaining - 1)  # as the loop: never more drafts than a row can still commit
@@ -80,12 +89,20 @@ def simulate(acceptance: float, step_ms_K: Sequence[float], *, num_draft: int | 
         if generated >= n_tokens:
           break
         if k:
-          accepted = _accepted(rng, acceptance, k)
+          accepted = _accepted(rng, acceptance_J, k)
           tried = min(accepted + 1, k)
         else:
-          accepted, tried = (float(rng.random() < acceptance), 1) if shadow else (0, 0)
+          accepted, tried = (float(rng.random() < acceptance_J[0]), 1) if shadow else (0, 0)
         if tried:
           evidence = auto_draft.EVIDENCE_DECAY * evidence + np.float32([accepted, tried])
+          depth = np.zeros_like(depth_evidence)
+          depth[:tried, 1] = 1.0  # reached: the accepted drafts and the first rejected one
+          if k:
+            depth[:int(accepted), 0] = 1.0
+          else:  # a shadow draft, at depth 0
+            depth[0, 0] = accepted
+          reached = depth[:, 1:2] > 0  # only the depths reached decay
+          depth_evidence = np.where(reached, auto_draft.EVIDENCE_DECAY * depth_evidence + depth, depth_evidence)
         generated += min((accepted if k else 0) + 1, n_tokens - generated)
         elapsed += step[k]
         passes_K[k] += 1

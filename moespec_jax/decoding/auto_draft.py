@@ -10,7 +10,10 @@ SEGMENT_PASSES (PLAIN_SEGMENT_PASSES at K = 0; each choice runs one loop per K, 
 kept off most passes); K = 0 is plain decoding, chosen where speculation does not pay.
 
 Each row's a is estimated from its decayed counts of accepted and tried drafts, starting from a
-weak prior, and read optimistically (plus OPTIMISM standard errors). Drafters whose proposals
+weak prior, and read optimistically (plus OPTIMISM standard errors). The tokens a pass commits
+follow each draft depth's own conditional acceptance, from per-depth counts shrunk towards that
+pooled rate (`depth_acceptance`): drafters whose acceptance is not geometric (prompt lookup:
+wrong at once or right for a long run) get the K their runs pay for. Drafters whose proposals
 cost next to nothing (n-gram lookup, the controlled drafter) keep the evidence flowing at
 K = 0: each plain pass checks the one draft they would have proposed against the token the
 target produced ("shadow" drafts: greedy, whether it matches; sampled, its acceptance
@@ -59,6 +62,13 @@ YOUNG_PLAIN_PASSES = 4  # passes per K = 0 choice while the estimate is young (s
 NO_MATCH_PASSES = 4  # plain passes when no row has an n-gram match (each choice costs a little)
 SHADOW_DRAFTERS = ("ngram", "controlled")  # proposals cheap enough to check on plain passes
 MAX_ACCEPTANCE = 0.999
+# Reached drafts at which a depth's own acceptance weighs as much as the depth before it; standard
+# errors added to a depth's estimate while it has no evidence of its own (fading with it). In
+# simulation (analysis/draft_policy_sim, the default model's pass times, 127 tokens) this took
+# auto from 0.79 to 0.86 of the best fixed K under the default model's prompt-lookup profile
+# at batch 4 (0.77 to 0.82 at batch 1), and cost 0.5% on average under geometric acceptance.
+DEPTH_PRIOR_WEIGHT = 4.0
+DEPTH_OPTIMISM = 0.5
 # Drafting is chosen only where it is predicted at least this much faster than plain decoding:
 # calibrated pass times carry about this much noise, and near the break-even acceptance a
 # drafting pass chosen on noise (or on a lucky early estimate) costs more than it can gain.
@@ -121,16 +131,54 @@ def tokens_per_pass_K(a, num_k: int):
   return (1.0 - a ** (k_K + 1.0)) / (1.0 - a)
 
 
-def finish_ms(a_B, remaining_B, step_ms_K):
+def depth_acceptance(depth_evidence_BJ2, pooled_a_B):
+  """Each depth's conditional acceptance (draft j accepted, given drafts 0..j-1 were) from that
+  depth's decayed (accepted, reached) counts, shrunk with weight DEPTH_PRIOR_WEIGHT towards the
+  depth before it (depth 0: towards the row's pooled rate `pooled_a_B`): a depth without
+  evidence continues the one before it, so a drafter right at depth 1 far more often than at
+  depth 0 (prompt lookup) is expected to stay right deeper, and one with much evidence takes its
+  own rate. Each rate is read DEPTH_OPTIMISM standard errors high, scaled by the prior's share
+  of its weight (exploration of depths rarely reached). [..., J]."""
+  depth_evidence_BJ2 = jnp.asarray(depth_evidence_BJ2, jnp.float32)
+  prior_B = jnp.asarray(pooled_a_B, jnp.float32)
+  rates = []
+  for j in range(depth_evidence_BJ2.shape[-2]):
+    accepted_B, reached_B = depth_evidence_BJ2[..., j, 0], depth_evidence_BJ2[..., j, 1]
+    prior_B = (accepted_B + DEPTH_PRIOR_WEIGHT * prior_B) / (reached_B + DEPTH_PRIOR_WEIGHT)
+    # Optimism while the depth has little evidence of its own (exploration: a depth that is
+    # never reached is never measured), fading as that evidence outweighs the prior.
+    fresh_B = DEPTH_PRIOR_WEIGHT / (reached_B + DEPTH_PRIOR_WEIGHT)
+    spread_B = jnp.sqrt(prior_B * (1.0 - prior_B) / (reached_B + DEPTH_PRIOR_WEIGHT))
+    rates.append(jnp.clip(prior_B + DEPTH_OPTIMISM * fresh_B * spread_B, 0.0, MAX_ACCEPTANCE))
+  if not rates:
+    return jnp.zeros(depth_evidence_BJ2.shape[:-1], jnp.float32)
+  return jnp.clip(jnp.stack(rates, axis=-1), 0.0, MAX_ACCEPTANCE)
+
+
+def tokens_per_pass_depths(a_BJ, num_k: int):
+  """Expected committed tokens per pass for every K in 0..num_k - 1 from the conditional
+  acceptance at each depth (a_BJ: [..., J], J >= num_k - 1): 1 + sum_{j<K} prod_{i<=j} a_i.
+  Constant a gives tokens_per_pass_K."""
+  a_BJ = jnp.asarray(a_BJ, jnp.float32)[..., :num_k - 1]
+  reach_BJ = jnp.cumprod(a_BJ, axis=-1)
+  first = jnp.ones(a_BJ.shape[:-1] + (1,), jnp.float32)
+  return jnp.concatenate([first, 1.0 + jnp.cumsum(reach_BJ, axis=-1)], axis=-1)
+
+
+def finish_ms(a_B, remaining_B, step_ms_K, tokens_BK=None):
   """Predicted time (ms) until every row is done at each K: a batch finishes with its slowest
   row, max_b remaining_b / tokens_per_pass(a_b, K) passes of step_ms[K] each. (For one row,
   the K with the most tokens per millisecond; with ragged acceptance, rows that accept less
-  set the pace and long drafts of the others are wasted.)"""
-  passes_BK = remaining_B[:, None] / tokens_per_pass_K(a_B, step_ms_K.shape[0])
+  set the pace and long drafts of the others are wasted.) `tokens_BK`: tokens per pass of each
+  row and K, in place of geometric acceptance at a_B."""
+  if tokens_BK is None:
+    tokens_BK = tokens_per_pass_K(a_B, step_ms_K.shape[0])
+  passes_BK = remaining_B[:, None] / tokens_BK
   return jnp.max(passes_BK, axis=0) * step_ms_K
 
 
-def choose_k(evidence_B2, step_ms_K, *, shadow: bool, remaining_B=None, current_k=None):
+def choose_k(evidence_B2, step_ms_K, *, shadow: bool, remaining_B=None, current_k=None,
+             depth_evidence_BJ2=None):
   """(K, passes) for the next segment (int32 scalars).
 
   evidence_B2: each row's decayed (accepted, tried) draft counts ([2] for one row);
@@ -146,11 +194,21 @@ def choose_k(evidence_B2, step_ms_K, *, shadow: bool, remaining_B=None, current_
   draft puts that row's bound near 0.8, low enough alone to stop drafting that pays; the pooled
   counts are the batch's evidence). `current_k`: the
   K of the last segment, kept unless another K is predicted faster by SWITCH_MARGIN (once the
-  estimate is settled)."""
+  estimate is settled). `depth_evidence_BJ2`: each row's decayed (accepted, reached) counts per
+  draft depth; the tokens a pass commits then follow each depth's own acceptance
+  (`depth_acceptance`, shrunk towards the optimistic pooled rate) instead of a geometric run at
+  the pooled rate: a prompt-lookup draft is often wrong at its first token and then right for a
+  long run (the default model on code: 0.45-0.48 at depth 0, 0.8-0.86 at depth 1, 0.95-1.0
+  beyond), where the geometric model overrates short drafts against long ones."""
   evidence_B2 = jnp.atleast_2d(jnp.asarray(evidence_B2, jnp.float32))
   remaining_B = (jnp.ones(evidence_B2.shape[0], jnp.float32) if remaining_B is None
                  else jnp.asarray(remaining_B, jnp.float32))
-  time_K = finish_ms(optimistic_acceptance(evidence_B2), remaining_B, step_ms_K)
+  a_B = optimistic_acceptance(evidence_B2)
+  tokens_BK = None
+  if depth_evidence_BJ2 is not None:
+    depth_BJ2 = jnp.asarray(depth_evidence_BJ2, jnp.float32).reshape(evidence_B2.shape[0], -1, 2)
+    tokens_BK = tokens_per_pass_depths(depth_acceptance(depth_BJ2, a_B), step_ms_K.shape[0])
+  time_K = finish_ms(a_B, remaining_B, step_ms_K, tokens_BK)
   time_K = time_K.at[1:].multiply(1.0 + DRAFT_MARGIN)
   settled = jnp.min(jnp.where(remaining_B > 0, evidence_B2[:, 1], jnp.inf)) >= SETTLED_EVIDENCE
   if current_k is not None:  # while the estimate is young, K follows it freely

@@ -179,6 +179,8 @@ def _init(model, tokens_BT, lengths_B, key, draft_inputs, ls: LoopSpec):
       "passes_by_K": jnp.zeros((k_max + 1,), jnp.float32),
       # auto K: each row's decayed (accepted, tried) draft counts (shadow drafts included).
       "acceptance_evidence": jnp.zeros((batch, 2), jnp.float32),
+      # auto K: the same per draft depth, (accepted, reached) (shadow drafts at depth 0).
+      "depth_evidence": jnp.zeros((batch, k_max, 2), jnp.float32),
       "auto_k": jnp.int32(0),  # auto K: the K of the last segment
       # auto K, timed (CPU): per-K evidence of measured / calibrated pass time
       # (auto_draft.record_pass_time), the clock at the last segment's start and the passes run
@@ -297,10 +299,18 @@ def _pass(model, carry, k: int, ls: LoopSpec):
     else:
       tried_B = shadow_valid_B.astype(jnp.float32)
       accepted_B = jnp.where(shadow_valid_B, shadow_accept_B, 0.0)
-    evidence_B2 = stats["acceptance_evidence"]
+    if k:
+      depth_BK2 = jnp.stack([(reached_BK & accept_BK), reached_BK], axis=-1).astype(jnp.float32)
+    else:
+      depth_BK2 = jnp.stack([accepted_B, tried_B], axis=-1)[:, None]
+    depth_BK2 = jnp.pad(depth_BK2, ((0, 0), (0, k_max - depth_BK2.shape[1]), (0, 0)))
+    evidence_B2, depth_evidence_BK2 = stats["acceptance_evidence"], stats["depth_evidence"]
+    brings_B = tried_B > 0
     stats["acceptance_evidence"] = jnp.where(
-        (tried_B > 0)[:, None], auto_draft.EVIDENCE_DECAY * evidence_B2 + jnp.stack([accepted_B, tried_B], 1),
+        brings_B[:, None], auto_draft.EVIDENCE_DECAY * evidence_B2 + jnp.stack([accepted_B, tried_B], 1),
         evidence_B2)
+    stats["depth_evidence"] = jnp.where(
+        brings_B[:, None, None], auto_draft.EVIDENCE_DECAY * depth_evidence_BK2 + depth_BK2, depth_evidence_BK2)
   if ls.measure_quality:
     # The exact pass over the same cache: how far the budget moved the verified logits.
     exact_logits_BSV = model(inputs_BS, positions_BS, carry["cache"], expert_method=ls.expert_method).logits
@@ -355,7 +365,8 @@ def _auto_segment(model, carry, step_ms_K, ls: LoopSpec):
     step_ms_K = auto_draft.corrected_step_ms(step_ms_K, timing_K2)
   remaining_B = jnp.where(carry["done"], 0, ls.max_new_tokens - carry["gen"])
   k, n_passes = auto_draft.choose_k(stats["acceptance_evidence"], step_ms_K, remaining_B=remaining_B,
-                                    shadow=ls.drafter in auto_draft.SHADOW_DRAFTERS, current_k=stats["auto_k"])
+                                    shadow=ls.drafter in auto_draft.SHADOW_DRAFTERS, current_k=stats["auto_k"],
+                                    depth_evidence_BJ2=stats["depth_evidence"])
   if ls.drafter == "ngram":
     # Prompt lookup with no match in any active row has nothing to verify: plain passes.
     _, valid_B1 = drafters_lib.ngram_propose(carry["dstate"]["seq"], carry["pos"] + 1, 1)

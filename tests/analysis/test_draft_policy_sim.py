@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from moespec_jax.analysis import cost_model, draft_policy_sim as sim
+from moespec_jax.decoding import auto_draft
 
 # Pass times of the default model on the development machine (ms, K = 0..8: plain, then K drafts
 # verified; experiments/cost_model's measurement, every draft wrong and every draft right
@@ -36,6 +37,25 @@ def test_auto_drafts_close_to_the_best_fixed_k_where_drafts_are_accepted(accepta
   assert r["best_fixed_over_auto"] >= 0.95  # the goal: within 5% of the best fixed K
 
 
+def test_auto_follows_a_depth_profile_to_long_drafts(monkeypatch):
+  """Prompt lookup's profile (default model on code: wrong at once in half the passes, then right
+  for a long run): auto with per-depth acceptance drafts longer than with the pooled (geometric)
+  rate alone, and ends at least as close to the best fixed K."""
+  profile = [0.47, 0.83, 0.97, 0.98, 0.97, 0.97, 0.95, 0.96]
+  mean_drafting_k = lambda passes: np.average(np.arange(1, 9), weights=passes[1:])  # noqa: E731
+  by_depth = sim.auto_regret(profile, STEP_MS)
+  monkeypatch.setattr(auto_draft, "DEPTH_PRIOR_WEIGHT", 1e9)  # every depth at the pooled rate
+  monkeypatch.setattr(auto_draft, "DEPTH_OPTIMISM", 0.0)
+  sim._choose.cache_clear()
+  pooled = sim.auto_regret(profile, STEP_MS)
+  sim._choose.cache_clear()
+  assert by_depth["best_fixed_num_draft"] >= 6
+  assert by_depth["best_fixed_over_auto"] >= max(0.85, pooled["best_fixed_over_auto"])
+  assert mean_drafting_k(by_depth["auto_passes_by_num_draft"]) > mean_drafting_k(pooled["auto_passes_by_num_draft"]) + 1
+  fixed = sim.simulate(profile, STEP_MS, num_draft=3, n_tokens=4000, runs=3)
+  assert 4000 / sum(fixed.passes_by_k) == pytest.approx(1 + 0.47 + 0.47 * 0.83 + 0.47 * 0.83 * 0.97, rel=0.03)
+
+
 def test_a_cost_per_change_of_k_is_charged():
   free = sim.simulate(0.8, STEP_MS, runs=20)
   charged = sim.simulate(0.8, STEP_MS, runs=20, switch_ms=1.0)
@@ -46,6 +66,8 @@ def test_a_cost_per_change_of_k_is_charged():
 def test_bad_arguments_are_refused():
   with pytest.raises(ValueError, match="acceptance"):
     sim.simulate(1.5, STEP_MS)
+  with pytest.raises(ValueError, match="one per draft depth"):
+    sim.simulate([0.5, 0.9], STEP_MS)
   with pytest.raises(ValueError, match="step_ms_K"):
     sim.simulate(0.5, [1.0])
   with pytest.raises(ValueError, match="num_draft"):

@@ -65,6 +65,54 @@ def test_choice_follows_the_cost_model():
   assert _choice(0, 7, dear) == (0, auto_draft.PLAIN_SEGMENT_PASSES)
 
 
+def test_tokens_per_pass_from_depths():
+  """A constant rate gives the geometric formula; a profile, 1 + sum_j prod_{i<=j} a_i."""
+  a = 0.7
+  np.testing.assert_allclose(np.asarray(auto_draft.tokens_per_pass_depths(jnp.full((1, 5), a), 6)),
+                             np.asarray(auto_draft.tokens_per_pass_K(jnp.float32([a]), 6)), rtol=1e-6)
+  profile = [0.5, 0.8, 1.0, 0.9]
+  expected = [1.0, 1.5, 1.5 + 0.4, 1.5 + 0.4 + 0.4, 1.5 + 0.4 + 0.4 + 0.36]
+  np.testing.assert_allclose(np.asarray(auto_draft.tokens_per_pass_depths(jnp.float32(profile), 5)), expected,
+                             rtol=1e-6)
+
+
+def test_depth_acceptance_continues_the_depth_before_and_follows_its_own_evidence():
+  w, z = auto_draft.DEPTH_PRIOR_WEIGHT, auto_draft.DEPTH_OPTIMISM
+  lift = lambda p, n: p + z * w / (n + w) * np.sqrt(p * (1 - p) / (n + w))  # noqa: E731
+  # No evidence: every depth at the pooled rate, read optimistically.
+  none = np.asarray(auto_draft.depth_acceptance(jnp.zeros((1, 3, 2)), jnp.float32([0.6])))[0]
+  np.testing.assert_allclose(none, [lift(0.6, 0)] * 3, rtol=1e-6)
+  # Depth 0 right 45 of 100 times, depth 1 right 85 of 100, deeper never reached: depths 0 and 1
+  # near their own rates, depth 2 continues depth 1 (not the pooled rate).
+  evidence = jnp.float32([[[45, 100], [85, 100], [0, 0]]])
+  a0, a1, a2 = np.asarray(auto_draft.depth_acceptance(evidence, jnp.float32([0.6])))[0]
+  p0 = (45 + w * 0.6) / (100 + w)
+  p1 = (85 + w * p0) / (100 + w)
+  assert a0 == pytest.approx(lift(p0, 100), rel=1e-5) and a1 == pytest.approx(lift(p1, 100), rel=1e-5)
+  assert a2 == pytest.approx(lift(p1, 0), rel=1e-5) and a2 > a1 > 0.8 > 0.5 > a0
+
+
+def test_choice_follows_the_depth_profile():
+  """Prompt lookup: often wrong at the first draft, then right for a long run (and plain passes'
+  shadow drafts add depth-0 evidence). At the same pooled counts the geometric model prefers
+  medium drafts; the depth counts make the longest pay."""
+  steps = jnp.float32([1.0, 1.45, 1.7, 1.9, 2.1, 2.3, 2.45, 2.6, 2.7])
+  reached = np.array([200.0, 47, 39, 38, 37, 36, 35, 34])
+  accepted = np.array([95.0, 39, 38, 37, 36, 35, 34, 33])
+  pooled = jnp.float32([accepted.sum(), reached.sum()])
+  depth = jnp.asarray(np.stack([accepted, reached], axis=-1))
+  geometric, _ = auto_draft.choose_k(pooled, steps, shadow=True)
+  by_depth, _ = auto_draft.choose_k(pooled, steps, shadow=True, depth_evidence_BJ2=depth[None])
+  assert 2 <= int(geometric) <= 5 and int(by_depth) == 8
+  # Geometric acceptance in the depth counts: the same choice as the pooled model.
+  a = 0.7
+  reach = 100.0 * a ** np.arange(8)
+  geo_depth = jnp.asarray(np.stack([a * reach, reach], axis=-1))[None]
+  geo_pooled = jnp.float32([(a * reach).sum(), reach.sum()])
+  assert int(auto_draft.choose_k(geo_pooled, steps, shadow=True)[0]) == int(
+      auto_draft.choose_k(geo_pooled, steps, shadow=True, depth_evidence_BJ2=geo_depth)[0])
+
+
 def test_batch_choice_follows_its_slowest_row():
   """A batch finishes with its slowest row: a row that accepts less pulls K down while it has
   tokens left, and stops mattering once it is done."""
