@@ -50,11 +50,14 @@ def _accepted(rng: np.random.Generator, acceptance_J: np.ndarray, k: int) -> int
 
 def simulate(acceptance: float | Sequence[float], step_ms_K: Sequence[float], *, num_draft: int | str = "auto",
              n_tokens: int = 127, runs: int = 100, shadow: bool = True,
-             switch_ms: Callable[[int, int], float] | float = 0.0, seed: int = 0) -> PolicyRun:
+             switch_ms: Callable[[int, int], float] | float = 0.0, seed: int = 0,
+             by_depth: bool = False) -> PolicyRun:
   """Decodes `n_tokens` tokens `runs` times with num_draft="auto" (K in 0..len(step_ms_K) - 1)
   or a fixed K; `shadow`: plain passes bring evidence (n-gram and controlled drafters).
   `acceptance`: one rate for every draft (geometric), or one per depth (draft j accepted with
-  probability acceptance[j] given drafts 0..j-1 were; len(step_ms_K) - 1 of them)."""
+  probability acceptance[j] given drafts 0..j-1 were; len(step_ms_K) - 1 of them). `by_depth`:
+  the policy reads acceptance per depth, as for prompt lookup (auto_draft.DEPTH_DRAFTERS);
+  otherwise geometrically, as for the controlled drafter."""
   step = np.asarray(step_ms_K, np.float64)
   if step.ndim != 1 or step.size < 2 or np.any(step <= 0):
     raise ValueError(f"step_ms_K must hold a positive time for each K = 0..max (at least 2), got {step_ms_K}")
@@ -78,7 +81,7 @@ def simulate(acceptance: float | Sequence[float], step_ms_K: Sequence[float], *,
       if auto:
         k, n_passes = (int(x) for x in choose(jnp.asarray(evidence), step_j, remaining_B=jnp.float32([remaining]),
                                               current_k=jnp.int32(current_k),
-                                              depth_evidence_BJ2=jnp.asarray(depth_evidence)[None]))
+                                              depth_evidence_BJ2=jnp.asarray(depth_evidence)[None] if by_depth else None))
       else:
         k, n_passes = num_draft, n_tokens
       k = min(k, remaining - 1)  # as the loop: never more drafts than a row can still commit

@@ -12,8 +12,8 @@ kept off most passes); K = 0 is plain decoding, chosen where speculation does no
 Each row's a is estimated from its decayed counts of accepted and tried drafts, starting from a
 weak prior, and read optimistically (plus OPTIMISM standard errors). The tokens a pass commits
 follow each draft depth's own conditional acceptance, from per-depth counts shrunk towards that
-pooled rate (`depth_acceptance`): drafters whose acceptance is not geometric (prompt lookup:
-wrong at once or right for a long run) get the K their runs pay for. Drafters whose proposals
+pooled rate (`depth_acceptance`), for prompt lookup (DEPTH_DRAFTERS), whose drafts are wrong at
+once or right for a long run: it gets the K its runs pay for. Drafters whose proposals
 cost next to nothing (n-gram lookup, the controlled drafter) keep the evidence flowing at
 K = 0: each plain pass checks the one draft they would have proposed against the token the
 target produced ("shadow" drafts: greedy, whether it matches; sampled, its acceptance
@@ -62,6 +62,12 @@ YOUNG_PLAIN_PASSES = 4  # passes per K = 0 choice while the estimate is young (s
 NO_MATCH_PASSES = 4  # plain passes when no row has an n-gram match (each choice costs a little)
 SHADOW_DRAFTERS = ("ngram", "controlled")  # proposals cheap enough to check on plain passes
 MAX_ACCEPTANCE = 0.999
+# Drafters whose acceptance is read per depth (`depth_acceptance`): prompt lookup, whose drafts
+# are wrong at once or right for a long run. The others are read geometrically: the controlled
+# drafter is geometric by construction, and the MTP heads' acceptance on the default model is
+# about flat in depth (0.84-0.98 over depths 0-7), where the depth model's optimism about rarely
+# reached depths chose longer drafts at batch 8 than the geometric model and cost 3-4% there.
+DEPTH_DRAFTERS = ("ngram",)
 # Reached drafts at which a depth's own acceptance weighs as much as the depth before it; standard
 # errors added to a depth's estimate while it has no evidence of its own (fading with it). In
 # simulation (analysis/draft_policy_sim, the default model's pass times, 127 tokens) this took

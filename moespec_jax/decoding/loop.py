@@ -366,7 +366,8 @@ def _auto_segment(model, carry, step_ms_K, ls: LoopSpec):
   remaining_B = jnp.where(carry["done"], 0, ls.max_new_tokens - carry["gen"])
   k, n_passes = auto_draft.choose_k(stats["acceptance_evidence"], step_ms_K, remaining_B=remaining_B,
                                     shadow=ls.drafter in auto_draft.SHADOW_DRAFTERS, current_k=stats["auto_k"],
-                                    depth_evidence_BJ2=stats["depth_evidence"])
+                                    depth_evidence_BJ2=(stats["depth_evidence"]
+                                                        if ls.drafter in auto_draft.DEPTH_DRAFTERS else None))
   if ls.drafter == "ngram":
     # Prompt lookup with no match in any active row has nothing to verify: plain passes.
     _, valid_B1 = drafters_lib.ngram_propose(carry["dstate"]["seq"], carry["pos"] + 1, 1)

@@ -43,11 +43,13 @@ def test_auto_follows_a_depth_profile_to_long_drafts(monkeypatch):
   rate alone, and ends at least as close to the best fixed K."""
   profile = [0.47, 0.83, 0.97, 0.98, 0.97, 0.97, 0.95, 0.96]
   mean_drafting_k = lambda passes: np.average(np.arange(1, 9), weights=passes[1:])  # noqa: E731
-  by_depth = sim.auto_regret(profile, STEP_MS)
-  monkeypatch.setattr(auto_draft, "DEPTH_PRIOR_WEIGHT", 1e9)  # every depth at the pooled rate
+  by_depth = sim.auto_regret(profile, STEP_MS, by_depth=True)
+  pooled = sim.auto_regret(profile, STEP_MS)
+  # Without depth evidence, the same as every depth at the pooled rate.
+  monkeypatch.setattr(auto_draft, "DEPTH_PRIOR_WEIGHT", 1e9)
   monkeypatch.setattr(auto_draft, "DEPTH_OPTIMISM", 0.0)
   sim._choose.cache_clear()
-  pooled = sim.auto_regret(profile, STEP_MS)
+  assert sim.auto_regret(profile, STEP_MS, by_depth=True) == pooled
   sim._choose.cache_clear()
   assert by_depth["best_fixed_num_draft"] >= 6
   assert by_depth["best_fixed_over_auto"] >= max(0.85, pooled["best_fixed_over_auto"])
