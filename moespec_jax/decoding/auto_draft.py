@@ -11,8 +11,8 @@ kept off most passes); K = 0 is plain decoding, chosen where speculation does no
 
 Each row's a is estimated from its decayed counts of accepted and tried drafts, starting from a
 weak prior, and read optimistically (plus OPTIMISM standard errors). The tokens a pass commits
-follow each draft depth's own conditional acceptance, from per-depth counts shrunk towards that
-pooled rate (`depth_acceptance`), for prompt lookup (DEPTH_DRAFTERS), whose drafts are wrong at
+follow each draft depth's own conditional acceptance, from per-depth counts each shrunk towards
+the depth before it, depth 0 towards that pooled rate (`depth_acceptance`), for prompt lookup (DEPTH_DRAFTERS), whose drafts are wrong at
 once or right for a long run: it gets the K its runs pay for. Drafters whose proposals
 cost next to nothing (n-gram lookup, the controlled drafter) keep the evidence flowing at
 K = 0: each plain pass checks the one draft they would have proposed against the token the
@@ -72,7 +72,8 @@ DEPTH_DRAFTERS = ("ngram",)
 # errors added to a depth's estimate while it has no evidence of its own (fading with it). In
 # simulation (analysis/draft_policy_sim, the default model's pass times, 127 tokens) this took
 # auto from 0.79 to 0.86 of the best fixed K under the default model's prompt-lookup profile
-# at batch 4 (0.77 to 0.82 at batch 1), and cost 0.5% on average under geometric acceptance.
+# at batch 4 (0.77 to 0.82 at batch 1); under geometric acceptance, where the pooled rate
+# suffices, it would cost 0.5% on average.
 DEPTH_PRIOR_WEIGHT = 4.0
 DEPTH_OPTIMISM = 0.5
 # Drafting is chosen only where it is predicted at least this much faster than plain decoding:
@@ -158,7 +159,7 @@ def depth_acceptance(depth_evidence_BJ2, pooled_a_B):
     rates.append(jnp.clip(prior_B + DEPTH_OPTIMISM * fresh_B * spread_B, 0.0, MAX_ACCEPTANCE))
   if not rates:
     return jnp.zeros(depth_evidence_BJ2.shape[:-1], jnp.float32)
-  return jnp.clip(jnp.stack(rates, axis=-1), 0.0, MAX_ACCEPTANCE)
+  return jnp.stack(rates, axis=-1)
 
 
 def tokens_per_pass_depths(a_BJ, num_k: int):
@@ -202,7 +203,8 @@ def choose_k(evidence_B2, step_ms_K, *, shadow: bool, remaining_B=None, current_
   K of the last segment, kept unless another K is predicted faster by SWITCH_MARGIN (once the
   estimate is settled). `depth_evidence_BJ2`: each row's decayed (accepted, reached) counts per
   draft depth; the tokens a pass commits then follow each depth's own acceptance
-  (`depth_acceptance`, shrunk towards the optimistic pooled rate) instead of a geometric run at
+  (`depth_acceptance`, depth 0 shrunk towards the optimistic pooled rate, each deeper one towards
+  the one before it) instead of a geometric run at
   the pooled rate: a prompt-lookup draft is often wrong at its first token and then right for a
   long run (the default model on code: 0.45-0.48 at depth 0, 0.8-0.86 at depth 1, 0.95-1.0
   beyond), where the geometric model overrates short drafts against long ones."""
