@@ -17,9 +17,10 @@ at batch 8 both plain decoders, the order reversing from round to round; tokens/
 over rounds and the summary's ratios medians of within-round ratios (this machine's speed drifts
 by tens of percent over minutes). The two n-gram speedups are also compared within each round
 (ours over transformers'), each figure with a 90% bootstrap interval over the rounds
-(`analysis/timing`): whether one side's speedup is larger than the other's or within the noise. Compilation and a warm-up call are excluded; every timed call
-starts with the processor's caches emptied (a call that followed one of its own kind found its
-weights cached, one that followed the other implementation did not).
+(`analysis/timing`): whether one side's speedup is larger than the other's or within the noise.
+Compilation and a warm-up call are excluded; every timed call starts with the processor's caches
+emptied (a call that followed one of its own kind found its weights cached, one that followed
+the other implementation did not).
 
 The memory-bound ceiling beside the plain rows (`analysis/roofline`): the weight bytes one decode
 step reads (routed experts as our decoding routed them: both sides emit the same tokens) and the
@@ -173,20 +174,20 @@ def summarize(rows: list[dict], stream_gbps: float | None = None) -> list[dict]:
       a, b = by[num], by[den]
       return [(a["tokens"] / ta) / (b["tokens"] / tb) for ta, tb in zip(a["seconds"], b["seconds"])]
 
-    ours = per_round(("moespec_jax", 1, "ngram"), ("moespec_jax", 1, "none"))
-    theirs = per_round(("transformers", 1, "ngram"), ("transformers", 1, "none"))
+    ngram_ours = per_round(("moespec_jax", 1, "ngram"), ("moespec_jax", 1, "none"))
+    ngram_theirs = per_round(("transformers", 1, "ngram"), ("transformers", 1, "none"))
     # All four batch-1 runs share each round: the two speedups' ratio is taken within a round too.
-    relative = [o / t for o, t in zip(ours, theirs)]
+    relative = [o / t for o, t in zip(ngram_ours, ngram_theirs)]
     s = dict(
         family=family,
         plain_ratio_b1=statistics.median(per_round(("moespec_jax", 1, "none"), ("transformers", 1, "none"))),
         plain_ratio_b8=statistics.median(per_round(("moespec_jax", 8, "none"), ("transformers", 8, "none"))),
-        ngram_speedup_ours=statistics.median(ours),
-        ngram_speedup_transformers=statistics.median(theirs),
+        ngram_speedup_ours=statistics.median(ngram_ours),
+        ngram_speedup_transformers=statistics.median(ngram_theirs),
         ngram_speedup_ours_over_transformers=statistics.median(relative),
         # 90% bootstrap intervals (rounds resampled): what timing noise leaves of each figure.
-        ngram_speedup_ours_interval=timing.median_interval(ours),
-        ngram_speedup_transformers_interval=timing.median_interval(theirs),
+        ngram_speedup_ours_interval=timing.median_interval(ngram_ours),
+        ngram_speedup_transformers_interval=timing.median_interval(ngram_theirs),
         ngram_speedup_ours_over_transformers_interval=timing.median_interval(relative),
         tokens_identical=all(r["tokens_identical_to_transformers"] for r in by.values()))
     for batch in (1, 8):
@@ -218,11 +219,11 @@ def table(rows: list[dict], summary: list[dict]) -> str:
   pair = lambda s, key, fmt: (" / ".join(format(s[f"{key}_b{b}"], fmt) for b in (1, 8))  # noqa: E731
                               if f"{key}_b8" in s else "-")
   for s in summary:
+    lo, hi = s["ngram_speedup_ours_over_transformers_interval"]
     lines.append(f"| {s['family']} | {s['plain_ratio_b1']:.2f}x | {s['plain_ratio_b8']:.2f}x | "
                  f"{s['ngram_speedup_ours']:.2f}x | {s['ngram_speedup_transformers']:.2f}x | "
-                 f"{s['ngram_speedup_ours_over_transformers']:.2f} "
-                 f"[{s['ngram_speedup_ours_over_transformers_interval'][0]:.2f}, "
-                 f"{s['ngram_speedup_ours_over_transformers_interval'][1]:.2f}] | {s['tokens_identical']} | {pair(s, 'ceiling_ratio', '.2f')} | {pair(s, 'stream_fraction', '.0%')} |")
+                 f"{s['ngram_speedup_ours_over_transformers']:.2f} [{lo:.2f}, {hi:.2f}] | "
+                 f"{s['tokens_identical']} | {pair(s, 'ceiling_ratio', '.2f')} | {pair(s, 'stream_fraction', '.0%')} |")
   return "\n".join(lines) + "\n"
 
 

@@ -291,7 +291,7 @@ def test_cached_attention_rows_do_not_depend_on_the_pass(cpu_kernel):
 @pytest.mark.parametrize("threads", ["1", "2"])
 def test_cached_attention_prefill_blocks(cpu_kernel, monkeypatch, threads):
   """A prefill's rows (t-major, 2 query heads per KV head, each seeing its own position) run in
-  causal blocks, spread over the threads even for one pair: each row the same bits as alone, the
+  causal blocks, one pair's blocks dealt to 1 or 2 threads: each row the same bits as alone, the
   reference's values, and nothing past the last row's position read (NaN there changes nothing)."""
   del cpu_kernel
   monkeypatch.setenv("MOESPEC_FFI_THREADS", threads)

@@ -61,8 +61,9 @@ def simulate(acceptance: float | Sequence[float], step_ms_K: Sequence[float], *,
   step = np.asarray(step_ms_K, np.float64)
   if step.ndim != 1 or step.size < 2 or np.any(step <= 0):
     raise ValueError(f"step_ms_K must hold a positive time for each K = 0..max (at least 2), got {step_ms_K}")
-  acceptance_J = np.broadcast_to(np.asarray(acceptance, np.float64), (step.size - 1,)) if np.ndim(acceptance) == 0 \
-      else np.asarray(acceptance, np.float64)
+  acceptance_J = np.asarray(acceptance, np.float64)
+  if acceptance_J.ndim == 0:
+    acceptance_J = np.full(step.size - 1, acceptance_J)
   if acceptance_J.shape != (step.size - 1,) or np.any((acceptance_J < 0) | (acceptance_J > 1)):
     raise ValueError(f"acceptance must be a rate in [0, 1] or one per draft depth ({step.size - 1}), got {acceptance}")
   auto = num_draft == "auto"
@@ -79,9 +80,9 @@ def simulate(acceptance: float | Sequence[float], step_ms_K: Sequence[float], *,
     while generated < n_tokens:
       remaining = n_tokens - generated
       if auto:
+        depth = jnp.asarray(depth_evidence)[None] if by_depth else None
         k, n_passes = (int(x) for x in choose(jnp.asarray(evidence), step_j, remaining_B=jnp.float32([remaining]),
-                                              current_k=jnp.int32(current_k),
-                                              depth_evidence_BJ2=jnp.asarray(depth_evidence)[None] if by_depth else None))
+                                              current_k=jnp.int32(current_k), depth_evidence_BJ2=depth))
       else:
         k, n_passes = num_draft, n_tokens
       k = min(k, remaining - 1)  # as the loop: never more drafts than a row can still commit
@@ -98,14 +99,14 @@ def simulate(acceptance: float | Sequence[float], step_ms_K: Sequence[float], *,
           accepted, tried = (float(rng.random() < acceptance_J[0]), 1) if shadow else (0, 0)
         if tried:
           evidence = auto_draft.EVIDENCE_DECAY * evidence + np.float32([accepted, tried])
+          # As the loop: every depth's counts decay with the row's evidence.
           depth = np.zeros_like(depth_evidence)
           depth[:tried, 1] = 1.0  # reached: the accepted drafts and the first rejected one
           if k:
             depth[:int(accepted), 0] = 1.0
           else:  # a shadow draft, at depth 0
             depth[0, 0] = accepted
-          reached = depth[:, 1:2] > 0  # only the depths reached decay
-          depth_evidence = np.where(reached, auto_draft.EVIDENCE_DECAY * depth_evidence + depth, depth_evidence)
+          depth_evidence = auto_draft.EVIDENCE_DECAY * depth_evidence + depth
         generated += min((accepted if k else 0) + 1, n_tokens - generated)
         elapsed += step[k]
         passes_K[k] += 1

@@ -70,10 +70,10 @@ MAX_ACCEPTANCE = 0.999
 DEPTH_DRAFTERS = ("ngram",)
 # Reached drafts at which a depth's own acceptance weighs as much as the depth before it; standard
 # errors added to a depth's estimate while it has no evidence of its own (fading with it). In
-# simulation (analysis/draft_policy_sim, the default model's pass times, 127 tokens) this took
-# auto from 0.79 to 0.86 of the best fixed K under the default model's prompt-lookup profile
-# at batch 4 (0.77 to 0.82 at batch 1); under geometric acceptance, where the pooled rate
-# suffices, it would cost 0.5% on average.
+# simulation (analysis/draft_policy_sim, the default model's pass times, 127 tokens, 100 runs)
+# this took auto from 0.79 to 0.85 of the best fixed K under the default model's prompt-lookup
+# profile at batch 4 (0.77 to 0.80 at batch 1); under geometric acceptance, where the pooled
+# rate suffices, it would cost 0.6% on average.
 DEPTH_PRIOR_WEIGHT = 4.0
 DEPTH_OPTIMISM = 0.5
 # Drafting is chosen only where it is predicted at least this much faster than plain decoding:

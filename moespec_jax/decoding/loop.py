@@ -179,7 +179,8 @@ def _init(model, tokens_BT, lengths_B, key, draft_inputs, ls: LoopSpec):
       "passes_by_K": jnp.zeros((k_max + 1,), jnp.float32),
       # auto K: each row's decayed (accepted, tried) draft counts (shadow drafts included).
       "acceptance_evidence": jnp.zeros((batch, 2), jnp.float32),
-      # auto K: the same per draft depth, (accepted, reached) (shadow drafts at depth 0).
+      # auto K with DEPTH_DRAFTERS: the same per draft depth, (accepted, reached) (shadow drafts
+      # at depth 0).
       "depth_evidence": jnp.zeros((batch, k_max, 2), jnp.float32),
       "auto_k": jnp.int32(0),  # auto K: the K of the last segment
       # auto K, timed (CPU): per-K evidence of measured / calibrated pass time
@@ -292,25 +293,27 @@ def _pass(model, carry, k: int, ls: LoopSpec):
   stats["accepted_K"] = stats["accepted_K"] + jnp.pad(
       jnp.sum(reached_BK & accept_BK, axis=0).astype(jnp.float32), pad)
   stats["passes_by_K"] = stats["passes_by_K"].at[k].add(1.0)
-  if k or shadow:
+  if ls.auto and (k or shadow):  # auto K's evidence (fixed K reads none of it)
     if k:  # an empty draft slot (no n-gram match) costs a verified position like a rejected draft
       tried_B = jnp.sum(reached_BK, axis=1).astype(jnp.float32)
       accepted_B = jnp.sum(reached_BK & accept_BK, axis=1).astype(jnp.float32)
     else:
       tried_B = shadow_valid_B.astype(jnp.float32)
       accepted_B = jnp.where(shadow_valid_B, shadow_accept_B, 0.0)
-    if k:
-      depth_BK2 = jnp.stack([(reached_BK & accept_BK), reached_BK], axis=-1).astype(jnp.float32)
-    else:
-      depth_BK2 = jnp.stack([accepted_B, tried_B], axis=-1)[:, None]
-    depth_BK2 = jnp.pad(depth_BK2, ((0, 0), (0, k_max - depth_BK2.shape[1]), (0, 0)))
-    evidence_B2, depth_evidence_BK2 = stats["acceptance_evidence"], stats["depth_evidence"]
+    # A row that brings evidence decays all of its counts, every depth's too.
     brings_B = tried_B > 0
+    evidence_B2 = stats["acceptance_evidence"]
     stats["acceptance_evidence"] = jnp.where(
-        brings_B[:, None], auto_draft.EVIDENCE_DECAY * evidence_B2 + jnp.stack([accepted_B, tried_B], 1),
-        evidence_B2)
-    stats["depth_evidence"] = jnp.where(
-        brings_B[:, None, None], auto_draft.EVIDENCE_DECAY * depth_evidence_BK2 + depth_BK2, depth_evidence_BK2)
+        brings_B[:, None], auto_draft.EVIDENCE_DECAY * evidence_B2 + jnp.stack([accepted_B, tried_B], 1), evidence_B2)
+    if ls.drafter in auto_draft.DEPTH_DRAFTERS:
+      if k:
+        depth_BK2 = jnp.stack([(reached_BK & accept_BK), reached_BK], axis=-1).astype(jnp.float32)
+      else:
+        depth_BK2 = jnp.stack([accepted_B, tried_B], axis=-1)[:, None]
+      depth_BK2 = jnp.pad(depth_BK2, ((0, 0), (0, k_max - depth_BK2.shape[1]), (0, 0)))
+      depth_evidence_BK2 = stats["depth_evidence"]
+      stats["depth_evidence"] = jnp.where(
+          brings_B[:, None, None], auto_draft.EVIDENCE_DECAY * depth_evidence_BK2 + depth_BK2, depth_evidence_BK2)
   if ls.measure_quality:
     # The exact pass over the same cache: how far the budget moved the verified logits.
     exact_logits_BSV = model(inputs_BS, positions_BS, carry["cache"], expert_method=ls.expert_method).logits
