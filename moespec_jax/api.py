@@ -77,10 +77,11 @@ class Model:
       self._packed_head = (source, _pack_head(source, self.config.tie_embeddings))
     return self._packed_head[1]
 
-  def packed_dense(self) -> dict[str, dict[str, jax.Array]]:
+  def packed_dense(self, leaves=None) -> dict[str, dict[str, jax.Array]]:
     """The dense projections (attention, dense and shared SwiGLUs) packed for the C++ product of
-    decoding on CPU (`Transformer.pack_dense`; computed once per parameter set, then reused)."""
-    leaves = jax.tree.leaves(self.state)
+    decoding on CPU (`Transformer.pack_dense`; computed once per parameter set, then reused).
+    `leaves`: `jax.tree.leaves(self.state)`, where the caller has it already."""
+    leaves = jax.tree.leaves(self.state) if leaves is None else leaves
     cached = self._packed_dense
     if cached is None or len(cached[0]) != len(leaves) or any(a is not b for a, b in zip(cached[0], leaves)):
       self._packed_dense = (leaves, _pack_dense(self.graphdef, self.state))

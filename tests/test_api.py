@@ -78,6 +78,7 @@ def test_string_prompts_use_the_tokenizer(tiny_model):
     ([], {}, "prompts"),
     ([[1, 2, 9999]], {}, "vocabulary"),
     ([[1, -2]], {}, "vocabulary"),
+    ([[1.5, 2]], {}, "integer token ids"),
     ([[1, 2]], dict(max_new_tokens=63), "max_seq_len"),
     ([[1, 2]], dict(max_new_tokens=0), "max_new_tokens"),
     ([[1, 2]], dict(sampling="greedy"), "sampling"),

@@ -73,8 +73,8 @@ def _bucket(n: int, minimum: int = 16) -> int:
   return max(step, -(-int(n) // step) * step)
 
 
-def encode_prompts(prompts, tokenizer, vocab_size: int, eos_id: int) -> list[list[int]]:
-  """Validates prompts (strings or token-id lists) and returns token-id lists.
+def encode_prompts(prompts, tokenizer, vocab_size: int, eos_id: int) -> list[np.ndarray]:
+  """Validates prompts (strings or token-id lists) and returns them as int32 token-id arrays.
 
   A string prompt becomes `tokenizer.prompt_ids`: after EOS, the document boundary our models
   saw in training; framed by its own special tokens (e.g. BOS) for an imported checkpoint.
@@ -86,14 +86,18 @@ def encode_prompts(prompts, tokenizer, vocab_size: int, eos_id: int) -> list[lis
     if isinstance(p, str):
       if not p:
         raise ValueError(f"prompts[{i}] is an empty string")
-      ids = list(tokenizer.prompt_ids(p))
+      ids = np.asarray(list(tokenizer.prompt_ids(p)), np.int32)
     else:
-      ids = [int(t) for t in np.asarray(p).reshape(-1)] if len(p) else []
-      if not ids:
+      ids = np.asarray(p).reshape(-1) if len(p) else np.zeros((0,), np.int32)
+      if not ids.size:
         raise ValueError(f"prompts[{i}] is empty")
-      bad = [t for t in ids if not 0 <= t < vocab_size]
-      if bad:
-        raise ValueError(f"prompts[{i}] has token id {bad[0]} outside the vocabulary [0, {vocab_size})")
+      if not (np.issubdtype(ids.dtype, np.integer) or ids.dtype == object
+              and all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in ids)):
+        raise ValueError(f"prompts[{i}] must hold integer token ids, got {ids.dtype}")
+      bad = (ids < 0) | (ids >= vocab_size)
+      if np.any(bad):
+        raise ValueError(f"prompts[{i}] has token id {int(ids[np.argmax(bad)])} outside the vocabulary [0, {vocab_size})")
+      ids = ids.astype(np.int32)
     out.append(ids)
   return out
 
@@ -129,13 +133,15 @@ def _commit(cand_BS, n_acc_B, active_B, gen_B, eos_id: int, max_new_tokens: int)
   return n_B, active_B & (first_eos_B < n_B)
 
 
-def _init(model, tokens_BT, lengths_B, key, draft_inputs, ls: LoopSpec):
-  """Prefill, the first token, the drafter's state and zeroed statistics: the loop's carry."""
+def _init(model, tokens_BT, lengths_B, seed, draft_inputs, ls: LoopSpec):
+  """Prefill, the first token, the drafter's state and zeroed statistics: the loop's carry.
+  `seed`: uint32, the PRNG seed (the key is made here: `jax.random.key(seed)` called eagerly
+  costs a dispatch per call)."""
   config = model.config
   k_max = ls.num_draft
   batch, prompt_len = tokens_BT.shape
   b_idx = jnp.arange(batch)
-  row_keys_B = jax.random.split(key, batch)
+  row_keys_B = jax.random.split(jax.random.key(seed), batch)
 
   cache = model.new_cache(batch, ls.cache_len)
   prompt_BT = jnp.arange(prompt_len, dtype=jnp.int32)[None] < lengths_B[:, None]  # padding reads no experts
@@ -386,12 +392,34 @@ def _auto_segment(model, carry, step_ms_K, ls: LoopSpec):
   return carry
 
 
-def _merge(graphdef, params, ls: LoopSpec):
-  """The module inside a program. `params`: (state, the packed output head or None, the packed
-  dense projections or None: see `_decode_params`); `ls.cpu_attention`: passes against the
-  cache on the C++ kernel."""
-  state, packed_head_NDC, packed_dense = params
-  model = nnx.merge(graphdef, state)
+@dataclasses.dataclass(frozen=True)
+class ModelDefinition:
+  """A program's static view of the model: its NNX graphdef and the tree structure of its
+  state, which programs take as a flat list of arrays (flattening an NNX State walks it in
+  Python, about 80 us a time, and a call did so four times)."""
+  graphdef: Any
+  state_treedef: Any
+
+
+# id(graphdef) -> (its definition, whose graphdef field keeps the id from being reused).
+_DEFINITIONS: dict[int, ModelDefinition] = {}
+
+
+def _definition(graphdef, state_treedef) -> ModelDefinition:
+  """The one definition object per (graphdef object, state structure): programs are looked up
+  by its identity first (`_graphdef_key`)."""
+  found = _DEFINITIONS.get(id(graphdef))
+  if found is None or found.graphdef is not graphdef or found.state_treedef != state_treedef:
+    found = _DEFINITIONS[id(graphdef)] = ModelDefinition(graphdef, state_treedef)
+  return found
+
+
+def _merge(definition: ModelDefinition, params, ls: LoopSpec):
+  """The module inside a program. `params`: (the state's leaves, the packed output head or
+  None, the packed dense projections or None: see `_decode_params`); `ls.cpu_attention`:
+  passes against the cache on the C++ kernel."""
+  leaves, packed_head_NDC, packed_dense = params
+  model = nnx.merge(definition.graphdef, jax.tree.unflatten(definition.state_treedef, leaves))
   if packed_head_NDC is not None:
     model.packed_head_NDC = nnx.data(packed_head_NDC)
   if packed_dense is not None:
@@ -401,14 +429,16 @@ def _merge(graphdef, params, ls: LoopSpec):
   return model
 
 
-def _decode_params(model, spec: SpecParams):
-  """What the programs take as parameters: the model's state and, on the CPU backend with the
-  C++ library, its output head (head_kernel='auto') and its dense projections
-  (dense_kernel='auto') packed for `cpu_ffi.packed_matmul`, once per model: a decode step reads
-  them from memory, and XLA's dot read the head at a third of the streaming rate and re-packs
-  the projections on every multi-row product."""
-  return (model.state, model.packed_head() if _cpu_kernels(spec.head_kernel) else None,
-          model.packed_dense() if _cpu_kernels(spec.dense_kernel) else None)
+def _decode_params(model, spec: SpecParams, leaves=None):
+  """What the programs take as parameters: the leaves of the model's state (`leaves`, if the
+  caller has flattened it already) and, on the CPU backend with the C++ library, its output
+  head (head_kernel='auto') and its dense projections (dense_kernel='auto') packed for
+  `cpu_ffi.packed_matmul`, once per model: a decode step reads them from memory, and XLA's dot
+  read the head at a third of the streaming rate and re-packs the projections on every
+  multi-row product."""
+  leaves = jax.tree.leaves(model.state) if leaves is None else leaves
+  return (leaves, model.packed_head() if _cpu_kernels(spec.head_kernel) else None,
+          model.packed_dense(leaves) if _cpu_kernels(spec.dense_kernel) else None)
 
 
 def _cpu_kernels(choice: str) -> bool:
@@ -416,16 +446,25 @@ def _cpu_kernels(choice: str) -> bool:
   return choice == "auto" and jax.default_backend() == "cpu" and cpu_ffi.available()
 
 
-def _generate_spec(graphdef, params, tokens_BT, lengths_B, key, draft_inputs, step_ms_K, *, ls: LoopSpec):
+def _generate_spec(definition, params, tokens_BT, lengths_B, seed, draft_inputs, step_ms_K, *, ls: LoopSpec):
   """Prefill, then one `lax.while_loop` of passes; returns (tokens_BN, raw statistics)."""
-  model = _merge(graphdef, params, ls)
-  carry = _init(model, tokens_BT, lengths_B, key, draft_inputs, ls)
+  model = _merge(definition, params, ls)
+  carry = _init(model, tokens_BT, lengths_B, seed, draft_inputs, ls)
   if ls.auto:
     body = lambda c: _auto_segment(model, c, step_ms_K, ls)
   else:
     body = lambda c: _pass(model, c, ls.num_draft if ls.drafter != "none" else 0, ls)
   carry = jax.lax.while_loop(lambda c: ~jnp.all(c["done"]), body, carry)
-  return carry["out"][:, :ls.max_new_tokens], carry["stats"]
+  return carry["out"][:, :ls.max_new_tokens], _reported_stats(carry["stats"], ls)
+
+
+def _reported_stats(stats, ls: LoopSpec) -> dict:
+  """The statistics `_stats` reads for this program (each one a copy to the host per call)."""
+  keys = ["verify_passes", "row_passes", "accepted_tokens", "reached_K", "accepted_K", "unique_L"]
+  keys += ["passes_by_K", "acceptance_evidence"] if ls.auto else []
+  keys += ["pass_timing"] if ls.timed else []
+  keys += ["quality"] if ls.measure_quality else []
+  return {k: stats[k] for k in keys}
 
 
 _COMPILED: dict[Any, Any] = {}
@@ -444,9 +483,10 @@ def compiled_signatures() -> frozenset:
 
 
 class _HashedOnce:
-  """A dictionary key whose hash is computed once: hashing an NNX GraphDef walks the whole
-  module tree, and a generate() call looked its graphdef up two to four times (about 1 ms of
-  host time per call, 5% of a 64-token batch-1 call on a tiny model)."""
+  """A dictionary key whose hash is computed once: hashing an NNX GraphDef (or a
+  `ModelDefinition`) walks the whole module tree, and a generate() call looked its program up
+  two to four times (about 1 ms of host time per call, 5% of a 64-token batch-1 call on a tiny
+  model)."""
 
   __slots__ = ("value", "_hash")
 
@@ -461,7 +501,8 @@ class _HashedOnce:
     return isinstance(other, _HashedOnce) and (self.value is other.value or self.value == other.value)
 
 
-# id(graphdef) -> its key; the key holds the graphdef, so the id is never reused while cached.
+# id(graphdef or definition) -> its key; the key holds the object, so the id is never reused
+# while cached.
 _GRAPHDEF_KEYS: dict[int, _HashedOnce] = {}
 
 
@@ -472,8 +513,8 @@ def _graphdef_key(graphdef) -> _HashedOnce:
   return key
 
 
-def _signature(fn, ls: LoopSpec, graphdef, *args):
-  return (fn.__name__, ls, _graphdef_key(graphdef), tuple((a.shape, a.dtype) for a in jax.tree.leaves(args)))
+def _signature(fn, ls: LoopSpec, definition, *args):
+  return (fn.__name__, ls, _graphdef_key(definition), tuple((a.shape, a.dtype) for a in jax.tree.leaves(args)))
 
 
 def _compiled(fn, ls: LoopSpec, *args, donate_argnums=()):
@@ -485,11 +526,11 @@ def _compiled(fn, ls: LoopSpec, *args, donate_argnums=()):
   return _COMPILED[sig]
 
 
-def _init_program(graphdef, params, tokens_BT, lengths_B, key, draft_inputs, *, ls: LoopSpec):
-  return _init(_merge(graphdef, params, ls), tokens_BT, lengths_B, key, draft_inputs, ls)
+def _init_program(definition, params, tokens_BT, lengths_B, seed, draft_inputs, *, ls: LoopSpec):
+  return _init(_merge(definition, params, ls), tokens_BT, lengths_B, seed, draft_inputs, ls)
 
 
-def _passes_program(graphdef, params, carry, k, n_passes, *, ls: LoopSpec):
+def _passes_program(definition, params, carry, k, n_passes, *, ls: LoopSpec):
   """`n_passes` passes of real decoding with K = k from `carry`; a row that would reach its end
   (or EOS) starts over from its position in `carry`, so that no row ever stops.
 
@@ -497,7 +538,7 @@ def _passes_program(graphdef, params, carry, k, n_passes, *, ls: LoopSpec):
   every pass keeps their experts' weights in the processor's caches, which made drafting passes
   look 25-45% cheaper than in decoding (default model, batch 1 and 8).
   """
-  model = _merge(graphdef, params, ls)
+  model = _merge(definition, params, ls)
   start = {name: carry[name] for name in ("pos", "pending", "gen", "done")}
 
   def one_pass(c, kk):
@@ -528,10 +569,10 @@ def measure_step_ms(ls: LoopSpec, args, repeats: int = 7) -> np.ndarray:
   choice of K depends on is these ratios, and a slow spell of the machine that spans a round
   leaves them intact.
   """
-  graphdef, params = args[0], args[1]
+  definition, params = args[0], args[1]
   short, long = CALIBRATION_PASSES
   carry0 = jax.block_until_ready(_compiled(_init_program, ls, *args)(*args[1:]))
-  run = _compiled(_passes_program, ls, graphdef, params, carry0, jnp.int32(0), jnp.int32(0),
+  run = _compiled(_passes_program, ls, definition, params, carry0, jnp.int32(0), jnp.int32(0),
                   donate_argnums=(2,))
 
   def timed(k: int, n: int) -> float:
@@ -635,10 +676,13 @@ def _prepare(model, prompts, max_new_tokens, sampling, spec, seed, reference_tok
                 routing=(config.n_routed_experts, config.top_k) if config.n_moe_layers else (0, 0))
   draft_inputs = {}
   if reference is not None:
-    draft_inputs = {"reference": jnp.asarray(reference),
-                    "acceptance": jnp.float32(spec.controlled_acceptance)}
-  args = (model.graphdef, _decode_params(model, spec), jnp.asarray(tokens), jnp.asarray(lengths), jax.random.key(int(seed)),
-          draft_inputs)
+    draft_inputs = {"reference": np.asarray(reference, np.int32),
+                    "acceptance": np.float32(spec.controlled_acceptance)}
+  # Host arrays and a uint32 seed go to the compiled program as they are (an eager jnp.asarray
+  # or jax.random.key costs a dispatch each); the seed's low 32 bits, as jax.random.key takes them.
+  leaves, state_treedef = jax.tree.flatten(model.state)
+  args = (_definition(model.graphdef, state_treedef), _decode_params(model, spec, leaves), tokens, lengths,
+          np.asarray(int(seed) & 0xFFFFFFFF, np.uint32), draft_inputs)
   return spec, ls, args
 
 

@@ -237,3 +237,20 @@ def test_program_cache_key_hashes_a_graphdef_once(tiny_model, mtp_model, monkeyp
   assert hashed == 3
   assert loop._signature(loop._generate_spec, ls, graphdef, x) == loop._signature(loop._generate_spec, ls, twin, x)
   assert len(calls) == hashed
+
+
+def test_programs_take_the_state_flat_and_the_seed_as_jax_random_key_does(tiny_model):
+  """generate() hands its program the state's leaves (one flatten per call) and host arrays; the
+  program makes the PRNG key from the seed's low 32 bits, which is what jax.random.key does."""
+  _, _, args = loop._prepare(tiny_model, [[1, 2, 3]], 4, None, msj.SpecParams(), 2**32 + 7, None)
+  definition, (leaves, _, _), tokens, lengths, seed, _ = args
+  assert isinstance(leaves, list) and all(isinstance(x, jax.Array) for x in leaves)
+  assert jax.tree.structure(tiny_model.state) == definition.state_treedef
+  assert all(isinstance(x, np.ndarray) for x in (tokens, lengths, seed)) and int(seed) == 7
+  for s in (0, 7, -3, 2**31, 2**32 + 7):
+    np.testing.assert_array_equal(jax.random.key_data(jax.random.key(np.uint32(s & 0xFFFFFFFF))),
+                                  jax.random.key_data(jax.random.key(s)))
+  sampling = msj.SamplingParams(temperature=1.0)
+  a = msj.generate(tiny_model, [[1, 2, 3]], max_new_tokens=6, sampling=sampling, seed=7).tokens
+  b = msj.generate(tiny_model, [[1, 2, 3]], max_new_tokens=6, sampling=sampling, seed=2**32 + 7).tokens
+  np.testing.assert_array_equal(a, b)
