@@ -706,6 +706,8 @@ def generate(model, prompts, max_new_tokens: int = 64, sampling: SamplingParams 
              spec: SpecParams | None = None, seed: int = 0, reference_tokens=None) -> GenerateOutput:
   """Generates `max_new_tokens` tokens per prompt (fewer where a row emits EOS: -1 after it).
 
+  `seed`: the PRNG seed of sampling (its low 32 bits, as `jax.random.key` takes it); each row
+  draws from its own stream, split from it by row index.
   `reference_tokens` (drafter='controlled' only): the plain greedy output for these prompts,
   which the controlled drafter proposes with probability `spec.controlled_acceptance`.
   With num_draft='auto', the first call for a program also measures its per-K pass times
