@@ -472,10 +472,26 @@ _COMPILED: dict[Any, Any] = {}
 
 def forget_compiled(keep=frozenset()) -> None:
   """Drops the compiled programs whose signatures are not in `keep` (a set of earlier
-  `compiled_signatures()`): a sweep over dozens of programs does not fit in memory otherwise."""
+  `compiled_signatures()`): a sweep over dozens of programs does not fit in memory otherwise.
+  Models that no remaining program or calibration refers to are forgotten too (their program
+  keys hold their graphdefs)."""
   for sig in set(_COMPILED) - set(keep):
     del _COMPILED[sig]
+  live = {id(key.value) for sig in (*_COMPILED, *_CALIBRATED) for key in _model_keys(sig)}
+  for obj_id in [i for i, key in _GRAPHDEF_KEYS.items() if id(key.value) not in live]:
+    del _GRAPHDEF_KEYS[obj_id]
+  for obj_id in [i for i, definition in _DEFINITIONS.items() if id(definition) not in live]:
+    del _DEFINITIONS[obj_id]
   jax.clear_caches()
+
+
+def _model_keys(sig):
+  """The `_HashedOnce` model keys inside a program or calibration signature."""
+  if isinstance(sig, _HashedOnce):
+    return [sig]
+  if isinstance(sig, tuple):
+    return [key for part in sig for key in _model_keys(part)]
+  return []
 
 
 def compiled_signatures() -> frozenset:

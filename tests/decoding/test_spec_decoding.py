@@ -254,3 +254,23 @@ def test_programs_take_the_state_flat_and_the_seed_as_jax_random_key_does(tiny_m
   a = msj.generate(tiny_model, [[1, 2, 3]], max_new_tokens=6, sampling=sampling, seed=7).tokens
   b = msj.generate(tiny_model, [[1, 2, 3]], max_new_tokens=6, sampling=sampling, seed=2**32 + 7).tokens
   np.testing.assert_array_equal(a, b)
+
+
+def test_forget_compiled_forgets_models_no_program_refers_to(tiny_config, monkeypatch):
+  """A sweep that builds many models and drops their programs does not keep their graphdefs."""
+  for table in ("_COMPILED", "_CALIBRATED", "_GRAPHDEF_KEYS", "_DEFINITIONS"):
+    monkeypatch.setattr(loop, table, {})
+  kept, other = (msj.Model.init(tiny_config, seed=s) for s in (0, 1))
+  assert kept.graphdef is not other.graphdef
+  msj.generate(kept, [[1, 2, 3]], max_new_tokens=2)
+  keep = loop.compiled_signatures()
+  msj.generate(other, [[1, 2, 3]], max_new_tokens=2)  # an equal graphdef: the same program
+  assert loop.compiled_signatures() == keep
+  assert len(loop._DEFINITIONS) == 2 and len(loop._GRAPHDEF_KEYS) == 2
+  loop.forget_compiled(keep)
+  assert loop.compiled_signatures() == keep
+  assert [d.graphdef for d in loop._DEFINITIONS.values()] == [kept.graphdef]
+  assert [k.value.graphdef for k in loop._GRAPHDEF_KEYS.values()] == [kept.graphdef]
+  assert msj.generate(other, [[1, 2, 3]], max_new_tokens=2).tokens.shape == (1, 2)
+  loop.forget_compiled()
+  assert not loop._COMPILED and not loop._DEFINITIONS and not loop._GRAPHDEF_KEYS
