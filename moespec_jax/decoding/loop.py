@@ -91,8 +91,9 @@ def encode_prompts(prompts, tokenizer, vocab_size: int, eos_id: int) -> list[np.
       ids = np.asarray(p).reshape(-1) if len(p) else np.zeros((0,), np.int32)
       if not ids.size:
         raise ValueError(f"prompts[{i}] is empty")
-      if not (np.issubdtype(ids.dtype, np.integer) or ids.dtype == object
-              and all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in ids)):
+      python_ints = ids.dtype == object and all(
+          isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in ids)  # beyond int64
+      if not (np.issubdtype(ids.dtype, np.integer) or python_ints):
         raise ValueError(f"prompts[{i}] must hold integer token ids, got {ids.dtype}")
       bad = (ids < 0) | (ids >= vocab_size)
       if np.any(bad):
@@ -392,22 +393,34 @@ def _auto_segment(model, carry, step_ms_K, ls: LoopSpec):
   return carry
 
 
-@dataclasses.dataclass(frozen=True)
 class ModelDefinition:
-  """A program's static view of the model: its NNX graphdef and the tree structure of its
-  state, which programs take as a flat list of arrays (flattening an NNX State walks it in
-  Python, about 80 us a time, and a call did so four times)."""
-  graphdef: Any
-  state_treedef: Any
+  """A program's static view of the model: its NNX graphdef and the tree structure of its state,
+  which programs take as a flat list of arrays (flattening an NNX State walks it in Python, about
+  80 us a time, and a call did so four times). Its hash is computed once: hashing a GraphDef
+  walks the whole module tree, and a generate() call looks its program up two to four times
+  (about 1 ms of host time per call, 5% of a 64-token batch-1 call on a tiny model). Equal
+  definitions (models of the same structure) share programs."""
+
+  __slots__ = ("graphdef", "state_treedef", "_hash")
+
+  def __init__(self, graphdef, state_treedef):
+    self.graphdef, self.state_treedef = graphdef, state_treedef
+    self._hash = hash((graphdef, state_treedef))
+
+  def __hash__(self):
+    return self._hash
+
+  def __eq__(self, other):
+    return isinstance(other, ModelDefinition) and (self is other or (
+        self._hash == other._hash and self.graphdef == other.graphdef and self.state_treedef == other.state_treedef))
 
 
-# id(graphdef) -> (its definition, whose graphdef field keeps the id from being reused).
+# id(graphdef) -> its definition, whose graphdef field keeps the id from being reused.
 _DEFINITIONS: dict[int, ModelDefinition] = {}
 
 
 def _definition(graphdef, state_treedef) -> ModelDefinition:
-  """The one definition object per (graphdef object, state structure): programs are looked up
-  by its identity first (`_graphdef_key`)."""
+  """The one definition object per (graphdef object, state structure), hashed once."""
   found = _DEFINITIONS.get(id(graphdef))
   if found is None or found.graphdef is not graphdef or found.state_treedef != state_treedef:
     found = _DEFINITIONS[id(graphdef)] = ModelDefinition(graphdef, state_treedef)
@@ -473,64 +486,28 @@ _COMPILED: dict[Any, Any] = {}
 def forget_compiled(keep=frozenset()) -> None:
   """Drops the compiled programs whose signatures are not in `keep` (a set of earlier
   `compiled_signatures()`): a sweep over dozens of programs does not fit in memory otherwise.
-  Models that no remaining program or calibration refers to are forgotten too (their program
-  keys hold their graphdefs)."""
+  Models that no remaining program or calibration refers to are forgotten too (their
+  definitions hold their graphdefs)."""
   for sig in set(_COMPILED) - set(keep):
     del _COMPILED[sig]
-  live = {id(key.value) for sig in (*_COMPILED, *_CALIBRATED) for key in _model_keys(sig)}
-  for obj_id in [i for i, key in _GRAPHDEF_KEYS.items() if id(key.value) not in live]:
-    del _GRAPHDEF_KEYS[obj_id]
-  for obj_id in [i for i, definition in _DEFINITIONS.items() if id(definition) not in live]:
-    del _DEFINITIONS[obj_id]
+  live = {id(_signature_definition(sig)) for sig in (*_COMPILED, *_CALIBRATED)}
+  for graphdef_id in [i for i, definition in _DEFINITIONS.items() if id(definition) not in live]:
+    del _DEFINITIONS[graphdef_id]
   jax.clear_caches()
 
 
-def _model_keys(sig):
-  """The `_HashedOnce` model keys inside a program or calibration signature."""
-  if isinstance(sig, _HashedOnce):
-    return [sig]
-  if isinstance(sig, tuple):
-    return [key for part in sig for key in _model_keys(part)]
-  return []
+def _signature_definition(sig) -> ModelDefinition:
+  """The model definition of a program signature, or of a calibration's ((signature,
+  acceptance) for the controlled drafter: `calibrate_step_ms`)."""
+  return sig[2] if isinstance(sig[0], str) else sig[0][2]
 
 
 def compiled_signatures() -> frozenset:
   return frozenset(_COMPILED)
 
 
-class _HashedOnce:
-  """A dictionary key whose hash is computed once: hashing an NNX GraphDef (or a
-  `ModelDefinition`) walks the whole module tree, and a generate() call looked its program up
-  two to four times (about 1 ms of host time per call, 5% of a 64-token batch-1 call on a tiny
-  model)."""
-
-  __slots__ = ("value", "_hash")
-
-  def __init__(self, value):
-    self.value = value
-    self._hash = hash(value)
-
-  def __hash__(self):
-    return self._hash
-
-  def __eq__(self, other):
-    return isinstance(other, _HashedOnce) and (self.value is other.value or self.value == other.value)
-
-
-# id(graphdef or definition) -> its key; the key holds the object, so the id is never reused
-# while cached.
-_GRAPHDEF_KEYS: dict[int, _HashedOnce] = {}
-
-
-def _graphdef_key(graphdef) -> _HashedOnce:
-  key = _GRAPHDEF_KEYS.get(id(graphdef))
-  if key is None or key.value is not graphdef:
-    key = _GRAPHDEF_KEYS[id(graphdef)] = _HashedOnce(graphdef)
-  return key
-
-
 def _signature(fn, ls: LoopSpec, definition, *args):
-  return (fn.__name__, ls, _graphdef_key(definition), tuple((a.shape, a.dtype) for a in jax.tree.leaves(args)))
+  return (fn.__name__, ls, definition, tuple((a.shape, a.dtype) for a in jax.tree.leaves(args)))
 
 
 def _compiled(fn, ls: LoopSpec, *args, donate_argnums=()):

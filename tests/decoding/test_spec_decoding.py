@@ -224,18 +224,20 @@ def test_program_cache_key_hashes_a_graphdef_once(tiny_model, mtp_model, monkeyp
   calls = []
   original = type(graphdef).__hash__
   monkeypatch.setattr(type(graphdef), "__hash__", lambda self: calls.append(1) or original(self))
-  monkeypatch.setattr(loop, "_GRAPHDEF_KEYS", {})
-  first = loop._graphdef_key(graphdef)
-  assert loop._graphdef_key(graphdef) is first and len(calls) == 1
-  twin = msj.Model.init(tiny_model.config, seed=1).graphdef  # other weights, same structure
-  assert twin is not graphdef and loop._graphdef_key(twin) == first
-  assert loop._graphdef_key(mtp_model.graphdef) != first  # MTP heads: another structure
+  monkeypatch.setattr(loop, "_DEFINITIONS", {})
+  definition = lambda model: loop._definition(model.graphdef, jax.tree.structure(model.state))  # noqa: E731
+  first = definition(tiny_model)
+  assert definition(tiny_model) is first and len(calls) == 1
+  twin = msj.Model.init(tiny_model.config, seed=1)  # other weights, same structure
+  assert twin.graphdef is not graphdef and definition(twin) == first
+  assert definition(mtp_model) != first  # MTP heads: another structure
   ls = loop.LoopSpec(max_new_tokens=4, cache_len=64, sampling=msj.SamplingParams(), expert_method="xla",
                      drafter="none", num_draft=0)
   x = jnp.zeros((1, 8), jnp.int32)
   hashed = len(calls)  # one per graphdef object so far
   assert hashed == 3
-  assert loop._signature(loop._generate_spec, ls, graphdef, x) == loop._signature(loop._generate_spec, ls, twin, x)
+  assert (loop._signature(loop._generate_spec, ls, definition(tiny_model), x)
+          == loop._signature(loop._generate_spec, ls, definition(twin), x))
   assert len(calls) == hashed
 
 
@@ -258,7 +260,7 @@ def test_programs_take_the_state_flat_and_the_seed_as_jax_random_key_does(tiny_m
 
 def test_forget_compiled_forgets_models_no_program_refers_to(tiny_config, monkeypatch):
   """A sweep that builds many models and drops their programs does not keep their graphdefs."""
-  for table in ("_COMPILED", "_CALIBRATED", "_GRAPHDEF_KEYS", "_DEFINITIONS"):
+  for table in ("_COMPILED", "_CALIBRATED", "_DEFINITIONS"):
     monkeypatch.setattr(loop, table, {})
   kept, other = (msj.Model.init(tiny_config, seed=s) for s in (0, 1))
   assert kept.graphdef is not other.graphdef
@@ -266,11 +268,15 @@ def test_forget_compiled_forgets_models_no_program_refers_to(tiny_config, monkey
   keep = loop.compiled_signatures()
   msj.generate(other, [[1, 2, 3]], max_new_tokens=2)  # an equal graphdef: the same program
   assert loop.compiled_signatures() == keep
-  assert len(loop._DEFINITIONS) == 2 and len(loop._GRAPHDEF_KEYS) == 2
+  assert len(loop._DEFINITIONS) == 2
   loop.forget_compiled(keep)
   assert loop.compiled_signatures() == keep
   assert [d.graphdef for d in loop._DEFINITIONS.values()] == [kept.graphdef]
-  assert [k.value.graphdef for k in loop._GRAPHDEF_KEYS.values()] == [kept.graphdef]
   assert msj.generate(other, [[1, 2, 3]], max_new_tokens=2).tokens.shape == (1, 2)
+  # A calibration (the controlled drafter's form: (signature, acceptance)) keeps its model.
+  loop._CALIBRATED[(next(iter(keep)), 0.5)] = np.ones(1, np.float32)
   loop.forget_compiled()
-  assert not loop._COMPILED and not loop._DEFINITIONS and not loop._GRAPHDEF_KEYS
+  assert not loop._COMPILED and [d.graphdef for d in loop._DEFINITIONS.values()] == [kept.graphdef]
+  loop._CALIBRATED.clear()
+  loop.forget_compiled()
+  assert not loop._DEFINITIONS
