@@ -10,7 +10,7 @@ from moespec_jax.default_model import ensure_default_model
 
 _WORKDIR = flags.DEFINE_string("workdir", "runs/demo", "Where metrics.json goes.")
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 128, "Tokens generated per prompt.")
-_REPEATS = flags.DEFINE_integer("repeats", 3, "Timed repeats per row (median reported).")
+_REPEATS = flags.DEFINE_integer("repeats", 7, "Timed pairs of plain and speculative runs per row (medians reported).")
 
 
 def main(argv):

@@ -42,7 +42,7 @@ def _row(drafter, k, batch, tps, plain_tps, speedup, out, plain_out, *, budget=N
   return row
 
 
-def run_demo(model, workdir, *, max_new_tokens: int = 128, batch_sizes=(1, 8), repeats: int = 3,
+def run_demo(model, workdir, *, max_new_tokens: int = 128, batch_sizes=(1, 8), repeats: int = 7,
              max_draft: int = 8, budget_multiplier: int = 2, log=print) -> dict[str, Any]:
   """Generates from held-out prompts and writes `workdir/metrics.json` (key `demo`).
 

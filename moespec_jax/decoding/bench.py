@@ -47,7 +47,9 @@ def timed(model, prompts, max_new_tokens: int, sampling, spec, repeats: int):
 
 
 def paired(model, prompts, max_new_tokens: int, sampling, spec, repeats: int):
-  """Alternates plain and speculative runs (same seeds) so that both see the same machine load.
+  """Alternates plain and speculative runs (same seeds) so that both see the same machine load;
+  the order within a pair reverses from one pair to the next, so that neither side is always
+  the one that runs second (after the other has warmed the caches, or in its wake).
 
   Returns (median spec tokens/s, median plain tokens/s, median of the per-pair speedups,
   median mean accepted length, last spec stats).
@@ -55,10 +57,12 @@ def paired(model, prompts, max_new_tokens: int, sampling, spec, repeats: int):
   plain_spec = msj.SpecParams(drafter="none", kernel=spec.kernel)
   spec_rates, plain_rates, ratios, lengths, stats = [], [], [], [], {}
   for r in range(repeats):
-    plain = msj.generate(model, prompts, max_new_tokens=max_new_tokens, sampling=sampling,
-                         spec=plain_spec, seed=r).stats
-    stats = msj.generate(model, prompts, max_new_tokens=max_new_tokens, sampling=sampling, spec=spec,
-                         seed=r).stats
+    order = (("plain", plain_spec), ("spec", spec))
+    runs = {}
+    for name, run_spec in (order if r % 2 == 0 else order[::-1]):
+      runs[name] = msj.generate(model, prompts, max_new_tokens=max_new_tokens, sampling=sampling,
+                                spec=run_spec, seed=r).stats
+    plain, stats = runs["plain"], runs["spec"]
     spec_rates.append(stats["tokens_per_second"])
     plain_rates.append(plain["tokens_per_second"])
     ratios.append(stats["tokens_per_second"] / plain["tokens_per_second"])

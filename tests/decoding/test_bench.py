@@ -1,0 +1,24 @@
+"""decoding/bench.py: how paired plain / speculative runs are ordered and combined."""
+
+import moespec_jax as msj
+from moespec_jax.decoding import bench
+
+
+def test_paired_reverses_the_order_within_each_pair(monkeypatch):
+  """Pairs alternate plain-first and speculative-first, each pair on its own seed, and the speedup
+  is the median of the ratios within pairs (not the ratio of the medians)."""
+  calls = []
+  rates = {("none", 0): 100.0, ("ngram", 0): 150.0, ("ngram", 1): 180.0, ("none", 1): 100.0,
+           ("none", 2): 50.0, ("ngram", 2): 100.0}
+
+  def fake_generate(model, prompts, *, max_new_tokens, sampling, spec, seed):
+    calls.append((spec.drafter, seed))
+    return msj.GenerateOutput(tokens=None, stats={"tokens_per_second": rates[(spec.drafter, seed)],
+                                                  "mean_accepted_length": 2.0 if spec.drafter == "ngram" else 1.0})
+
+  monkeypatch.setattr(msj, "generate", fake_generate)
+  spec = msj.SpecParams(drafter="ngram", num_draft=2)
+  spec_tps, plain_tps, speedup, length, _ = bench.paired(None, ["x"], 8, msj.SamplingParams(), spec, repeats=3)
+  assert calls == [("none", 0), ("ngram", 0), ("ngram", 1), ("none", 1), ("none", 2), ("ngram", 2)]
+  assert (spec_tps, plain_tps, length) == (150.0, 100.0, 2.0)
+  assert speedup == 1.8  # ratios 1.5, 1.8, 2.0
