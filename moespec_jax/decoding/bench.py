@@ -55,9 +55,9 @@ def paired(model, prompts, max_new_tokens: int, sampling, spec, repeats: int):
   median mean accepted length, last spec stats).
   """
   plain_spec = msj.SpecParams(drafter="none", kernel=spec.kernel)
+  order = (("plain", plain_spec), ("spec", spec))
   spec_rates, plain_rates, ratios, lengths, stats = [], [], [], [], {}
   for r in range(repeats):
-    order = (("plain", plain_spec), ("spec", spec))
     runs = {}
     for name, run_spec in (order if r % 2 == 0 else order[::-1]):
       runs[name] = msj.generate(model, prompts, max_new_tokens=max_new_tokens, sampling=sampling,

@@ -442,14 +442,13 @@ def _merge(definition: ModelDefinition, params, ls: LoopSpec):
   return model
 
 
-def _decode_params(model, spec: SpecParams, leaves=None):
-  """What the programs take as parameters: the leaves of the model's state (`leaves`, if the
-  caller has flattened it already) and, on the CPU backend with the C++ library, its output
-  head (head_kernel='auto') and its dense projections (dense_kernel='auto') packed for
-  `cpu_ffi.packed_matmul`, once per model: a decode step reads them from memory, and XLA's dot
-  read the head at a third of the streaming rate and re-packs the projections on every
-  multi-row product."""
-  leaves = jax.tree.leaves(model.state) if leaves is None else leaves
+def _decode_params(model, spec: SpecParams, leaves):
+  """What the programs take as parameters: the leaves of the model's state (`leaves`:
+  `jax.tree.leaves(model.state)`, flattened once per call by the caller) and, on the CPU backend
+  with the C++ library, its output head (head_kernel='auto') and its dense projections
+  (dense_kernel='auto') packed for `cpu_ffi.packed_matmul`, once per model: a decode step reads
+  them from memory, and XLA's dot read the head at a third of the streaming rate and re-packs
+  the projections on every multi-row product."""
   return (leaves, model.packed_head() if _cpu_kernels(spec.head_kernel) else None,
           model.packed_dense(leaves) if _cpu_kernels(spec.dense_kernel) else None)
 

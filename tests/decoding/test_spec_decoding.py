@@ -58,10 +58,11 @@ def test_cpu_decode_kernels_decode_like_xla(two_module_model, plain_greedy):
   """On CPU the output head and the dense projections (packed) and the attention against the
   cache run on the C++ kernels by default (what plain_greedy ran); XLA's ops (head_kernel /
   attention_kernel / dense_kernel 'xla') emit the same tokens."""
-  _, packed_head, packed_dense = loop._decode_params(two_module_model, msj.SpecParams())
+  leaves = jax.tree.leaves(two_module_model.state)
+  _, packed_head, packed_dense = loop._decode_params(two_module_model, msj.SpecParams(), leaves)
   assert packed_head is not None and packed_dense is not None
-  assert loop._decode_params(two_module_model, msj.SpecParams(head_kernel="xla"))[1] is None
-  assert loop._decode_params(two_module_model, msj.SpecParams(dense_kernel="xla"))[2] is None
+  assert loop._decode_params(two_module_model, msj.SpecParams(head_kernel="xla"), leaves)[1] is None
+  assert loop._decode_params(two_module_model, msj.SpecParams(dense_kernel="xla"), leaves)[2] is None
   assert loop._cpu_kernels("auto") and not loop._cpu_kernels("xla")
   spec = msj.SpecParams(head_kernel="xla", attention_kernel="xla", dense_kernel="xla")
   out = msj.generate(two_module_model, RAGGED + REPEATS, max_new_tokens=24, spec=spec)
