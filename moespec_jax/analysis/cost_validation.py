@@ -20,7 +20,11 @@ Measurement:
 Then best K per a predicted vs measured (and the measured speedup at the predicted K against
 the best measured one, and the agreement with the rounds resampled: where speedups are flat in
 K, the measured argmax moves with timing noise), and num_draft='auto' against plain and the
-best fixed K, with the controlled drafter and with the model's real drafters.
+best fixed K, with the controlled drafter and with the model's real drafters. Each controlled
+auto row also carries two simulations (analysis/draft_policy_sim): the policy on the pass times it
+chose with (its own cost), and the policy choosing on them but paying the pass times the sweep
+measured in decoding at that rate (`pass_costs_from_sweep`): the gap between the two is what the
+calibration's error costs, the rest of the measured gap execution and timing noise.
 """
 
 from __future__ import annotations
@@ -481,8 +485,21 @@ def run_cost_model(model, workdir, cfg: CostValidationConfig = CostValidationCon
     # The policy's own cost, free of timing noise: the same acceptance and the pass times auto
     # chose with, in simulation (analysis/draft_policy_sim).
     simulated = draft_policy_sim.auto_regret(a, row["calibrated_step_ms"], n_tokens=cfg.max_new_tokens - 1)
-    auto_rows.append(dict(row, drafter="controlled", alpha=a, simulated={
-        k: simulated[k] for k in ("plain_over_auto", "best_fixed_num_draft", "best_fixed_over_auto")}))
+    sim_keys = ("plain_over_auto", "best_fixed_num_draft", "best_fixed_over_auto")
+    extra = {}
+    if a in cfg.alphas:
+      # The same policy choosing on its calibration but paying the pass times the sweep measured in
+      # decoding at this rate: what the calibration's error against decoding costs it.
+      paid = pass_costs_from_sweep([speedups[(a, k)] for k in ks[1:]],
+                                   [r["mean_accepted_length"] for r in sweep_rows
+                                    if r["alpha"] == a and r["num_draft"] >= 1])
+      on_measured = draft_policy_sim.auto_regret(
+          a, tuple(float(c * row["calibrated_step_ms"][0]) for c in paid), n_tokens=cfg.max_new_tokens - 1,
+          calibrated_ms_K=tuple(row["calibrated_step_ms"]))
+      extra["simulated_on_measured_pass_times"] = dict({k: on_measured[k] for k in sim_keys},
+                                                       pass_time_ratios=[float(c) for c in paid])
+    auto_rows.append(dict(row, drafter="controlled", alpha=a, simulated={k: simulated[k] for k in sim_keys},
+                          **extra))
     log("  " + describe_auto(auto_rows[-1]))
 
   log("[6/6] num_draft='auto' with the model's drafters, against every fixed K")
@@ -634,6 +651,16 @@ def _passes_text(passes_K) -> str:
   return f"{plain:.0%} of passes plain, {drafting}"
 
 
+def pass_costs_from_sweep(speedup_K: Sequence[float], accepted_length_K: Sequence[float]) -> np.ndarray:
+  """Each K's pass time in units of a plain pass, as decoding ran it (K = 0..len): a run at K
+  commits accepted_length tokens per pass where plain decoding commits one, so its decode-phase
+  speedup is accepted_length * t[0] / t[K]."""
+  speedup_K, accepted_K = np.asarray(speedup_K, float), np.asarray(accepted_length_K, float)
+  if speedup_K.shape != accepted_K.shape or np.any(speedup_K <= 0) or np.any(accepted_K < 1):
+    raise ValueError(f"need one positive speedup and one accepted length >= 1 per K, got {speedup_K} and {accepted_K}")
+  return np.concatenate([[1.0], accepted_K / speedup_K])
+
+
 def describe_auto(r) -> str:
   """One line per auto row: its medians over rounds with their 90% intervals."""
   who = r["drafter"] + (f" a={r['alpha']:.2f}" if r["alpha"] is not None else "")
@@ -644,6 +671,10 @@ def describe_auto(r) -> str:
     sim = r["simulated"]
     line += (f"; simulated: {sim['plain_over_auto']:.3f}x plain, {sim['best_fixed_over_auto']:.3f} of best "
              f"fixed K={sim['best_fixed_num_draft']}")
+  if "simulated_on_measured_pass_times" in r:
+    sim = r["simulated_on_measured_pass_times"]
+    line += (f"; choosing on its calibration, paying the sweep's pass times: {sim['plain_over_auto']:.3f}x plain, "
+             f"{sim['best_fixed_over_auto']:.3f} of best fixed K={sim['best_fixed_num_draft']}")
   return line
 
 

@@ -12,6 +12,9 @@ pass with K drafts costs step_ms[K]; the policy runs exactly as the decoding loo
 (`auto_draft.choose_k` per segment, the same evidence updates, shadow drafts on plain passes),
 and fixed K runs the same random acceptances. `switch_ms`: time added whenever K changes between
 segments (after a change the first passes run slower: decoding/auto_draft.SWITCH_MARGIN).
+`calibrated_ms_K`: the pass times the policy chooses with, where they differ from those it pays
+(the loop chooses on a calibration measured once, and passes in decoding can cost more or less:
+what such an error costs the policy).
 """
 
 from __future__ import annotations
@@ -51,13 +54,15 @@ def _accepted(rng: np.random.Generator, acceptance_J: np.ndarray, k: int) -> int
 def simulate(acceptance: float | Sequence[float], step_ms_K: Sequence[float], *, num_draft: int | str = "auto",
              n_tokens: int = 127, runs: int = 100, shadow: bool = True,
              switch_ms: Callable[[int, int], float] | float = 0.0, seed: int = 0,
-             by_depth: bool = False) -> PolicyRun:
+             by_depth: bool = False, calibrated_ms_K: Sequence[float] | None = None) -> PolicyRun:
   """Decodes `n_tokens` tokens `runs` times with num_draft="auto" (K in 0..len(step_ms_K) - 1)
   or a fixed K; `shadow`: plain passes bring evidence (n-gram and controlled drafters).
   `acceptance`: one rate for every draft (geometric), or one per depth (draft j accepted with
   probability acceptance[j] given drafts 0..j-1 were; len(step_ms_K) - 1 of them). `by_depth`:
   the policy reads acceptance per depth, as for prompt lookup (auto_draft.DEPTH_DRAFTERS);
-  otherwise geometrically, as for the controlled drafter."""
+  otherwise geometrically, as for the controlled drafter. `calibrated_ms_K`: the pass times the
+  policy chooses with, where they differ from the times the passes take (`step_ms_K`): a noisy or
+  drifted calibration (default: step_ms_K)."""
   step = np.asarray(step_ms_K, np.float64)
   if step.ndim != 1 or step.size < 2 or np.any(step <= 0):
     raise ValueError(f"step_ms_K must hold a positive time for each K = 0..max (at least 2), got {step_ms_K}")
@@ -70,7 +75,10 @@ def simulate(acceptance: float | Sequence[float], step_ms_K: Sequence[float], *,
   if not auto and not (isinstance(num_draft, int) and 0 <= num_draft < step.size):
     raise ValueError(f"num_draft must be 'auto' or an int in [0, {step.size}), got {num_draft!r}")
   switch = switch_ms if callable(switch_ms) else (lambda old, new: float(switch_ms))
-  choose, step_j = _choose(shadow), jnp.asarray(step, jnp.float32)
+  believed = step if calibrated_ms_K is None else np.asarray(calibrated_ms_K, np.float64)
+  if believed.shape != step.shape or np.any(believed <= 0):
+    raise ValueError(f"calibrated_ms_K must hold a positive time for each K = 0..{step.size - 1}, got {calibrated_ms_K}")
+  choose, step_j = _choose(shadow), jnp.asarray(believed, jnp.float32)
   rng = np.random.default_rng(seed)
   total_ms, passes_K = 0.0, np.zeros(step.size)
   for _ in range(runs):

@@ -188,12 +188,26 @@ def test_quick_run_writes_the_documented_metrics(tiny_config, tmp_path):
     assert ("simulated" in r) == (r["drafter"] == "controlled")
     if "simulated" in r:
       assert r["simulated"]["plain_over_auto"] > 0 and 0 <= r["simulated"]["best_fixed_num_draft"] <= 2
+      # Both quick auto rates (0 and 1) are sweep rates: the policy also paid the sweep's pass times.
+      paid = r["simulated_on_measured_pass_times"]
+      assert paid["plain_over_auto"] > 0 and 0 <= paid["best_fixed_num_draft"] <= 2
+      assert len(paid["pass_time_ratios"]) == 3 and paid["pass_time_ratios"][0] == 1.0
   assert cm["auto_goals"] == cost_validation.auto_goals(cm["auto"]) and cm["auto_goals"]["rows"] == 3
   for name in ("staircase.png", "verify_time.png", "unique_experts.png"):
     assert (tmp_path / "out" / name).stat().st_size > 0
   bad = subprocess.run([sys.executable, "-m", "experiments.cost_model", "--n_alphas=1"], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=300)
   assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "n_alphas" in bad.stderr
+
+
+def test_pass_costs_from_sweep_invert_the_speedup():
+  """A pass at K committing 3 tokens where plain commits 1, at 1.5x plain's speed: it costs 2 plain passes."""
+  costs = cost_validation.pass_costs_from_sweep([1.5, 2.0], [3.0, 5.0])
+  np.testing.assert_allclose(costs, [1.0, 2.0, 2.5])
+  with pytest.raises(ValueError, match="accepted length"):
+    cost_validation.pass_costs_from_sweep([1.5], [0.5])
+  with pytest.raises(ValueError, match="one positive speedup"):
+    cost_validation.pass_costs_from_sweep([1.5, 2.0], [3.0])
 
 
 def test_auto_row_text_says_where_the_passes_went():
@@ -208,3 +222,6 @@ def test_auto_row_text_says_where_the_passes_went():
   simulated = {"plain_over_auto": 1.25, "best_fixed_num_draft": 3, "best_fixed_over_auto": 0.97}
   assert "simulated: 1.250x plain, 0.970 of best fixed K=3" in cost_validation.describe_auto(
       dict(row, simulated=simulated))
+  paid = dict(simulated, best_fixed_over_auto=0.91, pass_time_ratios=[1.0, 1.3, 1.6, 1.9])
+  assert ("choosing on its calibration, paying the sweep's pass times: 1.250x plain, 0.910 of best fixed K=3"
+          in cost_validation.describe_auto(dict(row, simulated=simulated, simulated_on_measured_pass_times=paid)))

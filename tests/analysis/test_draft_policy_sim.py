@@ -65,6 +65,20 @@ def test_a_cost_per_change_of_k_is_charged():
   assert charged.mean_ms > free.mean_ms
 
 
+def test_a_calibration_that_underrates_long_passes_costs_auto_time():
+  """Auto chooses with the calibration and pays the true pass times: calibrated long passes 20%
+  cheaper than they run make it draft longer and finish later; a true calibration changes nothing."""
+  underrated = tuple(t * (0.8 if k >= 5 else 1.0) for k, t in enumerate(STEP_MS))
+  true = sim.simulate(0.7, STEP_MS, runs=40)
+  assert sim.simulate(0.7, STEP_MS, runs=40, calibrated_ms_K=tuple(STEP_MS)) == true
+  misled = sim.simulate(0.7, STEP_MS, runs=40, calibrated_ms_K=underrated)
+  assert sum(misled.passes_by_k[5:]) > sum(true.passes_by_k[5:]) + 5
+  assert misled.mean_ms > true.mean_ms
+  regret = sim.auto_regret(0.7, STEP_MS, runs=40, calibrated_ms_K=underrated)
+  assert regret["best_fixed_over_auto"] == pytest.approx(
+      min(sim.simulate(0.7, STEP_MS, num_draft=k, runs=40).mean_ms for k in range(9)) / misled.mean_ms)
+
+
 def test_bad_arguments_are_refused():
   with pytest.raises(ValueError, match="acceptance"):
     sim.simulate(1.5, STEP_MS)
@@ -74,4 +88,6 @@ def test_bad_arguments_are_refused():
     sim.simulate(0.5, [1.0])
   with pytest.raises(ValueError, match="num_draft"):
     sim.simulate(0.5, STEP_MS, num_draft=9)
+  with pytest.raises(ValueError, match="calibrated_ms_K"):
+    sim.simulate(0.5, STEP_MS, calibrated_ms_K=STEP_MS[:-1])
   assert np.isfinite(sim.simulate(0.5, STEP_MS, runs=1).mean_ms)
