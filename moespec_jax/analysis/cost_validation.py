@@ -397,6 +397,7 @@ def run_cost_model(model, workdir, cfg: CostValidationConfig = CostValidationCon
       f"of plain and every K side by side")
   keep = loop.compiled_signatures()
   speedups = {(a, 0): 1.0 for a in cfg.alphas}
+  accepted_lengths = {}  # (a, K >= 1): tokens committed per pass in the sweep
   sweep_rows = []
   prefills = []  # every round's prefill, subtracted from its runs (decode-phase speedups)
   best_k_shares = {}  # per acceptance rate: each K's share of bootstrap resamples where it is best
@@ -417,6 +418,7 @@ def run_cost_model(model, workdir, cfg: CostValidationConfig = CostValidationCon
     best_k_shares[a] = best_k_bootstrap([[1.0] * len(rounds[0])] + rounds, seed=cfg.seed).tolist()
     for r in part["rows"]:
       speedups[(a, r["num_draft"])] = r["speedup"]
+      accepted_lengths[(a, r["num_draft"])] = r["mean_accepted_length"]
       sweep_rows.append(dict(r, alpha=a, predicted_accepted_length=float(cost_model.tokens_per_pass(a, r["num_draft"]))))
     bar.update(i + 1, best_k=max(ks, key=lambda k: speedups[(a, k)]))
   loop.forget_compiled(keep)
@@ -490,9 +492,7 @@ def run_cost_model(model, workdir, cfg: CostValidationConfig = CostValidationCon
     if a in cfg.alphas:
       # The same policy choosing on its calibration but paying the pass times the sweep measured in
       # decoding at this rate: what the calibration's error against decoding costs it.
-      paid = pass_costs_from_sweep([speedups[(a, k)] for k in ks[1:]],
-                                   [r["mean_accepted_length"] for r in sweep_rows
-                                    if r["alpha"] == a and r["num_draft"] >= 1])
+      paid = pass_costs_from_sweep([speedups[(a, k)] for k in ks[1:]], [accepted_lengths[(a, k)] for k in ks[1:]])
       on_measured = draft_policy_sim.auto_regret(
           a, tuple(float(c * row["calibrated_step_ms"][0]) for c in paid), n_tokens=cfg.max_new_tokens - 1,
           calibrated_ms_K=tuple(row["calibrated_step_ms"]))
