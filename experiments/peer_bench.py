@@ -26,7 +26,17 @@ The memory-bound ceiling beside the plain rows (`analysis/roofline`): the weight
 step reads (routed experts as our decoding routed them: both sides emit the same tokens) and the
 streaming read bandwidth, measured before the first family and after each; `ceiling_ratio_b*` is
 the largest speed ratio over transformers that any decoder reading those bytes at that bandwidth
-could reach, and `read_gbps` what each side sustained (prefill included: a lower bound). Writes
+could reach, and `read_gbps` what each side sustained (prefill included: a lower bound).
+
+The decode phase apart: each round also times both sides' plain decoding of the first token alone
+(prefill and one step); the rest of a plain run is its decode phase (`decode_ms_per_step`,
+`decode_read_gbps`), compared within rounds (`decode_ratio_b*`, `first_token_ratio_b*`) and
+against the same bound (`decode_ceiling_ratio_b*`). `decode_ratio_b8_over_b1_at_equal_read_rate`
+is how much transformers' decode step grows from batch 1 to 8 over how much the bytes a step
+reads grow: what a decoder reading at one rate at both sizes gets at batch 8 relative to its
+batch-1 ratio. Below 1, a larger ratio at batch 8 than at batch 1 needs a faster read at batch 8,
+while a batch-1 step whose weights fit in the last-level cache (`last_level_cache_bytes`) may read
+part of them from there and a batch-8 step that does not fit reads them all from memory. Writes
 DIR/metrics.json and DIR/table.md. Needs the dev extra.
 """
 
@@ -60,7 +70,9 @@ _AUTO = flags.DEFINE_bool("auto_draft", True, "Our n-gram decoder with num_draft
 
 # How the rows were measured (a resumed run keeps only rows measured the same way): every
 # measurement of one batch size in the same rounds, ratios taken within a round.
-PROTOCOL = "interleaved-rounds"
+PROTOCOL = "interleaved-rounds-first-token"
+# The label of the first-token-only plain runs (prefill and one step) in a round.
+FIRST = "first_token"
 # The default trained model (configs/tiny.py, byte vocabulary) exported as a Qwen2-MoE checkpoint.
 TRAINED = "trained_qwen2_moe"
 # ~20-50M parameters per family (embeddings included).
@@ -111,10 +123,10 @@ def bench_family(family: str, ckpt: pathlib.Path, size: dict, *, max_new: int, r
   n_params = sum(p.numel() for p in ref.parameters())
   rows = []
 
-  def hf_generate(prompts, **kw):
+  def hf_generate(prompts, max_new_tokens_override=None, **kw):
     ids = torch.tensor(prompts, dtype=torch.long)
     with torch.no_grad():
-      out = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
+      out = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens_override or max_new,
                          do_sample=False, eos_token_id=None, pad_token_id=0, **kw)
     return out[:, ids.shape[1]:].numpy()
 
@@ -131,6 +143,10 @@ def bench_family(family: str, ckpt: pathlib.Path, size: dict, *, max_new: int, r
       hf_kw = {"prompt_lookup_num_tokens": num_draft} if drafter == "ngram" else {}
       fns[("moespec_jax", drafter)] = lambda spec=spec: msj.generate(model, prompts, max_new_tokens=max_new, spec=spec)
       fns[("transformers", drafter)] = lambda hf_kw=hf_kw: hf_generate(prompts, **hf_kw)
+    # The first token alone (prefill and one step), in the same rounds: the rest of a plain run is
+    # its decode phase, max_new - 1 steps.
+    fns[("moespec_jax", FIRST)] = lambda: msj.generate(model, prompts, max_new_tokens=1)
+    fns[("transformers", FIRST)] = lambda: hf_generate(prompts, max_new_tokens_override=1)
     for fn in fns.values():  # compile / warm up
       fn()
     seconds, last = interleaved_seconds(fns, repeats)
@@ -157,8 +173,30 @@ def bench_family(family: str, ckpt: pathlib.Path, size: dict, *, max_new: int, r
                "tokens": n_tokens, "seconds": times, **extra}
         if drafter == "none":  # one step per generated token and row
           row["read_gbps"] = step_bytes * row["tokens_per_second"] / batch / 1e9
+          row["first_token_seconds"] = seconds[(impl, FIRST)]
+          step_ms = statistics.median(decode_ms_per_step(times, row["first_token_seconds"], max_new))
+          # A decode phase too short to time (--quick) can come out at or below zero: no figure.
+          row["decode_ms_per_step"] = step_ms if step_ms > 0 else None
+          row["decode_read_gbps"] = step_bytes / (step_ms / 1e3) / 1e9 if step_ms > 0 else None
         rows.append(row)
   return rows
+
+
+def decode_ms_per_step(seconds: list[float], first_token_seconds: list[float], max_new: int) -> list[float]:
+  """Per round: the decode phase of a plain run (all but its first token, prefill included there)
+  in ms per step."""
+  if max_new < 2:
+    raise ValueError(f"a decode phase needs max_new_tokens >= 2, got {max_new}")
+  return [(t - t1) * 1e3 / (max_new - 1) for t, t1 in zip(seconds, first_token_seconds)]
+
+
+def _decode_ratios(ours: dict, theirs: dict) -> list[float]:
+  """Per round, transformers' decode time per step over ours (rounds where both were timed above
+  zero); [] where either side has no decode phase figure."""
+  if not (ours.get("decode_ms_per_step") and theirs.get("decode_ms_per_step")):
+    return []
+  o, t = (decode_ms_per_step(r["seconds"], r["first_token_seconds"], r["max_new_tokens"]) for r in (ours, theirs))
+  return [ti / oi for oi, ti in zip(o, t) if oi > 0 and ti > 0]
 
 
 def summarize(rows: list[dict], stream_gbps: float | None = None) -> list[dict]:
@@ -196,6 +234,25 @@ def summarize(rows: list[dict], stream_gbps: float | None = None) -> list[dict]:
         bound = roofline.bound_tokens_per_second(ours["weight_bytes_per_step"], stream_gbps, batch)
         s[f"ceiling_ratio_b{batch}"] = bound / theirs["tokens_per_second"]
         s[f"stream_fraction_b{batch}"] = ours["read_gbps"] / stream_gbps
+      decode = _decode_ratios(ours, theirs)
+      if decode:
+        s[f"decode_ratio_b{batch}"] = statistics.median(decode)
+        s[f"decode_ratio_b{batch}_interval"] = timing.median_interval(decode)
+        s[f"first_token_ratio_b{batch}"] = statistics.median(
+            [t / o for o, t in zip(ours["first_token_seconds"], theirs["first_token_seconds"])])
+        if stream_gbps and "weight_bytes_per_step" in ours:
+          bound_ms = ours["weight_bytes_per_step"] / (stream_gbps * 1e9) * 1e3
+          s[f"decode_ceiling_ratio_b{batch}"] = theirs["decode_ms_per_step"] / bound_ms
+          s[f"decode_stream_fraction_b{batch}"] = ours["decode_read_gbps"] / stream_gbps
+    plain = {b: (by[("moespec_jax", b, "none")], by[("transformers", b, "none")]) for b in (1, 8)}
+    if all(r.get("decode_ms_per_step") and "weight_bytes_per_step" in r for pair in plain.values() for r in pair):
+      # How much transformers' decode step grows from batch 1 to 8, over how much the bytes a step
+      # reads grow: a decoder that reads at one rate at both sizes (its step time in proportion
+      # to the bytes) sees its batch-8 decode ratio over transformers this factor times its
+      # batch-1 one. Below 1, a larger ratio at batch 8 needs a faster read at batch 8.
+      step_growth = plain[8][1]["decode_ms_per_step"] / plain[1][1]["decode_ms_per_step"]
+      bytes_growth = plain[8][0]["weight_bytes_per_step"] / plain[1][0]["weight_bytes_per_step"]
+      s["decode_ratio_b8_over_b1_at_equal_read_rate"] = step_growth / bytes_growth
     out.append(s)
   return out
 
@@ -224,6 +281,22 @@ def table(rows: list[dict], summary: list[dict]) -> str:
                  f"{s['ngram_speedup_ours']:.2f}x | {s['ngram_speedup_transformers']:.2f}x | "
                  f"{s['ngram_speedup_ours_over_transformers']:.2f} [{lo:.2f}, {hi:.2f}] | "
                  f"{s['tokens_identical']} | {pair(s, 'ceiling_ratio', '.2f')} | {pair(s, 'stream_fraction', '.0%')} |")
+  has_decode = lambda s: "decode_ratio_b1" in s and "decode_ratio_b8" in s  # noqa: E731
+  if any(has_decode(s) for s in summary):
+    lines += ["", "Decode phase (a plain run less its first token, timed alone in the same rounds):", "",
+              "| family | decode ratio b1 [90% interval] | decode ratio b8 [90% interval] | first-token ratio b1 / b8 | "
+              "decode ceiling ratio b1 / b8 | our decode read GB/s b1 / b8 (share of stream) | "
+              "b8 / b1 ratio at an equal read rate |", "|---|---|---|---|---|---|---|"]
+    by = {(r["family"], r["batch_size"], r["impl"]): r for r in rows if r["drafter"] == "none"}
+    for s in summary:
+      if not has_decode(s):
+        continue
+      ratio = lambda b, s=s: "{:.2f}x [{:.2f}, {:.2f}]".format(  # noqa: E731
+          s[f"decode_ratio_b{b}"], *s[f"decode_ratio_b{b}_interval"])
+      gbps = " / ".join(f"{by[(s['family'], b, 'moespec_jax')]['decode_read_gbps']:.1f}" for b in (1, 8))
+      lines.append(f"| {s['family']} | {ratio(1)} | {ratio(8)} | {pair(s, 'first_token_ratio', '.2f')} | "
+                   f"{pair(s, 'decode_ceiling_ratio', '.2f')} | {gbps} ({pair(s, 'decode_stream_fraction', '.0%')}) | "
+                   f"{s.get('decode_ratio_b8_over_b1_at_equal_read_rate', float('nan')):.2f} |")
   return "\n".join(lines) + "\n"
 
 
@@ -287,6 +360,7 @@ def main(argv):
     atomic.write_json_atomic(workdir / "metrics.json", {
         "experiment": "peer_bench", "protocol": PROTOCOL, "quick": quick, "size": size, "repeats": repeats,
         "stream_read_gbps": statistics.median(streams), "stream_read_gbps_samples": streams,
+        "last_level_cache_bytes": roofline.last_level_cache_bytes(),
         "families_done": sorted({r["family"] for r in rows}), "rows": rows, "summary": summary})
     atomic.write_text_atomic(workdir / "table.md", text)
     print(f"{family}: done", flush=True)

@@ -66,3 +66,48 @@ def test_summary_ceiling_is_the_stream_bound_over_transformers():
   assert s["stream_fraction_b8"] == pytest.approx(0.6) and s["stream_fraction_b1"] == pytest.approx(0.6)
   assert "| 5.00 / 2.00 | 60% / 60% |" in peer_bench.table(rows, [s])
   assert "ceiling_ratio_b8" not in peer_bench.summarize(rows)[0]  # no bandwidth measured: no ceiling
+
+
+def test_summary_decode_phase_is_a_run_less_its_first_token_within_rounds():
+  """17 tokens, so 16 decode steps. Batch 1: ours 0.02 s + 16 x 1 ms, transformers 0.05 s + 16 x
+  5 ms (5x per step); round 2 is slow for everything. Batch 8: ours 8 ms, theirs 20 ms a step
+  (2.5x) while a step reads 4x the bytes: transformers' step grows 4x, the bytes 4x, so at one read
+  rate the batch-8 ratio would equal the batch-1 one (factor 1)."""
+  def row(impl, batch, drafter, first, step_ms, nbytes=None, slow=(1, 3, 1)):
+    seconds = [(first + 16 * step_ms / 1e3) * f for f in slow]
+    r = {"family": "f", "impl": impl, "batch_size": batch, "drafter": drafter, "seconds": seconds,
+         "tokens": 17 * batch, "tokens_per_second": 17 * batch / seconds[0], "params": 1e6, "max_new_tokens": 17,
+         "tokens_identical_to_transformers": True}
+    if drafter == "none":
+      r.update(weight_bytes_per_step=nbytes, read_gbps=1.0, first_token_seconds=[first * f for f in slow])
+      r["decode_ms_per_step"] = step_ms
+      r["decode_read_gbps"] = nbytes / (step_ms / 1e3) / 1e9
+    return r
+  rows = [row("moespec_jax", 1, "none", 0.02, 1.0, 1e7), row("transformers", 1, "none", 0.05, 5.0, 1e7),
+          row("moespec_jax", 1, "ngram", 0.02, 0.5), row("transformers", 1, "ngram", 0.05, 5.0),
+          row("moespec_jax", 8, "none", 0.08, 8.0, 4e7), row("transformers", 8, "none", 0.2, 20.0, 4e7)]
+  (s,) = peer_bench.summarize(rows, stream_gbps=20.0)
+  assert s["decode_ratio_b1"] == pytest.approx(5.0) and s["decode_ratio_b8"] == pytest.approx(2.5)
+  assert s["decode_ratio_b1_interval"] == pytest.approx((5.0, 5.0))
+  assert s["first_token_ratio_b1"] == pytest.approx(2.5) and s["first_token_ratio_b8"] == pytest.approx(2.5)
+  # 1e7 bytes at 20 GB/s: 0.5 ms a step, against transformers' 5 ms: 10x; batch 8: 2 ms against 20.
+  assert s["decode_ceiling_ratio_b1"] == pytest.approx(10.0) and s["decode_ceiling_ratio_b8"] == pytest.approx(10.0)
+  assert s["decode_stream_fraction_b1"] == pytest.approx(0.5) and s["decode_stream_fraction_b8"] == pytest.approx(0.25)
+  assert s["decode_ratio_b8_over_b1_at_equal_read_rate"] == pytest.approx(1.0)
+  assert ("| f | 5.00x [5.00, 5.00] | 2.50x [2.50, 2.50] | 2.50 / 2.50 | 10.00 / 10.00 | 10.0 / 5.0 (50% / 25%) | "
+          "1.00 |") in peer_bench.table(rows, [s])
+  with pytest.raises(ValueError, match="max_new_tokens >= 2"):
+    peer_bench.decode_ms_per_step([1.0], [0.5], 1)
+
+
+def test_no_decode_figures_where_the_decode_phase_was_too_short_to_time():
+  def row(impl, batch, drafter, decode_ms):
+    return {"family": "f", "impl": impl, "batch_size": batch, "drafter": drafter, "seconds": [0.01], "tokens": 2,
+            "params": 1e6, "tokens_per_second": 200.0, "max_new_tokens": 2, "tokens_identical_to_transformers": True,
+            "first_token_seconds": [0.011], "decode_ms_per_step": decode_ms}
+  rows = [row(i, b, d, None if (i, b) == ("moespec_jax", 8) else 1.0) for i in ("moespec_jax", "transformers")
+          for b, d in ((1, "none"), (1, "ngram"), (8, "none"))]
+  (s,) = peer_bench.summarize(rows, stream_gbps=20.0)
+  # Batch 1: every round timed the decode phase below zero (its median figure aside); batch 8: none.
+  assert not any(k.startswith("decode") for k in s)
+  assert "Decode phase" not in peer_bench.table(rows, [s])

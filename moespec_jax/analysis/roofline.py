@@ -9,6 +9,7 @@ the largest speed ratio any decoder of those weights can reach over that peer
 
 from __future__ import annotations
 
+import pathlib
 from typing import Sequence
 
 import jax
@@ -26,6 +27,23 @@ def stream_read_gbps(repeats: int = 7) -> float:
   a = jnp.ones((STREAM_BYTES // 4,), jnp.float32)
   t_ms = cost_validation.median_time_ms(jax.jit(jnp.sum), (a,), repeats)
   return a.nbytes / (t_ms / 1e3) / 1e9
+
+
+CPU_CACHES = pathlib.Path("/sys/devices/system/cpu/cpu0/cache")
+
+
+def last_level_cache_bytes(caches: pathlib.Path = CPU_CACHES) -> int | None:
+  """The largest processor cache's size in bytes (Linux sysfs), None where it cannot be read. A
+  decode step whose weights fit in it can read some of them from there on the next step."""
+  sizes = []
+  for index in caches.glob("index*"):
+    try:
+      text = (index / "size").read_text().strip()
+    except OSError:
+      continue
+    units = {"K": 1024, "M": 1024 ** 2, "G": 1024 ** 3}
+    sizes.append(int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text))
+  return max(sizes) if sizes else None
 
 
 _FLUSH: list = []

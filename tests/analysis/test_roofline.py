@@ -48,3 +48,11 @@ def test_flush_caches_reads_a_buffer_of_the_requested_size():
   assert roofline._FLUSH[0] is first  # reused, not reallocated
   roofline.flush_caches(1 << 21)
   assert roofline._FLUSH[0].nbytes == 1 << 21
+
+
+def test_last_level_cache_is_the_largest_cache_sysfs_lists(tmp_path):
+  for name, size in (("index0", "48K"), ("index2", "1024K"), ("index3", "32768K")):
+    (tmp_path / name).mkdir()
+    (tmp_path / name / "size").write_text(size + "\n")
+  assert roofline.last_level_cache_bytes(tmp_path) == 32 * 1024 * 1024
+  assert roofline.last_level_cache_bytes(tmp_path / "missing") is None
