@@ -70,6 +70,12 @@ class CostValidationConfig:
   max_k: int = 8
   max_new_tokens: int = 128
   repeats: int = 7  # rounds of plain and every K, side by side (round_robin_speedups)
+  # Where the measured best K is unsettled (the rounds resampled put it within 1 of the full
+  # sample's best in under `settled_share` of resamples: `share_within_one`), the sweep adds
+  # `repeats` rounds at that rate, up to `max_repeats`: flat speedup curves at high acceptance
+  # otherwise leave the measured best K to timing noise.
+  max_repeats: int = 21
+  settled_share: float = 0.9
   kernel_n: tuple[int, ...] = tuple(range(1, 17))
   kernel_repeats: int = 9
   crossover_windows: int = 8
@@ -89,6 +95,10 @@ class CostValidationConfig:
       raise ValueError(f"max_k must be in [1, 16], got {self.max_k}")
     if min(self.repeats, self.kernel_repeats, self.auto_repeats) < 1:
       raise ValueError("repeats, kernel_repeats and auto_repeats must be >= 1")
+    if self.max_repeats < self.repeats:
+      raise ValueError(f"max_repeats ({self.max_repeats}) must be >= repeats ({self.repeats})")
+    if not 0.0 <= self.settled_share <= 1.0:
+      raise ValueError(f"settled_share must be in [0, 1], got {self.settled_share}")
     if not self.kernel_n or min(self.kernel_n) < 1 or len(set(self.kernel_n)) < 2:
       raise ValueError(f"kernel_n needs at least two distinct pass sizes >= 1, got {self.kernel_n}")
     bad = [d for d in self.real_drafters if d not in ("mtp", "ngram")]
@@ -97,16 +107,16 @@ class CostValidationConfig:
 
 
 QUICK_CONFIG = CostValidationConfig(
-    alphas=(0.0, 0.25, 0.5, 0.75, 1.0), max_k=2, max_new_tokens=16, repeats=1, kernel_n=(1, 2, 4),
+    alphas=(0.0, 0.25, 0.5, 0.75, 1.0), max_k=2, max_new_tokens=16, repeats=1, max_repeats=1, kernel_n=(1, 2, 4),
     kernel_repeats=2, crossover_windows=2, trace_segments=4, auto_alphas=(0.0, 1.0), auto_repeats=1,
     real_drafters=("ngram",))
 
 
 def progress_settings(model, cfg: CostValidationConfig) -> dict[str, Any]:
   """What a resumed run must share with the interrupted one: the validation's settings, the
-  model's config and its weights (and the layout of the stored parts: 2 keeps each round's
-  speedups in the sweep's parts)."""
-  return {"experiment": "cost_model", "parts_format": 2, "config": dataclasses.asdict(cfg),
+  model's config and its weights (and the layout of the stored parts: 3 keeps each round's
+  speedups in the sweep's parts, as many rounds as each rate took)."""
+  return {"experiment": "cost_model", "parts_format": 3, "config": dataclasses.asdict(cfg),
           "model": dataclasses.asdict(model.config), "weights": progress.weights_fingerprint(model.state)}
 
 
@@ -234,7 +244,7 @@ class RoundRobin:
 
 
 def round_robin_runs(model, prompts, max_new_tokens: int, specs: dict, rounds: int, reference=None,
-                     check_tokens=None) -> RoundRobin:
+                     check_tokens=None, first_round: int = 0) -> RoundRobin:
   """Decode-phase seconds of plain decoding (label None) and of each spec in `specs` (key: its
   label, e.g. K), `rounds` times each, side by side.
 
@@ -244,14 +254,15 @@ def round_robin_runs(model, prompts, max_new_tokens: int, specs: dict, rounds: i
   at the start and at the end of every round and the faster of the two is subtracted from that
   round's runs: a prefill timed once, in a slow moment, would shrink every decode time by the
   same wrong amount and inflate every ratio. `check_tokens`: every run's tokens must equal
-  these (greedy speculative decoding is exact).
+  these (greedy speculative decoding is exact). Round r runs with seed `first_round` + r (more
+  rounds of one comparison continue its seeds).
   """
   labels = [None] + list(specs)
   seconds = {k: [] for k in labels}
   stats = {k: [] for k in labels}
   prefills = []
   msj.generate(model, prompts, max_new_tokens=1)
-  for r in range(rounds):
+  for r in range(first_round, first_round + rounds):
     totals = {}
     before = msj.generate(model, prompts, max_new_tokens=1, seed=r).stats["seconds"]
     for k in (labels if r % 2 == 0 else labels[::-1]):
@@ -309,6 +320,27 @@ def best_k_bootstrap(round_speedups_KR, resamples: int = 2000, seed: int = 0) ->
   picks_SR = np.random.default_rng(seed).integers(0, n_rounds, (resamples, n_rounds))
   medians_SK = np.median(ratios_KR[:, picks_SR], axis=2).T
   return np.bincount(np.argmax(medians_SK, axis=1), minlength=ratios_KR.shape[0]) / resamples
+
+
+def rounds_until_settled(more, labels: Sequence, repeats: int, max_repeats: int, settled_share: float,
+                         seed: int = 0) -> RoundRobin:
+  """Rounds of plain decoding (label None) and of every K in `labels` (K = 1, 2, ... in order),
+  `repeats` at a time (`more(first_round, n)`: n more rounds, a `RoundRobin`), until the measured
+  best K is settled: the rounds resampled put it within 1 of the best median speedup in at least
+  `settled_share` of resamples (`best_k_bootstrap`, `share_within_one`), or `max_repeats` rounds
+  have run."""
+  runs = more(0, repeats)
+  while len(runs.prefill_s) < max_repeats:
+    per_round_KR = [[1.0] * len(runs.prefill_s)] + [
+        [p / q for p, q in zip(runs.seconds[None], runs.seconds[k])] for k in labels]
+    medians = [statistics.median(r) for r in per_round_KR]
+    best = int(np.argmax(medians))
+    if share_within_one(best_k_bootstrap(per_round_KR, seed=seed), best) >= settled_share:
+      break
+    extra = more(len(runs.prefill_s), min(repeats, max_repeats - len(runs.prefill_s)))
+    runs = RoundRobin({k: runs.seconds[k] + extra.seconds[k] for k in runs.seconds},
+                      {k: runs.stats[k] + extra.stats[k] for k in runs.stats}, runs.prefill_s + extra.prefill_s)
+  return runs
 
 
 def share_within_one(shares_K: Sequence[float], k: int) -> float:
@@ -394,33 +426,40 @@ def run_cost_model(model, workdir, cfg: CostValidationConfig = CostValidationCon
       f"{np.median(rel_err_linear) if rel_err_linear else float('nan'):.1%} (n = 2..{n_max - 1})")
 
   log(f"[4/6] measured speedups: {len(cfg.alphas)} acceptance rates x K = 1..{cfg.max_k}, {cfg.repeats} rounds "
-      f"of plain and every K side by side")
+      f"of plain and every K side by side ({cfg.repeats} more at a time, up to {cfg.max_repeats}, where the "
+      f"measured best K is unsettled)")
   keep = loop.compiled_signatures()
   speedups = {(a, 0): 1.0 for a in cfg.alphas}
   accepted_lengths = {}  # (a, K >= 1): tokens committed per pass in the sweep
   sweep_rows = []
   prefills = []  # every round's prefill, subtracted from its runs (decode-phase speedups)
   best_k_shares = {}  # per acceptance rate: each K's share of bootstrap resamples where it is best
+  sweep_rounds = {}  # per acceptance rate: rounds run (rounds_until_settled)
   bar = cli.Progress(len(cfg.alphas), desc="cost_model sweep", unit="rates", every_s=20.0)
 
   def sweep_rate(a):
     specs = {k: msj.SpecParams(drafter="controlled", num_draft=k, controlled_acceptance=a) for k in ks[1:]}
-    ratio_K, tps_K, stats_K, rate_prefills, rounds_K = round_robin_speedups(
-        model, prompts, cfg.max_new_tokens, specs, cfg.repeats, reference, check_tokens=reference)
-    return {"prefills": rate_prefills, "round_speedups": [rounds_K[k] for k in ks[1:]],
-            "rows": [{"num_draft": k, "speedup": ratio_K[k], "tokens_per_second": tps_K[k],
-                      "mean_accepted_length": stats_K[k]["mean_accepted_length"]} for k in ks[1:]]}
+    runs = rounds_until_settled(
+        lambda first, n: round_robin_runs(model, prompts, cfg.max_new_tokens, specs, n, reference,
+                                          check_tokens=reference, first_round=first),
+        ks[1:], cfg.repeats, cfg.max_repeats, cfg.settled_share, cfg.seed)
+    rounds_K = {k: [p / q for p, q in zip(runs.seconds[None], runs.seconds[k])] for k in ks[1:]}
+    return {"prefills": runs.prefill_s, "round_speedups": [rounds_K[k] for k in ks[1:]],
+            "rows": [{"num_draft": k, "speedup": statistics.median(rounds_K[k]),
+                      "tokens_per_second": statistics.median(st["tokens_per_second"] for st in runs.stats[k]),
+                      "mean_accepted_length": runs.stats[k][-1]["mean_accepted_length"]} for k in ks[1:]]}
 
   for i, a in enumerate(cfg.alphas):
     part = parts.cached(f"sweep/{a}", lambda: sweep_rate(a))
     prefills += part["prefills"]
     rounds = part["round_speedups"]
     best_k_shares[a] = best_k_bootstrap([[1.0] * len(rounds[0])] + rounds, seed=cfg.seed).tolist()
+    sweep_rounds[a] = len(rounds[0])
     for r in part["rows"]:
       speedups[(a, r["num_draft"])] = r["speedup"]
       accepted_lengths[(a, r["num_draft"])] = r["mean_accepted_length"]
       sweep_rows.append(dict(r, alpha=a, predicted_accepted_length=float(cost_model.tokens_per_pass(a, r["num_draft"]))))
-    bar.update(i + 1, best_k=max(ks, key=lambda k: speedups[(a, k)]))
+    bar.update(i + 1, best_k=max(ks, key=lambda k: speedups[(a, k)]), rounds=sweep_rounds[a])
   loop.forget_compiled(keep)
   log(f"  prefill, timed in every round and subtracted from its runs: median {np.median(prefills) * 1e3:.1f} ms "
       f"(range {min(prefills) * 1e3:.1f}-{max(prefills) * 1e3:.1f})")
@@ -452,7 +491,7 @@ def run_cost_model(model, workdir, cfg: CostValidationConfig = CostValidationCon
                       "predicted_linear_nonexpert": linear_k,
                       "predicted_speedup": float(pred_s), "measured_speedup": speedups[(a, measured_k)],
                       "measured_speedup_at_predicted": speedups[(a, pred_k)],
-                      "measured_best_k_bootstrap_shares": best_k_shares[a]})
+                      "measured_best_k_bootstrap_shares": best_k_shares[a], "rounds": sweep_rounds[a]})
   within = {col: float(np.mean([abs(r[col] - r["measured"]) <= 1 for r in best_rows])) for col in PREDICTORS}
   # The same question asked of the rounds resampled: how often the measured best K lands within 1
   # of each predictor's K, and of the measured best K itself (what timing noise leaves of the goal

@@ -225,3 +225,40 @@ def test_auto_row_text_says_where_the_passes_went():
   paid = dict(simulated, best_fixed_over_auto=0.91, pass_time_ratios=[1.0, 1.3, 1.6, 1.9])
   assert ("choosing on its calibration, paying the sweep's pass times: 1.250x plain, 0.910 of best fixed K=3"
           in cost_validation.describe_auto(dict(row, simulated=simulated, simulated_on_measured_pass_times=paid)))
+
+
+def _fake_rounds(speedups_by_round):
+  """`more` for rounds_until_settled: plain takes 1 s a round, K = k takes 1 / speedup; records its calls."""
+  calls = []
+
+  def more(first, n):
+    calls.append((first, n))
+    rows = [speedups_by_round(r) for r in range(first, first + n)]
+    seconds = {None: [1.0] * n, **{k: [1.0 / row[k - 1] for row in rows] for k in range(1, len(rows[0]) + 1)}}
+    return cost_validation.RoundRobin(seconds, {k: [{"round": r} for r in range(first, first + n)] for k in seconds},
+                                      [0.01] * n)
+  return more, calls
+
+
+def test_rounds_stop_once_the_measured_best_k_is_settled():
+  more, calls = _fake_rounds(lambda r: [1.1, 1.3 + 0.01 * (r % 2), 1.2])  # K = 2 best in every round
+  runs = cost_validation.rounds_until_settled(more, [1, 2, 3], repeats=3, max_repeats=9, settled_share=0.9)
+  assert calls == [(0, 3)] and len(runs.prefill_s) == 3
+
+
+def test_rounds_grow_where_the_best_k_moves_with_the_noise_up_to_the_cap():
+  """K = 1 and K = 4 trade places from round to round (neither within 1 of the other): more rounds,
+  continuing the round numbers, until max_repeats."""
+  more, calls = _fake_rounds(lambda r: [1.3, 1.0, 1.0, 1.25] if r % 2 else [1.25, 1.0, 1.0, 1.3])
+  runs = cost_validation.rounds_until_settled(more, [1, 2, 3, 4], repeats=3, max_repeats=8, settled_share=0.9)
+  assert calls == [(0, 3), (3, 3), (6, 2)]
+  assert len(runs.prefill_s) == 8 and all(len(v) == 8 for v in runs.seconds.values())
+  assert [s["round"] for s in runs.stats[4]] == list(range(8))
+  assert runs.seconds[1][:2] == pytest.approx([1 / 1.25, 1 / 1.3])
+
+
+def test_sweep_round_settings_are_checked():
+  with pytest.raises(ValueError, match="max_repeats"):
+    cost_validation.CostValidationConfig(repeats=7, max_repeats=5)
+  with pytest.raises(ValueError, match="settled_share"):
+    cost_validation.CostValidationConfig(settled_share=1.5)
