@@ -22,9 +22,9 @@ Compilation and a warm-up call are excluded; every timed call starts with the pr
 emptied (a call that followed one of its own kind found its weights cached, one that followed
 the other implementation did not).
 
-The memory-bound ceiling beside the plain rows (`analysis/roofline`): the weight bytes one decode
-step reads (routed experts as our decoding routed them: both sides emit the same tokens) and the
-streaming read bandwidth, measured before the first family and after each; `ceiling_ratio_b*` is
+The memory-bound ceiling beside the plain rows (`analysis/roofline`): the bytes one decode step
+reads (the weights, routed experts as our decoding routed them: both sides emit the same tokens;
+and the KV cache, the positions a step attends to, on average) and the streaming read bandwidth, measured before the first family and after each; `ceiling_ratio_b*` is
 the largest speed ratio over transformers that any decoder reading those bytes at that bandwidth
 could reach, and `read_gbps` what each side sustained (prefill included: a lower bound).
 
@@ -160,8 +160,11 @@ def bench_family(family: str, ckpt: pathlib.Path, size: dict, *, max_new: int, r
                     num_draft=num_draft if drafter == "ngram" else 0, max_new_tokens=max_new,
                     prompt_len=prompt_len, auto_draft=bool(auto_draft and drafter == "ngram"))
       if drafter == "none":  # the same tokens, so the same experts, on both sides
-        step_bytes = roofline.decode_weight_bytes(model.config, ours_out.stats["unique_experts_per_pass"])
-        common["weight_bytes_per_step"] = step_bytes
+        weight_bytes = roofline.decode_weight_bytes(model.config, ours_out.stats["unique_experts_per_pass"])
+        # Decode step j (1..max_new - 1) of a row reads prompt_len + j cached positions.
+        cache_bytes = roofline.decode_cache_bytes(model.config, batch * (prompt_len + max_new / 2))
+        common.update(weight_bytes_per_step=weight_bytes, cache_bytes_per_step=cache_bytes)
+        bytes_per_step = weight_bytes + cache_bytes
       ours_t, hf_t = seconds[("moespec_jax", drafter)], seconds[("transformers", drafter)]
       for impl, n_tokens, times, extra in (
           ("moespec_jax", ours_n, ours_t, {"mean_accepted_length": ours_out.stats.get("mean_accepted_length"),
@@ -172,12 +175,12 @@ def bench_family(family: str, ckpt: pathlib.Path, size: dict, *, max_new: int, r
         row = {**common, "impl": impl, "tokens_per_second": n_tokens / statistics.median(times),
                "tokens": n_tokens, "seconds": times, **extra}
         if drafter == "none":  # one step per generated token and row
-          row["read_gbps"] = step_bytes * row["tokens_per_second"] / batch / 1e9
+          row["read_gbps"] = bytes_per_step * row["tokens_per_second"] / batch / 1e9
           row["first_token_seconds"] = seconds[(impl, FIRST)]
           step_ms = statistics.median(decode_ms_per_step(times, row["first_token_seconds"], max_new))
           # A decode phase too short to time (--quick) can come out at or below zero: no figure.
           row["decode_ms_per_step"] = step_ms if step_ms > 0 else None
-          row["decode_read_gbps"] = step_bytes / (step_ms / 1e3) / 1e9 if step_ms > 0 else None
+          row["decode_read_gbps"] = bytes_per_step / (step_ms / 1e3) / 1e9 if step_ms > 0 else None
         rows.append(row)
   return rows
 
@@ -197,6 +200,11 @@ def _decode_ratios(ours: dict, theirs: dict) -> list[float]:
     return []
   o, t = (decode_ms_per_step(r["seconds"], r["first_token_seconds"], r["max_new_tokens"]) for r in (ours, theirs))
   return [ti / oi for oi, ti in zip(o, t) if oi > 0 and ti > 0]
+
+
+def step_bytes(row: dict) -> float:
+  """The bytes one decode step reads: weights and, where counted, the KV cache."""
+  return row["weight_bytes_per_step"] + row.get("cache_bytes_per_step", 0.0)
 
 
 def summarize(rows: list[dict], stream_gbps: float | None = None) -> list[dict]:
@@ -231,7 +239,7 @@ def summarize(rows: list[dict], stream_gbps: float | None = None) -> list[dict]:
     for batch in (1, 8):
       ours, theirs = by[("moespec_jax", batch, "none")], by[("transformers", batch, "none")]
       if stream_gbps and "weight_bytes_per_step" in ours:
-        bound = roofline.bound_tokens_per_second(ours["weight_bytes_per_step"], stream_gbps, batch)
+        bound = roofline.bound_tokens_per_second(step_bytes(ours), stream_gbps, batch)
         s[f"ceiling_ratio_b{batch}"] = bound / theirs["tokens_per_second"]
         s[f"stream_fraction_b{batch}"] = ours["read_gbps"] / stream_gbps
       decode = _decode_ratios(ours, theirs)
@@ -241,7 +249,7 @@ def summarize(rows: list[dict], stream_gbps: float | None = None) -> list[dict]:
         s[f"first_token_ratio_b{batch}"] = statistics.median(
             [t / o for o, t in zip(ours["first_token_seconds"], theirs["first_token_seconds"])])
         if stream_gbps and "weight_bytes_per_step" in ours:
-          bound_ms = ours["weight_bytes_per_step"] / (stream_gbps * 1e9) * 1e3
+          bound_ms = step_bytes(ours) / (stream_gbps * 1e9) * 1e3
           s[f"decode_ceiling_ratio_b{batch}"] = theirs["decode_ms_per_step"] / bound_ms
           s[f"decode_stream_fraction_b{batch}"] = ours["decode_read_gbps"] / stream_gbps
     plain = {b: (by[("moespec_jax", b, "none")], by[("transformers", b, "none")]) for b in (1, 8)}
@@ -251,7 +259,7 @@ def summarize(rows: list[dict], stream_gbps: float | None = None) -> list[dict]:
       # to the bytes) sees its batch-8 decode ratio over transformers this factor times its
       # batch-1 one. Below 1, a larger ratio at batch 8 needs a faster read at batch 8.
       step_growth = plain[8][1]["decode_ms_per_step"] / plain[1][1]["decode_ms_per_step"]
-      bytes_growth = plain[8][0]["weight_bytes_per_step"] / plain[1][0]["weight_bytes_per_step"]
+      bytes_growth = step_bytes(plain[8][0]) / step_bytes(plain[1][0])
       s["decode_ratio_b8_over_b1_at_equal_read_rate"] = step_growth / bytes_growth
     out.append(s)
   return out
@@ -311,7 +319,7 @@ def _finished_rows(path: pathlib.Path, *, quick, size, repeats, max_new, prompt_
           and all(r["max_new_tokens"] == max_new and r["prompt_len"] == prompt_len
                   and r["num_draft"] in (0, num_draft) and r.get("auto_draft", False) == (
                       auto_draft and r["drafter"] == "ngram")
-                  and (r["drafter"] != "none" or "weight_bytes_per_step" in r) for r in old.get("rows", [])))
+                  and (r["drafter"] != "none" or "cache_bytes_per_step" in r) for r in old.get("rows", [])))
   return list(old.get("rows", [])) if same else []
 
 

@@ -111,3 +111,16 @@ def test_no_decode_figures_where_the_decode_phase_was_too_short_to_time():
   # Batch 1: every round timed the decode phase below zero (its median figure aside); batch 8: none.
   assert not any(k.startswith("decode") for k in s)
   assert "Decode phase" not in peer_bench.table(rows, [s])
+
+
+def test_ceiling_counts_the_kv_cache_a_step_reads_beside_the_weights():
+  """As above, but every step also reads 1e8 bytes of KV cache: twice the bytes, half the bound."""
+  def row(impl, batch, drafter, tok_s, **extra):
+    return {"family": "f", "impl": impl, "batch_size": batch, "drafter": drafter, "seconds": [1.0], "params": 1e6,
+            "tokens": tok_s, "tokens_per_second": tok_s, "tokens_identical_to_transformers": True, **extra}
+  plain = lambda impl, batch, tok_s: row(impl, batch, "none", tok_s, weight_bytes_per_step=1e8,  # noqa: E731
+                                          cache_bytes_per_step=1e8, read_gbps=2e8 * tok_s / batch / 1e9)
+  rows = [plain("moespec_jax", 1, 60), plain("transformers", 1, 20), row("moespec_jax", 1, "ngram", 90),
+          row("transformers", 1, "ngram", 30), plain("moespec_jax", 8, 480), plain("transformers", 8, 400)]
+  (s,) = peer_bench.summarize(rows, stream_gbps=10.0)
+  assert s["ceiling_ratio_b8"] == pytest.approx(1.0) and s["ceiling_ratio_b1"] == pytest.approx(2.5)

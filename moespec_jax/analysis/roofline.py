@@ -1,5 +1,5 @@
-"""The memory-bound ceiling of decoding: the weight bytes one decode step must read, and the
-machine's streaming read bandwidth.
+"""The memory-bound ceiling of decoding: the bytes one decode step must read (weights and KV
+cache), and the machine's streaming read bandwidth.
 
 No implementation of the same weights in the same dtype decodes faster than
 bandwidth / bytes-per-step steps per second, so this ceiling over a peer's measured tokens/s is
@@ -77,6 +77,17 @@ def decode_weight_bytes(config, unique_experts_L: Sequence[float]) -> float:
   if not config.tie_embeddings:
     other -= config.vocab_size * config.d_model * itemsize
   return float(other + unique_L.sum() * expert)
+
+
+def decode_cache_bytes(config, context_tokens: float) -> float:
+  """KV-cache bytes one decode step reads: `context_tokens` cached positions (summed over the
+  batch's rows), each layer's keys and values (MLA: the compressed latent and the rotary key,
+  `ModelConfig.cache_dims`). At batch 8 and a few hundred positions this is a tenth or more of
+  the weight bytes of a small model's step; a decoder reads it on top of the weights."""
+  if context_tokens < 0:
+    raise ValueError(f"context_tokens must be >= 0, got {context_tokens}")
+  heads, key_dim, value_dim = config.cache_dims
+  return float(context_tokens * config.n_layers * heads * (key_dim + value_dim) * jnp.dtype(config.dtype).itemsize)
 
 
 def bound_tokens_per_second(weight_bytes: float, read_gbps: float, batch_size: int) -> float:

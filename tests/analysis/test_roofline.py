@@ -56,3 +56,21 @@ def test_last_level_cache_is_the_largest_cache_sysfs_lists(tmp_path):
     (tmp_path / name / "size").write_text(size + "\n")
   assert roofline.last_level_cache_bytes(tmp_path) == 32 * 1024 * 1024
   assert roofline.last_level_cache_bytes(tmp_path / "missing") is None
+
+
+@pytest.mark.parametrize("mla", [False, True])
+def test_cache_bytes_are_the_cache_arrays_per_position(tiny_config, mla):
+  """One row of 40 positions reads what a 40-position cache holds, every layer (MLA: latent and
+  rotary key); 8 rows of 40 read 8 times as much."""
+  import dataclasses
+  from moespec_jax.model.cache import KVCache
+  config = tiny_config
+  if mla:
+    config = dataclasses.replace(config, attention_type="mla", kv_lora_rank=16, qk_nope_head_dim=8,
+                                 qk_rope_head_dim=4, v_head_dim=8)
+  cache = KVCache.for_config(config, batch=1, max_len=40)
+  held = sum(a.nbytes for a in (*cache.keys, *cache.values))
+  assert roofline.decode_cache_bytes(config, 40) == held
+  assert roofline.decode_cache_bytes(config, 8 * 40) == 8 * held
+  with pytest.raises(ValueError, match="context_tokens"):
+    roofline.decode_cache_bytes(config, -1)
