@@ -1,7 +1,7 @@
 """CPU fast paths, built on first use and called via jax.ffi: the C++ expert FFN
 (csrc/moe_ffn_cpu.cc), the dense product of the decoding output head (csrc/dense_cpu.cc), the
-attention of decoding passes against the KV cache (csrc/attention_cpu.cc; all three on
-csrc/gemv.h) and a monotonic clock that compiled programs read (csrc/clock_cpu.cc).
+attention of decoding passes against the KV cache (csrc/attention_cpu.cc; DeepSeek MLA's against
+its compressed cache: csrc/mla_attention_cpu.cc; all on csrc/gemv.h) and a monotonic clock that compiled programs read (csrc/clock_cpu.cc).
 
 The shared library is compiled by the system C++ compiler ($MOESPEC_CXX, default g++) into
 $MOESPEC_CACHE/build (default ~/.cache/moespec_jax/build), named by a hash of the sources, the
@@ -27,11 +27,13 @@ import jax.numpy as jnp
 import numpy as np
 
 _CSRC = pathlib.Path(__file__).parent / "csrc"
-_SOURCES = (_CSRC / "moe_ffn_cpu.cc", _CSRC / "dense_cpu.cc", _CSRC / "attention_cpu.cc", _CSRC / "clock_cpu.cc")
+_SOURCES = (_CSRC / "moe_ffn_cpu.cc", _CSRC / "dense_cpu.cc", _CSRC / "attention_cpu.cc", _CSRC / "mla_attention_cpu.cc",
+            _CSRC / "clock_cpu.cc")
 _HEADERS = (_CSRC / "gemv.h", _CSRC / "slots.h", _CSRC / "vmath.h")
 # FFI target -> the handler symbol the library exports.
 _TARGETS = {"moespec_moe_ffn_f32": "MoespecMoeFfnF32", "moespec_dense_f32": "MoespecDenseF32",
-            "moespec_attention_f32": "MoespecAttentionF32", "moespec_clock_cpu": "MoespecClockCpu"}
+            "moespec_attention_f32": "MoespecAttentionF32", "moespec_mla_attention_f32": "MoespecMlaAttentionF32",
+            "moespec_clock_cpu": "MoespecClockCpu"}
 # Columns per block of a packed dense weight (`pack_columns`): 4 vectors, so that register panels
 # of up to 4 rows cover a block (gemv.h) and a pass of several rows reads each block once from
 # memory. Output head of a Mixtral-layout checkpoint ([256, 8192]), 64 against 256 columns:
@@ -206,6 +208,28 @@ def cached_attention(q_NQD, keys_NDS, values_NSD, limit_NQ):
   f32 = jnp.float32
   return jax.ffi.ffi_call("moespec_attention_f32", jax.ShapeDtypeStruct((n, q, d), f32), vmap_method="sequential")(
       q_NQD.astype(f32), keys_NDS.astype(f32), values_NSD.astype(f32), limit_NQ.astype(jnp.int32))
+
+
+def mla_attention(q_lat_BQC, q_rope_BQR, latent_BSC, rope_BSR, limit_BQ):
+  """DeepSeek MLA against its compressed cache, the key up-projection absorbed into the queries:
+  softmax(q_lat . latent + q_rope . rope) . latent per cache row b, every query row (tokens x
+  heads) against the row's one shared cache. q_lat [B, Q, C] and q_rope [B, Q, R] (already
+  scaled), latent [B, S, C], rope [B, S, R], limit [B, Q] (query i sees positions 0..limit[b, i]).
+  f32 [B, Q, C]. Each row's cache is read up to its last visible position. Not differentiable."""
+  ensure_built()
+  b, q, c = q_lat_BQC.shape
+  r = q_rope_BQR.shape[-1]
+  s = latent_BSC.shape[1] if latent_BSC.ndim == 3 else -1
+  if (q_rope_BQR.shape != (b, q, r) or latent_BSC.shape != (b, s, c) or rope_BSR.shape != (b, s, r)
+      or limit_BQ.shape != (b, q)):
+    raise ValueError(f"mla_attention needs q_lat [B, Q, C], q_rope [B, Q, R], latent [B, S, C], rope [B, S, R], "
+                     f"limit [B, Q]; got {q_lat_BQC.shape}, {q_rope_BQR.shape}, {latent_BSC.shape}, "
+                     f"{rope_BSR.shape}, {limit_BQ.shape}")
+  f32 = jnp.float32
+  return jax.ffi.ffi_call("moespec_mla_attention_f32", jax.ShapeDtypeStruct((b, q, c), f32),
+                          vmap_method="sequential")(
+      q_lat_BQC.astype(f32), q_rope_BQR.astype(f32), latent_BSC.astype(f32), rope_BSR.astype(f32),
+      limit_BQ.astype(jnp.int32))
 
 
 def clock_after(x):

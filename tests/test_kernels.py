@@ -312,6 +312,56 @@ def test_cached_attention_prefill_blocks(cpu_kernel, monkeypatch, threads):
       np.asarray(cpu_ffi.cached_attention(*map(jnp.asarray, (q_NQD, keys_NDS, values_NSD, limit_NQ)))), together)
 
 
+def _mla_reference(q_lat_BQC, q_rope_BQR, latent_BSC, rope_BSR, limit_BQ):
+  """MLA as GQA with one KV head per row: keys [latent ; rope], values the latent."""
+  keys_BDS = np.concatenate([latent_BSC, rope_BSR], -1).swapaxes(1, 2)
+  q_BQD = np.concatenate([q_lat_BQC, q_rope_BQR], -1)
+  out = _attention_reference(q_BQD, keys_BDS, np.concatenate([latent_BSC, 0 * rope_BSR], -1), limit_BQ)
+  return out[..., :latent_BSC.shape[-1]]
+
+
+@pytest.mark.parametrize("threads", ["1", "2", "3"])
+def test_mla_attention_matches_numpy(cpu_kernel, monkeypatch, threads):
+  """Ragged limits (none visible, some, past the cache's end), query rows that are not a multiple
+  of 16, latent and rotary widths that are not multiples of 16 floats, scores far apart, fewer
+  cache rows than threads, one position."""
+  del cpu_kernel
+  monkeypatch.setenv("MOESPEC_FFI_THREADS", threads)
+  rng = np.random.default_rng(4)
+  for b, q, c, r, s, spread in ((8, 8, 32, 16, 256, 1.0), (1, 72, 64, 8, 100, 1.0), (3, 5, 24, 6, 37, 8.0),
+                                (2, 17, 16, 0, 20, 1.0), (1, 1, 16, 4, 1, 1.0)):
+    q_lat = (spread * rng.normal(size=(b, q, c))).astype(np.float32)
+    q_rope = (spread * rng.normal(size=(b, q, r))).astype(np.float32)
+    latent = rng.normal(size=(b, s, c)).astype(np.float32)
+    rope = rng.normal(size=(b, s, r)).astype(np.float32)
+    limit = rng.integers(-1, s + 3, size=(b, q)).astype(np.int32)
+    got = np.asarray(cpu_ffi.mla_attention(*map(jnp.asarray, (q_lat, q_rope, latent, rope, limit))))
+    np.testing.assert_allclose(got, _mla_reference(q_lat, q_rope, latent, rope, limit), atol=2e-5)
+
+
+def test_mla_attention_rows_do_not_depend_on_the_pass(cpu_kernel):
+  """A query row's output is the same bits alone (a plain step's row) or among a verification
+  pass's rows (9 tokens x 8 heads), whatever the threads; the cache past the last visible
+  position is never read."""
+  del cpu_kernel
+  rng = np.random.default_rng(5)
+  b, t, h, c, r, s = 2, 9, 8, 32, 16, 300
+  q_lat = jnp.asarray(rng.normal(size=(b, t * h, c)), jnp.float32)
+  q_rope = jnp.asarray(rng.normal(size=(b, t * h, r)), jnp.float32)
+  latent = rng.normal(size=(b, s, c)).astype(np.float32)
+  rope = rng.normal(size=(b, s, r)).astype(np.float32)
+  limit = jnp.asarray(np.repeat(np.arange(200, 200 + t), h)[None].repeat(b, 0), jnp.int32)
+  together = np.asarray(cpu_ffi.mla_attention(q_lat, q_rope, latent, rope, limit))
+  for i in (0, 7, 8, 71):
+    alone = cpu_ffi.mla_attention(q_lat[:, i:i + 1], q_rope[:, i:i + 1], latent, rope, limit[:, i:i + 1])
+    np.testing.assert_array_equal(np.asarray(alone), together[:, i:i + 1])
+  latent[:, 200 + t:] = np.nan
+  rope[:, 200 + t:] = np.nan
+  np.testing.assert_array_equal(np.asarray(cpu_ffi.mla_attention(q_lat, q_rope, latent, rope, limit)), together)
+  with pytest.raises(ValueError, match="mla_attention needs"):
+    cpu_ffi.mla_attention(q_lat, q_rope, latent[:, :, :16], rope, limit)
+
+
 def test_clock_inside_a_compiled_loop(cpu_kernel):
   """clock_after passes its operand through and reads a clock ordered by data: readings around
   each of 3 loop iterations of real work never go back and add up to the loop's time."""

@@ -104,6 +104,9 @@ class MLAttention(nnx.Module):
     # Packed for decoding programs on CPU (`set_packed`; not parameters): the products of x
     # side by side ([Wq or Wqa | Wkv | Wkr]), Wqb and Wo.
     self.packed_x_NDC = self.packed_qb_NDC = self.packed_o_NDC = None
+    # Passes against the cache on the C++ kernel (cpu_ffi.mla_attention), set by the decoding
+    # loop's programs on CPU; False: XLA's products (and always for prefills into a fresh cache).
+    self.cpu_cached_attention = False
 
   def pack(self) -> dict:
     """The dense projections as `cpu_ffi.pack_columns` blocks, for `set_packed` (the per-head
@@ -180,6 +183,17 @@ class MLAttention(nnx.Module):
       out_BTHV = self._own_attention(q_nope_BTHN, q_rope_BTHR, latent_BTC, k_rope_BTR, own_visible_BTT, scale)
       return self._output(out_BTHV), new_cache
     q_lat_BTHC = jnp.einsum("bthn,chn->bthc", q_nope_BTHN, self.w_uk_CHN[...])
+    if self.cpu_cached_attention:
+      # Query rows t-major (token, then head); each sees the updated cache up to its own position.
+      b, t, h = q_lat_BTHC.shape[:3]
+      latent_BSC, k_rope_BSR = new_cache
+      limit_BQ = jnp.repeat(positions_BT, h, axis=1)
+      out_lat_BQC = cpu_ffi.mla_attention((q_lat_BTHC * scale).reshape(b, t * h, -1),
+                                          (q_rope_BTHR * scale).reshape(b, t * h, -1), latent_BSC, k_rope_BSR,
+                                          limit_BQ)
+      out_BTHV = jnp.einsum("bthc,chv->bthv", out_lat_BQC.reshape(b, t, h, -1).astype(q_lat_BTHC.dtype),
+                            self.w_uv_CHV[...])
+      return self._output(out_BTHV), new_cache
 
     def scores(latent_BSC, k_rope_BSR, visible_BTS):
       s_BHTS = (jnp.einsum("bthc,bsc->bhts", q_lat_BTHC, latent_BSC)

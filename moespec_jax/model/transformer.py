@@ -91,10 +91,11 @@ class Transformer(nnx.Module):
       self.mtp = None
 
   def use_cpu_cached_attention(self) -> None:
-    """Passes against the cache, prefills into a fresh cache included, run on the C++ kernel
-    from here on (`Attention`; decoding programs on CPU). MLA attention keeps XLA's products."""
+    """Passes against the cache run on the C++ kernels from here on (decoding programs on CPU):
+    `Attention`'s prefills into a fresh cache included; `MLAttention`'s passes against the
+    compressed cache (its prefills keep XLA's products)."""
     for _, module in nnx.iter_modules(self):
-      if isinstance(module, Attention):
+      if isinstance(module, (Attention, mla.MLAttention)):
         module.cpu_cached_attention = True
 
   def pack_dense(self) -> dict[str, dict[str, jax.Array]]:

@@ -72,6 +72,23 @@ def test_cpu_decode_kernels_decode_like_xla(two_module_model, plain_greedy):
       msj.SpecParams(**{name: "pallas"})
 
 
+def test_mla_greedy_speculative_tokens_equal_plain_greedy(tiny_config):
+  """DeepSeek MLA with an MTP module: plain decoding with MLA's passes on the C++ kernel emits
+  XLA's tokens, and greedy speculative decoding (MTP heads; prompt lookup, whose repetitive
+  prompts get drafts accepted) emits the same tokens as plain."""
+  config = tiny_config.replace(attention_type="mla", kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
+                               v_head_dim=8, num_mtp_modules=1)
+  model = msj.Model.init(config, seed=2)
+  plain = msj.generate(model, RAGGED + REPEATS, max_new_tokens=16).tokens
+  xla = msj.generate(model, RAGGED + REPEATS, max_new_tokens=16, spec=msj.SpecParams(attention_kernel="xla"))
+  np.testing.assert_array_equal(xla.tokens, plain)
+  for spec in (msj.SpecParams(drafter="mtp", num_draft=3), msj.SpecParams(drafter="ngram", num_draft=2)):
+    out = msj.generate(model, RAGGED + REPEATS, max_new_tokens=16, spec=spec)
+    np.testing.assert_array_equal(out.tokens, plain)
+    if spec.drafter == "ngram":
+      assert out.stats["mean_accepted_length"] > 1.0
+
+
 def _constant_model(config, seed=0):
   """Target and heads with a zero final-norm weight: all logits are 0 (p = q = uniform,
   greedy token 0), so every draft is accepted."""

@@ -159,6 +159,28 @@ def test_packed_head_gives_the_xla_head_logits(tiny_config, tied):
 MLA = dict(attention_type="mla", kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8)
 
 
+@pytest.mark.parametrize("batch", [1, 2])
+def test_cpu_mla_attention_equals_full_forward(tiny_config, batch):
+  """MLA passes against the compressed cache on the C++ kernel: a 7-token pass into the cache,
+  then 5 more (row 1 re-feeding positions 5..9: a rollback), against the full forward."""
+  import moespec_jax as msj  # pylint: disable=g-import-not-at-top
+  module = msj.Model.init(tiny_config.replace(**MLA), seed=6).module()
+  tokens = np.random.default_rng(1).integers(0, 256, size=(batch, 12)).astype(np.int32)
+  full = np.asarray(module(jnp.asarray(tokens)).logits)
+  module.use_cpu_cached_attention()
+  assert all(block.attn.cpu_cached_attention for block in module.layers)
+  step = jax.jit(lambda tok, p, c: module(tok, p, c))
+  first = (jnp.asarray(tokens[:, :7]), jnp.broadcast_to(jnp.arange(7), (batch, 7)), module.new_cache(batch, 16))
+  assert "moespec_mla_attention_f32" in step.lower(*first).as_text()
+  out1 = step(*first)
+  np.testing.assert_allclose(np.asarray(out1.logits), full[:, :7], atol=2e-5, rtol=2e-5)
+  starts = [7, 5][:batch]
+  pos = jnp.asarray([np.arange(s0, s0 + 5) for s0 in starts])
+  out2 = step(jnp.asarray(np.stack([tokens[b, s0:s0 + 5] for b, s0 in enumerate(starts)])), pos, out1.cache)
+  for b, s0 in enumerate(starts):
+    np.testing.assert_allclose(np.asarray(out2.logits)[b], full[b, s0:s0 + 5], atol=2e-5, rtol=2e-5)
+
+
 @pytest.mark.parametrize("change", [{}, {"qkv_bias": True, "qk_norm": "head"}, {"qk_norm": "full"}, MLA,
                                     dict(MLA, q_lora_rank=24)])
 def test_packed_dense_projections_give_the_xla_pass(tiny_config, change):
