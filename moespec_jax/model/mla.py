@@ -104,19 +104,24 @@ class MLAttention(nnx.Module):
     # Packed for decoding programs on CPU (`set_packed`; not parameters): the products of x
     # side by side ([Wq or Wqa | Wkv | Wkr]), Wqb and Wo.
     self.packed_x_NDC = self.packed_qb_NDC = self.packed_o_NDC = None
+    # W_uk and W_uv head-major for the absorbed passes against the cache (`set_packed`): in their
+    # [C, H, *] layout XLA:CPU transposed each of them on every pass, ~23 us a layer at batch 8.
+    self.w_uk_HNC = self.w_uv_HCV = None
     # Passes against the cache on the C++ kernel (cpu_ffi.mla_attention), set by the decoding
     # loop's programs on CPU; False: XLA's products (and always for prefills into a fresh cache).
     self.cpu_cached_attention = False
 
   def pack(self) -> dict:
-    """The dense projections as `cpu_ffi.pack_columns` blocks, for `set_packed` (the per-head
-    up-projections W_uk and W_uv stay XLA's batched products)."""
+    """The dense projections as `cpu_ffi.pack_columns` blocks, for `set_packed`; the per-head
+    up-projections W_uk and W_uv stay XLA's batched products, head-major."""
     d = self.w_kv_DC.shape[0]
     w_q = self.w_q_DHK[...].reshape(d, -1) if self.w_q_DHK is not None else self.w_qa_DQ[...]
     packed = {"x": cpu_ffi.pack_columns(jnp.concatenate([w_q, self.w_kv_DC[...], self.w_kr_DR[...]], axis=1)),
               "o": cpu_ffi.pack_columns(self.w_o_HVD[...].reshape(-1, d))}
     if self.w_qb_QHK is not None:
       packed["qb"] = cpu_ffi.pack_columns(self.w_qb_QHK[...].reshape(self.w_qb_QHK.shape[0], -1))
+    packed["uk"] = jnp.transpose(self.w_uk_CHN[...], (1, 2, 0))
+    packed["uv"] = jnp.transpose(self.w_uv_CHV[...], (1, 0, 2))
     return packed
 
   def set_packed(self, packed: dict) -> None:
@@ -124,6 +129,20 @@ class MLAttention(nnx.Module):
     self.packed_o_NDC = nnx.data(packed["o"])
     if "qb" in packed:
       self.packed_qb_NDC = nnx.data(packed["qb"])
+    self.w_uk_HNC = nnx.data(packed["uk"])
+    self.w_uv_HCV = nnx.data(packed["uv"])
+
+  def _absorb_queries(self, q_nope_BTHN):
+    """The queries' no-rope part through W_uk: scores against the latent itself."""
+    if self.w_uk_HNC is not None:
+      return jnp.einsum("bthn,hnc->bthc", q_nope_BTHN, self.w_uk_HNC)
+    return jnp.einsum("bthn,chn->bthc", q_nope_BTHN, self.w_uk_CHN[...])
+
+  def _up_values(self, out_lat_BTHC):
+    """Attention outputs in the latent through W_uv: [B, T, H, V]."""
+    if self.w_uv_HCV is not None:
+      return jnp.einsum("bthc,hcv->bthv", out_lat_BTHC, self.w_uv_HCV)
+    return jnp.einsum("bthc,chv->bthv", out_lat_BTHC, self.w_uv_CHV[...])
 
   def _project(self, x_BTD):
     """Queries [B, T, H, N + R], the latent before its norm [B, T, C] and the rotary key before
@@ -182,7 +201,7 @@ class MLAttention(nnx.Module):
     if new_cache is None or fresh_cache:
       out_BTHV = self._own_attention(q_nope_BTHN, q_rope_BTHR, latent_BTC, k_rope_BTR, own_visible_BTT, scale)
       return self._output(out_BTHV), new_cache
-    q_lat_BTHC = jnp.einsum("bthn,chn->bthc", q_nope_BTHN, self.w_uk_CHN[...])
+    q_lat_BTHC = self._absorb_queries(q_nope_BTHN)
     if self.cpu_cached_attention:
       # Query rows t-major (token, then head); each sees the updated cache up to its own position.
       b, t, h = q_lat_BTHC.shape[:3]
@@ -191,8 +210,7 @@ class MLAttention(nnx.Module):
       out_lat_BQC = cpu_ffi.mla_attention((q_lat_BTHC * scale).reshape(b, t * h, -1),
                                           (q_rope_BTHR * scale).reshape(b, t * h, -1), latent_BSC, k_rope_BSR,
                                           limit_BQ)
-      out_BTHV = jnp.einsum("bthc,chv->bthv", out_lat_BQC.reshape(b, t, h, -1).astype(q_lat_BTHC.dtype),
-                            self.w_uv_CHV[...])
+      out_BTHV = self._up_values(out_lat_BQC.reshape(b, t, h, -1).astype(q_lat_BTHC.dtype))
       return self._output(out_BTHV), new_cache
 
     def scores(latent_BSC, k_rope_BSR, visible_BTS):
@@ -225,8 +243,7 @@ class MLAttention(nnx.Module):
       probs_own_BHTT = probs_BHTX[..., key_pos_S.size:].astype(latent_BTC.dtype)
       out_lat_BTHC = (jnp.einsum("bsc,bhts->bthc", old_latent_BSC, probs_old_BHTS)
                       + jnp.einsum("bsc,bhts->bthc", latent_BTC, probs_own_BHTT))
-    out_BTHV = jnp.einsum("bthc,chv->bthv", out_lat_BTHC, self.w_uv_CHV[...])
-    return self._output(out_BTHV), new_cache
+    return self._output(self._up_values(out_lat_BTHC)), new_cache
 
   def _own_attention(self, q_nope_BTHN, q_rope_BTHR, latent_BTC, k_rope_BTR, visible_BTT, scale):
     """Attention among the pass's own positions (a prefill, or no cache) with per-head keys and
