@@ -1,5 +1,6 @@
 """The experiment CLIs as a user runs them: bad flags and bad values give one line and exit 2."""
 
+import json
 import os
 import subprocess
 import sys
@@ -23,7 +24,7 @@ def _one_line_error(proc, fragment):
 
 @pytest.mark.parametrize("module", ["experiments.generate", "experiments.pretrain", "experiments.demo",
                                     "experiments.routing_stats", "experiments.compare_modes", "experiments.project",
-                                    "experiments.kernel_bench"])
+                                    "experiments.kernel_bench", "experiments.decode_kernels"])
 def test_unknown_flag_exits_2_with_one_line(module):
   _one_line_error(_run(module, "--no_such_flag=1"), "no_such_flag")
 
@@ -59,3 +60,15 @@ def test_generate_cli_end_to_end_and_bad_values(tiny_model, tmp_path):
   _one_line_error(_run("experiments.generate", f"--checkpoint={path}", "--max_new_tokens=500"),
                   "max_seq_len")
   _one_line_error(_run("experiments.generate", f"--checkpoint={tmp_path / 'missing'}"), "config.json")
+
+
+def test_decode_kernels_cli_end_to_end(tiny_model, tmp_path):
+  """Every variant decodes the C++ kernels' tokens (checked inside), one row per variant."""
+  path = str(tiny_model.save(tmp_path / "model"))
+  proc = _run("experiments.decode_kernels", f"--model={path}", f"--workdir={tmp_path / 'dk'}", "--quick",
+              "--prompt_bytes=24")
+  assert proc.returncode == 0, proc.stderr
+  metrics = json.loads((tmp_path / "dk" / "metrics.json").read_text())["decode_kernels"]
+  assert [r["variant"] for r in metrics["rows"]] == ["cpp", "xla_head", "xla_dense", "xla_attention", "xla"]
+  assert "| 1 | xla_attention |" in (tmp_path / "dk" / "table.md").read_text()
+  _one_line_error(_run("experiments.decode_kernels", f"--model={path}", "--batch_sizes=1,x"), "--batch_sizes")

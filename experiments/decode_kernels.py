@@ -1,0 +1,66 @@
+"""What the CPU decoding kernels buy on a model: plain greedy decoding with the C++ output head,
+dense projections and attention (GQA, or MLA's passes against its compressed cache), with each
+in turn replaced by XLA's ops, and with none, side by side in interleaved rounds (decode phase
+timed apart from the first token; ratios within rounds with 90% intervals; tokens must agree).
+
+  python -m experiments.decode_kernels --workdir=runs/decode_kernels [--model=PATH] \
+      [--batch_sizes=1,8] [--max_new_tokens=64] [--rounds=11] [--prompt_bytes=192] [--quick]
+
+--model: a directory written by `Model.save` or a Hugging Face model directory (default: the
+default trained model); one without a tokenizer.json is prompted with held-out code's UTF-8 bytes
+as token ids. Writes `workdir/metrics.json` (key `decode_kernels`) and `workdir/table.md`. CPU only.
+"""
+
+import pathlib
+
+import jax
+from absl import flags
+
+from moespec_jax import cli
+from moespec_jax.api import Model
+from moespec_jax.decoding import bench, kernel_ab
+from moespec_jax.io import atomic
+
+_WORKDIR = flags.DEFINE_string("workdir", "runs/decode_kernels", "Where metrics.json and table.md go.")
+_MODEL = flags.DEFINE_string("model", None, "Model directory (default: the default trained model).")
+_QUICK = flags.DEFINE_bool("quick", False, "Batch 1, 8 tokens, 1 round.")
+_BATCHES = flags.DEFINE_list("batch_sizes", ["1", "8"], "Batch sizes.")
+_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 64, "Tokens generated per prompt (>= 2).")
+_ROUNDS = flags.DEFINE_integer("rounds", 11, "Interleaved rounds (every variant once per round).")
+_PROMPT_BYTES = flags.DEFINE_integer("prompt_bytes", 192, "Bytes of held-out code per prompt.")
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise ValueError(f"unexpected arguments: {argv[1:]}")
+  if jax.default_backend() != "cpu":
+    raise ValueError(f"decode_kernels compares the CPU kernels; this backend is {jax.default_backend()}")
+  try:
+    batch_sizes = [int(b) for b in _BATCHES.value]
+  except ValueError:
+    raise ValueError(f"--batch_sizes must be a list of integers, got {_BATCHES.value}") from None
+  if not batch_sizes or min(batch_sizes) < 1:
+    raise ValueError(f"--batch_sizes values must be >= 1, got {_BATCHES.value}")
+  if _MODEL.value:
+    model = Model.load(_MODEL.value)
+  else:
+    from moespec_jax.default_model import ensure_default_model  # pylint: disable=g-import-not-at-top
+    model = ensure_default_model()
+  if _QUICK.value:
+    batch_sizes, max_new, rounds = [1], 8, 1
+  else:
+    max_new, rounds = _MAX_NEW.value, _ROUNDS.value
+  prompts, encoding = bench.bench_prompts(model, max(batch_sizes), _PROMPT_BYTES.value)
+  rows = kernel_ab.decode_kernels_ab(model, prompts, batch_sizes=batch_sizes, max_new_tokens=max_new,
+                                     rounds=rounds)
+  workdir = pathlib.Path(_WORKDIR.value)
+  atomic.write_json_atomic(workdir / "metrics.json", {"decode_kernels": {
+      "model": _MODEL.value or "default", "prompt_encoding": encoding, "prompt_bytes": _PROMPT_BYTES.value,
+      "max_new_tokens": max_new, "rounds": rounds, "batch_sizes": batch_sizes, "rows": rows}})
+  table = kernel_ab.format_table(rows)
+  atomic.write_text_atomic(workdir / "table.md", table)
+  print(table)
+
+
+if __name__ == "__main__":
+  cli.run(main)

@@ -1,0 +1,116 @@
+"""The CPU decoding kernels against XLA's ops, side by side (experiments/decode_kernels.py).
+
+On CPU, decoding runs the output head, the dense projections and the attention against the KV
+cache (GQA, and MLA's passes against its compressed cache) on C++ kernels by default
+(`SpecParams(head_kernel=, dense_kernel=, attention_kernel=)`). This measures what each one buys
+on a given model: plain greedy decoding with all of them, with each one in turn replaced by
+XLA's ops, and with none, every variant once per round (the order reversing from round to round,
+the processor's caches emptied before every call), each run beside a first-token-only run of the
+same variant, so that the decode phase (all but the first token) is timed apart from the
+prefill. Ratios are taken within rounds, each with a 90% bootstrap interval; every variant must
+emit the same tokens.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any, Sequence
+
+import numpy as np
+
+import moespec_jax as msj
+from moespec_jax import cli
+from moespec_jax.analysis import roofline, timing
+from moespec_jax.decoding import loop
+
+# Variant name -> the SpecParams kernel settings it decodes with ("cpp": the defaults).
+VARIANTS: dict[str, dict[str, str]] = {
+    "cpp": {},
+    "xla_head": {"head_kernel": "xla"},
+    "xla_dense": {"dense_kernel": "xla"},
+    "xla_attention": {"attention_kernel": "xla"},
+    "xla": {"head_kernel": "xla", "dense_kernel": "xla", "attention_kernel": "xla"},
+}
+
+
+def decode_kernels_ab(model, prompts: Sequence, *, batch_sizes: Sequence[int] = (1, 8), max_new_tokens: int = 64,
+                      rounds: int = 11, variants: Sequence[str] = tuple(VARIANTS), before=roofline.flush_caches,
+                      log=print) -> list[dict[str, Any]]:
+  """One row per (batch size, variant): decode ms per step (median over rounds) and, beside
+  "cpp", the within-round ratio of the variant's decode time to the C++ kernels' (above 1: the
+  kernels it replaces paid), with its interval. `prompts`: at least max(batch_sizes)."""
+  unknown = [v for v in variants if v not in VARIANTS]
+  if unknown:
+    raise ValueError(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
+  if "cpp" not in variants:
+    raise ValueError("variants must include 'cpp' (the ratios are to it)")
+  if max_new_tokens < 2:
+    raise ValueError(f"max_new_tokens must be >= 2 (a decode phase), got {max_new_tokens}")
+  if rounds < 1:
+    raise ValueError(f"rounds must be >= 1, got {rounds}")
+  if len(prompts) < max(batch_sizes):
+    raise ValueError(f"{len(prompts)} prompts for batch sizes up to {max(batch_sizes)}")
+  rows = []
+  progress = cli.Progress(len(batch_sizes) * rounds, desc="decode_kernels", unit="rounds", every_s=15.0)
+  for bi, batch in enumerate(batch_sizes):
+    batch_prompts = list(prompts[:batch])
+    calls = {}
+    for name in variants:
+      spec = msj.SpecParams(drafter="none", **VARIANTS[name])
+      for n in (1, max_new_tokens):
+        calls[(name, n)] = (lambda spec=spec, n=n: msj.generate(model, batch_prompts, max_new_tokens=n, spec=spec))
+    outputs = {key: fn() for key, fn in calls.items()}  # compiles; the tokens every variant must emit
+    reference = outputs[("cpp", max_new_tokens)].tokens
+    for name in variants:
+      if not np.array_equal(outputs[(name, max_new_tokens)].tokens, reference):
+        raise AssertionError(f"variant {name!r} decoded other tokens than the C++ kernels at batch {batch}")
+    seconds = {key: [] for key in calls}
+    keys = list(calls)
+    for r in range(rounds):
+      for key in (keys if r % 2 == 0 else keys[::-1]):
+        before()
+        start = time.perf_counter()
+        calls[key]()
+        seconds[key].append(time.perf_counter() - start)
+      progress.update(bi * rounds + r + 1)
+    step_ms = {name: [(t - t1) * 1e3 / (max_new_tokens - 1)
+                      for t, t1 in zip(seconds[(name, max_new_tokens)], seconds[(name, 1)])] for name in variants}
+    for name in variants:
+      median_ms = statistics.median(step_ms[name])
+      # A decode phase too short to time against its first token (a quick run) gives no figure.
+      row = {"batch_size": batch, "variant": name, "settings": VARIANTS[name],
+             "decode_ms_per_step": median_ms if median_ms > 0 else None,
+             "first_token_ms": statistics.median(seconds[(name, 1)]) * 1e3, "rounds": rounds}
+      if name != "cpp" and row["decode_ms_per_step"] is not None:
+        ratios = [v / c for v, c in zip(step_ms[name], step_ms["cpp"]) if v > 0 and c > 0]
+        if ratios:
+          row["decode_time_over_cpp"] = statistics.median(ratios)
+          row["decode_time_over_cpp_interval"] = timing.median_interval(ratios)
+      rows.append(row)
+      log(format_row(row))
+    loop.forget_compiled()
+  return rows
+
+
+def _ms(value) -> str:
+  return "-" if value is None else f"{value:.3f}"
+
+
+def format_row(row: dict) -> str:
+  text = f"batch {row['batch_size']} {row['variant']:>13}: decode {_ms(row['decode_ms_per_step'])} ms/step"
+  if "decode_time_over_cpp" in row:
+    lo, hi = row["decode_time_over_cpp_interval"]
+    text += f", {row['decode_time_over_cpp']:.3f}x the C++ kernels' time [{lo:.3f}, {hi:.3f}]"
+  return text
+
+
+def format_table(rows: Sequence[dict]) -> str:
+  lines = ["| batch | variant | decode ms/step | time / C++ kernels' [90% interval] |", "|---|---|---|---|"]
+  for row in rows:
+    ratio = "-"
+    if "decode_time_over_cpp" in row:
+      lo, hi = row["decode_time_over_cpp_interval"]
+      ratio = f"{row['decode_time_over_cpp']:.3f} [{lo:.3f}, {hi:.3f}]"
+    lines.append(f"| {row['batch_size']} | {row['variant']} | {_ms(row['decode_ms_per_step'])} | {ratio} |")
+  return "\n".join(lines) + "\n"
