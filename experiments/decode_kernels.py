@@ -35,12 +35,7 @@ def main(argv):
     raise ValueError(f"unexpected arguments: {argv[1:]}")
   if jax.default_backend() != "cpu":
     raise ValueError(f"decode_kernels compares the CPU kernels; this backend is {jax.default_backend()}")
-  try:
-    batch_sizes = [int(b) for b in _BATCHES.value]
-  except ValueError:
-    raise ValueError(f"--batch_sizes must be a list of integers, got {_BATCHES.value}") from None
-  if not batch_sizes or min(batch_sizes) < 1:
-    raise ValueError(f"--batch_sizes values must be >= 1, got {_BATCHES.value}")
+  batch_sizes = cli.positive_ints("batch_sizes", _BATCHES.value)
   if _MODEL.value:
     model = Model.load(_MODEL.value)
   else:

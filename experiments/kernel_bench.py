@@ -186,12 +186,7 @@ def main(argv):
   if _QUICK.value:
     shapes, n_list, repeats = ["tiny"], [1, 2, 4], 3
   else:
-    try:
-      n_list = [int(n) for n in _N_LIST.value]
-    except ValueError:
-      raise ValueError(f"--n_list must be whole numbers of tokens, got {_N_LIST.value}") from None
-    if not n_list or min(n_list) < 1:
-      raise ValueError(f"--n_list must hold token counts >= 1, got {_N_LIST.value}")
+    n_list = cli.positive_ints("n_list", _N_LIST.value)
     shapes, repeats = _SHAPES.value, _REPEATS.value
   run(_WORKDIR.value, shapes, n_list, _ROUTINGS.value, _METHODS.value, repeats, _OVERLAP.value,
       _MAX_WEIGHT_GB.value, _BACKEND.value, _SEED.value)

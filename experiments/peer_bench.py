@@ -46,7 +46,6 @@ import inspect
 import json
 import pathlib
 import statistics
-import time
 
 from absl import flags
 import numpy as np
@@ -91,24 +90,6 @@ def code_prompts(n: int, length: int) -> list[list[int]]:
   return [data[s:s + length].tolist() for s in starts]
 
 
-def interleaved_seconds(fns: dict, rounds: int, before=roofline.flush_caches) -> tuple[dict, dict]:
-  """Wall seconds of every function in `fns`, once per round, the order reversing from one round
-  to the next: every measurement of a round sees the same stretch of this machine's load, so
-  ratios are taken within rounds. `before` runs ahead of every call, untimed: by default it
-  empties the processor's caches (`roofline.flush_caches`), so that no call finds its weights
-  left there by a call of its own kind. Returns ({label: [seconds per round]}, {label: last
-  output})."""
-  labels = list(fns)
-  seconds, last = {k: [] for k in labels}, {}
-  for r in range(rounds):
-    for k in (labels if r % 2 == 0 else labels[::-1]):
-      before()
-      start = time.perf_counter()
-      last[k] = fns[k]()
-      seconds[k].append(time.perf_counter() - start)
-  return seconds, last
-
-
 def bench_family(family: str, ckpt: pathlib.Path, size: dict, *, max_new: int, repeats: int,
                  num_draft: int, prompt_len: int, auto_draft: bool = True) -> list[dict]:
   import torch  # pylint: disable=g-import-not-at-top
@@ -149,7 +130,7 @@ def bench_family(family: str, ckpt: pathlib.Path, size: dict, *, max_new: int, r
     fns[("transformers", FIRST)] = lambda: hf_generate(prompts, max_new_tokens_override=1)
     for fn in fns.values():  # compile / warm up
       fn()
-    seconds, last = interleaved_seconds(fns, repeats)
+    seconds, last = timing.interleaved_seconds(fns, repeats, before=roofline.flush_caches)
     for drafter in drafters:
       ours_out, hf_out = last[("moespec_jax", drafter)], last[("transformers", drafter)]
       ours_tokens = ours_out.tokens
@@ -177,7 +158,7 @@ def bench_family(family: str, ckpt: pathlib.Path, size: dict, *, max_new: int, r
         if drafter == "none":  # one step per generated token and row
           row["read_gbps"] = bytes_per_step * row["tokens_per_second"] / batch / 1e9
           row["first_token_seconds"] = seconds[(impl, FIRST)]
-          step_ms = statistics.median(decode_ms_per_step(times, row["first_token_seconds"], max_new))
+          step_ms = statistics.median(timing.decode_ms_per_step(times, row["first_token_seconds"], max_new))
           # A decode phase too short to time (--quick) can come out at or below zero: no figure.
           row["decode_ms_per_step"] = step_ms if step_ms > 0 else None
           row["decode_read_gbps"] = bytes_per_step / (step_ms / 1e3) / 1e9 if step_ms > 0 else None
@@ -185,20 +166,12 @@ def bench_family(family: str, ckpt: pathlib.Path, size: dict, *, max_new: int, r
   return rows
 
 
-def decode_ms_per_step(seconds: list[float], first_token_seconds: list[float], max_new: int) -> list[float]:
-  """Per round: the decode phase of a plain run (all but its first token, prefill included there)
-  in ms per step."""
-  if max_new < 2:
-    raise ValueError(f"a decode phase needs max_new_tokens >= 2, got {max_new}")
-  return [(t - t1) * 1e3 / (max_new - 1) for t, t1 in zip(seconds, first_token_seconds)]
-
-
 def _decode_ratios(ours: dict, theirs: dict) -> list[float]:
   """Per round, transformers' decode time per step over ours (rounds where both were timed above
   zero); [] where either side has no decode phase figure."""
   if not (ours.get("decode_ms_per_step") and theirs.get("decode_ms_per_step")):
     return []
-  o, t = (decode_ms_per_step(r["seconds"], r["first_token_seconds"], r["max_new_tokens"]) for r in (ours, theirs))
+  o, t = (timing.decode_ms_per_step(r["seconds"], r["first_token_seconds"], r["max_new_tokens"]) for r in (ours, theirs))
   return [ti / oi for oi, ti in zip(o, t) if oi > 0 and ti > 0]
 
 
@@ -295,13 +268,13 @@ def table(rows: list[dict], summary: list[dict]) -> str:
               "| family | decode ratio b1 [90% interval] | decode ratio b8 [90% interval] | first-token ratio b1 / b8 | "
               "decode ceiling ratio b1 / b8 | our decode read GB/s b1 / b8 (share of stream) | "
               "b8 / b1 ratio at an equal read rate |", "|---|---|---|---|---|---|---|"]
-    by = {(r["family"], r["batch_size"], r["impl"]): r for r in rows if r["drafter"] == "none"}
+    plain_rows = {(r["family"], r["batch_size"], r["impl"]): r for r in rows if r["drafter"] == "none"}
     for s in summary:
       if not has_decode(s):
         continue
       ratio = lambda b, s=s: "{:.2f}x [{:.2f}, {:.2f}]".format(  # noqa: E731
           s[f"decode_ratio_b{b}"], *s[f"decode_ratio_b{b}_interval"])
-      gbps = " / ".join(f"{by[(s['family'], b, 'moespec_jax')]['decode_read_gbps']:.1f}" for b in (1, 8))
+      gbps = " / ".join(f"{plain_rows[(s['family'], b, 'moespec_jax')]['decode_read_gbps']:.1f}" for b in (1, 8))
       lines.append(f"| {s['family']} | {ratio(1)} | {ratio(8)} | {pair(s, 'first_token_ratio', '.2f')} | "
                    f"{pair(s, 'decode_ceiling_ratio', '.2f')} | {gbps} ({pair(s, 'decode_stream_fraction', '.0%')}) | "
                    f"{s.get('decode_ratio_b8_over_b1_at_equal_read_rate', float('nan')):.2f} |")

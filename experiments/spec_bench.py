@@ -29,16 +29,6 @@ _DRAFTERS = flags.DEFINE_list("drafters", ["mtp", "ngram"], "Drafters (mtp needs
 _KS = flags.DEFINE_list("num_draft", ["1", "2", "3", "4", "5", "6"], "Draft lengths K.")
 
 
-def _ints(name, values):
-  try:
-    out = [int(v) for v in values]
-  except ValueError:
-    raise ValueError(f"--{name} must be a list of integers, got {values}") from None
-  if not out or min(out) < 1:
-    raise ValueError(f"--{name} values must be >= 1, got {values}")
-  return out
-
-
 def main(argv):
   if len(argv) > 1:
     raise ValueError(f"unexpected arguments: {argv[1:]}")
@@ -59,9 +49,9 @@ def main(argv):
       temperatures = [float(t) for t in _TEMPS.value]
     except ValueError:
       raise ValueError(f"--temperatures must be a list of numbers, got {_TEMPS.value}") from None
-    bench.run_spec_bench(model, _WORKDIR.value, batch_sizes=_ints("batch_sizes", _BATCHES.value),
+    bench.run_spec_bench(model, _WORKDIR.value, batch_sizes=cli.positive_ints("batch_sizes", _BATCHES.value),
                          temperatures=temperatures, drafters=drafters,
-                         num_drafts=_ints("num_draft", _KS.value), max_new_tokens=_MAX_NEW.value,
+                         num_drafts=cli.positive_ints("num_draft", _KS.value), max_new_tokens=_MAX_NEW.value,
                          repeats=_REPEATS.value)
 
 

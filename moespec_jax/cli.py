@@ -49,6 +49,17 @@ def parse_flags(argv: Sequence[str]) -> list[str]:
     raise  # unreachable
 
 
+def positive_ints(flag: str, values: Sequence[str]) -> list[int]:
+  """A list flag's values as integers >= 1; ValueError naming --flag otherwise."""
+  try:
+    out = [int(v) for v in values]
+  except ValueError:
+    raise ValueError(f"--{flag} must be a list of integers, got {list(values)}") from None
+  if not out or min(out) < 1:
+    raise ValueError(f"--{flag} values must be >= 1, got {list(values)}")
+  return out
+
+
 def _message(error: BaseException) -> str:
   if isinstance(error, FileNotFoundError) and error.filename:
     return f"{error.strerror or 'file not found'}: {error.filename}"

@@ -101,3 +101,13 @@ def test_progress_lines():
   by_steps = cli.Progress(50, every_s=None, every_steps=10, stream=io.StringIO(),
                           start_step=20, clock=lambda: now[0])
   assert [by_steps.update(s) for s in range(21, 41)].count(True) == 2
+
+
+def test_positive_ints_name_the_flag():
+  assert cli.positive_ints("batch_sizes", ["1", "8"]) == [1, 8]
+  with pytest.raises(ValueError, match="--batch_sizes must be a list of integers"):
+    cli.positive_ints("batch_sizes", ["1", "x"])
+  with pytest.raises(ValueError, match="--n_list values must be >= 1"):
+    cli.positive_ints("n_list", ["0"])
+  with pytest.raises(ValueError, match="--n_list values must be >= 1"):
+    cli.positive_ints("n_list", [])

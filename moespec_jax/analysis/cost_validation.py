@@ -242,6 +242,15 @@ class RoundRobin:
   stats: dict
   prefill_s: list
 
+  def speedups(self, label) -> list[float]:
+    """Each round's decode-phase speedup of `label` over plain decoding (label None)."""
+    return [p / q for p, q in zip(self.seconds[None], self.seconds[label])]
+
+  def extended(self, more: "RoundRobin") -> "RoundRobin":
+    """These rounds followed by `more`'s (the same labels)."""
+    return RoundRobin({k: self.seconds[k] + more.seconds[k] for k in self.seconds},
+                      {k: self.stats[k] + more.stats[k] for k in self.stats}, self.prefill_s + more.prefill_s)
+
 
 def round_robin_runs(model, prompts, max_new_tokens: int, specs: dict, rounds: int, reference=None,
                      check_tokens=None, first_round: int = 0) -> RoundRobin:
@@ -300,11 +309,10 @@ def round_robin_speedups(model, prompts, max_new_tokens: int, specs: dict, round
   round's prefill seconds], {label: [each round's speedup]}).
   """
   runs = round_robin_runs(model, prompts, max_new_tokens, specs, rounds, reference, check_tokens)
-  seconds, stats = runs.seconds, runs.stats
-  per_round = {k: [p / q for p, q in zip(seconds[None], seconds[k])] for k in specs}
+  per_round = {k: runs.speedups(k) for k in specs}
   return ({k: statistics.median(per_round[k]) for k in specs},
-          {k: statistics.median(s["tokens_per_second"] for s in stats[k]) for k in specs},
-          {k: stats[k][-1] for k in specs}, runs.prefill_s, per_round)
+          {k: statistics.median(s["tokens_per_second"] for s in runs.stats[k]) for k in specs},
+          {k: runs.stats[k][-1] for k in specs}, runs.prefill_s, per_round)
 
 
 def best_k_bootstrap(round_speedups_KR, resamples: int = 2000, seed: int = 0) -> np.ndarray:
@@ -331,15 +339,11 @@ def rounds_until_settled(more, labels: Sequence, repeats: int, max_repeats: int,
   have run."""
   runs = more(0, repeats)
   while len(runs.prefill_s) < max_repeats:
-    per_round_KR = [[1.0] * len(runs.prefill_s)] + [
-        [p / q for p, q in zip(runs.seconds[None], runs.seconds[k])] for k in labels]
-    medians = [statistics.median(r) for r in per_round_KR]
-    best = int(np.argmax(medians))
+    per_round_KR = [[1.0] * len(runs.prefill_s)] + [runs.speedups(k) for k in labels]
+    best = int(np.argmax([statistics.median(r) for r in per_round_KR]))
     if share_within_one(best_k_bootstrap(per_round_KR, seed=seed), best) >= settled_share:
       break
-    extra = more(len(runs.prefill_s), min(repeats, max_repeats - len(runs.prefill_s)))
-    runs = RoundRobin({k: runs.seconds[k] + extra.seconds[k] for k in runs.seconds},
-                      {k: runs.stats[k] + extra.stats[k] for k in runs.stats}, runs.prefill_s + extra.prefill_s)
+    runs = runs.extended(more(len(runs.prefill_s), min(repeats, max_repeats - len(runs.prefill_s))))
   return runs
 
 
@@ -443,7 +447,7 @@ def run_cost_model(model, workdir, cfg: CostValidationConfig = CostValidationCon
         lambda first, n: round_robin_runs(model, prompts, cfg.max_new_tokens, specs, n, reference,
                                           check_tokens=reference, first_round=first),
         ks[1:], cfg.repeats, cfg.max_repeats, cfg.settled_share, cfg.seed)
-    rounds_K = {k: [p / q for p, q in zip(runs.seconds[None], runs.seconds[k])] for k in ks[1:]}
+    rounds_K = {k: runs.speedups(k) for k in ks[1:]}
     return {"prefills": runs.prefill_s, "round_speedups": [rounds_K[k] for k in ks[1:]],
             "rows": [{"num_draft": k, "speedup": statistics.median(rounds_K[k]),
                       "tokens_per_second": statistics.median(st["tokens_per_second"] for st in runs.stats[k]),

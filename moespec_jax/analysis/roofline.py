@@ -35,13 +35,13 @@ CPU_CACHES = pathlib.Path("/sys/devices/system/cpu/cpu0/cache")
 def last_level_cache_bytes(caches: pathlib.Path = CPU_CACHES) -> int | None:
   """The largest processor cache's size in bytes (Linux sysfs), None where it cannot be read. A
   decode step whose weights fit in it can read some of them from there on the next step."""
+  units = {"K": 1024, "M": 1024 ** 2, "G": 1024 ** 3}
   sizes = []
   for index in caches.glob("index*"):
     try:
       text = (index / "size").read_text().strip()
     except OSError:
       continue
-    units = {"K": 1024, "M": 1024 ** 2, "G": 1024 ** 3}
     sizes.append(int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text))
   return max(sizes) if sizes else None
 

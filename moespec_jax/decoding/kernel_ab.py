@@ -14,7 +14,6 @@ emit the same tokens.
 from __future__ import annotations
 
 import statistics
-import time
 from typing import Any, Sequence
 
 import numpy as np
@@ -65,17 +64,10 @@ def decode_kernels_ab(model, prompts: Sequence, *, batch_sizes: Sequence[int] = 
     for name in variants:
       if not np.array_equal(outputs[(name, max_new_tokens)].tokens, reference):
         raise AssertionError(f"variant {name!r} decoded other tokens than the C++ kernels at batch {batch}")
-    seconds = {key: [] for key in calls}
-    keys = list(calls)
-    for r in range(rounds):
-      for key in (keys if r % 2 == 0 else keys[::-1]):
-        before()
-        start = time.perf_counter()
-        calls[key]()
-        seconds[key].append(time.perf_counter() - start)
-      progress.update(bi * rounds + r + 1)
-    step_ms = {name: [(t - t1) * 1e3 / (max_new_tokens - 1)
-                      for t, t1 in zip(seconds[(name, max_new_tokens)], seconds[(name, 1)])] for name in variants}
+    seconds, _ = timing.interleaved_seconds(calls, rounds, before=before,
+                                            on_round=lambda r, bi=bi: progress.update(bi * rounds + r + 1))
+    step_ms = {name: timing.decode_ms_per_step(seconds[(name, max_new_tokens)], seconds[(name, 1)], max_new_tokens)
+               for name in variants}
     for name in variants:
       median_ms = statistics.median(step_ms[name])
       # A decode phase too short to time against its first token (a quick run) gives no figure.

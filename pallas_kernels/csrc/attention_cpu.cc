@@ -170,22 +170,12 @@ ffi::Error AttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buf
                   out->typed_data(), qd[0], qd[1], qd[2], kd[2]};
   if (p.N == 0 || p.Q == 0) return ffi::Error::Success();
   // Units of work: blocks of a pair's query rows (CausalBlocks), dealt to slots as contiguous
-  // ranges of near-equal estimated cost (rows x keys read).
+  // ranges of near-equal estimated cost (rows x keys read; RunByCost).
   std::vector<Block> blocks;
   for (int64_t n = 0; n < p.N; ++n) CausalBlocks(p, n, blocks);
-  const int n_slots = moespec::SlotsFor(pool, static_cast<int64_t>(blocks.size()));
-  std::vector<size_t> first(n_slots + 1, blocks.size());
-  first[0] = 0;
-  double total = 0.0;
-  for (const Block& b : blocks) total += b.cost;
-  double done = 0.0;
-  for (size_t u = 0, s = 1; u < blocks.size(); ++u) {
-    done += blocks[u].cost;
-    while (s < static_cast<size_t>(n_slots) && done - 0.5 * blocks[u].cost >= total * s / n_slots) first[s++] = u;
-  }
-  moespec::RunSlots(pool, n_slots, [&](int s) {
+  moespec::RunByCost(pool, blocks, [&](size_t u0, size_t u1) {
     std::vector<float> scores;
-    for (size_t u = first[s]; u < first[s + 1]; ++u) p.Rows(blocks[u].n, blocks[u].i0, blocks[u].i1, scores);
+    for (size_t u = u0; u < u1; ++u) p.Rows(blocks[u].n, blocks[u].i0, blocks[u].i1, scores);
   });
   return ffi::Error::Success();
 }

@@ -17,7 +17,7 @@
 // returns zeros), out [B, Q, C]. Q = query rows of a cache row (tokens x heads).
 //
 // Work split: blocks of a row's query rows, at least one block per thread when there are fewer
-// rows than threads; contiguous ranges of blocks per slot (slots.h). Each query row's arithmetic
+// rows than threads; contiguous ranges of blocks of near-equal cost per slot (slots.h RunByCost). Each query row's arithmetic
 // depends only on its own inputs (every product accumulates its terms in order, one multiply-add
 // each, and the softmax runs down its own column), never on Q, on the block or on the thread: a
 // plain step and a verification pass compute the same bits for the same row.
@@ -152,22 +152,14 @@ ffi::Error MlaAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q_lat, f
       const int64_t i0 = p.Q * k / parts, i1 = p.Q * (k + 1) / parts;
       int64_t visible = 0;
       for (int64_t i = i0; i < i1; ++i) visible = std::max(visible, p.Seen(b, i));
-      blocks.push_back({b, i0, i1, static_cast<double>(i1 - i0 + 4) * (visible + 1)});
+      // Scores: each visible position against the queries padded to whole vectors; values: each row.
+      const int64_t padded = (i1 - i0 + kLanes - 1) / kLanes * kLanes;
+      blocks.push_back({b, i0, i1, static_cast<double>(padded + i1 - i0) * (visible + 1)});
     }
   }
-  const int n_slots = moespec::SlotsFor(pool, static_cast<int64_t>(blocks.size()));
-  std::vector<size_t> first(n_slots + 1, blocks.size());
-  first[0] = 0;
-  double total = 0.0;
-  for (const Block& blk : blocks) total += blk.cost;
-  double done = 0.0;
-  for (size_t u = 0, s = 1; u < blocks.size(); ++u) {
-    done += blocks[u].cost;
-    while (s < static_cast<size_t>(n_slots) && done - 0.5 * blocks[u].cost >= total * s / n_slots) first[s++] = u;
-  }
-  moespec::RunSlots(pool, n_slots, [&](int s) {
+  moespec::RunByCost(pool, blocks, [&](size_t u0, size_t u1) {
     Scratch w;
-    for (size_t u = first[s]; u < first[s + 1]; ++u) p.Rows(blocks[u].b, blocks[u].i0, blocks[u].i1, w);
+    for (size_t u = u0; u < u1; ++u) p.Rows(blocks[u].b, blocks[u].i0, blocks[u].i1, w);
   });
   return ffi::Error::Success();
 }

@@ -9,6 +9,7 @@
 #include <functional>
 #include <memory>
 #include <thread>
+#include <vector>
 
 #include "gemv.h"
 #include "xla/ffi/api/ffi.h"
@@ -44,6 +45,24 @@ inline void RunSlots(xla::ffi::ThreadPool& pool, int n_slots, std::function<void
   state->Work();
   // Every slot is claimed by a running thread; wait for the ones still running.
   while (state->done.load(std::memory_order_acquire) < n_slots) std::this_thread::yield();
+}
+
+// Runs run_range(u0, u1) over `units` (each with a `cost`, e.g. rows x keys read) dealt to slots
+// (SlotsFor) as contiguous ranges of near-equal total cost: a unit goes to the slot in which the
+// midpoint of its cost falls.
+template <typename Unit, typename RunRange>
+inline void RunByCost(xla::ffi::ThreadPool& pool, const std::vector<Unit>& units, RunRange run_range) {
+  const int n_slots = SlotsFor(pool, static_cast<int64_t>(units.size()));
+  std::vector<size_t> first(n_slots + 1, units.size());
+  first[0] = 0;
+  double total = 0.0;
+  for (const Unit& unit : units) total += unit.cost;
+  double done = 0.0;
+  for (size_t u = 0, s = 1; u < units.size(); ++u) {
+    done += units[u].cost;
+    while (s < static_cast<size_t>(n_slots) && done - 0.5 * units[u].cost >= total * s / n_slots) first[s++] = u;
+  }
+  RunSlots(pool, n_slots, [&](int s) { run_range(first[s], first[s + 1]); });
 }
 
 }  // namespace moespec

@@ -1,0 +1,28 @@
+"""analysis/timing: interleaved rounds, decode phases, medians and their intervals."""
+
+import pytest
+
+from moespec_jax.analysis import timing
+
+
+def test_interleaved_seconds_runs_every_function_once_per_round_reversing_the_order():
+  calls = []
+  fns = {name: (lambda name=name: calls.append(name) or name) for name in ("a", "b", "c")}
+  seconds, last = timing.interleaved_seconds(fns, 3, before=lambda: calls.append("flush"),
+                                               on_round=lambda r: calls.append(f"round {r}"))
+  assert calls == ["flush", "a", "flush", "b", "flush", "c", "round 0", "flush", "c", "flush", "b", "flush", "a",
+                   "round 1", "flush", "a", "flush", "b", "flush", "c", "round 2"]
+  assert last == {"a": "a", "b": "b", "c": "c"} and all(len(v) == 3 for v in seconds.values())
+
+
+def test_decode_phase_is_a_run_less_its_first_token_per_step():
+  assert timing.decode_ms_per_step([0.05, 0.09], [0.01, 0.03], 5) == pytest.approx([10.0, 15.0])
+  with pytest.raises(ValueError, match="max_new_tokens >= 2"):
+    timing.decode_ms_per_step([1.0], [0.5], 1)
+
+
+def test_median_interval_brackets_the_median_and_refuses_nothing_to_resample():
+  lo, hi = timing.median_interval([1.0, 2.0, 3.0, 4.0, 5.0])
+  assert lo <= 3.0 <= hi and 1.0 <= lo and hi <= 5.0
+  with pytest.raises(ValueError, match="non-empty"):
+    timing.median_interval([])
