@@ -11,12 +11,10 @@ DIR/pareto.png; budgeted rows are labelled approximate and carry their quality f
 from absl import flags
 
 from moespec_jax import cli
-from moespec_jax.api import Model
 from moespec_jax.decoding import compare_modes
-from moespec_jax.default_model import ensure_default_model
 
 _WORKDIR = flags.DEFINE_string("workdir", "runs/compare_modes", "Output directory.")
-_CHECKPOINT = flags.DEFINE_string("checkpoint", None, "Model directory (default: the default model).")
+_MODEL = cli.define_model_flag()
 _DRAFTER = flags.DEFINE_enum("drafter", "mtp", ["mtp", "ngram", "none"], "Drafter.")
 _NUM_DRAFTS = flags.DEFINE_list("num_drafts", ["2", "3", "4"], "Draft lengths K.")
 _BATCHES = flags.DEFINE_list("batch_sizes", ["1", "4"], "Batch sizes.")
@@ -32,7 +30,7 @@ _QUICK = flags.DEFINE_bool("quick", False, "A small sweep (K=2, batch 1, greedy,
 def main(argv):
   if len(argv) > 1:
     raise ValueError(f"unexpected arguments: {argv[1:]}")
-  model = Model.load(_CHECKPOINT.value) if _CHECKPOINT.value else ensure_default_model()
+  model = cli.load_model(_MODEL.value)
   kwargs = dict(drafter=_DRAFTER.value, num_drafts=[int(k) for k in _NUM_DRAFTS.value],
                 batch_sizes=[int(b) for b in _BATCHES.value], temperatures=[float(t) for t in _TEMPS.value],
                 policies=list(_POLICIES.value), scope=_SCOPE.value, kernel=_KERNEL.value, max_new_tokens=_MAX_NEW.value,

@@ -3,7 +3,7 @@ per acceptance rate (controlled drafter, K = 0..8), verification time per pass s
 dedup/per-slot crossover, and num_draft='auto' against plain decoding and the best fixed K.
 
   python -m experiments.cost_model --workdir=runs/cost_model [--quick] [--model=PATH] \
-      [--n_alphas=21] [--max_k=8] [--repeats=7] [--max_repeats=21] [--auto_repeats=31] [--max_new_tokens=128]
+      [--n_alphas=21] [--max_k=8] [--repeats=7] [--max_repeats=3 x repeats] [--auto_repeats=31] [--max_new_tokens=128]
 
 Writes `workdir/metrics.json` (key `cost_model`), `staircase.png`, `verify_time.png` and
 `unique_experts.png`. Batch 1, greedy (the controlled drafter's acceptance is geometric only
@@ -18,18 +18,18 @@ from absl import flags
 
 from moespec_jax import cli
 from moespec_jax.analysis import cost_validation
-from moespec_jax.api import Model
 
 _WORKDIR = flags.DEFINE_string("workdir", "runs/cost_model", "Where metrics.json and the plots go.")
-_MODEL = flags.DEFINE_string("model", None, "Model directory (default: the default trained model).")
+_MODEL = cli.define_model_flag()
 _QUICK = flags.DEFINE_bool("quick", False, "A small run (5 acceptance rates, K <= 2, short outputs).")
 _N_ALPHAS = flags.DEFINE_integer("n_alphas", 21, "Acceptance rates, evenly spaced in [0, 1].")
 _MAX_K = flags.DEFINE_integer("max_k", 8, "Largest draft length K.")
 _REPEATS = flags.DEFINE_integer(
     "repeats", 7, "Rounds per acceptance rate, each running plain decoding and every K once (median of ratios).")
 _MAX_REPEATS = flags.DEFINE_integer(
-    "max_repeats", 21, "Most rounds per acceptance rate: where the measured best K is unsettled (within 1 of "
-    "itself in under 90% of resamples of the rounds), --repeats more rounds at a time up to this many.")
+    "max_repeats", None, "Most rounds per acceptance rate (>= --repeats; default 3 x --repeats): where the "
+    "measured best K is unsettled (within 1 of itself in under 90% of resamples of the rounds), --repeats more "
+    "rounds at a time up to this many.")
 _AUTO_REPEATS = flags.DEFINE_integer(
     "auto_repeats", 31, "Rounds of plain, auto and the best fixed K side by side, per num_draft='auto' row.")
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 128, "Tokens generated per run.")
@@ -40,19 +40,15 @@ def main(argv):
     raise ValueError(f"unexpected arguments: {argv[1:]}")
   if _N_ALPHAS.value < 2:
     raise ValueError(f"--n_alphas must be >= 2, got {_N_ALPHAS.value}")
-  if _MODEL.value:
-    model = Model.load(_MODEL.value)
-  else:
-    from moespec_jax.default_model import ensure_default_model
-    model = ensure_default_model()
   if _QUICK.value:
     cfg = cost_validation.QUICK_CONFIG
   else:
     alphas = tuple(float(a) for a in np.round(np.linspace(0.0, 1.0, _N_ALPHAS.value), 3))
     cfg = cost_validation.CostValidationConfig(alphas=alphas, max_k=_MAX_K.value, repeats=_REPEATS.value,
-                                               max_repeats=max(_MAX_REPEATS.value, _REPEATS.value),
+                                               max_repeats=(3 * _REPEATS.value if _MAX_REPEATS.value is None else
+                                                            _MAX_REPEATS.value),
                                                auto_repeats=_AUTO_REPEATS.value, max_new_tokens=_MAX_NEW.value)
-  cost_validation.run_cost_model(model, _WORKDIR.value, cfg)
+  cost_validation.run_cost_model(cli.load_model(_MODEL.value), _WORKDIR.value, cfg)
 
 
 if __name__ == "__main__":

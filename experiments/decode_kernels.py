@@ -17,12 +17,11 @@ import jax
 from absl import flags
 
 from moespec_jax import cli
-from moespec_jax.api import Model
 from moespec_jax.decoding import bench, kernel_ab
 from moespec_jax.io import atomic
 
 _WORKDIR = flags.DEFINE_string("workdir", "runs/decode_kernels", "Where metrics.json and table.md go.")
-_MODEL = flags.DEFINE_string("model", None, "Model directory (default: the default trained model).")
+_MODEL = cli.define_model_flag()
 _QUICK = flags.DEFINE_bool("quick", False, "Batch 1, 8 tokens, 1 round.")
 _BATCHES = flags.DEFINE_list("batch_sizes", ["1", "8"], "Batch sizes.")
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 64, "Tokens generated per prompt (>= 2).")
@@ -36,11 +35,7 @@ def main(argv):
   if jax.default_backend() != "cpu":
     raise ValueError(f"decode_kernels compares the CPU kernels; this backend is {jax.default_backend()}")
   batch_sizes = cli.positive_ints("batch_sizes", _BATCHES.value)
-  if _MODEL.value:
-    model = Model.load(_MODEL.value)
-  else:
-    from moespec_jax.default_model import ensure_default_model  # pylint: disable=g-import-not-at-top
-    model = ensure_default_model()
+  model = cli.load_model(_MODEL.value)
   if _QUICK.value:
     batch_sizes, max_new, rounds = [1], 8, 1
   else:

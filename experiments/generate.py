@@ -1,11 +1,11 @@
 """Generate text from a model.
 
   python -m experiments.generate --prompt="def fib(n):" --max_new_tokens=64
-      [--checkpoint=DIR] [--temperature=0.8 --top_k=0 --top_p=0.95] [--prompt=... (a batch)]
+      [--model=DIR] [--temperature=0.8 --top_k=0 --top_p=0.95] [--prompt=... (a batch)]
       [--drafter=mtp|ngram --num_draft=3|auto [--max_draft=8]]
       [--mode=budgeted --expert_budget=N [--measure_quality]] [--seed=0]
 
-Without --checkpoint it uses the default trained model (`make demo` creates it). Exact mode
+Without --model it uses the default trained model (`make demo` creates it). Exact mode
 (the default) samples the target's distribution whatever the drafter; --mode=budgeted caps the
 experts of each verification pass and is APPROXIMATE (its output says so).
 """
@@ -17,7 +17,7 @@ from moespec_jax import cli
 from moespec_jax.io import paths
 
 _PROMPT = flags.DEFINE_multi_string("prompt", ["def fib(n):"], "Prompt(s); repeat the flag for a batch.")
-_CHECKPOINT = flags.DEFINE_string("checkpoint", None, "Model directory (default: the cached default model).")
+_MODEL = cli.define_model_flag()
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 64, "Tokens to generate per prompt.")
 _TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "0 = greedy.")
 _TOP_K = flags.DEFINE_integer("top_k", 0, "Top-k filter (0 = off).")
@@ -49,10 +49,10 @@ def main(argv):
   spec = msj.SpecParams(drafter=_DRAFTER.value, num_draft=_num_draft(_NUM_DRAFT.value), max_draft=_MAX_DRAFT.value,
                         mode=_MODE.value, expert_budget=_BUDGET.value, measure_quality=_QUALITY.value,
                         kernel=_KERNEL.value)
-  path = _CHECKPOINT.value or paths.default_model_dir()
-  if _CHECKPOINT.value is None and not (paths.default_model_dir() / "config.json").exists():
-    raise FileNotFoundError(f"no default model at {path}: run `make demo` first or pass --checkpoint")
-  model = msj.Model.load(path)
+  if _MODEL.value is None and not (paths.default_model_dir() / "config.json").exists():
+    # Generating is quick; training the default model is not: say so rather than start it.
+    raise FileNotFoundError(f"no default model at {paths.default_model_dir()}: run `make demo` first or pass --model")
+  model = cli.load_model(_MODEL.value)
   out = msj.generate(
       model, list(_PROMPT.value), max_new_tokens=_MAX_NEW.value,
       sampling=msj.SamplingParams(temperature=_TEMPERATURE.value, top_k=_TOP_K.value, top_p=_TOP_P.value),

@@ -10,7 +10,7 @@ the routed experts' share of a pass, and the best draft length per acceptance ra
 Writes DIR/metrics.json (key `projection`) and DIR/projection.png. Measure read_gbps and the
 dedup ratio on the target machine with experiments.kernel_bench. Distinct experts per pass assume
 uniform routing (an upper bound) unless --routing_stats names the metrics.json of a routing_stats
-run on a model with the config's experts and top-k (e.g. `routing_stats --checkpoint=HF_DIR`).
+run on a model with the config's experts and top-k (e.g. `routing_stats --model=HF_DIR`).
 """
 
 import pathlib

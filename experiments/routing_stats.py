@@ -1,6 +1,6 @@
 """Routing statistics of the default trained model on held-out code.
 
-  python -m experiments.routing_stats --workdir=runs/routing_stats [--checkpoint=DIR]
+  python -m experiments.routing_stats --workdir=runs/routing_stats [--model=DIR]
       [--source=heldout|generated] [--n_segments=64] [--seq_len=256]
 
 Writes DIR/metrics.json (key `routing_stats`), DIR/trace.npz and DIR/routing.png.
@@ -12,12 +12,10 @@ from absl import flags
 
 from moespec_jax import cli
 from moespec_jax.analysis import routing_report, traces
-from moespec_jax.api import Model
-from moespec_jax.default_model import ensure_default_model
 from moespec_jax.io import atomic
 
 _WORKDIR = flags.DEFINE_string("workdir", "runs/routing_stats", "Output directory.")
-_CHECKPOINT = flags.DEFINE_string("checkpoint", None, "Model directory (default: the default model).")
+_MODEL = cli.define_model_flag()
 _SOURCE = flags.DEFINE_enum("source", "heldout", ["heldout", "generated"], "Where the routing comes from.")
 _SEGMENTS = flags.DEFINE_integer("n_segments", 64, "Held-out windows (or prompts for 'generated').")
 _SEQ_LEN = flags.DEFINE_integer("seq_len", 256, "Tokens per window (or generated tokens per prompt).")
@@ -29,7 +27,7 @@ def main(argv):
   if len(argv) > 1:
     raise ValueError(f"unexpected arguments: {argv[1:]}")
   workdir = pathlib.Path(_WORKDIR.value)
-  model = Model.load(_CHECKPOINT.value) if _CHECKPOINT.value else ensure_default_model()
+  model = cli.load_model(_MODEL.value)
   if _SOURCE.value == "heldout":
     trace = traces.heldout_trace(model, n_segments=_SEGMENTS.value, seq_len=_SEQ_LEN.value)
   else:

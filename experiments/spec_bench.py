@@ -15,11 +15,10 @@ tokenizer.json (a random checkpoint) is prompted with the held-out code's UTF-8 
 from absl import flags
 
 from moespec_jax import cli
-from moespec_jax.api import Model
 from moespec_jax.decoding import bench
 
 _WORKDIR = flags.DEFINE_string("workdir", "runs/spec_bench", "Where metrics.json and the plot go.")
-_MODEL = flags.DEFINE_string("model", None, "Model directory (default: the default trained model).")
+_MODEL = cli.define_model_flag()
 _QUICK = flags.DEFINE_bool("quick", False, "A small sweep (batch 1, K = 2, greedy, short outputs).")
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 64, "Tokens generated per prompt.")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Timed runs per row (median reported).")
@@ -32,11 +31,7 @@ _KS = flags.DEFINE_list("num_draft", ["1", "2", "3", "4", "5", "6"], "Draft leng
 def main(argv):
   if len(argv) > 1:
     raise ValueError(f"unexpected arguments: {argv[1:]}")
-  if _MODEL.value:
-    model = Model.load(_MODEL.value)
-  else:
-    from moespec_jax.default_model import ensure_default_model
-    model = ensure_default_model()
+  model = cli.load_model(_MODEL.value)
   bad = [d for d in _DRAFTERS.value if d not in ("mtp", "ngram")]
   if bad:
     raise ValueError(f"--drafters must be among mtp, ngram; got {bad}")

@@ -12,7 +12,6 @@ from absl import flags
 from ml_collections import config_flags
 
 from moespec_jax import cli
-from moespec_jax.api import Model
 from moespec_jax.io import atomic, paths
 from moespec_jax.training import mtp
 
@@ -30,11 +29,7 @@ def main(argv):
   if "mtp" not in cfg:
     raise ValueError("--config has no `mtp` section")
   tc = mtp.MTPTrainConfig.from_dict(cfg.mtp)
-  if _TARGET.value:
-    target = Model.load(_TARGET.value)
-  else:
-    from moespec_jax.default_model import ensure_default_model
-    target = ensure_default_model(train_heads=False)
+  target = cli.load_model(_TARGET.value, train_heads=False)
   model, metrics = mtp.train(target, tc, _WORKDIR.value)
   metrics["decoding"] = mtp.decoding_acceptance(model)
   atomic.write_json_atomic(f"{_WORKDIR.value}/metrics.json", {"train_mtp": metrics})

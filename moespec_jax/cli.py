@@ -60,6 +60,26 @@ def positive_ints(flag: str, values: Sequence[str]) -> list[int]:
   return out
 
 
+def define_model_flag() -> flags.FlagHolder:
+  """`--model=DIR` (alias `--checkpoint`), the model an experiment runs on: a directory of ours or
+  a Hugging Face one (`Model.load`); unset, the default trained model (`load_model`)."""
+  holder = flags.DEFINE_string(
+      "model", None, "Model directory, ours or a Hugging Face one (default: the default trained model, "
+      "trained and cached on first use).")
+  flags.DEFINE_alias("checkpoint", "model")
+  return holder
+
+
+def load_model(path: str | None, *, train_heads: bool = True):
+  """`Model.load(path)`, or without a path the default trained model (trained on first use;
+  `train_heads`: with its MTP heads)."""
+  if path:
+    from moespec_jax.api import Model  # pylint: disable=g-import-not-at-top (cli stays light)
+    return Model.load(path)
+  from moespec_jax.default_model import ensure_default_model  # pylint: disable=g-import-not-at-top
+  return ensure_default_model(train_heads=train_heads)
+
+
 def _message(error: BaseException) -> str:
   if isinstance(error, FileNotFoundError) and error.filename:
     return f"{error.strerror or 'file not found'}: {error.filename}"

@@ -42,10 +42,11 @@ def test_pretrain_bad_config_file_exits_2():
 
 def test_generate_cli_end_to_end_and_bad_values(tiny_model, tmp_path):
   path = str(tiny_model.save(tmp_path / "model"))
-  proc = _run("experiments.generate", f"--checkpoint={path}", "--prompt=def f(x):",
+  proc = _run("experiments.generate", f"--model={path}", "--prompt=def f(x):",
               "--max_new_tokens=5")
   assert proc.returncode == 0, proc.stderr
   assert proc.stdout.startswith("def f(x):") and "tokens/s" in proc.stdout
+  # --checkpoint: --model's alias (every experiment that runs on a model takes both).
   proc = _run("experiments.generate", f"--checkpoint={path}", "--prompt=def f(x): return x", "--max_new_tokens=6",
               "--drafter=ngram", "--num_draft=auto", "--max_draft=3")
   assert proc.returncode == 0, proc.stderr
@@ -59,7 +60,15 @@ def test_generate_cli_end_to_end_and_bad_values(tiny_model, tmp_path):
   _one_line_error(_run("experiments.generate", f"--checkpoint={path}", "--top_p=0"), "top_p")
   _one_line_error(_run("experiments.generate", f"--checkpoint={path}", "--max_new_tokens=500"),
                   "max_seq_len")
-  _one_line_error(_run("experiments.generate", f"--checkpoint={tmp_path / 'missing'}"), "config.json")
+  _one_line_error(_run("experiments.generate", f"--model={tmp_path / 'missing'}"), "config.json")
+
+
+def test_cost_model_refuses_fewer_max_repeats_than_repeats(tmp_path):
+  """Refused before any model is loaded or trained, and nothing written."""
+  proc = _run("experiments.cost_model", f"--workdir={tmp_path / 'cm'}", f"--model={tmp_path / 'missing'}",
+              "--repeats=7", "--max_repeats=5")
+  _one_line_error(proc, "max_repeats (5) must be >= repeats (7)")
+  assert not (tmp_path / "cm").exists()
 
 
 def test_decode_kernels_cli_end_to_end(tiny_model, tmp_path):
