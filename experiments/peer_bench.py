@@ -36,7 +36,10 @@ is how much transformers' decode step grows from batch 1 to 8 over how much the 
 reads grow: what a decoder reading at one rate at both sizes gets at batch 8 relative to its
 batch-1 ratio. Below 1, a larger ratio at batch 8 than at batch 1 needs a faster read at batch 8,
 while a batch-1 step whose weights fit in the last-level cache (`last_level_cache_bytes`) may read
-part of them from there and a batch-8 step that does not fit reads them all from memory. Writes
+part of them from there and a batch-8 step that does not fit reads them all from memory. The
+n-gram speedups of the decode phase alone (`ngram_decode_speedup_*`: each side's plain and
+prompt-lookup runs less the plain first token of the same round): our prefill is a larger share of
+our whole run than of transformers', which dilutes our whole-run speedup more. Writes
 DIR/metrics.json and DIR/table.md. Needs the dev extra.
 """
 
@@ -175,6 +178,17 @@ def _decode_ratios(ours: dict, theirs: dict) -> list[float]:
   return [ti / oi for oi, ti in zip(o, t) if oi > 0 and ti > 0]
 
 
+def _ngram_decode_speedups(plain: dict, ngram: dict) -> list[float]:
+  """Per round, the plain run's decode phase over the n-gram run's, both less the plain run's first
+  token timed alone in that round (prompt lookup's first token is the same prefill and step): what
+  drafting buys where it acts, apart from the prefill both runs share. [] without first-token
+  times (or where a phase came out at or below zero)."""
+  first = plain.get("first_token_seconds")
+  if not first or not plain.get("decode_ms_per_step"):
+    return []
+  return [(p - f) / (n - f) for p, n, f in zip(plain["seconds"], ngram["seconds"], first) if p > f and n > f]
+
+
 def step_bytes(row: dict) -> float:
   """The bytes one decode step reads: weights and, where counted, the KV cache."""
   return row["weight_bytes_per_step"] + row.get("cache_bytes_per_step", 0.0)
@@ -209,6 +223,17 @@ def summarize(rows: list[dict], stream_gbps: float | None = None) -> list[dict]:
         ngram_speedup_transformers_interval=timing.median_interval(ngram_theirs),
         ngram_speedup_ours_over_transformers_interval=timing.median_interval(relative),
         tokens_identical=all(r["tokens_identical_to_transformers"] for r in by.values()))
+    # The same, decode phase only: our prefill is a larger share of our whole run than of
+    # transformers' (first-token ratios ~2-3 against decode ratios ~5-12), which dilutes our
+    # whole-run n-gram speedup more.
+    decode_ours = _ngram_decode_speedups(by[("moespec_jax", 1, "none")], by[("moespec_jax", 1, "ngram")])
+    decode_theirs = _ngram_decode_speedups(by[("transformers", 1, "none")], by[("transformers", 1, "ngram")])
+    if decode_ours and len(decode_ours) == len(decode_theirs):
+      decode_relative = [o / t for o, t in zip(decode_ours, decode_theirs)]
+      s.update(ngram_decode_speedup_ours=statistics.median(decode_ours),
+               ngram_decode_speedup_transformers=statistics.median(decode_theirs),
+               ngram_decode_speedup_ours_over_transformers=statistics.median(decode_relative),
+               ngram_decode_speedup_ours_over_transformers_interval=timing.median_interval(decode_relative))
     for batch in (1, 8):
       ours, theirs = by[("moespec_jax", batch, "none")], by[("transformers", batch, "none")]
       if stream_gbps and "weight_bytes_per_step" in ours:
@@ -267,8 +292,13 @@ def table(rows: list[dict], summary: list[dict]) -> str:
     lines += ["", "Decode phase (a plain run less its first token, timed alone in the same rounds):", "",
               "| family | decode ratio b1 [90% interval] | decode ratio b8 [90% interval] | first-token ratio b1 / b8 | "
               "decode ceiling ratio b1 / b8 | our decode read GB/s b1 / b8 (share of stream) | "
-              "b8 / b1 ratio at an equal read rate |", "|---|---|---|---|---|---|---|"]
+              "b8 / b1 ratio at an equal read rate | n-gram decode speedup ours / transformers "
+              "(ours over transformers [90% interval]) |", "|---|---|---|---|---|---|---|---|"]
     plain_rows = {(r["family"], r["batch_size"], r["impl"]): r for r in rows if r["drafter"] == "none"}
+    ngram_decode = lambda s: ("{:.2f}x / {:.2f}x ({:.2f} [{:.2f}, {:.2f}])".format(  # noqa: E731
+        s["ngram_decode_speedup_ours"], s["ngram_decode_speedup_transformers"],
+        s["ngram_decode_speedup_ours_over_transformers"], *s["ngram_decode_speedup_ours_over_transformers_interval"])
+                              if "ngram_decode_speedup_ours" in s else "-")
     for s in summary:
       if not has_decode(s):
         continue
@@ -277,7 +307,7 @@ def table(rows: list[dict], summary: list[dict]) -> str:
       gbps = " / ".join(f"{plain_rows[(s['family'], b, 'moespec_jax')]['decode_read_gbps']:.1f}" for b in (1, 8))
       lines.append(f"| {s['family']} | {ratio(1)} | {ratio(8)} | {pair(s, 'first_token_ratio', '.2f')} | "
                    f"{pair(s, 'decode_ceiling_ratio', '.2f')} | {gbps} ({pair(s, 'decode_stream_fraction', '.0%')}) | "
-                   f"{s.get('decode_ratio_b8_over_b1_at_equal_read_rate', float('nan')):.2f} |")
+                   f"{s.get('decode_ratio_b8_over_b1_at_equal_read_rate', float('nan')):.2f} | {ngram_decode(s)} |")
   return "\n".join(lines) + "\n"
 
 

@@ -85,8 +85,14 @@ def test_summary_decode_phase_is_a_run_less_its_first_token_within_rounds():
   assert s["decode_ceiling_ratio_b1"] == pytest.approx(10.0) and s["decode_ceiling_ratio_b8"] == pytest.approx(10.0)
   assert s["decode_stream_fraction_b1"] == pytest.approx(0.5) and s["decode_stream_fraction_b8"] == pytest.approx(0.25)
   assert s["decode_ratio_b8_over_b1_at_equal_read_rate"] == pytest.approx(1.0)
+  # Prompt lookup halves our decode steps and none of transformers': 2x against 1x in the decode
+  # phase, where the whole runs say (0.02 + 0.016) / (0.02 + 0.008) = 1.29x.
+  assert s["ngram_speedup_ours"] == pytest.approx(0.036 / 0.028)
+  assert s["ngram_decode_speedup_ours"] == pytest.approx(2.0) and s["ngram_decode_speedup_transformers"] == pytest.approx(1.0)
+  assert s["ngram_decode_speedup_ours_over_transformers"] == pytest.approx(2.0)
+  assert s["ngram_decode_speedup_ours_over_transformers_interval"] == pytest.approx((2.0, 2.0))
   assert ("| f | 5.00x [5.00, 5.00] | 2.50x [2.50, 2.50] | 2.50 / 2.50 | 10.00 / 10.00 | 10.0 / 5.0 (50% / 25%) | "
-          "1.00 |") in peer_bench.table(rows, [s])
+          "1.00 | 2.00x / 1.00x (2.00 [2.00, 2.00]) |") in peer_bench.table(rows, [s])
 
 
 def test_no_decode_figures_where_the_decode_phase_was_too_short_to_time():
@@ -98,7 +104,7 @@ def test_no_decode_figures_where_the_decode_phase_was_too_short_to_time():
           for b, d in ((1, "none"), (1, "ngram"), (8, "none"))]
   (s,) = peer_bench.summarize(rows, stream_gbps=20.0)
   # Batch 1: every round timed the decode phase below zero (its median figure aside); batch 8: none.
-  assert not any(k.startswith("decode") for k in s)
+  assert not any(k.startswith("decode") or k.startswith("ngram_decode") for k in s)
   assert "Decode phase" not in peer_bench.table(rows, [s])
 
 
