@@ -59,7 +59,8 @@ from moespec_jax.io import atomic
 
 _WORKDIR = flags.DEFINE_string("workdir", "runs/peer_bench", "Where metrics.json and table.md go.")
 _QUICK = flags.DEFINE_bool("quick", False, "Tiny checkpoints, fewer tokens and repeats.")
-_FAMILIES = flags.DEFINE_list("families", [], "Families to run (default: all).")
+_FAMILIES = flags.DEFINE_list("families", [], "Checkpoints to run: families of moespec_jax.hf and/or "
+                              "trained_qwen2_moe (default: every family, and the trained model unless --notrained).")
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 64, "Tokens generated per prompt.")
 _REPEATS = flags.DEFINE_integer("repeats", 5, "Timed repeats per measurement (median).")
 _NUM_DRAFT = flags.DEFINE_integer("num_draft", 4, "Draft length of both prompt-lookup decoders.")
@@ -337,10 +338,13 @@ def main(argv):
   from moespec_jax import hf  # pylint: disable=g-import-not-at-top
   workdir = pathlib.Path(_WORKDIR.value)
   quick = _QUICK.value
-  families = _FAMILIES.value or list(hf.FAMILIES)
-  unknown = sorted(set(families) - set(hf.FAMILIES))
+  chosen = _FAMILIES.value or list(hf.FAMILIES) + ([TRAINED] if _TRAINED.value and not _QUICK.value else [])
+  unknown = sorted(set(chosen) - set(hf.FAMILIES) - {TRAINED})
   if unknown:
-    raise ValueError(f"--families: unknown {unknown}; choose from {hf.FAMILIES}")
+    raise ValueError(f"--families: unknown {unknown}; choose from {list(hf.FAMILIES) + [TRAINED]}")
+  if TRAINED in chosen and _QUICK.value:
+    raise ValueError(f"--families: {TRAINED} does not run with --quick (it needs the default trained model)")
+  families = [f for f in chosen if f != TRAINED]
   size = QUICK_SIZE if quick else BENCH_SIZE
   max_new = min(_MAX_NEW.value, 16) if quick else _MAX_NEW.value
   repeats = 1 if quick else _REPEATS.value
@@ -353,7 +357,7 @@ def main(argv):
   if done:
     print(f"resuming: {sorted(done)} already measured in {workdir / 'metrics.json'}", flush=True)
   todo = [(f, workdir / "checkpoints" / (f"{f}-quick" if quick else f)) for f in families]
-  if _TRAINED.value and not quick:
+  if TRAINED in chosen:
     todo.append((TRAINED, workdir / "checkpoints" / TRAINED))
   for family, ckpt in todo:
     if family in done:
