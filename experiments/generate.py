@@ -17,7 +17,7 @@ from moespec_jax import cli
 from moespec_jax.io import paths
 
 _PROMPT = flags.DEFINE_multi_string("prompt", ["def fib(n):"], "Prompt(s); repeat the flag for a batch.")
-_MODEL = cli.define_model_flag()
+_MODEL = cli.define_model_flag(unset="the cached default model: `make demo` creates it")
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 64, "Tokens to generate per prompt.")
 _TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "0 = greedy.")
 _TOP_K = flags.DEFINE_integer("top_k", 0, "Top-k filter (0 = off).")

@@ -60,12 +60,11 @@ def positive_ints(flag: str, values: Sequence[str]) -> list[int]:
   return out
 
 
-def define_model_flag() -> flags.FlagHolder:
+def define_model_flag(unset: str = "the default trained model, trained and cached on first use") -> flags.FlagHolder:
   """`--model=DIR` (alias `--checkpoint`), the model an experiment runs on: a directory of ours or
-  a Hugging Face one (`Model.load`); unset, the default trained model (`load_model`)."""
-  holder = flags.DEFINE_string(
-      "model", None, "Model directory, ours or a Hugging Face one (default: the default trained model, "
-      "trained and cached on first use).")
+  a Hugging Face one (`Model.load`); unset, the default trained model (`load_model`). `unset`: what
+  the help says an unset flag means."""
+  holder = flags.DEFINE_string("model", None, f"Model directory, ours or a Hugging Face one (default: {unset}).")
   flags.DEFINE_alias("checkpoint", "model")
   return holder
 
