@@ -179,15 +179,17 @@ def _decode_ratios(ours: dict, theirs: dict) -> list[float]:
   return [ti / oi for oi, ti in zip(o, t) if oi > 0 and ti > 0]
 
 
-def _ngram_decode_speedups(plain: dict, ngram: dict) -> list[float]:
+def _ngram_decode_speedups(plain: dict, ngram: dict) -> list[float | None]:
   """Per round, the plain run's decode phase over the n-gram run's, both less the plain run's first
   token timed alone in that round (prompt lookup's first token is the same prefill and step): what
-  drafting buys where it acts, apart from the prefill both runs share. [] without first-token
-  times (or where a phase came out at or below zero)."""
-  first = plain.get("first_token_seconds")
-  if not first or not plain.get("decode_ms_per_step"):
+  drafting buys where it acts, apart from the prefill both runs share. None for a round where a
+  phase came out at or below zero; [] without first-token times."""
+  if not plain.get("decode_ms_per_step"):
     return []
-  return [(p - f) / (n - f) for p, n, f in zip(plain["seconds"], ngram["seconds"], first) if p > f and n > f]
+  first, max_new = plain["first_token_seconds"], plain["max_new_tokens"]
+  plain_ms = timing.decode_ms_per_step(plain["seconds"], first, max_new)
+  ngram_ms = timing.decode_ms_per_step(ngram["seconds"], first, max_new)
+  return [p / n if p > 0 and n > 0 else None for p, n in zip(plain_ms, ngram_ms)]
 
 
 def step_bytes(row: dict) -> float:
@@ -227,12 +229,15 @@ def summarize(rows: list[dict], stream_gbps: float | None = None) -> list[dict]:
     # The same, decode phase only: our prefill is a larger share of our whole run than of
     # transformers' (first-token ratios ~2-3 against decode ratios ~5-12), which dilutes our
     # whole-run n-gram speedup more.
-    decode_ours = _ngram_decode_speedups(by[("moespec_jax", 1, "none")], by[("moespec_jax", 1, "ngram")])
-    decode_theirs = _ngram_decode_speedups(by[("transformers", 1, "none")], by[("transformers", 1, "ngram")])
-    if decode_ours and len(decode_ours) == len(decode_theirs):
-      decode_relative = [o / t for o, t in zip(decode_ours, decode_theirs)]
-      s.update(ngram_decode_speedup_ours=statistics.median(decode_ours),
-               ngram_decode_speedup_transformers=statistics.median(decode_theirs),
+    # Rounds where both sides' decode phases were timed, paired.
+    paired = [(o, t) for o, t in zip(
+        _ngram_decode_speedups(by[("moespec_jax", 1, "none")], by[("moespec_jax", 1, "ngram")]),
+        _ngram_decode_speedups(by[("transformers", 1, "none")], by[("transformers", 1, "ngram")]))
+              if o is not None and t is not None]
+    if paired:
+      decode_relative = [o / t for o, t in paired]
+      s.update(ngram_decode_speedup_ours=statistics.median(o for o, _ in paired),
+               ngram_decode_speedup_transformers=statistics.median(t for _, t in paired),
                ngram_decode_speedup_ours_over_transformers=statistics.median(decode_relative),
                ngram_decode_speedup_ours_over_transformers_interval=timing.median_interval(decode_relative))
     for batch in (1, 8):
@@ -338,11 +343,11 @@ def main(argv):
   from moespec_jax import hf  # pylint: disable=g-import-not-at-top
   workdir = pathlib.Path(_WORKDIR.value)
   quick = _QUICK.value
-  chosen = _FAMILIES.value or list(hf.FAMILIES) + ([TRAINED] if _TRAINED.value and not _QUICK.value else [])
+  chosen = _FAMILIES.value or list(hf.FAMILIES) + ([TRAINED] if _TRAINED.value and not quick else [])
   unknown = sorted(set(chosen) - set(hf.FAMILIES) - {TRAINED})
   if unknown:
     raise ValueError(f"--families: unknown {unknown}; choose from {list(hf.FAMILIES) + [TRAINED]}")
-  if TRAINED in chosen and _QUICK.value:
+  if TRAINED in chosen and quick:
     raise ValueError(f"--families: {TRAINED} does not run with --quick (it needs the default trained model)")
   families = [f for f in chosen if f != TRAINED]
   size = QUICK_SIZE if quick else BENCH_SIZE

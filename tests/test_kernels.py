@@ -339,11 +339,13 @@ def test_mla_attention_matches_numpy(cpu_kernel, monkeypatch, threads):
     np.testing.assert_allclose(got, _mla_reference(q_lat, q_rope, latent, rope, limit), atol=2e-5)
 
 
-def test_mla_attention_rows_do_not_depend_on_the_pass(cpu_kernel):
+@pytest.mark.parametrize("threads", ["1", "2", "3"])
+def test_mla_attention_rows_do_not_depend_on_the_pass(cpu_kernel, monkeypatch, threads):
   """A query row's output is the same bits alone (a plain step's row) or among a verification
   pass's rows (9 tokens x 8 heads), whatever the threads; the cache past the last visible
   position is never read."""
   del cpu_kernel
+  monkeypatch.setenv("MOESPEC_FFI_THREADS", threads)
   rng = np.random.default_rng(5)
   b, t, h, c, r, s = 2, 9, 8, 32, 16, 300
   q_lat = jnp.asarray(rng.normal(size=(b, t * h, c)), jnp.float32)

@@ -136,3 +136,23 @@ def test_cli_refuses_unknown_checkpoints_and_the_trained_model_with_quick(tmp_pa
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and fragment in proc.stderr, proc.stderr
     assert not (tmp_path / "pb").exists()
+
+
+def test_ngram_decode_speedups_pair_only_rounds_both_sides_timed():
+  """Round 0 of our n-gram run and round 1 of transformers' plain run came out no slower than their
+  first token (untimeable): only round 2 is compared, ours 2x against their 1.25x."""
+  def row(impl, drafter, seconds, first=None, batch=1):
+    r = {"family": "f", "impl": impl, "batch_size": batch, "drafter": drafter, "seconds": seconds, "tokens": 5,
+         "max_new_tokens": 5, "tokens_identical_to_transformers": True}
+    if first is not None:
+      r.update(first_token_seconds=first, decode_ms_per_step=1.0)
+    return r
+  rows = [row("moespec_jax", "none", [0.05, 0.05, 0.05], first=[0.01] * 3),
+          row("moespec_jax", "ngram", [0.01, 0.03, 0.03]),
+          row("transformers", "none", [0.5, 0.1, 0.5], first=[0.1] * 3),
+          row("transformers", "ngram", [0.3, 0.3, 0.42]),
+          row("moespec_jax", "none", [0.1], batch=8), row("transformers", "none", [0.1], batch=8)]
+  (s,) = peer_bench.summarize(rows)
+  assert s["ngram_decode_speedup_ours"] == pytest.approx(2.0)
+  assert s["ngram_decode_speedup_transformers"] == pytest.approx(1.25)
+  assert s["ngram_decode_speedup_ours_over_transformers"] == pytest.approx(1.6)

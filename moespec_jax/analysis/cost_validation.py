@@ -69,7 +69,7 @@ class CostValidationConfig:
   alphas: tuple[float, ...] = tuple(float(a) for a in np.round(np.linspace(0.0, 1.0, 21), 3))
   max_k: int = 8
   max_new_tokens: int = 128
-  repeats: int = 7  # rounds of plain and every K, side by side (round_robin_speedups)
+  repeats: int = 7  # rounds of plain and every K, side by side (round_robin_runs)
   # Where the measured best K is unsettled (the rounds resampled put it within 1 of the full
   # sample's best in under `settled_share` of resamples: `share_within_one`), the sweep adds
   # `repeats` rounds at that rate, up to `max_repeats`: flat speedup curves at high acceptance
