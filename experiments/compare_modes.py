@@ -12,6 +12,7 @@ from absl import flags
 
 from moespec_jax import cli
 from moespec_jax.decoding import compare_modes
+from moespec_jax.model import budget
 
 _WORKDIR = flags.DEFINE_string("workdir", "runs/compare_modes", "Output directory.")
 _MODEL = cli.define_model_flag()
@@ -22,23 +23,27 @@ _TEMPS = flags.DEFINE_list("temperatures", ["0", "1"], "Temperatures (0 = greedy
 _POLICIES = flags.DEFINE_list("policies", ["truncate", "substitute"], "Budget policies.")
 _SCOPE = flags.DEFINE_enum("scope", "batch", ["batch", "row"], "Budget per pass of the batch or per row.")
 _KERNEL = flags.DEFINE_enum("kernel", "dedup", ["auto", "dedup", "per_slot", "xla"], "Expert kernel (both modes).")
-_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 64, "Tokens per prompt.")
-_REPEATS = flags.DEFINE_integer("repeats", 3, "Timed repeats (median).")
+_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 64, "Tokens per prompt.", lower_bound=1)
+_REPEATS = flags.DEFINE_integer("repeats", 3, "Timed repeats (median).", lower_bound=1)
 _QUICK = flags.DEFINE_bool("quick", False, "A small sweep (K=2, batch 1, greedy, budgets 1x and 2x top_k).")
 
 
 def main(argv):
   if len(argv) > 1:
     raise ValueError(f"unexpected arguments: {argv[1:]}")
-  model = cli.load_model(_MODEL.value)
-  kwargs = dict(drafter=_DRAFTER.value, num_drafts=[int(k) for k in _NUM_DRAFTS.value],
-                batch_sizes=[int(b) for b in _BATCHES.value], temperatures=[float(t) for t in _TEMPS.value],
+  # Checked before a model is loaded (or trained). K = 0 is plain decoding in both modes.
+  bad = [p for p in _POLICIES.value if p not in budget.POLICIES]
+  if bad or not _POLICIES.value:
+    raise ValueError(f"--policies must be among {', '.join(budget.POLICIES)}; got {list(_POLICIES.value)}")
+  kwargs = dict(drafter=_DRAFTER.value, num_drafts=cli.int_list("num_drafts", _NUM_DRAFTS.value, minimum=0),
+                batch_sizes=cli.int_list("batch_sizes", _BATCHES.value),
+                temperatures=cli.float_list("temperatures", _TEMPS.value),
                 policies=list(_POLICIES.value), scope=_SCOPE.value, kernel=_KERNEL.value, max_new_tokens=_MAX_NEW.value,
                 repeats=_REPEATS.value)
   if _QUICK.value:
     kwargs.update(num_drafts=[2], batch_sizes=[1], temperatures=[0.0], budget_multipliers=(1.0, 2.0),
                   max_new_tokens=16, repeats=1)
-  compare_modes.run_compare_modes(model, _WORKDIR.value, **kwargs)
+  compare_modes.run_compare_modes(cli.load_model(_MODEL.value), _WORKDIR.value, **kwargs)
 
 
 if __name__ == "__main__":

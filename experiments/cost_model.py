@@ -22,24 +22,25 @@ from moespec_jax.analysis import cost_validation
 _WORKDIR = flags.DEFINE_string("workdir", "runs/cost_model", "Where metrics.json and the plots go.")
 _MODEL = cli.define_model_flag()
 _QUICK = flags.DEFINE_bool("quick", False, "A small run (5 acceptance rates, K <= 2, short outputs).")
-_N_ALPHAS = flags.DEFINE_integer("n_alphas", 21, "Acceptance rates, evenly spaced in [0, 1].")
-_MAX_K = flags.DEFINE_integer("max_k", 8, "Largest draft length K.")
+_N_ALPHAS = flags.DEFINE_integer("n_alphas", 21, "Acceptance rates, evenly spaced in [0, 1].", lower_bound=2)
+_MAX_K = flags.DEFINE_integer("max_k", 8, "Largest draft length K.", lower_bound=1, upper_bound=16)
 _REPEATS = flags.DEFINE_integer(
-    "repeats", 7, "Rounds per acceptance rate, each running plain decoding and every K once (median of ratios).")
+    "repeats", 7, "Rounds per acceptance rate, each running plain decoding and every K once (median of ratios).",
+    lower_bound=1)
 _MAX_REPEATS = flags.DEFINE_integer(
     "max_repeats", None, "Most rounds per acceptance rate (>= --repeats; default 3 x --repeats): where the "
     "measured best K is unsettled (within 1 of itself in under 90% of resamples of the rounds), --repeats more "
     "rounds at a time up to this many.")
 _AUTO_REPEATS = flags.DEFINE_integer(
-    "auto_repeats", 31, "Rounds of plain, auto and the best fixed K side by side, per num_draft='auto' row.")
-_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 128, "Tokens generated per run.")
+    "auto_repeats", 31, "Rounds of plain, auto and the best fixed K side by side, per num_draft='auto' row.",
+    lower_bound=1)
+_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 128, "Tokens generated per run (a decode phase: >= 2).",
+                                lower_bound=2)
 
 
 def main(argv):
   if len(argv) > 1:
     raise ValueError(f"unexpected arguments: {argv[1:]}")
-  if _N_ALPHAS.value < 2:
-    raise ValueError(f"--n_alphas must be >= 2, got {_N_ALPHAS.value}")
   if _QUICK.value:
     cfg = cost_validation.QUICK_CONFIG
   else:

@@ -24,9 +24,9 @@ _WORKDIR = flags.DEFINE_string("workdir", "runs/decode_kernels", "Where metrics.
 _MODEL = cli.define_model_flag()
 _QUICK = flags.DEFINE_bool("quick", False, "Batch 1, 8 tokens, 1 round.")
 _BATCHES = flags.DEFINE_list("batch_sizes", ["1", "8"], "Batch sizes.")
-_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 64, "Tokens generated per prompt (>= 2).")
-_ROUNDS = flags.DEFINE_integer("rounds", 11, "Interleaved rounds (every variant once per round).")
-_PROMPT_BYTES = flags.DEFINE_integer("prompt_bytes", 192, "Bytes of held-out code per prompt.")
+_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 64, "Tokens generated per prompt (>= 2).", lower_bound=2)
+_ROUNDS = flags.DEFINE_integer("rounds", 11, "Interleaved rounds (every variant once per round).", lower_bound=1)
+_PROMPT_BYTES = flags.DEFINE_integer("prompt_bytes", 192, "Bytes of held-out code per prompt.", lower_bound=16)
 
 
 def main(argv):
@@ -34,7 +34,7 @@ def main(argv):
     raise ValueError(f"unexpected arguments: {argv[1:]}")
   if jax.default_backend() != "cpu":
     raise ValueError(f"decode_kernels compares the CPU kernels; this backend is {jax.default_backend()}")
-  batch_sizes = cli.positive_ints("batch_sizes", _BATCHES.value)
+  batch_sizes = cli.int_list("batch_sizes", _BATCHES.value)
   model = cli.load_model(_MODEL.value)
   if _QUICK.value:
     batch_sizes, max_new, rounds = [1], 8, 1

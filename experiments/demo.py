@@ -9,8 +9,9 @@ from moespec_jax import cli, demo
 from moespec_jax.default_model import ensure_default_model
 
 _WORKDIR = flags.DEFINE_string("workdir", "runs/demo", "Where metrics.json goes.")
-_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 128, "Tokens generated per prompt.")
-_REPEATS = flags.DEFINE_integer("repeats", 7, "Timed pairs of plain and speculative runs per row (medians reported).")
+_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 128, "Tokens generated per prompt.", lower_bound=1)
+_REPEATS = flags.DEFINE_integer(
+    "repeats", 7, "Timed pairs of plain and speculative runs per row (medians reported).", lower_bound=1)
 
 
 def main(argv):

@@ -18,14 +18,14 @@ from moespec_jax.io import paths
 
 _PROMPT = flags.DEFINE_multi_string("prompt", ["def fib(n):"], "Prompt(s); repeat the flag for a batch.")
 _MODEL = cli.define_model_flag(unset="the cached default model: `make demo` creates it")
-_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 64, "Tokens to generate per prompt.")
+_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 64, "Tokens to generate per prompt.", lower_bound=1)
 _TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "0 = greedy.")
-_TOP_K = flags.DEFINE_integer("top_k", 0, "Top-k filter (0 = off).")
+_TOP_K = flags.DEFINE_integer("top_k", 0, "Top-k filter (0 = off).", lower_bound=0)
 _TOP_P = flags.DEFINE_float("top_p", 1.0, "Top-p filter (1 = off).")
 _DRAFTER = flags.DEFINE_string("drafter", "none", "Drafter: none | mtp | ngram.")
 _NUM_DRAFT = flags.DEFINE_string("num_draft", "3", "Drafted tokens per pass, or 'auto' (chosen each "
                                  "pass by the cost model, 0..--max_draft).")
-_MAX_DRAFT = flags.DEFINE_integer("max_draft", 8, "Largest K of --num_draft=auto.")
+_MAX_DRAFT = flags.DEFINE_integer("max_draft", 8, "Largest K of --num_draft=auto.", lower_bound=1, upper_bound=16)
 _MODE = flags.DEFINE_enum("mode", "exact", ["exact", "budgeted"], "budgeted: APPROXIMATE expert budget.")
 _BUDGET = flags.DEFINE_integer("expert_budget", None, "Experts per MoE layer and pass (--mode=budgeted).")
 _QUALITY = flags.DEFINE_bool("measure_quality", False, "Budgeted: also run the exact pass and report "
@@ -49,14 +49,13 @@ def main(argv):
   spec = msj.SpecParams(drafter=_DRAFTER.value, num_draft=_num_draft(_NUM_DRAFT.value), max_draft=_MAX_DRAFT.value,
                         mode=_MODE.value, expert_budget=_BUDGET.value, measure_quality=_QUALITY.value,
                         kernel=_KERNEL.value)
+  sampling = msj.SamplingParams(temperature=_TEMPERATURE.value, top_k=_TOP_K.value, top_p=_TOP_P.value)
   if _MODEL.value is None and not (paths.default_model_dir() / "config.json").exists():
     # Generating is quick; training the default model is not: say so rather than start it.
     raise FileNotFoundError(f"no default model at {paths.default_model_dir()}: run `make demo` first or pass --model")
   model = cli.load_model(_MODEL.value)
   out = msj.generate(
-      model, list(_PROMPT.value), max_new_tokens=_MAX_NEW.value,
-      sampling=msj.SamplingParams(temperature=_TEMPERATURE.value, top_k=_TOP_K.value, top_p=_TOP_P.value),
-      spec=spec, seed=_SEED.value)
+      model, list(_PROMPT.value), max_new_tokens=_MAX_NEW.value, sampling=sampling, spec=spec, seed=_SEED.value)
   for prompt, row in zip(_PROMPT.value, out.tokens):
     print(prompt + model.tokenizer.decode([int(t) for t in row if t >= 0]))
     print("-" * 40)

@@ -44,9 +44,9 @@ _SHAPES = flags.DEFINE_list("shapes", list(DEFAULT_SHAPES), f"Layer shapes among
 _N_LIST = flags.DEFINE_list("n_list", [str(n) for n in range(1, 17)], "Tokens per pass.")
 _ROUTINGS = flags.DEFINE_list("routings", ["uniform", "correlated"], "uniform and/or correlated.")
 _METHODS = flags.DEFINE_list("methods", list(METHODS), "Methods to time.")
-_REPEATS = flags.DEFINE_integer("repeats", 7, "Timed repeats (median reported).")
+_REPEATS = flags.DEFINE_integer("repeats", 7, "Timed repeats (median reported).", lower_bound=1)
 _OVERLAP = flags.DEFINE_float("overlap", 0.38, "Correlated routing: share of a token's experts "
-                              "taken from the previous token.")
+                              "taken from the previous token.", lower_bound=0.0, upper_bound=1.0)
 _MAX_WEIGHT_GB = flags.DEFINE_float("max_weight_gb", 3.0, "Benchmark a subset of experts above this.")
 _BACKEND = flags.DEFINE_string("backend", "auto", "Kernel backend for dedup/per_slot.")
 _QUICK = flags.DEFINE_bool("quick", False, "Small run (tiny shape, n 1,2,4, 3 repeats) for tests.")
@@ -148,12 +148,19 @@ def write_json_atomic(path, obj):
   os.replace(tmp, path)
 
 
+ROUTINGS = ("uniform", "correlated")
+
+
 def run(workdir, shapes, n_list, routings, methods, repeats, overlap, max_weight_gb, backend, seed):
-  os.makedirs(workdir, exist_ok=True)
-  log = lambda s: print(s, flush=True)
   for s in shapes:
     if s not in SHAPES:
       raise ValueError(f"unknown shape {s!r}; known: {list(SHAPES)}")
+  for name, values, known in (("routings", routings, ROUTINGS), ("methods", methods, METHODS)):
+    if not values or set(values) - set(known):
+      raise ValueError(f"--{name} must be among {', '.join(known)}; got {list(values)}")
+  pallas_kernels.resolve_backend(backend)  # an unknown backend is refused here
+  os.makedirs(workdir, exist_ok=True)
+  log = lambda s: print(s, flush=True)
   log(f"backend {jax.default_backend()}; kernels: {pallas_kernels.resolve_backend(backend)}")
   streams = [stream_read_gbps()]
   log(f"stream read: {streams[-1]:.1f} GB/s")
@@ -186,7 +193,7 @@ def main(argv):
   if _QUICK.value:
     shapes, n_list, repeats = ["tiny"], [1, 2, 4], 3
   else:
-    n_list = cli.positive_ints("n_list", _N_LIST.value)
+    n_list = cli.int_list("n_list", _N_LIST.value)
     shapes, repeats = _SHAPES.value, _REPEATS.value
   run(_WORKDIR.value, shapes, n_list, _ROUTINGS.value, _METHODS.value, repeats, _OVERLAP.value,
       _MAX_WEIGHT_GB.value, _BACKEND.value, _SEED.value)

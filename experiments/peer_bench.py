@@ -61,10 +61,12 @@ _WORKDIR = flags.DEFINE_string("workdir", "runs/peer_bench", "Where metrics.json
 _QUICK = flags.DEFINE_bool("quick", False, "Tiny checkpoints, fewer tokens and repeats.")
 _FAMILIES = flags.DEFINE_list("families", [], "Checkpoints to run: families of moespec_jax.hf and/or "
                               "trained_qwen2_moe (default: every family, and the trained model unless --notrained).")
-_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 64, "Tokens generated per prompt.")
-_REPEATS = flags.DEFINE_integer("repeats", 5, "Timed repeats per measurement (median).")
-_NUM_DRAFT = flags.DEFINE_integer("num_draft", 4, "Draft length of both prompt-lookup decoders.")
-_PROMPT_LEN = flags.DEFINE_integer("prompt_len", 192, "Prompt tokens per row.")
+_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 64, "Tokens generated per prompt (a decode phase: >= 2).",
+                               lower_bound=2)
+_REPEATS = flags.DEFINE_integer("repeats", 5, "Timed repeats per measurement (median).", lower_bound=1)
+_NUM_DRAFT = flags.DEFINE_integer("num_draft", 4, "Draft length of both prompt-lookup decoders.", lower_bound=1,
+                                 upper_bound=16)
+_PROMPT_LEN = flags.DEFINE_integer("prompt_len", 192, "Prompt tokens per row.", lower_bound=1)
 _TRAINED = flags.DEFINE_bool(
     "trained", True, "Also the default trained model, exported as a Qwen2-MoE checkpoint (trained first when "
     "missing; not with --quick): a model whose output repeats its context, so prompt lookup has drafts to accept.")
@@ -354,6 +356,15 @@ def main(argv):
   max_new = min(_MAX_NEW.value, 16) if quick else _MAX_NEW.value
   repeats = 1 if quick else _REPEATS.value
   prompt_len = min(_PROMPT_LEN.value, 64) if quick else _PROMPT_LEN.value
+  positions = size["max_len"]
+  if TRAINED in chosen:
+    from moespec_jax.default_model import default_config  # pylint: disable=g-import-not-at-top
+    positions = min(positions, default_config().model.max_seq_len)
+  lookahead = 0 if _AUTO.value else _NUM_DRAFT.value  # a fixed K's drafts need room in the cache
+  if prompt_len + max_new + lookahead > positions:
+    raise ValueError(f"--prompt_len ({prompt_len}) + --max_new_tokens ({max_new})"
+                     + (f" + --num_draft ({lookahead})" if lookahead else "")
+                     + f" exceeds the {positions} positions of the checkpoints")
   rows = _finished_rows(workdir / "metrics.json", quick=quick, size=size, repeats=repeats, max_new=max_new,
                         prompt_len=prompt_len, num_draft=_NUM_DRAFT.value, auto_draft=_AUTO.value)
   done = {r["family"] for r in rows}

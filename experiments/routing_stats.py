@@ -17,15 +17,22 @@ from moespec_jax.io import atomic
 _WORKDIR = flags.DEFINE_string("workdir", "runs/routing_stats", "Output directory.")
 _MODEL = cli.define_model_flag()
 _SOURCE = flags.DEFINE_enum("source", "heldout", ["heldout", "generated"], "Where the routing comes from.")
-_SEGMENTS = flags.DEFINE_integer("n_segments", 64, "Held-out windows (or prompts for 'generated').")
-_SEQ_LEN = flags.DEFINE_integer("seq_len", 256, "Tokens per window (or generated tokens per prompt).")
-_MAX_TOKENS = flags.DEFINE_integer("max_tokens", 16, "Largest pass size n.")
-_IPF_MAX = flags.DEFINE_integer("ipf_max_tokens", 9, "Largest n for the IPF model (2^n states).")
+_SEGMENTS = flags.DEFINE_integer(
+    "n_segments", 64, "Held-out windows (or prompts for 'generated'): half fit the models, half test them.",
+    lower_bound=2)
+_SEQ_LEN = flags.DEFINE_integer(
+    "seq_len", 256, "Tokens per window (or generated tokens per prompt): at least --max_tokens, and 9 for the "
+    "overlap up to distance 8.", lower_bound=9)
+_MAX_TOKENS = flags.DEFINE_integer("max_tokens", 16, "Largest pass size n.", lower_bound=2)
+_IPF_MAX = flags.DEFINE_integer("ipf_max_tokens", 9, "Largest n for the IPF model (2^n states; its error is over "
+                                "n = 2 and up).", lower_bound=2)
 
 
 def main(argv):
   if len(argv) > 1:
     raise ValueError(f"unexpected arguments: {argv[1:]}")
+  if _SEQ_LEN.value < _MAX_TOKENS.value:
+    raise ValueError(f"--seq_len ({_SEQ_LEN.value}) must be >= --max_tokens ({_MAX_TOKENS.value})")
   workdir = pathlib.Path(_WORKDIR.value)
   model = cli.load_model(_MODEL.value)
   if _SOURCE.value == "heldout":

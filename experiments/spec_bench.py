@@ -20,8 +20,8 @@ from moespec_jax.decoding import bench
 _WORKDIR = flags.DEFINE_string("workdir", "runs/spec_bench", "Where metrics.json and the plot go.")
 _MODEL = cli.define_model_flag()
 _QUICK = flags.DEFINE_bool("quick", False, "A small sweep (batch 1, K = 2, greedy, short outputs).")
-_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 64, "Tokens generated per prompt.")
-_REPEATS = flags.DEFINE_integer("repeats", 3, "Timed runs per row (median reported).")
+_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 64, "Tokens generated per prompt.", lower_bound=1)
+_REPEATS = flags.DEFINE_integer("repeats", 3, "Timed runs per row (median reported).", lower_bound=1)
 _BATCHES = flags.DEFINE_list("batch_sizes", ["1", "2", "4", "8"], "Batch sizes.")
 _TEMPS = flags.DEFINE_list("temperatures", ["0", "1"], "Temperatures (0: greedy).")
 _DRAFTERS = flags.DEFINE_list("drafters", ["mtp", "ngram"], "Drafters (mtp needs MTP heads).")
@@ -31,23 +31,19 @@ _KS = flags.DEFINE_list("num_draft", ["1", "2", "3", "4", "5", "6"], "Draft leng
 def main(argv):
   if len(argv) > 1:
     raise ValueError(f"unexpected arguments: {argv[1:]}")
-  model = cli.load_model(_MODEL.value)
   bad = [d for d in _DRAFTERS.value if d not in ("mtp", "ngram")]
   if bad:
     raise ValueError(f"--drafters must be among mtp, ngram; got {bad}")
-  drafters = [d for d in _DRAFTERS.value if d != "mtp" or model.config.num_mtp_modules]
   if _QUICK.value:
-    bench.run_spec_bench(model, _WORKDIR.value, batch_sizes=(1,), temperatures=(0.0,), drafters=drafters,
-                         num_drafts=(2,), max_new_tokens=8, repeats=1)
-  else:
-    try:
-      temperatures = [float(t) for t in _TEMPS.value]
-    except ValueError:
-      raise ValueError(f"--temperatures must be a list of numbers, got {_TEMPS.value}") from None
-    bench.run_spec_bench(model, _WORKDIR.value, batch_sizes=cli.positive_ints("batch_sizes", _BATCHES.value),
-                         temperatures=temperatures, drafters=drafters,
-                         num_drafts=cli.positive_ints("num_draft", _KS.value), max_new_tokens=_MAX_NEW.value,
-                         repeats=_REPEATS.value)
+    sweep = dict(batch_sizes=(1,), temperatures=(0.0,), num_drafts=(2,), max_new_tokens=8, repeats=1)
+  else:  # checked before a model is loaded (or trained)
+    sweep = dict(batch_sizes=cli.int_list("batch_sizes", _BATCHES.value),
+                 temperatures=cli.float_list("temperatures", _TEMPS.value),
+                 num_drafts=cli.int_list("num_draft", _KS.value), max_new_tokens=_MAX_NEW.value,
+                 repeats=_REPEATS.value)
+  model = cli.load_model(_MODEL.value)
+  drafters = [d for d in _DRAFTERS.value if d != "mtp" or model.config.num_mtp_modules]
+  bench.run_spec_bench(model, _WORKDIR.value, drafters=drafters, **sweep)
 
 
 if __name__ == "__main__":

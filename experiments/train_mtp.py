@@ -1,7 +1,7 @@
 """Train MTP drafter heads on a frozen target (default: the default model's target).
 
   python -m experiments.train_mtp --workdir=runs/train_mtp [--config.mtp.loss=ce] \
-      [--config.mtp.steps=400] [--target=PATH] [--save_default]
+      [--config.mtp.steps=400] [--target=PATH (alias --model)] [--save_default]
 
 Resumes from `workdir/checkpoints`; writes `workdir/metrics.json` (key `train_mtp`: training
 curve, teacher-forced per-depth acceptance on held-out text, acceptance by depth measured by
@@ -17,7 +17,9 @@ from moespec_jax.training import mtp
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny.py", "Config with an `mtp` section.")
 _WORKDIR = flags.DEFINE_string("workdir", "runs/train_mtp", "Output directory (resumable).")
-_TARGET = flags.DEFINE_string("target", None, "Target model directory (default: the default model).")
+_TARGET = flags.DEFINE_string("target", None, "Target model directory, ours or a Hugging Face one (default: the "
+                              "default model's target); alias --model.")
+flags.DEFINE_alias("model", "target")
 _SAVE_DEFAULT = flags.DEFINE_bool("save_default", False,
                                   "Also save target + heads as the default model in the cache.")
 

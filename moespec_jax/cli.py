@@ -15,6 +15,7 @@ traceback or usage text. Other exceptions keep their traceback (they are bugs).
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from typing import Callable, Sequence, TextIO
@@ -49,14 +50,25 @@ def parse_flags(argv: Sequence[str]) -> list[str]:
     raise  # unreachable
 
 
-def positive_ints(flag: str, values: Sequence[str]) -> list[int]:
-  """A list flag's values as integers >= 1; ValueError naming --flag otherwise."""
+def int_list(flag: str, values: Sequence[str], minimum: int = 1) -> list[int]:
+  """A list flag's values as integers >= `minimum`; ValueError naming --flag otherwise."""
   try:
     out = [int(v) for v in values]
   except ValueError:
     raise ValueError(f"--{flag} must be a list of integers, got {list(values)}") from None
-  if not out or min(out) < 1:
-    raise ValueError(f"--{flag} values must be >= 1, got {list(values)}")
+  if not out or min(out) < minimum:
+    raise ValueError(f"--{flag} values must be >= {minimum}, got {list(values)}")
+  return out
+
+
+def float_list(flag: str, values: Sequence[str], minimum: float = 0.0) -> list[float]:
+  """A list flag's values as finite numbers >= `minimum`; ValueError naming --flag otherwise."""
+  try:
+    out = [float(v) for v in values]
+  except ValueError:
+    raise ValueError(f"--{flag} must be a list of numbers, got {list(values)}") from None
+  if not out or not all(math.isfinite(v) and v >= minimum for v in out):
+    raise ValueError(f"--{flag} values must be finite numbers >= {minimum:g}, got {list(values)}")
   return out
 
 

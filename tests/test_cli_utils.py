@@ -103,11 +103,20 @@ def test_progress_lines():
   assert [by_steps.update(s) for s in range(21, 41)].count(True) == 2
 
 
-def test_positive_ints_name_the_flag():
-  assert cli.positive_ints("batch_sizes", ["1", "8"]) == [1, 8]
+def test_list_flags_name_the_flag():
+  assert cli.int_list("batch_sizes", ["1", "8"]) == [1, 8]
+  assert cli.int_list("num_drafts", ["0", "2"], minimum=0) == [0, 2]
   with pytest.raises(ValueError, match="--batch_sizes must be a list of integers"):
-    cli.positive_ints("batch_sizes", ["1", "x"])
+    cli.int_list("batch_sizes", ["1", "x"])
   with pytest.raises(ValueError, match="--n_list values must be >= 1"):
-    cli.positive_ints("n_list", ["0"])
+    cli.int_list("n_list", ["0"])
   with pytest.raises(ValueError, match="--n_list values must be >= 1"):
-    cli.positive_ints("n_list", [])
+    cli.int_list("n_list", [])
+  with pytest.raises(ValueError, match="--num_drafts values must be >= 0"):
+    cli.int_list("num_drafts", ["-1"], minimum=0)
+  assert cli.float_list("temperatures", ["0", "1.5"]) == [0.0, 1.5]
+  with pytest.raises(ValueError, match="--temperatures must be a list of numbers"):
+    cli.float_list("temperatures", ["hot"])
+  for bad in (["-1"], ["nan"], ["inf"], []):
+    with pytest.raises(ValueError, match="--temperatures values must be finite numbers >= 0"):
+      cli.float_list("temperatures", bad)

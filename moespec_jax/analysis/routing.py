@@ -103,7 +103,10 @@ def empirical_unique(trace: RoutingTrace, n_tokens: int) -> np.ndarray:
       window = csum[n_tokens:] - csum[:-n_tokens]  # [n - n_tokens + 1, E]
       sums[layer] += (window > 0).sum()
     count += n - n_tokens + 1
-  return sums / max(count, 1)
+  if not count:
+    raise ValueError(f"no segment of the trace has {n_tokens} tokens (longest: "
+                     f"{max((seg.shape[1] for seg in trace.segments), default=0)})")
+  return sums / count
 
 
 def uniform_unique(n_experts: int, top_k: int, n_tokens: int) -> float:

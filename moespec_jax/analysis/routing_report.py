@@ -22,7 +22,14 @@ def routing_stats(trace: RoutingTrace, *, max_tokens: int = 16, ipf_max_tokens: 
   """
   if len(trace.segments) < 2:
     raise ValueError("need at least two trace segments to fit on one part and evaluate on another")
+  if min(max_tokens, ipf_max_tokens) < 2:
+    raise ValueError(f"need max_tokens and ipf_max_tokens >= 2 (the errors are over n = 2 and up), got "
+                     f"{max_tokens} and {ipf_max_tokens}")
   fit, held = trace.split(fit_fraction)
+  longest = max(seg.shape[1] for seg in held.segments)
+  if longest < max(max_tokens, max_distance + 1):
+    raise ValueError(f"the trace's evaluation segments (at most {longest} tokens) are too short for passes of up "
+                     f"to {max_tokens} tokens and overlap up to distance {max_distance}")
   e, k, n_layers = trace.n_experts, trace.top_k, trace.n_layers
   p_LE = routing.popularity(fit)
   co_LED = routing.co_activation(fit, max(max_distance, ipf_max_tokens - 1))

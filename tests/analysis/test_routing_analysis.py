@@ -21,6 +21,19 @@ def test_counts_on_a_hand_built_trace():
   # overlap at d=1: |{0,1}|=2, |{0}|=1, |{2}|=1 -> (2+1+1)/3/k
   assert routing.overlap_by_distance(tr, 1)[0, 0] == pytest.approx(4 / 3 / 2)
   assert routing.reuse(np.asarray([[[0, 1], [0, 1], [0, 2], [3, 2]]]))[0] == pytest.approx(1 - 4 / 8)
+  # No window of 5 tokens in a 4-token trace: an error, not a count of zero experts.
+  with pytest.raises(ValueError, match="no segment of the trace has 5 tokens"):
+    routing.empirical_unique(tr, 5)
+
+
+def test_routing_stats_refuses_what_the_trace_cannot_measure():
+  trace = RoutingTrace([np.zeros((1, 12, 2), int), np.ones((1, 12, 2), int)], 4, {})
+  with pytest.raises(ValueError, match="too short for passes of up to 16 tokens"):
+    routing_report.routing_stats(trace, max_tokens=16, ipf_max_tokens=3, max_distance=2)
+  with pytest.raises(ValueError, match="too short for passes of up to 4 tokens and overlap up to distance 12"):
+    routing_report.routing_stats(trace, max_tokens=4, ipf_max_tokens=3, max_distance=12)
+  with pytest.raises(ValueError, match="max_tokens and ipf_max_tokens >= 2"):
+    routing_report.routing_stats(trace, max_tokens=4, ipf_max_tokens=1, max_distance=2)
 
 
 def test_uniform_and_independent_formulas():
