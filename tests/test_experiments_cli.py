@@ -29,33 +29,6 @@ def test_unknown_flag_exits_2_with_one_line(module):
   _one_line_error(_run(module, "--no_such_flag=1"), "no_such_flag")
 
 
-@pytest.mark.parametrize("module,args,fragment", [
-    ("experiments.peer_bench", ["--repeats=0"], "--repeats=0"),
-    ("experiments.peer_bench", ["--prompt_len=1000", "--families=mixtral"], "exceeds the 1024 positions"),
-    ("experiments.routing_stats", ["--seq_len=12", "--max_tokens=16"], "--seq_len (12) must be >= --max_tokens (16)"),
-    ("experiments.routing_stats", ["--ipf_max_tokens=1"], "--ipf_max_tokens=1"),
-    ("experiments.compare_modes", ["--num_drafts=0,x"], "--num_drafts must be a list of integers"),
-    ("experiments.compare_modes", ["--temperatures=-1"], "--temperatures values must be finite numbers >= 0"),
-    ("experiments.compare_modes", ["--policies=drop"], "--policies must be among truncate, substitute"),
-    ("experiments.spec_bench", ["--temperatures=hot"], "--temperatures must be a list of numbers"),
-    ("experiments.kernel_bench", ["--repeats=0"], "--repeats=0"),
-    ("experiments.kernel_bench", ["--routings=uniform,zipf"], "--routings must be among uniform, correlated"),
-    ("experiments.decode_kernels", ["--max_new_tokens=1"], "--max_new_tokens=1"),
-    ("experiments.cost_model", ["--n_alphas=1"], "--n_alphas=1"),
-    ("experiments.demo", ["--repeats=0"], "--repeats=0"),
-    ("experiments.train_mtp", ["--model=/nonexistent/model"], "/nonexistent/model"),
-])
-def test_bad_values_refused_before_anything_runs(module, args, fragment, tmp_path):
-  """Refused in one line (exit 2) before a model is loaded, built or trained: nothing written. Where the
-  experiment takes --model, a missing one is passed too, so an error about it would mean the values
-  were checked too late."""
-  model = [] if module in ("experiments.peer_bench", "experiments.kernel_bench", "experiments.demo",
-                           "experiments.train_mtp") else [f"--model={tmp_path / 'missing'}"]
-  proc = _run(module, f"--workdir={tmp_path / 'out'}", *model, *args)
-  _one_line_error(proc, fragment)
-  assert not (tmp_path / "out").exists()
-
-
 def test_kernel_bench_unknown_shape_exits_2(tmp_path):
   proc = _run("experiments.kernel_bench", f"--workdir={tmp_path / 'kb'}", "--shapes=tiny,nope")
   _one_line_error(proc, "unknown shape 'nope'")

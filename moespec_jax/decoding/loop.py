@@ -546,12 +546,27 @@ def _passes_program(definition, params, carry, k, n_passes, *, ls: LoopSpec):
 
 # Passes per timed loop: the per-pass time is the difference of the two loops' times over the
 # difference in passes, so the program call's fixed cost (dispatch, the carry's buffers) cancels.
-CALIBRATION_PASSES = (4, 24)
-# Rounds of `calibrate_step_ms`. On the default model (batch 1, controlled drafter at a = 0.2),
-# the smoothed K = 1 / K = 0 pass-time ratio of five calibrations each had a standard deviation
-# of 0.05-0.07 at 7 rounds and 0.033-0.038 at 15 (2.3-2.9 s against 5.3-5.7 s, once per
-# program); a ratio 0.1 low made auto draft at K = 1 where plain decoding was faster.
-CALIBRATION_ROUNDS = 15
+# The long loop covers the generation's passes (`calibration_passes`): the first passes after a
+# prompt are not typical of the rest. On the default model (batch 1, 128 tokens, controlled drafter
+# at a = 0 and 0.4) a long loop of 24 passes put the K = 1..8 pass times at 0.84-0.95 of their
+# ratios to a plain pass in decoding (fixed-K programs, the decode phase of whole runs) and its
+# plain pass at 1.14x decoding's; one of 127 passes at 0.91-0.99 and 1.03x. Too low a ratio makes
+# auto draft where plain decoding is faster.
+CALIBRATION_SHORT_PASSES = 4
+CALIBRATION_LONG_PASSES = (24, 127)  # at least, at most
+
+
+def calibration_passes(max_new_tokens: int) -> tuple[int, int]:
+  """(short, long) loop lengths of `measure_step_ms` for a generation of max_new_tokens."""
+  low, high = CALIBRATION_LONG_PASSES
+  return CALIBRATION_SHORT_PASSES, int(min(max(max_new_tokens - 1, low), high))
+
+
+# Rounds of `calibrate_step_ms`. On the default model (batch 1, controlled drafter at a = 0.2,
+# 128 tokens) the smoothed K = 1 / K = 0 pass-time ratios of four calibrations were 1.24-1.37
+# with 7 rounds and 1.28-1.39 with 10 (8.6 and 11.9 s, once per program); with 24-pass loops
+# they were 1.15-1.23 at 15 rounds (4.3 s): steadier, and low.
+CALIBRATION_ROUNDS = 9
 _CALIBRATED: dict[Any, np.ndarray] = {}
 
 
@@ -559,15 +574,15 @@ def measure_step_ms(ls: LoopSpec, args, repeats: int = 7) -> np.ndarray:
   """Median time (ms) of one pass for each K in 0..ls.num_draft.
 
   One pass is what the loop runs per iteration (draft K, verify K + 1, drafter upkeep),
-  timed in compiled loops of CALIBRATION_PASSES passes (the per-pass time is the slope
-  between the two lengths, so the call overhead is not counted) of real decoding after the
-  prefill of these prompts (`_passes_program`). K values are interleaved, and each K's time is
+  timed in compiled loops of `calibration_passes(ls.max_new_tokens)` passes (the per-pass time is
+  the slope between the two lengths, so the call overhead is not counted) of real decoding after
+  the prefill of these prompts (`_passes_program`). K values are interleaved, and each K's time is
   the median of its ratios to K = 0 within a round times the median K = 0 time: what the
   choice of K depends on is these ratios, and a slow spell of the machine that spans a round
   leaves them intact.
   """
   definition, params = args[0], args[1]
-  short, long = CALIBRATION_PASSES
+  short, long = calibration_passes(ls.max_new_tokens)
   carry0 = jax.block_until_ready(_compiled(_init_program, ls, *args)(*args[1:]))
   run = _compiled(_passes_program, ls, definition, params, carry0, jnp.int32(0), jnp.int32(0),
                   donate_argnums=(2,))

@@ -453,3 +453,14 @@ def test_auto_timing_measures_passes_in_the_loop(auto_model, auto_plain, calibra
                          spec=msj.SpecParams(drafter="controlled", num_draft="auto", max_draft=3,
                                              controlled_acceptance=0.8))
   assert untimed.stats["auto_timing"] is False and "corrected_step_ms" not in untimed.stats
+
+
+def test_calibration_loops_span_the_generation():
+  """The long timed loop covers a generation's passes (its first ones are not typical of the
+  rest), within bounds: short generations still get a slope over 20 passes, long ones a bounded
+  calibration time."""
+  short, long = loop.calibration_passes(128)
+  assert (short, long) == (4, 127)
+  assert loop.calibration_passes(64) == (4, 63)
+  assert loop.calibration_passes(8) == (4, 24)
+  assert loop.calibration_passes(4096) == (4, 127)
