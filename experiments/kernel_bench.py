@@ -158,10 +158,10 @@ def run(workdir, shapes, n_list, routings, methods, repeats, overlap, max_weight
   for name, values, known in (("routings", routings, ROUTINGS), ("methods", methods, METHODS)):
     if not values or set(values) - set(known):
       raise ValueError(f"--{name} must be among {', '.join(known)}; got {list(values)}")
-  pallas_kernels.resolve_backend(backend)  # an unknown backend is refused here
+  kernels = pallas_kernels.resolve_backend(backend)  # refuses an unknown backend
   os.makedirs(workdir, exist_ok=True)
   log = lambda s: print(s, flush=True)
-  log(f"backend {jax.default_backend()}; kernels: {pallas_kernels.resolve_backend(backend)}")
+  log(f"backend {jax.default_backend()}; kernels: {kernels}")
   streams = [stream_read_gbps()]
   log(f"stream read: {streams[-1]:.1f} GB/s")
   rows = []
