@@ -565,8 +565,10 @@ def calibration_passes(max_new_tokens: int) -> tuple[int, int]:
 # Rounds of `calibrate_step_ms`. On the default model (batch 1, controlled drafter at a = 0.2,
 # 128 tokens) the smoothed K = 1 / K = 0 pass-time ratios of four calibrations were 1.24-1.37
 # with 7 rounds and 1.28-1.39 with 10 (8.6 and 11.9 s, once per program); with 24-pass loops
-# they were 1.15-1.23 at 15 rounds (4.3 s): steadier, and low.
-CALIBRATION_ROUNDS = 9
+# they were 1.15-1.23 at 15 rounds (4.3 s): steadier, and low. The MTP drafter's programs take
+# longest (128 tokens, 7 rounds: 14 s at batch 1 and 42 s at batch 8, against 8 and 24 s with
+# 24-pass loops at 15 rounds).
+CALIBRATION_ROUNDS = 7
 _CALIBRATED: dict[Any, np.ndarray] = {}
 
 
@@ -594,12 +596,12 @@ def measure_step_ms(ls: LoopSpec, args, repeats: int = 7) -> np.ndarray:
     jax.block_until_ready(run(params, carry, k_arr, n_arr))
     return time.perf_counter() - start
 
+  for k in range(ls.num_draft + 1):  # warm-up: one program, whatever the loop's length
+    timed(k, short)
   times_KR = np.zeros((ls.num_draft + 1, repeats))
-  for r in range(-1, repeats):  # r = -1: warm-up
+  for r in range(repeats):
     for k in range(ls.num_draft + 1):
-      per_pass_ms = (timed(k, long) - timed(k, short)) * 1e3 / (long - short)
-      if r >= 0:
-        times_KR[k, r] = per_pass_ms
+      times_KR[k, r] = (timed(k, long) - timed(k, short)) * 1e3 / (long - short)
   times_KR = np.maximum(times_KR, 1e-3)  # noise can drive a slope to zero or below: keep ratios finite
   return np.median(times_KR / times_KR[:1], axis=1) * np.median(times_KR[0])
 
