@@ -12,7 +12,6 @@ from absl import flags
 
 from moespec_jax import cli
 from moespec_jax.decoding import compare_modes
-from moespec_jax.model import budget
 
 _WORKDIR = flags.DEFINE_string("workdir", "runs/compare_modes", "Output directory.")
 _MODEL = cli.define_model_flag()
@@ -32,9 +31,7 @@ def main(argv):
   if len(argv) > 1:
     raise ValueError(f"unexpected arguments: {argv[1:]}")
   # Checked before a model is loaded (or trained). K = 0 is plain decoding in both modes.
-  bad = [p for p in _POLICIES.value if p not in budget.POLICIES]
-  if bad or not _POLICIES.value:
-    raise ValueError(f"--policies must be among {', '.join(budget.POLICIES)}; got {list(_POLICIES.value)}")
+  compare_modes.check_policies(_POLICIES.value)
   kwargs = dict(drafter=_DRAFTER.value, num_drafts=cli.int_list("num_drafts", _NUM_DRAFTS.value, minimum=0),
                 batch_sizes=cli.int_list("batch_sizes", _BATCHES.value),
                 temperatures=cli.float_list("temperatures", _TEMPS.value),

@@ -38,11 +38,12 @@ SHAPES = {name: expert_layer_shape(name) for name in (
     "tiny", "deepseek_v2_lite", "qwen3_30b_a3b", "mixtral_8x7b", "olmoe_1b_7b", "deepseek_v3", "gpt_oss_20b")}
 DEFAULT_SHAPES = ("tiny", "deepseek_v2_lite", "qwen3_30b_a3b", "mixtral_8x7b")
 METHODS = ("dedup", "per_slot", "xla")
+ROUTINGS = ("uniform", "correlated")
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Output directory.", required=True)
 _SHAPES = flags.DEFINE_list("shapes", list(DEFAULT_SHAPES), f"Layer shapes among {list(SHAPES)}.")
 _N_LIST = flags.DEFINE_list("n_list", [str(n) for n in range(1, 17)], "Tokens per pass.")
-_ROUTINGS = flags.DEFINE_list("routings", ["uniform", "correlated"], "uniform and/or correlated.")
+_ROUTINGS = flags.DEFINE_list("routings", list(ROUTINGS), "uniform and/or correlated.")
 _METHODS = flags.DEFINE_list("methods", list(METHODS), "Methods to time.")
 _REPEATS = flags.DEFINE_integer("repeats", 7, "Timed repeats (median reported).", lower_bound=1)
 _OVERLAP = flags.DEFINE_float("overlap", 0.38, "Correlated routing: share of a token's experts "
@@ -146,9 +147,6 @@ def write_json_atomic(path, obj):
   with open(tmp, "w") as fh:
     json.dump(obj, fh, indent=1)
   os.replace(tmp, path)
-
-
-ROUTINGS = ("uniform", "correlated")
 
 
 def run(workdir, shapes, n_list, routings, methods, repeats, overlap, max_weight_gb, backend, seed):

@@ -50,26 +50,26 @@ def parse_flags(argv: Sequence[str]) -> list[str]:
     raise  # unreachable
 
 
+def _number_list(flag: str, values: Sequence[str], cast, noun: str, bound: str, minimum) -> list:
+  """A list flag's values through `cast`, finite and >= `minimum`; ValueError naming --flag otherwise
+  (`noun`: what the values must be; `bound`: how the lower bound is said)."""
+  try:
+    out = [cast(v) for v in values]
+  except ValueError:
+    raise ValueError(f"--{flag} must be a list of {noun}, got {list(values)}") from None
+  if not out or not all(math.isfinite(v) and v >= minimum for v in out):
+    raise ValueError(f"--{flag} values must be {bound}>= {minimum:g}, got {list(values)}")
+  return out
+
+
 def int_list(flag: str, values: Sequence[str], minimum: int = 1) -> list[int]:
   """A list flag's values as integers >= `minimum`; ValueError naming --flag otherwise."""
-  try:
-    out = [int(v) for v in values]
-  except ValueError:
-    raise ValueError(f"--{flag} must be a list of integers, got {list(values)}") from None
-  if not out or min(out) < minimum:
-    raise ValueError(f"--{flag} values must be >= {minimum}, got {list(values)}")
-  return out
+  return _number_list(flag, values, int, "integers", "", minimum)
 
 
 def float_list(flag: str, values: Sequence[str], minimum: float = 0.0) -> list[float]:
   """A list flag's values as finite numbers >= `minimum`; ValueError naming --flag otherwise."""
-  try:
-    out = [float(v) for v in values]
-  except ValueError:
-    raise ValueError(f"--{flag} must be a list of numbers, got {list(values)}") from None
-  if not out or not all(math.isfinite(v) and v >= minimum for v in out):
-    raise ValueError(f"--{flag} values must be finite numbers >= {minimum:g}, got {list(values)}")
-  return out
+  return _number_list(flag, values, float, "numbers", "finite numbers ", minimum)
 
 
 def define_model_flag(unset: str = "the default trained model, trained and cached on first use") -> flags.FlagHolder:

@@ -11,6 +11,8 @@ from tests.test_experiments_cli import _one_line_error, _run
 @pytest.mark.parametrize("module,args,fragment", [
     ("experiments.peer_bench", ["--repeats=0"], "--repeats=0"),
     ("experiments.peer_bench", ["--prompt_len=1000", "--families=mixtral"], "exceeds the 1024 positions"),
+    ("experiments.peer_bench", ["--families=mixtral,nope"], "unknown ['nope']"),
+    ("experiments.peer_bench", ["--families=trained_qwen2_moe", "--quick"], "does not run with --quick"),
     ("experiments.routing_stats", ["--seq_len=12", "--max_tokens=16"], "--seq_len (12) must be >= --max_tokens (16)"),
     ("experiments.routing_stats", ["--ipf_max_tokens=1"], "--ipf_max_tokens=1"),
     ("experiments.compare_modes", ["--num_drafts=0,x"], "--num_drafts must be a list of integers"),
