@@ -259,6 +259,30 @@ def test_program_cache_key_hashes_a_graphdef_once(tiny_model, mtp_model, monkeyp
   assert len(calls) == hashed
 
 
+def test_statistics_leave_the_program_as_one_vector_in_their_shapes(tiny_model):
+  """The program's statistics come back packed in one float32 vector (one copy to the host per
+  call); unpacked, each has the shape `_init` gives it, for every statistic a program reports."""
+  ls = loop.LoopSpec(max_new_tokens=4, cache_len=64, sampling=msj.SamplingParams(), expert_method="xla",
+                     drafter="ngram", num_draft=3, auto=True, timed=True, measure_quality=True)
+  _, _, args = loop._prepare(tiny_model, [[1, 2, 3], [4, 5]], 4, None, msj.SpecParams(), 0, None)
+  definition, params, tokens, lengths, seed, draft_inputs = args
+  stats = jax.eval_shape(lambda *a: loop._init_program(definition, *a, ls=ls), params, tokens, lengths, seed,
+                         draft_inputs)["stats"]
+  keys = loop._reported_keys(ls)
+  assert {"passes_by_K", "acceptance_evidence", "pass_timing", "quality"} <= set(keys)
+  values = {k: np.arange(np.prod(stats[k].shape), dtype=np.float32).reshape(stats[k].shape) + i
+            for i, k in enumerate(keys)}
+  packed = jax.jit(lambda v: loop._reported_stats(v, ls))(values)
+  assert packed.ndim == 1 and packed.dtype == jnp.float32
+  unpacked = loop._unpack_stats(packed, ls, batch=2, n_moe_layers=tiny_model.config.n_moe_layers)
+  assert list(unpacked) == keys
+  for k in keys:
+    np.testing.assert_array_equal(unpacked[k], values[k])
+  with pytest.raises(AssertionError, match="layout"):
+    loop._unpack_stats(np.zeros(packed.size + 1, np.float32), ls, batch=2,
+                       n_moe_layers=tiny_model.config.n_moe_layers)
+
+
 def test_programs_take_the_state_flat_and_the_seed_as_jax_random_key_does(tiny_model):
   """generate() hands its program the state's leaves (one flatten per call) and host arrays; the
   program makes the PRNG key from the seed's low 32 bits, which is what jax.random.key does."""
