@@ -31,7 +31,7 @@ def main(argv):
   if len(argv) > 1:
     raise ValueError(f"unexpected arguments: {argv[1:]}")
   # Checked before a model is loaded (or trained). K = 0 is plain decoding in both modes.
-  compare_modes.check_policies(_POLICIES.value)
+  compare_modes.check_policies(_POLICIES.value, name="--policies")
   kwargs = dict(drafter=_DRAFTER.value, num_drafts=cli.int_list("num_drafts", _NUM_DRAFTS.value, minimum=0),
                 batch_sizes=cli.int_list("batch_sizes", _BATCHES.value),
                 temperatures=cli.float_list("temperatures", _TEMPS.value),

@@ -1,83 +1,68 @@
 """The experiment CLIs as a user runs them: bad flags and bad values give one line and exit 2."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _run(*args, env=None, timeout=300):
-  return subprocess.run([sys.executable, "-m", *args], cwd=ROOT, capture_output=True, text=True,
-                        timeout=timeout, env={**os.environ, **(env or {})})
-
-
-def _one_line_error(proc, fragment):
-  assert proc.returncode == 2, proc.stderr
-  lines = [l for l in proc.stderr.splitlines() if l.strip()]
-  assert len(lines) == 1, proc.stderr
-  assert "Traceback" not in proc.stderr and fragment in lines[0]
+from tests.cli_run import assert_one_line_error, run_module
 
 
 @pytest.mark.parametrize("module", ["experiments.generate", "experiments.pretrain", "experiments.demo",
                                     "experiments.routing_stats", "experiments.compare_modes", "experiments.project",
                                     "experiments.kernel_bench", "experiments.decode_kernels"])
 def test_unknown_flag_exits_2_with_one_line(module):
-  _one_line_error(_run(module, "--no_such_flag=1"), "no_such_flag")
+  assert_one_line_error(run_module(module, "--no_such_flag=1"), "no_such_flag")
 
 
 def test_kernel_bench_unknown_shape_exits_2(tmp_path):
-  proc = _run("experiments.kernel_bench", f"--workdir={tmp_path / 'kb'}", "--shapes=tiny,nope")
-  _one_line_error(proc, "unknown shape 'nope'")
-  _one_line_error(_run("experiments.kernel_bench", f"--workdir={tmp_path / 'kb'}", "--n_list=1,two"), "--n_list")
+  proc = run_module("experiments.kernel_bench", f"--workdir={tmp_path / 'kb'}", "--shapes=tiny,nope")
+  assert_one_line_error(proc, "unknown shape 'nope'")
+  assert_one_line_error(run_module("experiments.kernel_bench", f"--workdir={tmp_path / 'kb'}", "--n_list=1,two"), "--n_list")
   assert not (tmp_path / "kb" / "metrics.json").exists()
 
 
 def test_pretrain_bad_config_file_exits_2():
-  _one_line_error(_run("experiments.pretrain", "--config=configs/does_not_exist.py"), "does_not_exist")
+  assert_one_line_error(run_module("experiments.pretrain", "--config=configs/does_not_exist.py"), "does_not_exist")
 
 
 def test_generate_cli_end_to_end_and_bad_values(tiny_model, tmp_path):
   path = str(tiny_model.save(tmp_path / "model"))
-  proc = _run("experiments.generate", f"--model={path}", "--prompt=def f(x):",
+  proc = run_module("experiments.generate", f"--model={path}", "--prompt=def f(x):",
               "--max_new_tokens=5")
   assert proc.returncode == 0, proc.stderr
   assert proc.stdout.startswith("def f(x):") and "tokens/s" in proc.stdout
   # --checkpoint: --model's alias (every experiment that runs on a model takes both).
-  proc = _run("experiments.generate", f"--checkpoint={path}", "--prompt=def f(x): return x", "--max_new_tokens=6",
+  proc = run_module("experiments.generate", f"--checkpoint={path}", "--prompt=def f(x): return x", "--max_new_tokens=6",
               "--drafter=ngram", "--num_draft=auto", "--max_draft=3")
   assert proc.returncode == 0, proc.stderr
   assert "auto K: passes by K" in proc.stdout and "APPROXIMATE" not in proc.stdout
-  proc = _run("experiments.generate", f"--checkpoint={path}", "--max_new_tokens=4", "--drafter=ngram",
+  proc = run_module("experiments.generate", f"--checkpoint={path}", "--max_new_tokens=4", "--drafter=ngram",
               "--mode=budgeted", "--expert_budget=3", "--measure_quality")
   assert proc.returncode == 0, proc.stderr
   assert "APPROXIMATE: expert budget 3" in proc.stdout and "top-1 agreement" in proc.stdout
-  _one_line_error(_run("experiments.generate", f"--checkpoint={path}", "--num_draft=many"), "--num_draft")
-  _one_line_error(_run("experiments.generate", f"--checkpoint={path}", "--mode=budgeted"), "expert_budget")
-  _one_line_error(_run("experiments.generate", f"--checkpoint={path}", "--top_p=0"), "top_p")
-  _one_line_error(_run("experiments.generate", f"--checkpoint={path}", "--max_new_tokens=500"),
+  assert_one_line_error(run_module("experiments.generate", f"--checkpoint={path}", "--num_draft=many"), "--num_draft")
+  assert_one_line_error(run_module("experiments.generate", f"--checkpoint={path}", "--mode=budgeted"), "expert_budget")
+  assert_one_line_error(run_module("experiments.generate", f"--checkpoint={path}", "--top_p=0"), "top_p")
+  assert_one_line_error(run_module("experiments.generate", f"--checkpoint={path}", "--max_new_tokens=500"),
                   "max_seq_len")
-  _one_line_error(_run("experiments.generate", f"--model={tmp_path / 'missing'}"), "config.json")
+  assert_one_line_error(run_module("experiments.generate", f"--model={tmp_path / 'missing'}"), "config.json")
 
 
 def test_cost_model_refuses_fewer_max_repeats_than_repeats(tmp_path):
   """Refused before any model is loaded or trained, and nothing written."""
-  proc = _run("experiments.cost_model", f"--workdir={tmp_path / 'cm'}", f"--model={tmp_path / 'missing'}",
+  proc = run_module("experiments.cost_model", f"--workdir={tmp_path / 'cm'}", f"--model={tmp_path / 'missing'}",
               "--repeats=7", "--max_repeats=5")
-  _one_line_error(proc, "max_repeats (5) must be >= repeats (7)")
+  assert_one_line_error(proc, "max_repeats (5) must be >= repeats (7)")
   assert not (tmp_path / "cm").exists()
 
 
 def test_decode_kernels_cli_end_to_end(tiny_model, tmp_path):
   """Every variant decodes the C++ kernels' tokens (checked inside), one row per variant."""
   path = str(tiny_model.save(tmp_path / "model"))
-  proc = _run("experiments.decode_kernels", f"--model={path}", f"--workdir={tmp_path / 'dk'}", "--quick",
+  proc = run_module("experiments.decode_kernels", f"--model={path}", f"--workdir={tmp_path / 'dk'}", "--quick",
               "--prompt_bytes=24")
   assert proc.returncode == 0, proc.stderr
   metrics = json.loads((tmp_path / "dk" / "metrics.json").read_text())["decode_kernels"]
   assert [r["variant"] for r in metrics["rows"]] == ["cpp", "xla_head", "xla_dense", "xla_attention", "xla"]
   assert "| 1 | xla_attention |" in (tmp_path / "dk" / "table.md").read_text()
-  _one_line_error(_run("experiments.decode_kernels", f"--model={path}", "--batch_sizes=1,x"), "--batch_sizes")
+  assert_one_line_error(run_module("experiments.decode_kernels", f"--model={path}", "--batch_sizes=1,x"), "--batch_sizes")

@@ -5,7 +5,7 @@ subprocesses.)"""
 
 import pytest
 
-from tests.test_experiments_cli import _one_line_error, _run
+from tests.cli_run import assert_one_line_error, run_module
 
 
 @pytest.mark.parametrize("module,args,fragment", [
@@ -32,6 +32,6 @@ def test_bad_values_refused_before_anything_runs(module, args, fragment, tmp_pat
   were checked too late."""
   model = [] if module in ("experiments.peer_bench", "experiments.kernel_bench", "experiments.demo",
                            "experiments.train_mtp") else [f"--model={tmp_path / 'missing'}"]
-  proc = _run(module, f"--workdir={tmp_path / 'out'}", *model, *args)
-  _one_line_error(proc, fragment)
+  proc = run_module(module, f"--workdir={tmp_path / 'out'}", *model, *args)
+  assert_one_line_error(proc, fragment)
   assert not (tmp_path / "out").exists()

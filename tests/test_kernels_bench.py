@@ -2,17 +2,14 @@
 
 import json
 import os
-import subprocess
-import sys
 
 from moespec_jax.analysis import kernel_report
+from tests.cli_run import run_module
 
 
 def test_kernel_bench_quick(tmp_path):
   workdir = tmp_path / "kb"
-  proc = subprocess.run([sys.executable, "-m", "experiments.kernel_bench", f"--workdir={workdir}", "--quick",
-                         "--routings=uniform,correlated"], capture_output=True, text=True, timeout=300,
-                        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  proc = run_module("experiments.kernel_bench", f"--workdir={workdir}", "--quick", "--routings=uniform,correlated")
   assert proc.returncode == 0, proc.stderr[-3000:]
   kb = json.loads((workdir / "metrics.json").read_text())["kernel_bench"]
   assert kb["stream_read_gbps"] > 0

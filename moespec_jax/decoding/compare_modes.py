@@ -40,10 +40,11 @@ def budgets_for(top_k: int, multipliers: Sequence[float | None]) -> list[int | N
   return out
 
 
-def check_policies(policies: Sequence[str]) -> None:
-  """ValueError unless `policies` is a non-empty list of budget policies (`model/budget.POLICIES`)."""
+def check_policies(policies: Sequence[str], name: str = "policies") -> None:
+  """ValueError unless `policies` is a non-empty list of budget policies (`model/budget.POLICIES`);
+  the message calls them `name` (the CLI: its flag)."""
   if not policies or set(policies) - set(budget_lib.POLICIES):
-    raise ValueError(f"--policies must be among {', '.join(budget_lib.POLICIES)}; got {list(policies)}")
+    raise ValueError(f"{name} must be among {', '.join(budget_lib.POLICIES)}; got {list(policies)}")
 
 
 def run_compare_modes(model, workdir, *, drafter: str = "mtp", num_drafts: Sequence[int] = (2, 3, 4),

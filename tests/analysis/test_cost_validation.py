@@ -2,10 +2,6 @@
 
 import itertools
 import json
-import os
-import pathlib
-import subprocess
-import sys
 import types
 
 import numpy as np
@@ -14,8 +10,7 @@ import pytest
 import moespec_jax as msj
 from moespec_jax.analysis import cost_model, cost_validation
 from pallas_kernels import bytes as kbytes
-
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+from tests.cli_run import run_module
 
 
 def test_predicted_expert_time_follows_bytes(tiny_config):
@@ -143,10 +138,9 @@ def test_quick_run_writes_the_documented_metrics(tiny_config, tmp_path):
                     "mean_accepted_length": 1.5} for k in (1, 2)]}
   (tmp_path / "out").mkdir()
   (tmp_path / "out" / "progress.json").write_text(json.dumps({"settings": settings, "parts": {"sweep/0.5": done}}))
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
-  res = subprocess.run([sys.executable, "-m", "experiments.cost_model", f"--workdir={tmp_path / 'out'}",
-                        f"--model={tmp_path / 'm'}", "--quick"], cwd=ROOT, env=env, capture_output=True,
-                       text=True, timeout=600)
+  env = {"JAX_PLATFORMS": "cpu"}
+  res = run_module("experiments.cost_model", f"--workdir={tmp_path / 'out'}", f"--model={tmp_path / 'm'}",
+                   "--quick", env=env, timeout=600)
   assert res.returncode == 0, res.stderr
   assert "resuming: 1 finished part(s)" in res.stdout + res.stderr
   assert not (tmp_path / "out" / "progress.json").exists()  # removed once the run is complete
@@ -195,8 +189,7 @@ def test_quick_run_writes_the_documented_metrics(tiny_config, tmp_path):
   assert cm["auto_goals"] == cost_validation.auto_goals(cm["auto"]) and cm["auto_goals"]["rows"] == 3
   for name in ("staircase.png", "verify_time.png", "unique_experts.png"):
     assert (tmp_path / "out" / name).stat().st_size > 0
-  bad = subprocess.run([sys.executable, "-m", "experiments.cost_model", "--n_alphas=1"], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=300)
+  bad = run_module("experiments.cost_model", "--n_alphas=1", env=env)
   assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "n_alphas" in bad.stderr
 
 

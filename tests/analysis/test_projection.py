@@ -1,9 +1,6 @@
 """analysis/projection: the bytes model on published configs (no weights, nothing measured)."""
 
 import json
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -12,8 +9,7 @@ import configs
 from moespec_jax.analysis import cost_model, projection, roofline, routing_report
 from moespec_jax.analysis import routing as routing_lib
 from pallas_kernels import bytes as kbytes
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.cli_run import run_module
 
 
 def _config(name, dtype="bfloat16"):
@@ -129,10 +125,8 @@ def test_measured_routing_replaces_the_uniform_bound(tmp_path):
 def test_cli_writes_the_projection(tmp_path):
   workdir = tmp_path / "proj"
   _sticky_routing_stats(tmp_path / "routing.json")
-  proc = subprocess.run([sys.executable, "-m", "experiments.project", "--config=configs/olmoe_1b_7b.py",
-                         "--read_gbps=3350", "--fixed_ms=0.2", f"--workdir={workdir}",
-                         f"--routing_stats={tmp_path / 'routing.json'}"],
-                        cwd=ROOT, capture_output=True, text=True, timeout=300)
+  proc = run_module("experiments.project", "--config=configs/olmoe_1b_7b.py", "--read_gbps=3350", "--fixed_ms=0.2",
+                    f"--workdir={workdir}", f"--routing_stats={tmp_path / 'routing.json'}")
   assert proc.returncode == 0, proc.stderr[-2000:]
   assert "PROJECTED" in proc.stdout and "best K by acceptance" in proc.stdout
   assert "distinct experts per pass: measured" in proc.stdout
@@ -140,12 +134,9 @@ def test_cli_writes_the_projection(tmp_path):
   assert metrics["config_name"] == "olmoe_1b_7b" and len(metrics["passes"]) == 16
   assert metrics["routing"].startswith("measured")
   assert (workdir / "projection.png").stat().st_size > 0
-  mismatch = subprocess.run([sys.executable, "-m", "experiments.project", "--config=configs/deepseek_v2_lite.py",
-                             "--read_gbps=3350", f"--workdir={workdir}3",
-                             f"--routing_stats={tmp_path / 'routing.json'}"],
-                            cwd=ROOT, capture_output=True, text=True, timeout=300)
+  mismatch = run_module("experiments.project", "--config=configs/deepseek_v2_lite.py", "--read_gbps=3350",
+                        f"--workdir={workdir}3", f"--routing_stats={tmp_path / 'routing.json'}")
   assert mismatch.returncode == 2 and len(mismatch.stderr.strip().splitlines()) == 1
   assert "top-8" in mismatch.stderr and not (workdir.parent / "proj3" / "metrics.json").exists()
-  bad = subprocess.run([sys.executable, "-m", "experiments.project", "--read_gbps=-1", f"--workdir={workdir}2"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+  bad = run_module("experiments.project", "--read_gbps=-1", f"--workdir={workdir}2")
   assert bad.returncode == 2 and "read_gbps" in bad.stderr and "Traceback" not in bad.stderr

@@ -68,3 +68,15 @@ def test_compare_modes_budgets_and_table_keep_exact_and_approximate_apart():
   table = compare_modes.format_table(rows)
   exact_part, approx_part = table.split("APPROXIMATE")
   assert "exact " in exact_part and "budgeted" not in exact_part and "budgeted" in approx_part
+
+
+def test_run_compare_modes_refuses_unknown_policies_before_any_run(tmp_path):
+  """The library checks its budget policies first (no model is touched: None would fail) and
+  names them as its argument; the CLI passes its flag's name."""
+  from moespec_jax.decoding import compare_modes
+  with pytest.raises(ValueError, match=r"^policies must be among truncate, substitute; got \['drop'\]"):
+    compare_modes.run_compare_modes(None, tmp_path / "out", policies=["drop"])
+  with pytest.raises(ValueError, match="^--policies must be among"):
+    compare_modes.check_policies([], name="--policies")
+  compare_modes.check_policies(["substitute"])
+  assert not (tmp_path / "out").exists()

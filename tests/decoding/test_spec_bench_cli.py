@@ -1,22 +1,15 @@
 """experiments.spec_bench: the --quick sweep end to end, and one-line CLI errors."""
 
 import json
-import os
-import pathlib
-import subprocess
-import sys
 
 import pytest
 
 import moespec_jax as msj
-
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+from tests.cli_run import run_module
 
 
 def _run(*args):
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
-  return subprocess.run([sys.executable, "-m", "experiments.spec_bench", *args], cwd=ROOT, env=env,
-                        capture_output=True, text=True, timeout=600)
+  return run_module("experiments.spec_bench", *args, timeout=600)
 
 
 def test_quick_sweep_writes_the_documented_metrics(tiny_config, tmp_path):
