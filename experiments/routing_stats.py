@@ -21,8 +21,9 @@ _SEGMENTS = flags.DEFINE_integer(
     "n_segments", 64, "Held-out windows (or prompts for 'generated'): half fit the models, half test them.",
     lower_bound=2)
 _SEQ_LEN = flags.DEFINE_integer(
-    "seq_len", 256, "Tokens per window (or generated tokens per prompt): at least --max_tokens, and 9 for the "
-    "overlap up to distance 8.", lower_bound=9)
+    "seq_len", 256, "Tokens per window (or generated tokens per prompt): at least --max_tokens, and "
+    f"{routing_report.MAX_DISTANCE + 1} for the overlap up to distance {routing_report.MAX_DISTANCE}.",
+    lower_bound=routing_report.MAX_DISTANCE + 1)
 _MAX_TOKENS = flags.DEFINE_integer("max_tokens", 16, "Largest pass size n.", lower_bound=2)
 _IPF_MAX = flags.DEFINE_integer("ipf_max_tokens", 9, "Largest n for the IPF model (2^n states; its error is over "
                                 "n = 2 and up).", lower_bound=2)

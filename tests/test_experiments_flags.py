@@ -14,6 +14,7 @@ from tests.cli_run import assert_one_line_error, run_module
     ("experiments.peer_bench", ["--families=mixtral,nope"], "unknown ['nope']"),
     ("experiments.peer_bench", ["--families=trained_qwen2_moe", "--quick"], "does not run with --quick"),
     ("experiments.routing_stats", ["--seq_len=12", "--max_tokens=16"], "--seq_len (12) must be >= --max_tokens (16)"),
+    ("experiments.routing_stats", ["--seq_len=8"], "--seq_len=8"),  # overlap up to distance 8 needs 9
     ("experiments.routing_stats", ["--ipf_max_tokens=1"], "--ipf_max_tokens=1"),
     ("experiments.compare_modes", ["--num_drafts=0,x"], "--num_drafts must be a list of integers"),
     ("experiments.compare_modes", ["--temperatures=-1"], "--temperatures values must be finite numbers >= 0"),

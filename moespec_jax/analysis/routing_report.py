@@ -11,8 +11,12 @@ from moespec_jax.analysis.routing import RoutingTrace
 from moespec_jax.io import atomic
 
 
+# Overlap between the experts of tokens up to this many positions apart (the issue's 1..8).
+MAX_DISTANCE = 8
+
+
 def routing_stats(trace: RoutingTrace, *, max_tokens: int = 16, ipf_max_tokens: int = 9,
-                  max_distance: int = 8, fit_fraction: float = 0.5) -> dict[str, Any]:
+                  max_distance: int = MAX_DISTANCE, fit_fraction: float = 0.5) -> dict[str, Any]:
   """Fits popularity and co-activation on one part of the trace, evaluates on the other.
 
   Returns the `routing_stats` metrics: per n, the empirical unique experts (evaluation part)
