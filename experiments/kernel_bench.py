@@ -153,9 +153,8 @@ def run(workdir, shapes, n_list, routings, methods, repeats, overlap, max_weight
   for s in shapes:
     if s not in SHAPES:
       raise ValueError(f"unknown shape {s!r}; known: {list(SHAPES)}")
-  for name, values, known in (("routings", routings, ROUTINGS), ("methods", methods, METHODS)):
-    if not values or set(values) - set(known):
-      raise ValueError(f"--{name} must be among {', '.join(known)}; got {list(values)}")
+  cli.choice_list("routings", routings, ROUTINGS)
+  cli.choice_list("methods", methods, METHODS)
   kernels = pallas_kernels.resolve_backend(backend)  # refuses an unknown backend
   os.makedirs(workdir, exist_ok=True)
   log = lambda s: print(s, flush=True)

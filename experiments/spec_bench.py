@@ -31,9 +31,7 @@ _KS = flags.DEFINE_list("num_draft", ["1", "2", "3", "4", "5", "6"], "Draft leng
 def main(argv):
   if len(argv) > 1:
     raise ValueError(f"unexpected arguments: {argv[1:]}")
-  bad = [d for d in _DRAFTERS.value if d not in ("mtp", "ngram")]
-  if bad:
-    raise ValueError(f"--drafters must be among mtp, ngram; got {bad}")
+  cli.choice_list("drafters", _DRAFTERS.value, ("mtp", "ngram"))
   if _QUICK.value:
     sweep = dict(batch_sizes=(1,), temperatures=(0.0,), num_drafts=(2,), max_new_tokens=8, repeats=1)
   else:  # checked before a model is loaded (or trained)

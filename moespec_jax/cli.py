@@ -72,6 +72,13 @@ def float_list(flag: str, values: Sequence[str], minimum: float = 0.0) -> list[f
   return _number_list(flag, values, float, "numbers", "finite numbers ", minimum)
 
 
+def choice_list(flag: str, values: Sequence[str], known: Sequence[str]) -> list[str]:
+  """A list flag's values, each among `known` (and at least one); ValueError naming --flag otherwise."""
+  if not values or set(values) - set(known):
+    raise ValueError(f"--{flag} must be among {', '.join(known)}; got {list(values)}")
+  return list(values)
+
+
 def define_model_flag(unset: str = "the default trained model, trained and cached on first use") -> flags.FlagHolder:
   """`--model=DIR` (alias `--checkpoint`), the model an experiment runs on: a directory of ours or
   a Hugging Face one (`Model.load`); unset, the default trained model (`load_model`). `unset`: what

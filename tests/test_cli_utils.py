@@ -120,3 +120,7 @@ def test_list_flags_name_the_flag():
   for bad in (["-1"], ["nan"], ["inf"], []):
     with pytest.raises(ValueError, match="--temperatures values must be finite numbers >= 0"):
       cli.float_list("temperatures", bad)
+  assert cli.choice_list("routings", ["correlated"], ("uniform", "correlated")) == ["correlated"]
+  for bad in (["uniform", "zipf"], []):
+    with pytest.raises(ValueError, match="--routings must be among uniform, correlated; got"):
+      cli.choice_list("routings", bad, ("uniform", "correlated"))

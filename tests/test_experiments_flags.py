@@ -20,6 +20,8 @@ from tests.cli_run import assert_one_line_error, run_module
     ("experiments.compare_modes", ["--temperatures=-1"], "--temperatures values must be finite numbers >= 0"),
     ("experiments.compare_modes", ["--policies=drop"], "--policies must be among truncate, substitute"),
     ("experiments.spec_bench", ["--temperatures=hot"], "--temperatures must be a list of numbers"),
+    ("experiments.spec_bench", ["--drafters=mtp,eagle"], "--drafters must be among mtp, ngram"),
+    ("experiments.kernel_bench", ["--methods=dedup,triton"], "--methods must be among dedup, per_slot, xla"),
     ("experiments.kernel_bench", ["--repeats=0"], "--repeats=0"),
     ("experiments.kernel_bench", ["--routings=uniform,zipf"], "--routings must be among uniform, correlated"),
     ("experiments.decode_kernels", ["--max_new_tokens=1"], "--max_new_tokens=1"),

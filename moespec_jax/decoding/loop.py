@@ -135,6 +135,34 @@ def _commit(cand_BS, n_acc_B, active_B, gen_B, eos_id: int, max_new_tokens: int)
   return n_B, active_B & (first_eos_B < n_B)
 
 
+def _statistics(ls: LoopSpec, batch: int, n_moe_layers: int) -> dict[str, tuple[tuple[int, ...], Any]]:
+  """Every statistic the loop carries, as (shape, dtype): `_init` starts them at zero and
+  `_unpack_stats` reads the reported ones' shapes here."""
+  k_max, f32, i32 = ls.num_draft, jnp.float32, jnp.int32
+  return {
+      "verify_passes": ((), i32),
+      "row_passes": ((), f32),
+      "accepted_tokens": ((), f32),
+      "reached_K": ((k_max,), f32),
+      "accepted_K": ((k_max,), f32),
+      "unique_L": ((n_moe_layers,), f32),
+      "quality": ((3,), f32),  # top-1 agreements, KL sum, positions (budgeted)
+      "passes_by_K": ((k_max + 1,), f32),
+      # auto K: each row's decayed (accepted, tried) draft counts (shadow drafts included).
+      "acceptance_evidence": ((batch, 2), f32),
+      # auto K with DEPTH_DRAFTERS: the same per draft depth, (accepted, reached) (shadow drafts
+      # at depth 0).
+      "depth_evidence": ((batch, k_max, 2), f32),
+      "auto_k": ((), i32),  # auto K: the K of the last segment
+      # auto K, timed (CPU): per-K evidence of measured / calibrated pass time
+      # (auto_draft.record_pass_time), the clock at the last segment's start and the passes run
+      # before it (-1: no segment yet).
+      "pass_timing": ((k_max + 1, 2), f32),
+      "segment_clock": ((2,), i32),
+      "segment_start_passes": ((), i32),
+  }
+
+
 def _init(model, tokens_BT, lengths_B, seed, draft_inputs, ls: LoopSpec):
   """Prefill, the first token, the drafter's state and zeroed statistics: the loop's carry.
   `seed`: uint32, the PRNG seed (the key is made here: `jax.random.key(seed)` called eagerly
@@ -176,28 +204,9 @@ def _init(model, tokens_BT, lengths_B, seed, draft_inputs, ls: LoopSpec):
     dstate = {"table": drafters_lib.controlled_table(ref_BN, _row_keys(row_keys_B, CONTROLLED_TABLE_STREAM),
                                                      draft_inputs["acceptance"], config.vocab_size)}
 
-  stats = {
-      "verify_passes": jnp.int32(0),
-      "row_passes": jnp.float32(0),
-      "accepted_tokens": jnp.float32(0),
-      "reached_K": jnp.zeros((k_max,), jnp.float32),
-      "accepted_K": jnp.zeros((k_max,), jnp.float32),
-      "unique_L": jnp.zeros((config.n_moe_layers,), jnp.float32),
-      "quality": jnp.zeros((3,), jnp.float32),  # top-1 agreements, KL sum, positions (budgeted)
-      "passes_by_K": jnp.zeros((k_max + 1,), jnp.float32),
-      # auto K: each row's decayed (accepted, tried) draft counts (shadow drafts included).
-      "acceptance_evidence": jnp.zeros((batch, 2), jnp.float32),
-      # auto K with DEPTH_DRAFTERS: the same per draft depth, (accepted, reached) (shadow drafts
-      # at depth 0).
-      "depth_evidence": jnp.zeros((batch, k_max, 2), jnp.float32),
-      "auto_k": jnp.int32(0),  # auto K: the K of the last segment
-      # auto K, timed (CPU): per-K evidence of measured / calibrated pass time
-      # (auto_draft.record_pass_time), the clock at the last segment's start and the passes run
-      # before it (-1: no segment yet).
-      "pass_timing": jnp.zeros((k_max + 1, 2), jnp.float32),
-      "segment_clock": jnp.zeros((2,), jnp.int32),
-      "segment_start_passes": jnp.int32(-1),
-  }
+  stats = {name: jnp.zeros(shape, dtype) for name, (shape, dtype) in
+           _statistics(ls, batch, config.n_moe_layers).items()}
+  stats["segment_start_passes"] = jnp.int32(-1)  # no segment yet
   return {"step": jnp.int32(1), "cache": out.cache, "pos": lengths_B, "pending": first_B,
           "gen": jnp.ones((batch,), jnp.int32), "done": (first_B == config.eos_id) | (ls.max_new_tokens <= 1),
           "out": out_BN, "dstate": dstate, "stats": stats, "row_keys": row_keys_B}
@@ -488,16 +497,14 @@ def _reported_stats(stats, ls: LoopSpec) -> jax.Array:
 
 
 def _unpack_stats(packed, ls: LoopSpec, batch: int, n_moe_layers: int) -> dict[str, np.ndarray]:
-  """`_reported_stats`' vector as a dict of arrays of their shapes in `_init`."""
-  k = ls.num_draft
-  shapes = {"verify_passes": (), "row_passes": (), "accepted_tokens": (), "reached_K": (k,), "accepted_K": (k,),
-            "unique_L": (n_moe_layers,), "passes_by_K": (k + 1,), "acceptance_evidence": (batch, 2),
-            "pass_timing": (k + 1, 2), "quality": (3,)}
+  """`_reported_stats`' vector as a dict of arrays in their shapes (`_statistics`)."""
+  statistics = _statistics(ls, batch, n_moe_layers)
   packed = np.asarray(packed)
   out, start = {}, 0
   for key in _reported_keys(ls):
-    size = math.prod(shapes[key])
-    out[key] = packed[start:start + size].reshape(shapes[key])
+    shape = statistics[key][0]
+    size = math.prod(shape)
+    out[key] = packed[start:start + size].reshape(shape)
     start += size
   if start != packed.size:
     raise AssertionError(f"packed statistics hold {packed.size} values, their layout {start}")
