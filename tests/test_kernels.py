@@ -118,9 +118,13 @@ def test_cpu_kernel_uneven_shapes_and_threads(cpu_kernel, monkeypatch, threads):
   # Widths that are not multiples of the 16-float vectors (column tails); groups of 20 pairs on
   # rows of 7 vectors (token tiles of 6 and one of 2, over two register panels); F = 2100 is cut into two
   # units per expert at a column that is not a vector multiple (row tiles); fewer units than
-  # threads (one token, top-1).
+  # threads (one token, top-1); groups of 2-8 pairs on rows wider than their tile's register
+  # panel (the first token streams whole rows, the others read them from cache: the decoding
+  # shape of the peer_bench checkpoints, D = 256 and F = 320).
   problems = [_problem(13, 4, 2, "random", d_model=40, hidden=200),
               _problem(20, 3, 3, "random", d_model=24, hidden=120),
+              _problem(8, 2, 2, "random", d_model=256, hidden=320),
+              _problem(5, 4, 2, "random", d_model=256, hidden=320),
               _problem(3, 4, 2, "random", d_model=32, hidden=2100),
               _problem(1, 4, 1, "random", d_model=16, hidden=48)]
   for args in problems:
