@@ -40,7 +40,7 @@ _TARGETS = {"moespec_moe_ffn_f32": "MoespecMoeFfnF32", "moespec_dense_f32": "Moe
 # 1.05x whole calls at batch 1 and 8, 1.17x with n-gram drafts of 4 (9 rounds each); default model
 # (264 columns) within the noise (0.97-1.03x).
 PACK_COLUMNS = 64
-_FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno")
+_FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno", "-ffp-contract=fast")
 MODES = {"dedup": 0, "per_slot": 1}
 
 _lock = threading.Lock()

@@ -5,6 +5,7 @@
 #define MOESPEC_CSRC_GEMV_H_
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <thread>
@@ -88,7 +89,10 @@ constexpr int MaxPanel() {
 }
 
 // Columns [c0, c1) for M tokens: the 16-float vectors in near-equal panels of at most
-// MaxPanel<M>() vectors, then the remaining columns one at a time.
+// MaxPanel<M>() vectors, then the remaining columns one at a time, each term a fused multiply-add
+// as in the panels (built with -ffp-contract=fast): a column's bits do not depend on whether it
+// falls in a panel or in the tail (attention's rows see different numbers of keys alone and in a
+// verification pass; a product in the tail rounded apart from its sum differed in the last bit).
 template <int M>
 inline void Tile(const float* in, int64_t ldi, int64_t R, const float* W, int64_t ldw, int64_t c0,
                  int64_t c1, float* out, int64_t ldo) {
@@ -104,7 +108,7 @@ inline void Tile(const float* in, int64_t ldi, int64_t R, const float* W, int64_
   for (; c < c1; ++c) {
     for (int j = 0; j < M; ++j) {
       float s = out[j * ldo + c];
-      for (int64_t r = 0; r < R; ++r) s += in[j * ldi + r] * W[r * ldw + c];
+      for (int64_t r = 0; r < R; ++r) s = std::fma(in[j * ldi + r], W[r * ldw + c], s);
       out[j * ldo + c] = s;
     }
   }
