@@ -133,6 +133,36 @@ def test_cpu_kernel_uneven_shapes_and_threads(cpu_kernel, monkeypatch, threads):
       np.testing.assert_allclose(cpu_ffi.expert_ffn_cpu(*args, method=method), ref, atol=1e-4)
 
 
+@pytest.mark.parametrize("method", ["dedup", "per_slot"])
+def test_cpu_kernel_token_results_do_not_depend_on_the_pass(cpu_kernel, monkeypatch, method):
+  """A token's output is the same bits alone (a plain step) and among a pass's tokens (a
+  verification pass, a batch): experts shared by several tokens, rows wider than a register
+  panel (F = 320), wider than a single-token panel (F = 500: row tiles for every token count),
+  experts cut into column units (F = 2100), on two threads."""
+  del cpu_kernel
+  monkeypatch.setenv("MOESPEC_FFI_THREADS", "2")
+  for t_, e, k, d, f in ((5, 32, 4, 256, 128), (8, 16, 2, 256, 320), (9, 4, 2, 40, 500), (5, 8, 2, 64, 2100)):
+    x, ids, g, wg, wu, wd = _problem(t_, e, k, "random", d_model=d, hidden=f, seed=t_)
+    together = np.asarray(cpu_ffi.expert_ffn_cpu(x, ids, g, wg, wu, wd, method=method))
+    for t in range(t_):
+      alone = cpu_ffi.expert_ffn_cpu(x[t:t + 1], ids[t:t + 1], g[t:t + 1], wg, wu, wd, method=method)
+      np.testing.assert_array_equal(np.asarray(alone), together[t:t + 1], err_msg=f"token {t} of {t_}, F={f}")
+
+
+def test_cpu_kernel_long_passes_sum_per_slot(cpu_kernel, monkeypatch):
+  """Past the kept pair outputs' size (long prefills) the kernel sums one output per thread
+  slot: still the reference's result, and the same bits from call to call."""
+  del cpu_kernel
+  monkeypatch.setenv("MOESPEC_PAIR_OUTPUT_BYTES", "0")
+  monkeypatch.setenv("MOESPEC_FFI_THREADS", "2")
+  for args in (_problem(20, 3, 3, "random", d_model=24, hidden=120), _problem(5, 8, 2, "random", d_model=64, hidden=2100)):
+    ref = expert_ffn_reference(*args)
+    for method in ("dedup", "per_slot"):
+      first = np.asarray(cpu_ffi.expert_ffn_cpu(*args, method=method))
+      np.testing.assert_allclose(first, ref, atol=1e-4)
+      np.testing.assert_array_equal(np.asarray(cpu_ffi.expert_ffn_cpu(*args, method=method)), first)
+
+
 def test_cpu_kernel_activation_matches_at_large_magnitudes(cpu_kernel):
   del cpu_kernel
   # The C++ SwiGLU's own exp: gate pre-activations of either sign up to ~100s (sigmoid saturated

@@ -208,13 +208,17 @@ inline int64_t WholeRowTokens(int64_t nv) {
 //  - wide rows: row tiles (RowTileGemvAcc), whose long pieces stream well. Register panels
 //    there read short strided pieces, a 4 KB page per row, and streamed at 65-90% of the
 //    row-tile rate for DeepSeek-V2-Lite, Qwen3-30B-A3B and Mixtral-8x7B expert shapes.
+// An output element's arithmetic depends on R and the column range, never on m: rows that one
+// single-token panel spans go through register panels (one fused multiply-add per term, in row
+// order, whatever the tile), wider rows through row tiles, for every m. A token's product is the
+// same bits alone and among other tokens (moe_ffn_cpu.cc relies on it).
 inline void MultiGemvAcc(const float* in, int64_t m, int64_t R, const float* W, int64_t ldw,
                          int64_t c0, int64_t c1, float* out, int64_t ldo) {
   const int64_t nv = (c1 - c0 + 15) / 16;
   const int64_t block_bytes = R * (c1 - c0) * static_cast<int64_t>(sizeof(float));
-  if (m >= 2 && block_bytes <= kCachedPanelBytes) {
+  if (m >= 2 && block_bytes <= kCachedPanelBytes && nv <= MaxPanel<1>()) {
     const int64_t lead = WholeRowTokens(nv);
-    if (lead > 0 && lead < std::min<int64_t>(m, kTileRows)) {
+    if (lead < std::min<int64_t>(m, kTileRows)) {
       TileOf(lead, in, R, W, ldw, c0, c1, out, ldo);
       PanelTiles<kTileRows>(in + lead * R, m - lead, R, W, ldw, c0, c1, out + lead * ldo, ldo);
     } else {

@@ -14,11 +14,18 @@
 // of the output from Wd rows f0:f1, so units never wait on each other. Whole experts keep each
 // worker's reads contiguous: splitting a narrow expert's columns between workers reads rows in
 // short strided pieces, which streamed at about half the bandwidth of one contiguous read here.
-// Units are dealt to a few slots up front (balanced by estimated cost), each slot with its own
-// output; slots are claimed from an atomic counter by the caller and by tasks on XLA's intra-op
-// thread pool (so the call completes even if no pool thread ever picks a task up), and their
-// outputs are summed in slot order at the end: the result does not depend on which thread ran
-// what, so it is the same bit for bit from call to call.
+// Units are dealt to a few slots up front (balanced by estimated cost); slots are claimed from an
+// atomic counter by the caller and by tasks on XLA's intra-op thread pool (so the call completes
+// even if no pool thread ever picks a task up).
+//
+// A token's result does not depend on the pass it is in: each (token, slot) pair's gated output,
+// per unit of columns, is kept apart, and a token's are summed at the end in a fixed order (its
+// slots, then the units' columns), each computed with arithmetic that does not depend on how many
+// tokens share the expert (gemv.h). So a token decoded alone (a plain step) and among a
+// verification pass's tokens or a batch's rows gets the same bits, and greedy speculative
+// decoding can emit exactly plain decoding's tokens. Passes whose kept outputs would exceed
+// kPairOutputBytes (long prefills) sum into one output per slot instead, in slot order: the same
+// from call to call, not across passes.
 //
 // Layouts (row-major): x [T, D], ids/gates [T, K], Wg/Wu [E, D, F], Wd [E, F, D], y [T, D].
 
@@ -45,9 +52,17 @@ using moespec::kManyRows;
 using moespec::MultiGemvAcc;
 
 constexpr int64_t kMinUnitCols = 1024;  // experts under twice this width are one unit (see above)
+constexpr int64_t kPairOutputBytes = 64 << 20;  // most bytes of kept pair outputs (see above)
+
+// kPairOutputBytes, or $MOESPEC_PAIR_OUTPUT_BYTES (tests reach the per-slot sums with it).
+int64_t PairOutputBytes() {
+  if (const char* env = std::getenv("MOESPEC_PAIR_OUTPUT_BYTES")) return std::atoll(env);
+  return kPairOutputBytes;
+}
 
 struct Unit {
   int32_t group;
+  int32_t piece;   // which of the expert's column ranges
   int32_t f0, f1;  // hidden columns
 };
 
@@ -65,6 +80,7 @@ struct Problem {
   std::vector<int32_t> group_start;
   std::vector<int32_t> group_expert;
   std::vector<Unit> units;
+  int64_t pieces = 1;    // column ranges per expert
   int64_t max_m = 0;     // pairs in the largest group
   int64_t max_cols = 0;  // hidden columns of the widest unit
 };
@@ -78,8 +94,9 @@ struct Scratch {
         out(p.max_m * p.D) {}
 };
 
-// One unit: group u.group's hidden columns [f0, f1); accumulates into y_part [T, D].
-void RunUnit(const Problem& p, const Unit& u, float* y_part, Scratch& s) {
+// One unit: group u.group's hidden columns [f0, f1). With pair_out [T * K, pieces, D], each pair's
+// gated output is written there; otherwise it is added into y_part [T, D].
+void RunUnit(const Problem& p, const Unit& u, float* pair_out, float* y_part, Scratch& s) {
   const int64_t D = p.D, F = p.F, f0 = u.f0, nf = u.f1 - u.f0;
   const int64_t m = p.group_start[u.group + 1] - p.group_start[u.group];
   const int32_t* pr = p.pairs.data() + p.group_start[u.group];
@@ -101,10 +118,16 @@ void RunUnit(const Problem& p, const Unit& u, float* y_part, Scratch& s) {
   MultiGemvAcc(hg, m, nf, p.wd + e * F * D + f0 * D, D, 0, D, out, D);
   for (int64_t j = 0; j < m; ++j) {
     const float gj = p.gates[pr[j]];
-    float* __restrict__ yt = y_part + (pr[j] / p.K) * D;
     const float* oj = out + j * D;
+    if (pair_out != nullptr) {
+      float* __restrict__ kept = pair_out + (pr[j] * p.pieces + u.piece) * D;
 #pragma GCC ivdep
-    for (int64_t d = 0; d < D; ++d) yt[d] += gj * oj[d];
+      for (int64_t d = 0; d < D; ++d) kept[d] = gj * oj[d];
+    } else {
+      float* __restrict__ yt = y_part + (pr[j] / p.K) * D;
+#pragma GCC ivdep
+      for (int64_t d = 0; d < D; ++d) yt[d] += gj * oj[d];
+    }
   }
 }
 
@@ -121,11 +144,12 @@ void PlanUnits(Problem& p) {
     return p.group_start[a + 1] - p.group_start[a] > p.group_start[b + 1] - p.group_start[b];
   });
   const int64_t pieces = std::max<int64_t>(1, p.F / kMinUnitCols);
+  p.pieces = pieces;
   for (int32_t g : order) {
     for (int64_t i = 0; i < pieces; ++i) {
       const int64_t f0 = i == 0 ? 0 : (p.F * i / pieces + 7) / 8 * 8;
       const int64_t f1 = i + 1 == pieces ? p.F : (p.F * (i + 1) / pieces + 7) / 8 * 8;
-      if (f1 > f0) p.units.push_back({g, static_cast<int32_t>(f0), static_cast<int32_t>(f1)});
+      p.units.push_back({g, static_cast<int32_t>(i), static_cast<int32_t>(f0), static_cast<int32_t>(f1)});
       p.max_cols = std::max(p.max_cols, f1 - f0);
     }
   }
@@ -202,13 +226,31 @@ ffi::Error MoeFfnImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   std::memset(yp, 0, sizeof(float) * p.T * p.D);
   const int n_slots = moespec::SlotsFor(pool, static_cast<int64_t>(p.units.size()));
   const std::vector<std::vector<int32_t>> slots = DealUnits(p, n_slots);
+  const bool keep_pairs = R * p.pieces * p.D * static_cast<int64_t>(sizeof(float)) <= PairOutputBytes();
+  if (keep_pairs) {
+    // Every (pair, piece) is written by exactly one unit; a token's are summed in a fixed order.
+    std::vector<float> pair_out(R * p.pieces * p.D);
+    moespec::RunSlots(pool, n_slots, [&](int s) {
+      Scratch scratch(p);
+      for (int32_t u : slots[s]) RunUnit(p, p.units[u], pair_out.data(), nullptr, scratch);
+    });
+    for (int64_t t = 0; t < p.T; ++t) {
+      float* __restrict__ yt = yp + t * p.D;
+      for (int64_t i = 0; i < p.K * p.pieces; ++i) {
+        const float* kept = pair_out.data() + (t * p.K * p.pieces + i) * p.D;
+#pragma GCC ivdep
+        for (int64_t d = 0; d < p.D; ++d) yt[d] += kept[d];
+      }
+    }
+    return ffi::Error::Success();
+  }
   // Each slot has its own output (slot 0 writes y), summed in slot order below.
   std::vector<std::vector<float>> partial(n_slots);
   for (int s = 1; s < n_slots; ++s) partial[s].assign(p.T * p.D, 0.0f);
   moespec::RunSlots(pool, n_slots, [&](int s) {
     Scratch scratch(p);
     float* dst = s == 0 ? yp : partial[s].data();
-    for (int32_t u : slots[s]) RunUnit(p, p.units[u], dst, scratch);
+    for (int32_t u : slots[s]) RunUnit(p, p.units[u], nullptr, dst, scratch);
   });
   for (int s = 1; s < n_slots; ++s) {
     const float* src = partial[s].data();
