@@ -184,15 +184,19 @@ def pack_columns(w_DV, block: int = PACK_COLUMNS):
 
 def packed_matmul(x_MD, w_NDC, n_cols: int | None = None):
   """x [M, D] @ W for W packed by `pack_columns` (f32): [M, n_cols] (default all N * C columns;
-  pass V to drop the padding). The C++ kernel: each block streamed once for all M rows."""
+  pass V to drop the padding). Or G products side by side: x [G, M, D] and W [G, N, D, C]
+  (`pack_columns` vmapped over G) give [G, M, n_cols]. The C++ kernel: each block streamed once
+  for all M rows, and a row's result does not depend on the other rows."""
   ensure_built()
-  if x_MD.ndim != 2 or w_NDC.ndim != 3 or x_MD.shape[1] != w_NDC.shape[1]:
-    raise ValueError(f"packed_matmul needs x [M, D] and W [N, D, C], got {x_MD.shape} and {w_NDC.shape}")
-  m = x_MD.shape[0]
-  n, _, c = w_NDC.shape
-  y = jax.ffi.ffi_call("moespec_dense_f32", jax.ShapeDtypeStruct((m, n * c), jnp.float32),
+  grouped = x_MD.ndim == 3
+  if not ((x_MD.ndim == 2 and w_NDC.ndim == 3) or (grouped and w_NDC.ndim == 4 and w_NDC.shape[0] == x_MD.shape[0])) \
+      or x_MD.shape[-1] != w_NDC.shape[-2]:
+    raise ValueError(f"packed_matmul needs x [M, D] and W [N, D, C], or x [G, M, D] and W [G, N, D, C], "
+                     f"got {x_MD.shape} and {w_NDC.shape}")
+  n, _, c = w_NDC.shape[-3:]
+  y = jax.ffi.ffi_call("moespec_dense_f32", jax.ShapeDtypeStruct((*x_MD.shape[:-1], n * c), jnp.float32),
                        vmap_method="sequential")(x_MD.astype(jnp.float32), w_NDC.astype(jnp.float32))
-  return y if n_cols is None or n_cols == n * c else y[:, :n_cols]
+  return y if n_cols is None or n_cols == n * c else y[..., :n_cols]
 
 
 def cached_attention(q_NQD, keys_NDS, values_NSD, limit_NQ):

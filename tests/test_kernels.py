@@ -266,10 +266,31 @@ def test_packed_matmul_rows_do_not_depend_on_the_pass(cpu_kernel, block):
     np.testing.assert_array_equal(np.asarray(cpu_ffi.packed_matmul(x_MD[m:m + 1], w_NDC)), together[m:m + 1])
 
 
+@pytest.mark.parametrize("threads", ["1", "3"])
+def test_packed_matmul_side_by_side(cpu_kernel, monkeypatch, threads):
+  """G products at once (x [G, M, D], W [G, N, D, C]: MLA's per-head up-projections): each the
+  one-product result, bit for bit, and numpy's; any rows, fewer blocks than threads."""
+  del cpu_kernel
+  monkeypatch.setenv("MOESPEC_FFI_THREADS", threads)
+  rng = np.random.default_rng(4)
+  g, d, v = 3, 24, 100
+  w_GDV = rng.normal(size=(g, d, v)).astype(np.float32)
+  w_GNDC = jax.vmap(cpu_ffi.pack_columns)(jnp.asarray(w_GDV))
+  for m in (1, 5, 9):
+    x_GMD = rng.normal(size=(g, m, d)).astype(np.float32)
+    got = np.asarray(cpu_ffi.packed_matmul(jnp.asarray(x_GMD), w_GNDC, v))
+    assert got.shape == (g, m, v)
+    np.testing.assert_allclose(got, np.einsum("gmd,gdv->gmv", x_GMD.astype(np.float64), w_GDV), rtol=1e-5, atol=1e-4)
+    for i in range(g):
+      np.testing.assert_array_equal(got[i], np.asarray(cpu_ffi.packed_matmul(jnp.asarray(x_GMD[i]), w_GNDC[i], v)))
+
+
 def test_packed_matmul_rejects_bad_shapes(cpu_kernel):
   del cpu_kernel
   with pytest.raises(ValueError, match="x \\[M, D\\] and W \\[N, D, C\\]"):
     cpu_ffi.packed_matmul(jnp.zeros((2, 8)), jnp.zeros((1, 4, 16)))
+  with pytest.raises(ValueError, match="x \\[G, M, D\\] and W \\[G, N, D, C\\]"):
+    cpu_ffi.packed_matmul(jnp.zeros((3, 2, 4)), jnp.zeros((2, 1, 4, 16)))
   with pytest.raises(ValueError, match="\\[D, V\\] weight"):
     cpu_ffi.pack_columns(jnp.zeros((2, 3, 4)))
 

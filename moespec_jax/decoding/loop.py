@@ -440,7 +440,7 @@ def _definition(graphdef, state_treedef) -> ModelDefinition:
 def _merge(definition: ModelDefinition, params, ls: LoopSpec):
   """The module inside a program. `params`: (the state's leaves, the packed output head or
   None, the packed dense projections or None: see `_decode_params`); `ls.cpu_attention`:
-  passes against the cache on the C++ kernel."""
+  passes against the cache on the C++ kernel, and norms whose rows do not depend on each other."""
   leaves, packed_head_NDC, packed_dense = params
   model = nnx.merge(definition.graphdef, jax.tree.unflatten(definition.state_treedef, leaves))
   if packed_head_NDC is not None:
@@ -449,6 +449,7 @@ def _merge(definition: ModelDefinition, params, ls: LoopSpec):
     model.use_packed_dense(packed_dense)
   if ls.cpu_attention:
     model.use_cpu_cached_attention()
+    model.use_row_invariant_norms()
   return model
 
 

@@ -9,8 +9,8 @@ from flax import nnx
 
 from pallas_kernels import cpu_ffi
 
-# Decoding programs on CPU read the dense projections (attention, dense and shared SwiGLUs) as
-# column blocks packed once per model (`pallas_kernels.cpu_ffi.pack_columns`), with a C++ product
+# Decoding programs on CPU read the dense projections (attention, dense and shared SwiGLUs,
+# routers) as column blocks packed once per model (`pallas_kernels.cpu_ffi.pack_columns`), with a C++ product
 # that streams each block once for all the rows of a pass. XLA's dot re-packs a weight on every
 # call of a multi-row product: 2-9 rows against [256, 768] weights ran 1.5-2.5x slower than the
 # packed product here, 1 row about as fast. Passes of more rows than this (prefills) keep XLA's
@@ -34,16 +34,40 @@ def fan_in_init(fan_in: int, scale: float = 1.0):
   return jax.nn.initializers.normal(stddev=scale / math.sqrt(fan_in))
 
 
+def halving_sum(x):
+  """Sum over the last axis, keepdims, by halving: the two halves added elementwise until one
+  column is left (zero-padded to a power of two). Every row's bits depend on its own entries
+  alone; XLA:CPU's reduction of a [40, 256] array gave 8 of its rows other last bits than the
+  same rows reduced alone."""
+  n = x.shape[-1]
+  width = 1 << max(0, (n - 1).bit_length())
+  if width != n:
+    x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, width - n)])
+  while x.shape[-1] > 1:
+    half = x.shape[-1] // 2
+    x = x[..., :half] + x[..., half:]
+  return x
+
+
 class RMSNorm(nnx.Module):
-  """y = x / rms(x) * weight, computed in float32."""
+  """y = x / rms(x) * weight, computed in float32. With `row_invariant` (decoding programs on
+  CPU: `Transformer.use_row_invariant_norms`) the mean square is a `halving_sum`, so a row's
+  result does not depend on the other rows of the pass (slower to differentiate: training keeps
+  XLA's reduction)."""
 
   def __init__(self, dim: int, eps: float, *, dtype=jnp.float32):
     self.weight = nnx.Param(jnp.ones((dim,), dtype))
     self.eps = eps
+    self.row_invariant = False
 
   def __call__(self, x):
     x32 = x.astype(jnp.float32)
-    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    squares = x32 * x32
+    if self.row_invariant:
+      mean_square = halving_sum(squares) / x32.shape[-1]
+    else:
+      mean_square = jnp.mean(squares, axis=-1, keepdims=True)
+    y = x32 * jax.lax.rsqrt(mean_square + self.eps)
     return (y * self.weight[...].astype(jnp.float32)).astype(x.dtype)
 
 

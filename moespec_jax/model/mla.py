@@ -78,6 +78,15 @@ def softmax_scale(config: ModelConfig) -> float:
   return scale
 
 
+def _per_head_product(x_BTHI, packed_HNIC, n_cols: int):
+  """x [B, T, H, I] times head h's packed [I, n_cols] weight, for every h: [B, T, H, n_cols]
+  (float32; the C++ product of `cpu_ffi.packed_matmul`, G = H)."""
+  b, t, h, i = x_BTHI.shape
+  x_HMI = jnp.transpose(x_BTHI.reshape(b * t, h, i), (1, 0, 2))
+  y_HMC = cpu_ffi.packed_matmul(x_HMI, packed_HNIC, n_cols)
+  return jnp.transpose(y_HMC, (1, 0, 2)).reshape(b, t, h, n_cols).astype(x_BTHI.dtype)
+
+
 class MLAttention(nnx.Module):
   """Causal MLA; same call contract as `Attention` (the cache holds latents)."""
 
@@ -105,8 +114,11 @@ class MLAttention(nnx.Module):
     # side by side ([Wq or Wqa | Wkv | Wkr]), Wqb and Wo.
     self.packed_x_NDC = self.packed_qb_NDC = self.packed_o_NDC = None
     # W_uk and W_uv head-major for the absorbed passes against the cache (`set_packed`): in their
-    # [C, H, *] layout XLA:CPU transposed each of them on every pass, ~23 us a layer at batch 8.
+    # [C, H, *] layout XLA:CPU transposed each of them on every pass, ~23 us a layer at batch 8;
+    # and packed per head for the C++ product of passes of few rows (whose rows, unlike those of
+    # XLA's batched dot, do not depend on the other rows).
     self.w_uk_HNC = self.w_uv_HCV = None
+    self.packed_uk_HNNC = self.packed_uv_HNCC = None
     # Passes against the cache on the C++ kernel (cpu_ffi.mla_attention), set by the decoding
     # loop's programs on CPU; False: XLA's products (and always for prefills into a fresh cache).
     self.cpu_cached_attention = False
@@ -122,6 +134,8 @@ class MLAttention(nnx.Module):
       packed["qb"] = cpu_ffi.pack_columns(self.w_qb_QHK[...].reshape(self.w_qb_QHK.shape[0], -1))
     packed["uk"] = jnp.transpose(self.w_uk_CHN[...], (1, 2, 0))
     packed["uv"] = jnp.transpose(self.w_uv_CHV[...], (1, 0, 2))
+    packed["uk_blocks"] = jax.vmap(cpu_ffi.pack_columns)(packed["uk"])
+    packed["uv_blocks"] = jax.vmap(cpu_ffi.pack_columns)(packed["uv"])
     return packed
 
   def set_packed(self, packed: dict) -> None:
@@ -131,15 +145,21 @@ class MLAttention(nnx.Module):
       self.packed_qb_NDC = nnx.data(packed["qb"])
     self.w_uk_HNC = nnx.data(packed["uk"])
     self.w_uv_HCV = nnx.data(packed["uv"])
+    self.packed_uk_HNNC = nnx.data(packed["uk_blocks"])
+    self.packed_uv_HNCC = nnx.data(packed["uv_blocks"])
 
   def _absorb_queries(self, q_nope_BTHN):
     """The queries' no-rope part through W_uk: scores against the latent itself."""
+    if use_packed(self.packed_uk_HNNC, q_nope_BTHN):
+      return _per_head_product(q_nope_BTHN, self.packed_uk_HNNC, self.config.kv_lora_rank)
     if self.w_uk_HNC is not None:
       return jnp.einsum("bthn,hnc->bthc", q_nope_BTHN, self.w_uk_HNC)
     return jnp.einsum("bthn,chn->bthc", q_nope_BTHN, self.w_uk_CHN[...])
 
   def _up_values(self, out_lat_BTHC):
     """Attention outputs in the latent through W_uv: [B, T, H, V]."""
+    if use_packed(self.packed_uv_HNCC, out_lat_BTHC):
+      return _per_head_product(out_lat_BTHC, self.packed_uv_HNCC, self.config.v_head_dim)
     if self.w_uv_HCV is not None:
       return jnp.einsum("bthc,hcv->bthv", out_lat_BTHC, self.w_uv_HCV)
     return jnp.einsum("bthc,chv->bthv", out_lat_BTHC, self.w_uv_CHV[...])

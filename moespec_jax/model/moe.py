@@ -17,9 +17,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 import pallas_kernels
+from pallas_kernels import cpu_ffi
 from moespec_jax.config import ModelConfig
 from moespec_jax.model import budget as budget_lib
-from moespec_jax.model.layers import SwiGLU, fan_in_init
+from moespec_jax.model.layers import SwiGLU, fan_in_init, use_packed
 
 
 class RouterBias(nnx.Variable):
@@ -99,6 +100,23 @@ class MoE(nnx.Module):
       self.shared = None
     # Qwen2-MoE: the shared-expert output is scaled by sigmoid(x . w) per token.
     self.w_shared_gate_D = nnx.Param(jnp.zeros((d,), dtype)) if config.shared_expert_gate else None
+    # The router's columns (and the shared-expert gate's) packed for decoding programs on CPU
+    # (`set_packed`; not parameters).
+    self.packed_router_NDC = None
+
+  def pack(self) -> dict:
+    """The router's columns, then the shared-expert gate's, as `cpu_ffi.pack_columns` blocks.
+    A decoding pass on CPU routes with the C++ product, whose rows do not depend on the other
+    rows of the pass (XLA's dot gave a row different last bits alone and among 5 or 8 rows): a
+    token is routed, and its expert output computed (the C++ expert kernel), with the same bits
+    in a plain step and in a verification pass."""
+    w_DC = self.w_router_DE[...]
+    if self.w_shared_gate_D is not None:
+      w_DC = jnp.concatenate([w_DC, self.w_shared_gate_D[...].astype(w_DC.dtype)[:, None]], axis=1)
+    return {"router": cpu_ffi.pack_columns(w_DC)}
+
+  def set_packed(self, packed: dict) -> None:
+    self.packed_router_NDC = nnx.data(packed["router"])
 
   def __call__(self, x_BTD, *, expert_method: str, expert_budget: "budget_lib.ExpertBudget | None" = None,
                valid_BT=None):
@@ -108,7 +126,16 @@ class MoE(nnx.Module):
     output is zero (`masked_to_read_experts`). The returned routing is the router's choice."""
     b, t, d = x_BTD.shape
     x_ND = x_BTD.reshape(b * t, d)
-    logits_NE = jnp.einsum("nd,de->ne", x_ND.astype(jnp.float32), self.w_router_DE[...])
+    n_experts = self.w_router_DE.shape[1]
+    shared_logit_BT = None
+    if use_packed(self.packed_router_NDC, x_BTD):
+      gated = self.w_shared_gate_D is not None
+      scores_NC = cpu_ffi.packed_matmul(x_ND.astype(jnp.float32), self.packed_router_NDC, n_experts + gated)
+      logits_NE = scores_NC[:, :n_experts]
+      if gated:
+        shared_logit_BT = scores_NC[:, n_experts].reshape(b, t)
+    else:
+      logits_NE = jnp.einsum("nd,de->ne", x_ND.astype(jnp.float32), self.w_router_DE[...])
     bias = None if self.score_bias_E is None else self.score_bias_E[...]
     ids_NK, gates_NK, probs_NE = route(logits_NE, self.config, bias)
     if expert_budget is not None:
@@ -127,7 +154,9 @@ class MoE(nnx.Module):
     if self.shared is not None:
       shared_BTD = self.shared(x_BTD)
       if self.w_shared_gate_D is not None:
-        gate_BT = jax.nn.sigmoid(jnp.einsum("btd,d->bt", x_BTD, self.w_shared_gate_D[...]))
+        if shared_logit_BT is None:
+          shared_logit_BT = jnp.einsum("btd,d->bt", x_BTD, self.w_shared_gate_D[...])
+        gate_BT = jax.nn.sigmoid(shared_logit_BT.astype(x_BTD.dtype))
         shared_BTD = shared_BTD * gate_BT[..., None]
       y_BTD = y_BTD + shared_BTD
     k = self.config.top_k

@@ -98,6 +98,14 @@ class Transformer(nnx.Module):
       if isinstance(module, (Attention, mla.MLAttention)):
         module.cpu_cached_attention = True
 
+  def use_row_invariant_norms(self) -> None:
+    """Every RMSNorm sums its squares by halving from here on (decoding programs on CPU): with
+    the C++ kernels, whose rows do not depend on each other either, a token's logits are the same
+    bits in a plain step and among a verification pass's tokens or a batch's rows."""
+    for _, module in nnx.iter_modules(self):
+      if isinstance(module, RMSNorm):
+        module.row_invariant = True
+
   def pack_dense(self) -> dict[str, dict[str, jax.Array]]:
     """The dense projections packed for `use_packed_dense`, by module path: every module that
     packs its own (`pack` / `set_packed`: attention, GQA and MLA; SwiGLU, dense layers and shared

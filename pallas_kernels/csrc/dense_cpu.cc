@@ -1,5 +1,7 @@
 // Dense product y [M, N * C] = x [M, D] @ W for CPU, called from JAX through the XLA FFI: the
-// output head of decoding passes (a few rows against a wide [D, V] weight).
+// output head of decoding passes (a few rows against a wide [D, V] weight), the dense
+// projections; and G such products side by side (x [G, M, D], W [G, N, D, C]: MLA's per-head
+// up-projections).
 //
 // Why C++: XLA:CPU's dot reads a [D, V] head in short strided pieces (a 32 KB row stride), which
 // streamed at a third of the rate of one contiguous read when the head is not in cache, as in a
@@ -7,7 +9,7 @@
 // contiguous [D, C] matrix, like an expert's weights), and each block is streamed once, row after
 // row, for all M rows of x together (gemv.h).
 //
-// Work split: contiguous ranges of blocks, one per slot (slots.h). Each slot writes its own
+// Work split: contiguous ranges of blocks (all G products' blocks), one per slot (slots.h). Each slot writes its own
 // columns of y, so the result does not depend on which thread ran what, and each row's arithmetic
 // does not depend on M.
 
@@ -25,23 +27,30 @@ namespace {
 ffi::Error DenseImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
                      ffi::ResultBuffer<ffi::F32> y) {
   auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
-  if (xd.size() != 2 || wd.size() != 3 || wd[1] != xd[1]) {
-    return ffi::Error::InvalidArgument("dense_cpu: expected x [M, D] and W [N, D, C]");
+  // One product x [M, D] @ W [N, D, C], or G of them side by side: x [G, M, D], W [G, N, D, C].
+  const bool grouped = xd.size() == 3;
+  if (!((xd.size() == 2 && wd.size() == 3) || (grouped && wd.size() == 4 && wd[0] == xd[0])) ||
+      wd[wd.size() - 2] != xd[xd.size() - 1]) {
+    return ffi::Error::InvalidArgument("dense_cpu: expected x [M, D] and W [N, D, C], or x [G, M, D] and W [G, N, D, C]");
   }
-  if (yd.size() != 2 || yd[0] != xd[0] || yd[1] != wd[0] * wd[2]) {
-    return ffi::Error::InvalidArgument("dense_cpu: expected y [M, N * C]");
+  const int64_t G = grouped ? xd[0] : 1;
+  const int64_t M = xd[xd.size() - 2], D = xd[xd.size() - 1];
+  const int64_t N = wd[wd.size() - 3], C = wd[wd.size() - 1];
+  if (yd.size() != xd.size() || yd[yd.size() - 2] != M || yd[yd.size() - 1] != N * C || (grouped && yd[0] != G)) {
+    return ffi::Error::InvalidArgument("dense_cpu: expected y [M, N * C] (or [G, M, N * C])");
   }
   const float* xp = x.typed_data();
   const float* wp = w.typed_data();
   float* yp = y->typed_data();
-  const int64_t M = xd[0], D = xd[1], N = wd[0], C = wd[2];
-  if (M == 0 || N == 0) return ffi::Error::Success();
-  const int n_slots = moespec::SlotsFor(pool, N);
+  if (M == 0 || N == 0 || G == 0) return ffi::Error::Success();
+  const int64_t blocks = G * N;
+  const int n_slots = moespec::SlotsFor(pool, blocks);
   moespec::RunSlots(pool, n_slots, [&](int s) {
-    for (int64_t b = N * s / n_slots; b < N * (s + 1) / n_slots; ++b) {
-      float* out = yp + b * C;
+    for (int64_t gb = blocks * s / n_slots; gb < blocks * (s + 1) / n_slots; ++gb) {
+      const int64_t g = gb / N, b = gb % N;
+      float* out = yp + g * M * N * C + b * C;
       for (int64_t j = 0; j < M; ++j) std::fill(out + j * N * C, out + j * N * C + C, 0.0f);
-      moespec::MultiGemvAcc(xp, M, D, wp + b * D * C, C, 0, C, out, N * C);
+      moespec::MultiGemvAcc(xp + g * M * D, M, D, wp + gb * D * C, C, 0, C, out, N * C);
     }
   });
   return ffi::Error::Success();
