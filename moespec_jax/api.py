@@ -78,8 +78,9 @@ class Model:
     return self._packed_head[1]
 
   def packed_dense(self, leaves=None) -> dict[str, dict[str, jax.Array]]:
-    """The dense projections (attention, dense and shared SwiGLUs, routers) packed for the C++ product of
-    decoding on CPU (`Transformer.pack_dense`; computed once per parameter set, then reused).
+    """The dense projections (attention, dense and shared SwiGLUs, routers) packed for the C++
+    product of decoding on CPU (`Transformer.pack_dense`; computed once per parameter set, then
+    reused).
     `leaves`: `jax.tree.leaves(self.state)`, where the caller has it already."""
     leaves = jax.tree.leaves(self.state) if leaves is None else leaves
     cached = self._packed_dense

@@ -59,7 +59,7 @@ class LoopSpec:
   timed: bool = False  # auto K corrects its calibration by the loop's own clock (CPU)
   expert_budget: ExpertBudget | None = None
   measure_quality: bool = False
-  cpu_attention: bool = False  # attention against the cache on the C++ kernel (`_merge`)
+  cpu_attention: bool = False  # attention against the cache on the C++ kernel, row-invariant norms (`_merge`)
   # (routed experts, top-k), (0, 0) for a dense model: the shape of the experts' part of the
   # pass times that auto K's calibration fits (auto_draft.smooth_step_times)
   routing: tuple[int, int] = (0, 0)

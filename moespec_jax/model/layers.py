@@ -10,11 +10,11 @@ from flax import nnx
 from pallas_kernels import cpu_ffi
 
 # Decoding programs on CPU read the dense projections (attention, dense and shared SwiGLUs,
-# routers) as column blocks packed once per model (`pallas_kernels.cpu_ffi.pack_columns`), with a C++ product
-# that streams each block once for all the rows of a pass. XLA's dot re-packs a weight on every
-# call of a multi-row product: 2-9 rows against [256, 768] weights ran 1.5-2.5x slower than the
-# packed product here, 1 row about as fast. Passes of more rows than this (prefills) keep XLA's
-# dot.
+# routers) as column blocks packed once per model (`pallas_kernels.cpu_ffi.pack_columns`), with a
+# C++ product that streams each block once for all the rows of a pass. XLA's dot re-packs a weight
+# on every call of a multi-row product: 2-9 rows against [256, 768] weights ran 1.5-2.5x slower
+# than the packed product here, 1 row about as fast. Passes of more rows than this (prefills) keep
+# XLA's dot.
 PACKED_MAX_ROWS = 128
 
 

@@ -125,7 +125,8 @@ class MLAttention(nnx.Module):
 
   def pack(self) -> dict:
     """The dense projections as `cpu_ffi.pack_columns` blocks, for `set_packed`; the per-head
-    up-projections W_uk and W_uv stay XLA's batched products, head-major."""
+    up-projections W_uk and W_uv head-major (XLA's batched products, passes of many rows) and as
+    blocks per head (the C++ product, passes of few rows)."""
     d = self.w_kv_DC.shape[0]
     w_q = self.w_q_DHK[...].reshape(d, -1) if self.w_q_DHK is not None else self.w_qa_DQ[...]
     packed = {"x": cpu_ffi.pack_columns(jnp.concatenate([w_q, self.w_kv_DC[...], self.w_kr_DR[...]], axis=1)),

@@ -109,7 +109,7 @@ class Transformer(nnx.Module):
   def pack_dense(self) -> dict[str, dict[str, jax.Array]]:
     """The dense projections packed for `use_packed_dense`, by module path: every module that
     packs its own (`pack` / `set_packed`: attention, GQA and MLA; SwiGLU, dense layers and shared
-    experts; MTP modules' W_p and own heads, and their blocks')."""
+    experts; MoE routers; MTP modules' W_p and own heads, and their blocks')."""
     return {_path_key(path): module.pack() for path, module in nnx.iter_modules(self)
             if callable(getattr(module, "pack", None))}
 

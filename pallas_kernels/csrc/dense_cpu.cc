@@ -9,9 +9,9 @@
 // contiguous [D, C] matrix, like an expert's weights), and each block is streamed once, row after
 // row, for all M rows of x together (gemv.h).
 //
-// Work split: contiguous ranges of blocks (all G products' blocks), one per slot (slots.h). Each slot writes its own
-// columns of y, so the result does not depend on which thread ran what, and each row's arithmetic
-// does not depend on M.
+// Work split: contiguous ranges of blocks (all G products' blocks), one per slot (slots.h). Each
+// slot writes its own columns of y, so the result does not depend on which thread ran what, and
+// each row's arithmetic does not depend on M.
 
 #include <algorithm>
 #include <cstdint>
