@@ -45,12 +45,16 @@ ffi::Error DenseImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<
   if (M == 0 || N == 0 || G == 0) return ffi::Error::Success();
   const int64_t blocks = G * N;
   const int n_slots = moespec::SlotsFor(pool, blocks);
+  const int64_t block_bytes = D * C * static_cast<int64_t>(sizeof(float));
   moespec::RunSlots(pool, n_slots, [&](int s) {
-    for (int64_t gb = blocks * s / n_slots; gb < blocks * (s + 1) / n_slots; ++gb) {
+    const int64_t end = blocks * (s + 1) / n_slots;
+    for (int64_t gb = blocks * s / n_slots; gb < end; ++gb) {
       const int64_t g = gb / N, b = gb % N;
       float* out = yp + g * M * N * C + b * C;
       for (int64_t j = 0; j < M; ++j) std::fill(out + j * N * C, out + j * N * C + C, 0.0f);
-      moespec::MultiGemvAcc(xp + g * M * D, M, D, wp + gb * D * C, C, 0, C, out, N * C);
+      // The slot's next block is prefetched while this one's later row tiles compute from cache.
+      moespec::MultiGemvAcc(xp + g * M * D, M, D, wp + gb * D * C, C, 0, C, out, N * C,
+                            gb + 1 < end ? wp + (gb + 1) * D * C : nullptr, block_bytes);
     }
   });
   return ffi::Error::Success();

@@ -35,9 +35,19 @@ inline void InRegister(F16& v) {
 // out[j, 0:16P] += sum_r in[j * ldi + r] * W[r * ldw + 0:16P] for j < M, r < R: M x P
 // accumulators stay in registers while the W panel is read once, row after row (for M = 1 and
 // a whole row, one sequential stream).
-template <int M, int P>
+// Another weight block to bring into cache while panels read W from cache (Panel<M, P, true>: the
+// tiles after the first): `per_row` 64-byte lines per row of W, from `next` up to `end`. A product
+// whose first tile streams W from memory and whose other tiles only compute would otherwise leave
+// memory idle while they run; with the next block on its way, its own first tile finds it in cache.
+struct Prefetch {
+  const char* next = nullptr;
+  const char* end = nullptr;
+  int64_t per_row = 0;
+};
+
+template <int M, int P, bool kNext = false>
 inline void Panel(const float* in, int64_t ldi, int64_t R, const float* W, int64_t ldw, float* out,
-                  int64_t ldo) {
+                  int64_t ldo, Prefetch* pf = nullptr) {
   F16 acc[M][P];
 #pragma GCC unroll 8
   for (int j = 0; j < M; ++j) {
@@ -46,8 +56,14 @@ inline void Panel(const float* in, int64_t ldi, int64_t R, const float* W, int64
   }
   for (int64_t r = 0; r < R; ++r) {
     const float* w = W + r * ldw;
+    if constexpr (kNext) {
+      for (int64_t k = 0; k < pf->per_row && pf->next < pf->end; ++k, pf->next += 64) {
+        __builtin_prefetch(pf->next, 0, 2);
+      }
+    } else {
 #pragma GCC unroll 32
-    for (int p = 0; p < P; ++p) __builtin_prefetch(w + kPrefetchRows * ldw + 16 * p);
+      for (int p = 0; p < P; ++p) __builtin_prefetch(w + kPrefetchRows * ldw + 16 * p);
+    }
     float a[M];
 #pragma GCC unroll 8
     for (int j = 0; j < M; ++j) a[j] = in[j * ldi + r];
@@ -67,13 +83,13 @@ inline void Panel(const float* in, int64_t ldi, int64_t R, const float* W, int64
 }
 
 // Panel<M, nv> for a run-time nv <= P.
-template <int M, int P>
+template <int M, int P, bool kNext = false>
 inline void PanelOf(int nv, const float* in, int64_t ldi, int64_t R, const float* W, int64_t ldw,
-                    float* out, int64_t ldo) {
+                    float* out, int64_t ldo, Prefetch* pf = nullptr) {
   if (nv == P) {
-    Panel<M, P>(in, ldi, R, W, ldw, out, ldo);
+    Panel<M, P, kNext>(in, ldi, R, W, ldw, out, ldo, pf);
   } else if constexpr (P > 1) {
-    PanelOf<M, P - 1>(nv, in, ldi, R, W, ldw, out, ldo);
+    PanelOf<M, P - 1, kNext>(nv, in, ldi, R, W, ldw, out, ldo, pf);
   }
 }
 
@@ -93,16 +109,16 @@ constexpr int MaxPanel() {
 // as in the panels (built with -ffp-contract=fast): a column's bits do not depend on whether it
 // falls in a panel or in the tail (attention's rows see different numbers of keys alone and in a
 // verification pass; a product in the tail rounded apart from its sum differed in the last bit).
-template <int M>
+template <int M, bool kNext = false>
 inline void Tile(const float* in, int64_t ldi, int64_t R, const float* W, int64_t ldw, int64_t c0,
-                 int64_t c1, float* out, int64_t ldo) {
+                 int64_t c1, float* out, int64_t ldo, Prefetch* pf = nullptr) {
   constexpr int kMax = MaxPanel<M>();
   const int64_t nv = (c1 - c0) / 16;
   const int64_t panels = (nv + kMax - 1) / kMax;
   int64_t c = c0;
   for (int64_t i = 0; i < panels; ++i) {
     const int p = static_cast<int>(nv * (i + 1) / panels - nv * i / panels);
-    PanelOf<M, kMax>(p, in, ldi, R, W + c, ldw, out + c, ldo);
+    PanelOf<M, kMax, kNext>(p, in, ldi, R, W + c, ldw, out + c, ldo, pf);
     c += 16 * p;
   }
   for (; c < c1; ++c) {
@@ -157,15 +173,15 @@ inline void RowTileGemvAcc(const float* in, int64_t m, int64_t R, const float* W
   }
 }
 
-// Columns [c0, c1) for tokens [0, m) in tiles of M (the last one shorter), one register panel
-// per tile (nv <= MaxPanel<M>()).
-template <int M>
+// Columns [c0, c1) for tokens [0, m) in tiles of M (the last one shorter), register panels
+// (MaxPanel<M>() vectors at most each).
+template <int M, bool kNext = false>
 inline void PanelTiles(const float* in, int64_t m, int64_t R, const float* W, int64_t ldw,
-                       int64_t c0, int64_t c1, float* out, int64_t ldo) {
+                       int64_t c0, int64_t c1, float* out, int64_t ldo, Prefetch* pf = nullptr) {
   int64_t j = 0;
-  for (; j + M <= m; j += M) Tile<M>(in + j * R, R, R, W, ldw, c0, c1, out + j * ldo, ldo);
+  for (; j + M <= m; j += M) Tile<M, kNext>(in + j * R, R, R, W, ldw, c0, c1, out + j * ldo, ldo, pf);
   if constexpr (M > 1) {
-    if (j < m) PanelTiles<M - 1>(in + j * R, m - j, R, W, ldw, c0, c1, out + j * ldo, ldo);
+    if (j < m) PanelTiles<M - 1, kNext>(in + j * R, m - j, R, W, ldw, c0, c1, out + j * ldo, ldo, pf);
   }
 }
 
@@ -182,11 +198,11 @@ inline void TileOf(int64_t m, const float* in, int64_t R, const float* W, int64_
   }
 }
 
-// The most tokens (at most kTileRows) whose register panel spans nv vectors, 0 if none.
+// The most tokens (at most kTileRows) whose register panel spans nv <= MaxPanel<1>() vectors.
 inline int64_t WholeRowTokens(int64_t nv) {
   constexpr int kPanels[kTileRows] = {MaxPanel<1>(), MaxPanel<2>(), MaxPanel<3>(),
                                       MaxPanel<4>(), MaxPanel<5>(), MaxPanel<6>()};
-  int64_t tokens = 0;
+  int64_t tokens = 1;
   for (int64_t k = 1; k <= kTileRows; ++k) {
     if (nv <= kPanels[k - 1]) tokens = k;
   }
@@ -197,11 +213,15 @@ inline int64_t WholeRowTokens(int64_t nv) {
 // out is [m, ldo], W has row stride ldw. Three regimes:
 //  - several tokens and a W block that stays in L2 (verification passes and prefills of small
 //    experts): register panels for tiles of up to kTileRows tokens, W read from memory by the
-//    first tile and from L2 by the others (192 x 256 x 320 on one core: 200 GFLOPS with tiles of
-//    6, 175 with 8, 165 with 4). The first tile streams whole rows: where a tile of min(m, 6)
-//    tokens would cut each row into several panels, the first tile is the most tokens whose
-//    panel spans the row. Panels reading parts of rows from memory streamed at 5-7 GB/s on one
-//    core against 15 for whole rows (Wd 128 x 256, 2-6 tokens; Wg 256 x 128, 4-6 tokens);
+//    first tile and from L2 by the others (192 x 256 x 128 on one core, W in cache: 92 GFLOPS,
+//    about 80% of the multiply-add peak measured here). The first tile streams whole rows: where
+//    a tile of min(m, 6) tokens would cut each row into several panels, the first tile is the
+//    most tokens whose panel spans the row. Panels reading parts of rows from memory streamed at
+//    5-7 GB/s on one core against 15 for whole rows (Wd 128 x 256, 2-6 tokens; Wg 256 x 128,
+//    4-6 tokens). While the other tiles compute from cache, they prefetch `next_bytes` from
+//    `next` (the weights the caller reads next; none: nullptr): one core, 256 x 128 and
+//    128 x 256 blocks out of cache one after another, 12 tokens 39-50 -> 67-74 GFLOPS, 24 tokens
+//    60-80 -> 88-97;
 //  - narrow rows (the whole column range in one register panel): each W row is read in one
 //    contiguous piece, tokens in the largest tiles whose accumulators fit in registers (later
 //    tiles re-read W from cache);
@@ -213,16 +233,25 @@ inline int64_t WholeRowTokens(int64_t nv) {
 // order, whatever the tile), wider rows through row tiles, for every m. A token's product is the
 // same bits alone and among other tokens (moe_ffn_cpu.cc relies on it).
 inline void MultiGemvAcc(const float* in, int64_t m, int64_t R, const float* W, int64_t ldw,
-                         int64_t c0, int64_t c1, float* out, int64_t ldo) {
+                         int64_t c0, int64_t c1, float* out, int64_t ldo, const void* next = nullptr,
+                         int64_t next_bytes = 0) {
   const int64_t nv = (c1 - c0 + 15) / 16;
   const int64_t block_bytes = R * (c1 - c0) * static_cast<int64_t>(sizeof(float));
   if (m >= 2 && block_bytes <= kCachedPanelBytes && nv <= MaxPanel<1>()) {
-    const int64_t lead = WholeRowTokens(nv);
-    if (lead < std::min<int64_t>(m, kTileRows)) {
-      TileOf(lead, in, R, W, ldw, c0, c1, out, ldo);
-      PanelTiles<kTileRows>(in + lead * R, m - lead, R, W, ldw, c0, c1, out + lead * ldo, ldo);
+    const int64_t lead = std::min(WholeRowTokens(nv), std::min<int64_t>(m, kTileRows));
+    TileOf(lead, in, R, W, ldw, c0, c1, out, ldo);
+    if (m == lead) return;
+    if (next != nullptr && next_bytes > 0 && block_bytes + next_bytes <= kCachedPanelBytes) {
+      // The lines spread over the rows the cached tiles' panels read (W and the next block both
+      // stay in L2).
+      const int64_t tiles = (m - lead + kTileRows - 1) / kTileRows;
+      const int64_t panels = (nv + MaxPanel<kTileRows>() - 1) / MaxPanel<kTileRows>();
+      const int64_t rows = std::max<int64_t>(1, R * tiles * panels);
+      Prefetch pf{static_cast<const char*>(next), static_cast<const char*>(next) + next_bytes,
+                  (next_bytes / 64 + rows - 1) / rows};
+      PanelTiles<kTileRows, true>(in + lead * R, m - lead, R, W, ldw, c0, c1, out + lead * ldo, ldo, &pf);
     } else {
-      PanelTiles<kTileRows>(in, m, R, W, ldw, c0, c1, out, ldo);
+      PanelTiles<kTileRows>(in + lead * R, m - lead, R, W, ldw, c0, c1, out + lead * ldo, ldo);
     }
   } else if (m >= 4 && nv <= MaxPanel<4>()) {
     PanelTiles<4>(in, m, R, W, ldw, c0, c1, out, ldo);

@@ -95,8 +95,11 @@ struct Scratch {
 };
 
 // One unit: group u.group's hidden columns [f0, f1). With pair_out [T * K, pieces, D], each pair's
-// gated output is written there; otherwise it is added into y_part [T, D].
-void RunUnit(const Problem& p, const Unit& u, float* pair_out, float* y_part, Scratch& s) {
+// gated output is written there; otherwise it is added into y_part [T, D]. Each product prefetches
+// the weights read next while it computes from cache (gemv.h): Wu after Wg, Wd after Wu, and the
+// slot's next unit's Wg after Wd (`next`: nullptr for none), where they are contiguous (whole
+// experts; Wd's rows always).
+void RunUnit(const Problem& p, const Unit& u, const Unit* next, float* pair_out, float* y_part, Scratch& s) {
   const int64_t D = p.D, F = p.F, f0 = u.f0, nf = u.f1 - u.f0;
   const int64_t m = p.group_start[u.group + 1] - p.group_start[u.group];
   const int32_t* pr = p.pairs.data() + p.group_start[u.group];
@@ -111,11 +114,16 @@ void RunUnit(const Problem& p, const Unit& u, float* pair_out, float* y_part, Sc
   std::fill(hg, hg + m * nf, 0.0f);
   std::fill(hu, hu + m * nf, 0.0f);
   // Columns f0:f1 of Wg[e], Wu[e]; out arrays indexed from f0 (shifted base pointer).
-  MultiGemvAcc(xs, m, D, p.wg + e * D * F, F, f0, u.f1, hg - f0, nf);
-  MultiGemvAcc(xs, m, D, p.wu + e * D * F, F, f0, u.f1, hu - f0, nf);
+  const bool whole = p.pieces == 1;
+  const int64_t expert_bytes = D * F * static_cast<int64_t>(sizeof(float));
+  const float* wd = p.wd + e * F * D + f0 * D;
+  const float* next_wg = next != nullptr && whole ? p.wg + p.group_expert[next->group] * D * F : nullptr;
+  MultiGemvAcc(xs, m, D, p.wg + e * D * F, F, f0, u.f1, hg - f0, nf, whole ? p.wu + e * D * F : nullptr,
+               expert_bytes);
+  MultiGemvAcc(xs, m, D, p.wu + e * D * F, F, f0, u.f1, hu - f0, nf, wd, nf * D * sizeof(float));
   moespec::SwigluInPlace(hg, hu, m * nf);
   std::fill(out, out + m * D, 0.0f);
-  MultiGemvAcc(hg, m, nf, p.wd + e * F * D + f0 * D, D, 0, D, out, D);
+  MultiGemvAcc(hg, m, nf, wd, D, 0, D, out, D, next_wg, expert_bytes);
   for (int64_t j = 0; j < m; ++j) {
     const float gj = p.gates[pr[j]];
     const float* oj = out + j * D;
@@ -228,16 +236,21 @@ ffi::Error MoeFfnImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   const std::vector<std::vector<int32_t>> slots = DealUnits(p, n_slots);
   const bool keep_pairs = R * p.pieces * p.D * static_cast<int64_t>(sizeof(float)) <= PairOutputBytes();
   if (keep_pairs) {
-    // Every (pair, piece) is written by exactly one unit; a token's are summed in a fixed order.
-    std::vector<float> pair_out(R * p.pieces * p.D);
+    // Every (pair, piece) is written by exactly one unit (no zero-fill needed); a token's are
+    // summed in a fixed order.
+    std::unique_ptr<float[]> pair_out(new float[R * p.pieces * p.D]);
     moespec::RunSlots(pool, n_slots, [&](int s) {
       Scratch scratch(p);
-      for (int32_t u : slots[s]) RunUnit(p, p.units[u], pair_out.data(), nullptr, scratch);
+      const std::vector<int32_t>& mine = slots[s];
+      for (size_t i = 0; i < mine.size(); ++i) {
+        RunUnit(p, p.units[mine[i]], i + 1 < mine.size() ? &p.units[mine[i + 1]] : nullptr, pair_out.get(),
+                nullptr, scratch);
+      }
     });
     for (int64_t t = 0; t < p.T; ++t) {
       float* __restrict__ yt = yp + t * p.D;
       for (int64_t i = 0; i < p.K * p.pieces; ++i) {
-        const float* kept = pair_out.data() + (t * p.K * p.pieces + i) * p.D;
+        const float* kept = pair_out.get() + (t * p.K * p.pieces + i) * p.D;
 #pragma GCC ivdep
         for (int64_t d = 0; d < p.D; ++d) yt[d] += kept[d];
       }
@@ -250,7 +263,10 @@ ffi::Error MoeFfnImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   moespec::RunSlots(pool, n_slots, [&](int s) {
     Scratch scratch(p);
     float* dst = s == 0 ? yp : partial[s].data();
-    for (int32_t u : slots[s]) RunUnit(p, p.units[u], nullptr, dst, scratch);
+    const std::vector<int32_t>& mine = slots[s];
+    for (size_t i = 0; i < mine.size(); ++i) {
+      RunUnit(p, p.units[mine[i]], i + 1 < mine.size() ? &p.units[mine[i + 1]] : nullptr, nullptr, dst, scratch);
+    }
   });
   for (int s = 1; s < n_slots; ++s) {
     const float* src = partial[s].data();
