@@ -221,7 +221,7 @@ inline int64_t WholeRowTokens(int64_t nv) {
 //    4-6 tokens). While the other tiles compute from cache, they prefetch `next_bytes` from
 //    `next` (the weights the caller reads next; none: nullptr): one core, 256 x 128 and
 //    128 x 256 blocks out of cache one after another, 12 tokens 39-50 -> 67-74 GFLOPS, 24 tokens
-//    60-80 -> 88-97;
+//    60-80 -> 84-97;
 //  - narrow rows (the whole column range in one register panel): each W row is read in one
 //    contiguous piece, tokens in the largest tiles whose accumulators fit in registers (later
 //    tiles re-read W from cache);
