@@ -120,7 +120,7 @@ void RunUnit(const Problem& p, const Unit& u, const Unit* next, float* pair_out,
   const float* next_wg = next != nullptr && whole ? p.wg + p.group_expert[next->group] * D * F : nullptr;
   MultiGemvAcc(xs, m, D, p.wg + e * D * F, F, f0, u.f1, hg - f0, nf, whole ? p.wu + e * D * F : nullptr,
                expert_bytes);
-  MultiGemvAcc(xs, m, D, p.wu + e * D * F, F, f0, u.f1, hu - f0, nf, wd, nf * D * sizeof(float));
+  MultiGemvAcc(xs, m, D, p.wu + e * D * F, F, f0, u.f1, hu - f0, nf, wd, nf * D * static_cast<int64_t>(sizeof(float)));
   moespec::SwigluInPlace(hg, hu, m * nf);
   std::fill(out, out + m * D, 0.0f);
   MultiGemvAcc(hg, m, nf, wd, D, 0, D, out, D, next_wg, expert_bytes);
@@ -136,6 +136,15 @@ void RunUnit(const Problem& p, const Unit& u, const Unit* next, float* pair_out,
 #pragma GCC ivdep
       for (int64_t d = 0; d < D; ++d) yt[d] += gj * oj[d];
     }
+  }
+}
+
+// A slot's units in order, each told the next one (whose weights it prefetches): RunUnit.
+void RunSlotUnits(const Problem& p, const std::vector<int32_t>& units, float* pair_out, float* y_part) {
+  Scratch scratch(p);
+  for (size_t i = 0; i < units.size(); ++i) {
+    const Unit* next = i + 1 < units.size() ? &p.units[units[i + 1]] : nullptr;
+    RunUnit(p, p.units[units[i]], next, pair_out, y_part, scratch);
   }
 }
 
@@ -239,14 +248,7 @@ ffi::Error MoeFfnImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
     // Every (pair, piece) is written by exactly one unit (no zero-fill needed); a token's are
     // summed in a fixed order.
     std::unique_ptr<float[]> pair_out(new float[R * p.pieces * p.D]);
-    moespec::RunSlots(pool, n_slots, [&](int s) {
-      Scratch scratch(p);
-      const std::vector<int32_t>& mine = slots[s];
-      for (size_t i = 0; i < mine.size(); ++i) {
-        RunUnit(p, p.units[mine[i]], i + 1 < mine.size() ? &p.units[mine[i + 1]] : nullptr, pair_out.get(),
-                nullptr, scratch);
-      }
-    });
+    moespec::RunSlots(pool, n_slots, [&](int s) { RunSlotUnits(p, slots[s], pair_out.get(), nullptr); });
     for (int64_t t = 0; t < p.T; ++t) {
       float* __restrict__ yt = yp + t * p.D;
       for (int64_t i = 0; i < p.K * p.pieces; ++i) {
@@ -261,12 +263,7 @@ ffi::Error MoeFfnImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   std::vector<std::vector<float>> partial(n_slots);
   for (int s = 1; s < n_slots; ++s) partial[s].assign(p.T * p.D, 0.0f);
   moespec::RunSlots(pool, n_slots, [&](int s) {
-    Scratch scratch(p);
-    float* dst = s == 0 ? yp : partial[s].data();
-    const std::vector<int32_t>& mine = slots[s];
-    for (size_t i = 0; i < mine.size(); ++i) {
-      RunUnit(p, p.units[mine[i]], i + 1 < mine.size() ? &p.units[mine[i + 1]] : nullptr, nullptr, dst, scratch);
-    }
+    RunSlotUnits(p, slots[s], nullptr, s == 0 ? yp : partial[s].data());
   });
   for (int s = 1; s < n_slots; ++s) {
     const float* src = partial[s].data();
