@@ -362,23 +362,73 @@ def plausible_best_k(shares_K: Sequence[float], floor: float = 0.1) -> tuple[int
 # The run -------------------------------------------------------------------------------------
 def run_cost_model(model, workdir, cfg: CostValidationConfig = CostValidationConfig(), log=print) -> dict[str, Any]:
   """Runs the validation; writes `workdir/metrics.json` (key `cost_model`) and three plots."""
-  config = model.config
-  if config.n_moe_layers == 0:
+  if model.config.n_moe_layers == 0:
     raise ValueError("the cost model needs a model with MoE layers")
   workdir = pathlib.Path(workdir)
   workdir.mkdir(parents=True, exist_ok=True)
   began = time.perf_counter()
   prompts = corpus.held_out_prompts(1, prompt_bytes=cfg.prompt_bytes, seed=cfg.seed)
-  ks = list(range(cfg.max_k + 1))
   # The sweep's acceptance rates and the auto rows are kept as they finish (workdir/progress.json):
   # an interrupted run, rerun with the same settings on the same model, measures only the rest.
   parts = progress.RunProgress(workdir / "progress.json", progress_settings(model, cfg), log=log)
 
+  routing = _routing_stage(model, cfg, log)
+  kernels = _kernel_stage(model.config, cfg, routing, log)
+  passes = _pass_time_stage(model, prompts, cfg, kernels.fits, routing.unique_by_n, log)
+  # What is compiled by now (plain decoding, the pass-time programs) stays compiled; everything else
+  # is dropped (`loop.forget_compiled(keep)`) after the sweep and after each model drafter's runs.
+  keep = loop.compiled_signatures()
+  sweep = _speedup_sweep(model, prompts, passes.reference, cfg, parts, keep, log)
+  best_k = best_k_comparison(cfg.alphas, cfg.max_k, sweep, passes)
+  _log_best_k(best_k, log)
+  controlled_rows = _auto_controlled_rows(model, prompts, cfg, passes, sweep, parts, log)
+  real_rows, real_prefills = _auto_real_rows(model, prompts, cfg, passes.reference, keep, parts, log)
+
+  result = {"cost_model": cost_model_metrics(
+      cfg, routing.stats, kernels, passes, sweep, best_k, controlled_rows + real_rows, sweep.prefills + real_prefills,
+      model.expert_method("auto"), time.perf_counter() - began)}
+  _write_outputs(result, routing.stats, workdir, parts, log)
+  return result
+
+
+@dataclasses.dataclass(frozen=True)
+class RoutingStage:
+  """The model's routing on held-out text (`traces.heldout_trace`), its statistics
+  (`routing_report.routing_stats`) and the empirical unique experts per MoE layer read by n
+  consecutive tokens ({n: [per layer]})."""
+  trace: Any
+  stats: dict
+  unique_by_n: dict
+
+
+def _routing_stage(model, cfg: CostValidationConfig, log) -> RoutingStage:
+  """[1/6] The routing traces: what a pass of n tokens reads, for the bytes model."""
   log(f"[1/6] routing traces ({cfg.trace_segments} held-out windows) and unique experts under four models")
   trace = traces.heldout_trace(model, n_segments=cfg.trace_segments)
   rstats = routing_report.routing_stats(trace, max_tokens=max(max(cfg.kernel_n), cfg.max_k + 1))
-  unique_by_n = {r["n_tokens"]: r["empirical_per_layer"] for r in rstats["unique_experts"]}
+  return RoutingStage(trace, rstats, {r["n_tokens"]: r["empirical_per_layer"] for r in rstats["unique_experts"]})
 
+
+@dataclasses.dataclass(frozen=True)
+class KernelStage:
+  """Each method's kernel fit, the single-layer timings it was fitted on, and the dedup/per-slot
+  crossover predicted from the fits against the measured one (metrics.json's `crossover`)."""
+  fits: dict
+  rows: list
+  crossover: dict
+
+
+def predicted_crossover(config, fits, unique_by_n, n_list: Sequence[int]) -> int | None:
+  """The first pass size of `n_list` from which the fitted dedup kernel is predicted faster than
+  per-slot at every larger size, with the traces' unique experts per layer."""
+  return cost_model.crossover(
+      n_list, [expert_time_ms(config, fits, unique_by_n[n], n, "dedup") for n in n_list],
+      [expert_time_ms(config, fits, unique_by_n[n], n, "per_slot") for n in n_list], for_good=True)
+
+
+def _kernel_stage(config, cfg: CostValidationConfig, routing: RoutingStage, log) -> KernelStage:
+  """[2/6] Each kernel's effective bandwidth and fixed time on single-layer runs, and where dedup
+  starts to beat per-slot: predicted from the fits, measured on windows of the traces' routing."""
   log(f"[2/6] single-layer kernel fits ({', '.join(FITTED_METHODS)}, n = {min(cfg.kernel_n)}..{max(cfg.kernel_n)})")
   fits, kernel_rows = fit_kernels(config, cfg.kernel_n, cfg.kernel_repeats, cfg.seed)
   for m, fit in fits.items():
@@ -387,20 +437,77 @@ def run_cost_model(model, workdir, cfg: CostValidationConfig = CostValidationCon
     else:
       log(f"  {m}: {fit.gbps:.1f} GB/s effective, fixed {fit.fixed_ms * 1e3:.0f} us per layer")
   n_list = sorted(cfg.kernel_n)
-  predicted_cross = cost_model.crossover(
-      n_list, [expert_time_ms(config, fits, unique_by_n[n], n, "dedup") for n in n_list],
-      [expert_time_ms(config, fits, unique_by_n[n], n, "per_slot") for n in n_list], for_good=True)
-  measured_cross, measured_first_win, cross_rows = measured_crossover(config, trace, n_list, cfg.crossover_windows,
-                                                                      cfg.kernel_repeats, cfg.seed)
+  predicted_cross = predicted_crossover(config, fits, routing.unique_by_n, n_list)
+  measured_cross, measured_first_win, cross_rows = measured_crossover(config, routing.trace, n_list,
+                                                                      cfg.crossover_windows, cfg.kernel_repeats,
+                                                                      cfg.seed)
   log(f"  dedup/per-slot crossover (dedup faster from there on): predicted n = {predicted_cross}, measured "
       f"n = {measured_cross} (dedup first faster at n = {measured_first_win})")
+  return KernelStage(fits, kernel_rows, {
+      "predicted_n": predicted_cross, "measured_n": measured_cross, "measured_first_faster_n": measured_first_win,
+      "definition": "the first pass size from which dedup is faster at every larger size measured",
+      "rows": cross_rows})
 
+
+@dataclasses.dataclass(frozen=True)
+class VerifyTimes:
+  """Verify time per pass size n = 1..max_k + 1 ({n: ms}), predicted: `fixed_ms` (everything but
+  the routed experts, from the measured plain pass) plus the predicted expert time; and with a
+  non-expert term linear in n instead (`slope_ms` per token). `rows`: metrics.json's
+  `verify_time`; the relative errors against the measured pass times, n = 2..max_k + 1 (linear:
+  n = 2..max_k, its two ends are fitted)."""
+  fixed_ms: float
+  slope_ms: float
+  predicted_ms: dict
+  predicted_linear_ms: dict
+  rows: list
+  rel_err: list
+  rel_err_linear: list
+
+
+def verify_times(config, fits, unique_by_n, step_ms_K, max_k: int) -> VerifyTimes:
+  """The bytes model's verify times against `step_ms_K` (one measured loop pass at K = 0..max_k),
+  with the fixed time calibrated at n = 1 (and the linear non-expert term at n = 1 and max_k + 1)."""
+  n_max = max_k + 1
+  expert_ms = {n: expert_time_ms(config, fits, unique_by_n[n], n) for n in range(1, n_max + 1)}
+  fixed_ms = float(step_ms_K[0] - expert_ms[1])
+  predicted_verify = {n: fixed_ms + expert_ms[n] for n in expert_ms}
+  # A second model: the non-expert time linear in n, calibrated at n = 1 and n = max_k + 1.
+  slope_ms = float((step_ms_K[n_max - 1] - expert_ms[n_max]) - fixed_ms) / (n_max - 1)
+  predicted_linear = {n: fixed_ms + slope_ms * (n - 1) + expert_ms[n] for n in expert_ms}
+  verify_rows = [{"n_tokens": n, "predicted_ms": predicted_verify[n], "measured_ms": float(step_ms_K[n - 1]),
+                  "predicted_linear_ms": predicted_linear[n],
+                  "method": pallas_kernels.choose_method(n, config.top_k),
+                  "predicted_expert_ms": expert_ms[n]} for n in range(1, n_max + 1)]
+  rel_err = [abs(r["predicted_ms"] - r["measured_ms"]) / r["measured_ms"] for r in verify_rows[1:]]
+  rel_err_linear = [abs(r["predicted_linear_ms"] - r["measured_ms"]) / r["measured_ms"] for r in verify_rows[1:-1]]
+  return VerifyTimes(fixed_ms, slope_ms, predicted_verify, predicted_linear, verify_rows, rel_err, rel_err_linear)
+
+
+@dataclasses.dataclass(frozen=True)
+class PassTimes:
+  """Plain decoding's greedy tokens (`reference`: what every speculative run must reproduce), one
+  loop pass measured at K = 0..max_k with the controlled drafter at acceptance 0.5 (`step_ms_K`)
+  and with every draft wrong / right (`step_ms_by_end`, keys 0.0 and 1.0), and the bytes model's
+  verify times against them."""
+  reference: Any
+  step_ms_K: Any
+  step_ms_by_end: dict
+  verify: VerifyTimes
+
+  def measured_ms(self, n: int) -> float:
+    """The measured pass time of n tokens (K = n - 1, acceptance 0.5)."""
+    return float(self.step_ms_K[n - 1])
+
+
+def _pass_time_stage(model, prompts, cfg: CostValidationConfig, fits, unique_by_n, log) -> PassTimes:
+  """[3/6] Measured pass times per K (the controlled drafter, batch 1) and the verify times the
+  bytes model predicts for them."""
   log(f"[3/6] measured pass times, K = 0..{cfg.max_k} (controlled drafter, batch 1)")
-  plain = msj.generate(model, prompts, max_new_tokens=cfg.max_new_tokens)
-  reference = plain.tokens
+  reference = msj.generate(model, prompts, max_new_tokens=cfg.max_new_tokens).tokens
   step_spec = msj.SpecParams(drafter="controlled", num_draft=cfg.max_k, controlled_acceptance=0.5)
-  measured_step = loop.step_times_ms(model, prompts, cfg.max_new_tokens, spec=step_spec,
-                                     reference_tokens=reference, repeats=cfg.kernel_repeats)
+  step_ms_K = loop.step_times_ms(model, prompts, cfg.max_new_tokens, spec=step_spec,
+                                 reference_tokens=reference, repeats=cfg.kernel_repeats)
   # A pass's cost depends on what it verifies: wrong drafts (random tokens here) route to more
   # distinct experts than the model's own continuation. Pass times with every draft wrong
   # (a = 0) and every draft right (a = 1); under acceptance a a fraction a of the controlled
@@ -411,50 +518,64 @@ def run_cost_model(model, workdir, cfg: CostValidationConfig = CostValidationCon
       for end in (0.0, 1.0)}
   log(f"  pass times K = 0..{cfg.max_k} (ms): every draft wrong "
       f"{np.round(step_by_end[0.0], 2).tolist()}, every draft right {np.round(step_by_end[1.0], 2).tolist()}")
+  v = verify_times(model.config, fits, unique_by_n, step_ms_K, cfg.max_k)
   n_max = cfg.max_k + 1
-  expert_ms = {n: expert_time_ms(config, fits, unique_by_n[n], n) for n in range(1, n_max + 1)}
-  fixed_ms = float(measured_step[0] - expert_ms[1])
-  predicted_verify = {n: fixed_ms + expert_ms[n] for n in expert_ms}
-  # A second model: the non-expert time linear in n, calibrated at n = 1 and n = max_k + 1.
-  slope_ms = float((measured_step[n_max - 1] - expert_ms[n_max]) - fixed_ms) / (n_max - 1)
-  predicted_linear = {n: fixed_ms + slope_ms * (n - 1) + expert_ms[n] for n in expert_ms}
-  verify_rows = [{"n_tokens": n, "predicted_ms": predicted_verify[n], "measured_ms": float(measured_step[n - 1]),
-                  "predicted_linear_ms": predicted_linear[n],
-                  "method": pallas_kernels.choose_method(n, config.top_k),
-                  "predicted_expert_ms": expert_ms[n]} for n in range(1, n_max + 1)]
-  rel_err = [abs(r["predicted_ms"] - r["measured_ms"]) / r["measured_ms"] for r in verify_rows[1:]]
-  rel_err_linear = [abs(r["predicted_linear_ms"] - r["measured_ms"]) / r["measured_ms"] for r in verify_rows[1:-1]]
-  log(f"  fixed (non-expert) time {fixed_ms:.3f} ms; verify time median relative error "
-      f"{np.median(rel_err):.1%} (n = 2..{n_max}); with a linear non-expert term "
-      f"({slope_ms * 1e3:.0f} us per token, fitted at n = 1 and {n_max}): "
-      f"{np.median(rel_err_linear) if rel_err_linear else float('nan'):.1%} (n = 2..{n_max - 1})")
+  log(f"  fixed (non-expert) time {v.fixed_ms:.3f} ms; verify time median relative error "
+      f"{np.median(v.rel_err):.1%} (n = 2..{n_max}); with a linear non-expert term "
+      f"({v.slope_ms * 1e3:.0f} us per token, fitted at n = 1 and {n_max}): "
+      f"{np.median(v.rel_err_linear) if v.rel_err_linear else float('nan'):.1%} (n = 2..{n_max - 1})")
+  return PassTimes(reference, step_ms_K, step_by_end, v)
 
+
+@dataclasses.dataclass(frozen=True)
+class SpeedupSweep:
+  """The controlled drafter's fixed-K sweep. `speedups`: {(a, K): median decode-phase speedup over
+  plain} (K = 0: 1.0); `accepted_lengths`: {(a, K >= 1): tokens committed per pass}; `rows`:
+  metrics.json's `speedups`; `prefills`: every round's prefill (s), subtracted from its runs;
+  `best_k_shares`: {a: each K's share of bootstrap resamples where it is best}; `rounds`: {a:
+  rounds run (`rounds_until_settled`)}."""
+  speedups: dict
+  accepted_lengths: dict
+  rows: list
+  prefills: list
+  best_k_shares: dict
+  rounds: dict
+
+
+def measured_best_k(speedups, a: float, max_k: int) -> int:
+  """The K in 0..max_k with the best measured speedup at acceptance a (`speedups[(a, K)]`; the
+  smallest such K on ties)."""
+  return max(range(max_k + 1), key=lambda k: speedups[(a, k)])
+
+
+def _sweep_rate(model, prompts, reference, cfg: CostValidationConfig, a: float) -> dict:
+  """One acceptance rate of the sweep as the run keeps it (progress): every round's prefill, each
+  K's per-round speedups (K = 1..max_k) and its row; rounds added until the best K is settled."""
+  drafted = list(range(1, cfg.max_k + 1))
+  specs = {k: msj.SpecParams(drafter="controlled", num_draft=k, controlled_acceptance=a) for k in drafted}
+  runs = rounds_until_settled(
+      lambda first, n: round_robin_runs(model, prompts, cfg.max_new_tokens, specs, n, reference,
+                                        check_tokens=reference, first_round=first),
+      drafted, cfg.repeats, cfg.max_repeats, cfg.settled_share, cfg.seed)
+  rounds_K = {k: runs.speedups(k) for k in drafted}
+  return {"prefills": runs.prefill_s, "round_speedups": [rounds_K[k] for k in drafted],
+          "rows": [{"num_draft": k, "speedup": statistics.median(rounds_K[k]),
+                    "tokens_per_second": statistics.median(st["tokens_per_second"] for st in runs.stats[k]),
+                    "mean_accepted_length": runs.stats[k][-1]["mean_accepted_length"]} for k in drafted]}
+
+
+def _speedup_sweep(model, prompts, reference, cfg: CostValidationConfig, parts, keep, log) -> SpeedupSweep:
+  """[4/6] Decode-phase speedups of the controlled drafter at every acceptance rate and K, plain
+  and every K side by side (`_sweep_rate`), each rate kept as it finishes; then only the programs
+  in `keep` stay compiled."""
   log(f"[4/6] measured speedups: {len(cfg.alphas)} acceptance rates x K = 1..{cfg.max_k}, {cfg.repeats} rounds "
       f"of plain and every K side by side ({cfg.repeats} more at a time, up to {cfg.max_repeats}, where the "
       f"measured best K is unsettled)")
-  keep = loop.compiled_signatures()
   speedups = {(a, 0): 1.0 for a in cfg.alphas}
-  accepted_lengths = {}  # (a, K >= 1): tokens committed per pass in the sweep
-  sweep_rows = []
-  prefills = []  # every round's prefill, subtracted from its runs (decode-phase speedups)
-  best_k_shares = {}  # per acceptance rate: each K's share of bootstrap resamples where it is best
-  sweep_rounds = {}  # per acceptance rate: rounds run (rounds_until_settled)
+  accepted_lengths, sweep_rows, prefills, best_k_shares, sweep_rounds = {}, [], [], {}, {}
   bar = cli.Progress(len(cfg.alphas), desc="cost_model sweep", unit="rates", every_s=20.0)
-
-  def sweep_rate(a):
-    specs = {k: msj.SpecParams(drafter="controlled", num_draft=k, controlled_acceptance=a) for k in ks[1:]}
-    runs = rounds_until_settled(
-        lambda first, n: round_robin_runs(model, prompts, cfg.max_new_tokens, specs, n, reference,
-                                          check_tokens=reference, first_round=first),
-        ks[1:], cfg.repeats, cfg.max_repeats, cfg.settled_share, cfg.seed)
-    rounds_K = {k: runs.speedups(k) for k in ks[1:]}
-    return {"prefills": runs.prefill_s, "round_speedups": [rounds_K[k] for k in ks[1:]],
-            "rows": [{"num_draft": k, "speedup": statistics.median(rounds_K[k]),
-                      "tokens_per_second": statistics.median(st["tokens_per_second"] for st in runs.stats[k]),
-                      "mean_accepted_length": runs.stats[k][-1]["mean_accepted_length"]} for k in ks[1:]]}
-
   for i, a in enumerate(cfg.alphas):
-    part = parts.cached(f"sweep/{a}", lambda: sweep_rate(a))
+    part = parts.cached(f"sweep/{a}", lambda: _sweep_rate(model, prompts, reference, cfg, a))
     prefills += part["prefills"]
     rounds = part["round_speedups"]
     best_k_shares[a] = best_k_bootstrap([[1.0] * len(rounds[0])] + rounds, seed=cfg.seed).tolist()
@@ -463,39 +584,57 @@ def run_cost_model(model, workdir, cfg: CostValidationConfig = CostValidationCon
       speedups[(a, r["num_draft"])] = r["speedup"]
       accepted_lengths[(a, r["num_draft"])] = r["mean_accepted_length"]
       sweep_rows.append(dict(r, alpha=a, predicted_accepted_length=float(cost_model.tokens_per_pass(a, r["num_draft"]))))
-    bar.update(i + 1, best_k=max(ks, key=lambda k: speedups[(a, k)]), rounds=sweep_rounds[a])
+    bar.update(i + 1, best_k=measured_best_k(speedups, a, cfg.max_k), rounds=sweep_rounds[a])
   loop.forget_compiled(keep)
   log(f"  prefill, timed in every round and subtracted from its runs: median {np.median(prefills) * 1e3:.1f} ms "
       f"(range {min(prefills) * 1e3:.1f}-{max(prefills) * 1e3:.1f})")
+  return SpeedupSweep(speedups, accepted_lengths, sweep_rows, prefills, best_k_shares, sweep_rounds)
 
-  def t_verify_pred(n):
-    return predicted_verify[n]
 
-  def t_step(n):
-    return float(measured_step[n - 1])
+def pass_times_at(step_ms_by_end: dict, a: float):
+  """Pass time of n tokens at acceptance a, in units of a plain pass: (1 - a) T0[K] + a T1[K] from
+  the pass times with every draft wrong (T0) and right (T1)."""
+  # Each end in units of its own plain pass (the two were timed apart; only ratios carry over).
+  wrong, right = (step_ms_by_end[e] / step_ms_by_end[e][0] for e in (0.0, 1.0))
+  return lambda n: float((1.0 - a) * wrong[n - 1] + a * right[n - 1])
 
-  def t_verify_linear(n):
-    return predicted_linear[n]
 
-  def t_step_at(a):
-    # Each end in units of its own plain pass (the two were timed apart; only ratios carry over).
-    wrong, right = (step_by_end[e] / step_by_end[e][0] for e in (0.0, 1.0))
-    return lambda n: float((1.0 - a) * wrong[n - 1] + a * right[n - 1])
+def _best_k_on(a: float, max_k: int, t_verify_ms) -> tuple[int, float]:
+  """`cost_model.best_k` for pass times t_verify_ms(n) (plain decoding: n = 1), drafting free."""
+  return cost_model.best_k(a, max_k, t_verify_ms(1), lambda k: 0.0, t_verify_ms)
 
+
+@dataclasses.dataclass(frozen=True)
+class BestKComparison:
+  """Best K per acceptance rate, each predictor of PREDICTORS against the measured one. `rows`:
+  metrics.json's `best_k`; per predictor column: `within_one`, the share of rates where the
+  measured best K is within 1 of it, `within_one_resampled`, that share expected with the rounds
+  resampled, `cost_of_prediction`, the measured speedup at its K over the best measured;
+  `self_agreement`: the resampled share for the measured best K itself."""
+  rows: list
+  within_one: dict
+  within_one_resampled: dict
+  self_agreement: float
+  cost_of_prediction: dict
+
+
+def best_k_comparison(alphas: Sequence[float], max_k: int, sweep: SpeedupSweep, passes: PassTimes) -> BestKComparison:
+  """The best K at each rate of `alphas` predicted by the bytes model (fixed or linear non-expert
+  time) and by the measured pass times (at a = 0.5, or interpolated by acceptance), against the
+  sweep's measured best K."""
   best_rows = []
-  for a in cfg.alphas:
-    measured_k = max(ks, key=lambda k: speedups[(a, k)])
-    pred_k, pred_s = cost_model.best_k(a, cfg.max_k, predicted_verify[1], lambda k: 0.0, t_verify_pred)
-    step_k, _ = cost_model.best_k(a, cfg.max_k, t_step(1), lambda k: 0.0, t_step)
-    t_at = t_step_at(a)
-    step_a_k, _ = cost_model.best_k(a, cfg.max_k, t_at(1), lambda k: 0.0, t_at)
-    linear_k, _ = cost_model.best_k(a, cfg.max_k, predicted_linear[1], lambda k: 0.0, t_verify_linear)
+  for a in alphas:
+    measured_k = measured_best_k(sweep.speedups, a, max_k)
+    pred_k, pred_s = _best_k_on(a, max_k, passes.verify.predicted_ms.__getitem__)
+    step_k, _ = _best_k_on(a, max_k, passes.measured_ms)
+    step_a_k, _ = _best_k_on(a, max_k, pass_times_at(passes.step_ms_by_end, a))
+    linear_k, _ = _best_k_on(a, max_k, passes.verify.predicted_linear_ms.__getitem__)
     best_rows.append({"alpha": a, "predicted": pred_k, "measured": measured_k, "predicted_from_step_times": step_k,
                       "predicted_from_step_times_by_acceptance": step_a_k,
                       "predicted_linear_nonexpert": linear_k,
-                      "predicted_speedup": float(pred_s), "measured_speedup": speedups[(a, measured_k)],
-                      "measured_speedup_at_predicted": speedups[(a, pred_k)],
-                      "measured_best_k_bootstrap_shares": best_k_shares[a], "rounds": sweep_rounds[a]})
+                      "predicted_speedup": float(pred_s), "measured_speedup": sweep.speedups[(a, measured_k)],
+                      "measured_speedup_at_predicted": sweep.speedups[(a, pred_k)],
+                      "measured_best_k_bootstrap_shares": sweep.best_k_shares[a], "rounds": sweep.rounds[a]})
   within = {col: float(np.mean([abs(r[col] - r["measured"]) <= 1 for r in best_rows])) for col in PREDICTORS}
   # The same question asked of the rounds resampled: how often the measured best K lands within 1
   # of each predictor's K, and of the measured best K itself (what timing noise leaves of the goal
@@ -509,113 +648,153 @@ def run_cost_model(model, workdir, cfg: CostValidationConfig = CostValidationCon
   # against the best measured one.
   cost_of_prediction = {}
   for col in PREDICTORS:
-    frac = [speedups[(r["alpha"], r[col])] / r["measured_speedup"] for r in best_rows]
+    frac = [sweep.speedups[(r["alpha"], r[col])] / r["measured_speedup"] for r in best_rows]
     cost_of_prediction[col] = {"within_5pct": float(np.mean(np.array(frac) >= 0.95)), "worst": float(min(frac)),
                                "median": float(np.median(frac))}
-  log("  best K within 1 of measured: " + ", ".join(
-      f"{within[col]:.0%} ({name})" for col, (_, name) in PREDICTORS.items()))
-  log(f"  rounds resampled: the measured best K within 1 of itself {self_agreement:.0%}; of the predictions "
-      + ", ".join(f"{within_resampled[col]:.0%} ({name})" for col, (_, name) in PREDICTORS.items()))
+  return BestKComparison(best_rows, within, within_resampled, self_agreement, cost_of_prediction)
 
+
+def _log_best_k(best: BestKComparison, log) -> None:
+  """The best-K agreement of each predictor, as measured and with the rounds resampled."""
+  log("  best K within 1 of measured: " + ", ".join(
+      f"{best.within_one[col]:.0%} ({name})" for col, (_, name) in PREDICTORS.items()))
+  log(f"  rounds resampled: the measured best K within 1 of itself {best.self_agreement:.0%}; of the predictions "
+      + ", ".join(f"{best.within_one_resampled[col]:.0%} ({name})" for col, (_, name) in PREDICTORS.items()))
+
+
+def auto_simulations(a: float, calibrated_step_ms, n_tokens: int, paid_K=None) -> dict:
+  """A controlled auto row's simulations (analysis/draft_policy_sim). `simulated`: the policy's own
+  cost, free of timing noise (acceptance a and the pass times auto chose with). Given `paid_K`,
+  the pass times the sweep measured in decoding at this rate (`pass_costs_from_sweep`),
+  `simulated_on_measured_pass_times`: the policy choosing on its calibration but paying those,
+  what the calibration's error against decoding costs it."""
+  sim_keys = ("plain_over_auto", "best_fixed_num_draft", "best_fixed_over_auto")
+  simulated = draft_policy_sim.auto_regret(a, calibrated_step_ms, n_tokens=n_tokens)
+  out = {"simulated": {k: simulated[k] for k in sim_keys}}
+  if paid_K is not None:
+    on_measured = draft_policy_sim.auto_regret(
+        a, tuple(float(c * calibrated_step_ms[0]) for c in paid_K), n_tokens=n_tokens,
+        calibrated_ms_K=tuple(calibrated_step_ms))
+    out["simulated_on_measured_pass_times"] = dict({k: on_measured[k] for k in sim_keys},
+                                                   pass_time_ratios=[float(c) for c in paid_K])
+  return out
+
+
+def _auto_controlled_rows(model, prompts, cfg: CostValidationConfig, passes: PassTimes, sweep: SpeedupSweep,
+                          parts, log) -> list[dict]:
+  """[5/6] num_draft='auto' with the controlled drafter against plain and the best fixed K (the
+  sweep's where it measured the rate, else the best on the measured pass times), each row kept as
+  it finishes and shown beside its simulations (`auto_simulations`)."""
   log(f"[5/6] num_draft='auto' with the controlled drafter ({len(cfg.auto_alphas)} acceptance rates), "
       f"plain / auto / the best fixed K side by side")
+  drafted = range(1, cfg.max_k + 1)
   auto_rows = []
   for a in cfg.auto_alphas:
-    best_k = (max(ks, key=lambda k: speedups[(a, k)]) if a in cfg.alphas
-              else cost_model.best_k(a, cfg.max_k, t_step(1), lambda k: 0.0, t_step)[0])
+    best_k = (measured_best_k(sweep.speedups, a, cfg.max_k) if a in cfg.alphas
+              else _best_k_on(a, cfg.max_k, passes.measured_ms)[0])
     spec = msj.SpecParams(drafter="controlled", num_draft="auto", max_draft=cfg.max_k, controlled_acceptance=a)
     fixed = msj.SpecParams(drafter="controlled", num_draft=best_k, controlled_acceptance=a)
     row = parts.cached(f"auto/controlled/{a}", lambda: auto_against_fixed(
-        model, prompts, cfg.max_new_tokens, spec, fixed, cfg.auto_repeats, reference))
-    # The policy's own cost, free of timing noise: the same acceptance and the pass times auto
-    # chose with, in simulation (analysis/draft_policy_sim).
-    simulated = draft_policy_sim.auto_regret(a, row["calibrated_step_ms"], n_tokens=cfg.max_new_tokens - 1)
-    sim_keys = ("plain_over_auto", "best_fixed_num_draft", "best_fixed_over_auto")
-    extra = {}
-    if a in cfg.alphas:
-      # The same policy choosing on its calibration but paying the pass times the sweep measured in
-      # decoding at this rate: what the calibration's error against decoding costs it.
-      paid = pass_costs_from_sweep([speedups[(a, k)] for k in ks[1:]], [accepted_lengths[(a, k)] for k in ks[1:]])
-      on_measured = draft_policy_sim.auto_regret(
-          a, tuple(float(c * row["calibrated_step_ms"][0]) for c in paid), n_tokens=cfg.max_new_tokens - 1,
-          calibrated_ms_K=tuple(row["calibrated_step_ms"]))
-      extra["simulated_on_measured_pass_times"] = dict({k: on_measured[k] for k in sim_keys},
-                                                       pass_time_ratios=[float(c) for c in paid])
-    auto_rows.append(dict(row, drafter="controlled", alpha=a, simulated={k: simulated[k] for k in sim_keys},
-                          **extra))
+        model, prompts, cfg.max_new_tokens, spec, fixed, cfg.auto_repeats, passes.reference))
+    paid_K = (pass_costs_from_sweep([sweep.speedups[(a, k)] for k in drafted],
+                                    [sweep.accepted_lengths[(a, k)] for k in drafted]) if a in cfg.alphas else None)
+    auto_rows.append(dict(row, drafter="controlled", alpha=a,
+                          **auto_simulations(a, row["calibrated_step_ms"], cfg.max_new_tokens - 1, paid_K)))
     log("  " + describe_auto(auto_rows[-1]))
+  return auto_rows
 
+
+def _real_drafter_part(model, prompts, cfg: CostValidationConfig, reference, drafter: str, keep) -> dict:
+  """One model drafter's auto row against its best fixed K, with its fixed-K speedups (K =
+  0..max_k), and the prefills of those speedups' rounds: what the run keeps of it (progress)."""
+  ks = list(range(cfg.max_k + 1))
+  specs = {k: msj.SpecParams(drafter=drafter, num_draft=k) for k in ks[1:]}
+  fixed_speedups, _, _, drafter_prefills, _ = round_robin_speedups(
+      model, prompts, cfg.max_new_tokens, specs, cfg.repeats, check_tokens=reference)
+  fixed_speedups[0] = 1.0
+  loop.forget_compiled(keep)
+  best = max(ks, key=lambda k: fixed_speedups[k])
+  spec = msj.SpecParams(drafter=drafter, num_draft="auto", max_draft=cfg.max_k)
+  fixed = msj.SpecParams(drafter=drafter if best else "none", num_draft=best)
+  row = auto_against_fixed(model, prompts, cfg.max_new_tokens, spec, fixed, cfg.auto_repeats)
+  loop.forget_compiled(keep)
+  return {"row": dict(row, drafter=drafter, alpha=None, fixed_speedups=[fixed_speedups[k] for k in ks]),
+          "prefills": drafter_prefills}
+
+
+def _auto_real_rows(model, prompts, cfg: CostValidationConfig, reference, keep, parts,
+                    log) -> tuple[list[dict], list[float]]:
+  """[6/6] num_draft='auto' with the model's drafters (mtp where the model has MTP modules), each
+  against every fixed K (`_real_drafter_part`, kept as it finishes). Returns the rows and the
+  prefills of their fixed-K rounds."""
   log("[6/6] num_draft='auto' with the model's drafters, against every fixed K")
-  drafters = [d for d in cfg.real_drafters if d != "mtp" or config.num_mtp_modules]
-
-  def real_drafter_row(drafter):
-    specs = {k: msj.SpecParams(drafter=drafter, num_draft=k) for k in ks[1:]}
-    fixed_speedups, _, _, drafter_prefills, _ = round_robin_speedups(
-        model, prompts, cfg.max_new_tokens, specs, cfg.repeats, check_tokens=reference)
-    fixed_speedups[0] = 1.0
-    loop.forget_compiled(keep)
-    best = max(ks, key=lambda k: fixed_speedups[k])
-    spec = msj.SpecParams(drafter=drafter, num_draft="auto", max_draft=cfg.max_k)
-    fixed = msj.SpecParams(drafter=drafter if best else "none", num_draft=best)
-    row = auto_against_fixed(model, prompts, cfg.max_new_tokens, spec, fixed, cfg.auto_repeats)
-    loop.forget_compiled(keep)
-    return {"row": dict(row, drafter=drafter, alpha=None, fixed_speedups=[fixed_speedups[k] for k in ks]),
-            "prefills": drafter_prefills}
-
+  drafters = [d for d in cfg.real_drafters if d != "mtp" or model.config.num_mtp_modules]
+  auto_rows, prefills = [], []
   for drafter in drafters:
-    part = parts.cached(f"auto/{drafter}", lambda: real_drafter_row(drafter))
+    part = parts.cached(f"auto/{drafter}", lambda: _real_drafter_part(model, prompts, cfg, reference, drafter, keep))
     prefills += part["prefills"]
     auto_rows.append(part["row"])
     log(f"  {describe_auto(auto_rows[-1])}; fixed K=1..{cfg.max_k} (sweep): "
         + " ".join(f"{s:.2f}" for s in part["row"]["fixed_speedups"][1:]))
+  return auto_rows, prefills
 
-  result = {"cost_model": {
+
+def cost_model_metrics(cfg: CostValidationConfig, routing_stats: dict, kernels: KernelStage, passes: PassTimes,
+                       sweep: SpeedupSweep, best: BestKComparison, auto_rows: list, prefills: Sequence[float],
+                       expert_method: str, seconds: float) -> dict[str, Any]:
+  """metrics.json's `cost_model` from the stages' results (`prefills`: every round's prefill of
+  the fixed-K sweeps, in seconds)."""
+  v = passes.verify
+  return {
       # gbps None: time did not grow with bytes over the fitted pass sizes (overhead-bound).
       "fitted": [{"method": m, "gbps": None if math.isinf(f.gbps) else f.gbps, "fixed_ms": f.fixed_ms}
-                 for m, f in fits.items()],
-      "kernel_rows": kernel_rows,
-      "fixed_ms": fixed_ms,
-      "verify_time": verify_rows,
-      "verify_time_median_rel_error": float(np.median(rel_err)),
-      "verify_time_median_rel_error_linear_nonexpert": float(np.median(rel_err_linear)) if rel_err_linear else None,
-      "nonexpert_ms_per_token": slope_ms,
+                 for m, f in kernels.fits.items()],
+      "kernel_rows": kernels.rows,
+      "fixed_ms": v.fixed_ms,
+      "verify_time": v.rows,
+      "verify_time_median_rel_error": float(np.median(v.rel_err)),
+      "verify_time_median_rel_error_linear_nonexpert": float(np.median(v.rel_err_linear)) if v.rel_err_linear else None,
+      "nonexpert_ms_per_token": v.slope_ms,
       # Timed in every round (the faster of a one-token run before and after it); median and range
       # over the rounds of the fixed-K sweeps (the auto rows subtract their own rounds' too).
       "prefill_ms": float(np.median(prefills) * 1e3),
       "prefill_ms_range": [float(min(prefills) * 1e3), float(max(prefills) * 1e3)],
       "speedup_definition": ("decode phase: (plain seconds - prefill) / (speculative seconds - prefill), "
                              "the prefill timed in the same round"),
-      "best_k": best_rows,
-      **{f"best_k_within_one_fraction{suffix}": within[col] for col, (suffix, _) in PREDICTORS.items()},
+      "best_k": best.rows,
+      **{f"best_k_within_one_fraction{suffix}": best.within_one[col] for col, (suffix, _) in PREDICTORS.items()},
       # Rounds resampled (best_k_bootstrap): the expected share of acceptance rates where the
       # measured best K is within 1 of each prediction, and of the full-data measured best K.
-      **{f"best_k_within_one_resampled{suffix}": within_resampled[col] for col, (suffix, _) in PREDICTORS.items()},
-      "measured_best_k_self_agreement": self_agreement,
-      "step_ms_every_draft_wrong": step_by_end[0.0].tolist(), "step_ms_every_draft_right": step_by_end[1.0].tolist(),
-      "speedup_at_predicted_over_best": cost_of_prediction,
-      "crossover": {"predicted_n": predicted_cross, "measured_n": measured_cross,
-                    "measured_first_faster_n": measured_first_win,
-                    "definition": "the first pass size from which dedup is faster at every larger size measured",
-                    "rows": cross_rows},
-      "speedups": sweep_rows,
+      **{f"best_k_within_one_resampled{suffix}": best.within_one_resampled[col]
+         for col, (suffix, _) in PREDICTORS.items()},
+      "measured_best_k_self_agreement": best.self_agreement,
+      "step_ms_every_draft_wrong": passes.step_ms_by_end[0.0].tolist(),
+      "step_ms_every_draft_right": passes.step_ms_by_end[1.0].tolist(),
+      "speedup_at_predicted_over_best": best.cost_of_prediction,
+      "crossover": kernels.crossover,
+      "speedups": sweep.rows,
       "auto": auto_rows,
       "auto_goals": auto_goals(auto_rows),
       "unique_experts": [{k: r[k] for k in ("n_tokens", "empirical", "independent", "uniform", "ipf")}
-                         for r in rstats["unique_experts"]],
-      "ipf_mean_abs_rel_error": rstats["ipf_mean_abs_rel_error"],
+                         for r in routing_stats["unique_experts"]],
+      "ipf_mean_abs_rel_error": routing_stats["ipf_mean_abs_rel_error"],
       "config": dataclasses.asdict(cfg),
       "batch_size": 1,
-      "expert_method": model.expert_method("auto"),
-      "seconds": time.perf_counter() - began,
-  }}
+      "expert_method": expert_method,
+      "seconds": seconds,
+  }
+
+
+def _write_outputs(result: dict, routing_stats: dict, workdir: pathlib.Path, parts, log) -> None:
+  """metrics.json, the three plots and the printed summary; then the run's kept parts are no
+  longer needed."""
   atomic.write_json_atomic(workdir / "metrics.json", result)
   plot_staircase(result["cost_model"], workdir / "staircase.png")
   plot_verify_time(result["cost_model"], workdir / "verify_time.png")
-  routing_report.plot_routing(rstats, workdir / "unique_experts.png")
+  routing_report.plot_routing(routing_stats, workdir / "unique_experts.png")
   log(format_summary(result["cost_model"]))
   parts.finish()
   log(f"wrote {workdir / 'metrics.json'} and plots (staircase, verify_time, unique_experts)")
-  return result
 
 
 def auto_against_fixed(model, prompts, max_new_tokens: int, auto_spec, fixed_spec, repeats: int,
