@@ -2,7 +2,7 @@
 
 Under geometric acceptance with rate a, a pass with K drafts commits (1 - a^(K+1)) / (1 - a)
 tokens per row (analysis/cost_model.tokens_per_pass) and costs step_ms[K] (draft K, verify
-K + 1, drafter upkeep), measured once per compiled program by `loop.calibrate_step_ms`. Each
+K + 1, drafter upkeep), measured once per compiled program by `calibration.calibrate_step_ms`. Each
 segment of passes picks the K that finishes the batch soonest (its slowest row: for one row,
 the K with the most tokens per millisecond; drafting only where it beats plain decoding by
 DRAFT_MARGIN), from per-row estimates: one pass while the estimate rests on few drafts, then

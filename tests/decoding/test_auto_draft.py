@@ -8,7 +8,7 @@ import pytest
 import moespec_jax as msj
 from moespec_jax.analysis import cost_model
 from moespec_jax.analysis import routing as routing_lib
-from moespec_jax.decoding import auto_draft, drafters, loop
+from moespec_jax.decoding import auto_draft, calibration, drafters, loop, passes, programs
 
 RAGGED = [[5, 9, 30, 41], [7], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [10, 20, 30, 10, 20, 30, 10]]
 
@@ -229,8 +229,8 @@ def test_auto_drafts_only_as_far_as_the_cache_has_room(auto_model, monkeypatch):
 def test_cache_room():
   """Room for drafts after the furthest active row's pending token; done rows do not count."""
   carry = {"pos": jnp.asarray([60, 62, 63]), "done": jnp.asarray([False, False, True])}
-  assert int(loop._cache_room(carry, 64)) == 1
-  assert int(loop._cache_room(dict(carry, done=jnp.asarray([False, True, True])), 64)) == 3
+  assert int(passes.cache_room(carry, 64)) == 1
+  assert int(passes.cache_room(dict(carry, done=jnp.asarray([False, True, True])), 64)) == 3
 
 
 @pytest.mark.slow
@@ -252,7 +252,7 @@ def test_plain_passes_bring_shadow_evidence(auto_model, auto_plain, monkeypatch)
   keep it at 0 and every pass stays plain. The output is plain greedy either way."""
   monkeypatch.setattr(auto_draft, "PRIOR_ACCEPTANCE", 0.0)
   loop.forget_compiled()  # the prior is read when the loop is traced
-  calibrated = len(loop._CALIBRATED)
+  calibrated = len(programs.CALIBRATED)
   try:
     for a in (1.0, 0.0):
       spec = msj.SpecParams(drafter="controlled", num_draft="auto", max_draft=3, controlled_acceptance=a)
@@ -265,7 +265,7 @@ def test_plain_passes_bring_shadow_evidence(auto_model, auto_plain, monkeypatch)
       else:
         assert by_k[1:] == [0, 0, 0] and out.stats["acceptance_estimate"] == 0.0
     # Pass times depend on what is verified: one calibration per controlled acceptance rate.
-    assert len(loop._CALIBRATED) == calibrated + 2
+    assert len(programs.CALIBRATED) == calibrated + 2
   finally:
     loop.forget_compiled()
 
@@ -459,8 +459,8 @@ def test_calibration_loops_span_the_generation():
   """The long timed loop covers a generation's passes (its first ones are not typical of the
   rest), within bounds: short generations still get a slope over 20 passes, long ones a bounded
   calibration time."""
-  short, long = loop.calibration_passes(128)
+  short, long = calibration.calibration_passes(128)
   assert (short, long) == (4, 127)
-  assert loop.calibration_passes(64) == (4, 63)
-  assert loop.calibration_passes(8) == (4, 24)
-  assert loop.calibration_passes(4096) == (4, 127)
+  assert calibration.calibration_passes(64) == (4, 63)
+  assert calibration.calibration_passes(8) == (4, 24)
+  assert calibration.calibration_passes(4096) == (4, 127)

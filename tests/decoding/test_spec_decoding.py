@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 
 import moespec_jax as msj
-from moespec_jax.decoding import drafters, loop, rejection
+from moespec_jax.decoding import calibration, drafters, loop, passes, programs, rejection
 from moespec_jax.model import layers
 from moespec_jax.model import mtp as mtp_lib
 
@@ -60,11 +60,11 @@ def test_cpu_decode_kernels_decode_like_xla(two_module_model, plain_greedy):
   cache run on the C++ kernels by default (what plain_greedy ran); XLA's ops (head_kernel /
   attention_kernel / dense_kernel 'xla') emit the same tokens."""
   leaves = jax.tree.leaves(two_module_model.state)
-  _, packed_head, packed_dense = loop._decode_params(two_module_model, msj.SpecParams(), leaves)
+  _, packed_head, packed_dense = programs.decode_params(two_module_model, msj.SpecParams(), leaves)
   assert packed_head is not None and packed_dense is not None
-  assert loop._decode_params(two_module_model, msj.SpecParams(head_kernel="xla"), leaves)[1] is None
-  assert loop._decode_params(two_module_model, msj.SpecParams(dense_kernel="xla"), leaves)[2] is None
-  assert loop._cpu_kernels("auto") and not loop._cpu_kernels("xla")
+  assert programs.decode_params(two_module_model, msj.SpecParams(head_kernel="xla"), leaves)[1] is None
+  assert programs.decode_params(two_module_model, msj.SpecParams(dense_kernel="xla"), leaves)[2] is None
+  assert programs.cpu_kernels("auto") and not programs.cpu_kernels("xla")
   spec = msj.SpecParams(head_kernel="xla", attention_kernel="xla", dense_kernel="xla")
   out = msj.generate(two_module_model, RAGGED + REPEATS, max_new_tokens=24, spec=spec)
   np.testing.assert_array_equal(out.tokens, plain_greedy)
@@ -76,7 +76,7 @@ def test_cpu_decode_kernels_decode_like_xla(two_module_model, plain_greedy):
 @pytest.mark.parametrize("batch", [1, 8])
 @pytest.mark.parametrize("attention", ["gqa", "mla"])
 def test_cpu_decoding_pass_gives_a_token_the_bits_of_a_plain_step(tiny_config, attention, batch):
-  """A decoding program on CPU (C++ kernels, row-invariant norms: `loop._merge`) gives a token
+  """A decoding program on CPU (C++ kernels, row-invariant norms: `programs.merge`) gives a token
   the same logits, bit for bit, in a verification pass of 5 tokens per row as in 5 plain steps:
   greedy speculative decoding then emits plain decoding's tokens even where two logits tie to the
   last bit. At width 256 and 16 experts XLA's ops do not: its router dot gave a token other last
@@ -89,20 +89,20 @@ def test_cpu_decoding_pass_gives_a_token_the_bits_of_a_plain_step(tiny_config, a
   model = msj.Model.init(config, seed=3)
   spec = msj.SpecParams()
   leaves = jax.tree.leaves(model.state)
-  definition = loop._definition(model.graphdef, jax.tree.structure(model.state))
-  params = loop._decode_params(model, spec, leaves)
+  definition = programs.model_definition(model.graphdef, jax.tree.structure(model.state))
+  params = programs.decode_params(model, spec, leaves)
   rng = np.random.default_rng(0)
   prompt_len, steps = 12, 5
   prompt_BT = jnp.asarray(rng.integers(0, config.vocab_size, (batch, prompt_len)), jnp.int32)
   next_BT = jnp.asarray(rng.integers(0, config.vocab_size, (batch, steps)), jnp.int32)
   positions_BT = jnp.broadcast_to(jnp.arange(prompt_len, prompt_len + steps, dtype=jnp.int32), (batch, steps))
 
-  ls = loop.LoopSpec(max_new_tokens=steps, cache_len=32, sampling=msj.SamplingParams(), expert_method="dedup",
-                     drafter="none", num_draft=0, cpu_attention=True)
+  ls = passes.LoopSpec(max_new_tokens=steps, cache_len=32, sampling=msj.SamplingParams(), expert_method="dedup",
+                       drafter="none", num_draft=0, cpu_attention=True)
 
   @jax.jit
-  def passes(params):
-    m = loop._merge(definition, params, ls)
+  def pass_and_steps(params):
+    m = programs.merge(definition, params, ls)
     cache = m(prompt_BT, None, m.new_cache(batch, 32), expert_method="dedup", compute_logits=False,
               fresh_cache=True).cache
     together = m(next_BT, positions_BT, cache, expert_method="dedup").logits
@@ -113,9 +113,9 @@ def test_cpu_decoding_pass_gives_a_token_the_bits_of_a_plain_step(tiny_config, a
       cache = out.cache
     return together, jnp.stack(alone, axis=1)
 
-  together, alone = passes(params)
+  together, alone = pass_and_steps(params)
   np.testing.assert_array_equal(np.asarray(together), np.asarray(alone))
-  norms = [m for _, m in nnx.iter_modules(loop._merge(definition, params, ls)) if isinstance(m, layers.RMSNorm)]
+  norms = [m for _, m in nnx.iter_modules(programs.merge(definition, params, ls)) if isinstance(m, layers.RMSNorm)]
   assert norms and all(m.row_invariant for m in norms)
 
 
@@ -181,7 +181,7 @@ def test_commit_cuts_at_eos_and_max_new_tokens():
   n_acc = jnp.asarray([3, 3, 1, 3])
   active = jnp.asarray([True, True, True, False])
   gen = jnp.asarray([0, 8, 0, 0])
-  n, eos = loop._commit(cand, n_acc, active, gen, eos_id=9, max_new_tokens=10)
+  n, eos = passes._commit(cand, n_acc, active, gen, eos_id=9, max_new_tokens=10)
   assert n.tolist() == [2, 2, 2, 0] and eos.tolist() == [True, False, False, False]
 
 
@@ -289,31 +289,31 @@ def test_program_cache_key_hashes_a_graphdef_once(tiny_model, mtp_model, monkeyp
   calls = []
   original = type(graphdef).__hash__
   monkeypatch.setattr(type(graphdef), "__hash__", lambda self: calls.append(1) or original(self))
-  monkeypatch.setattr(loop, "_DEFINITIONS", {})
-  definition = lambda model: loop._definition(model.graphdef, jax.tree.structure(model.state))  # noqa: E731
+  monkeypatch.setattr(programs, "_DEFINITIONS", {})
+  definition = lambda model: programs.model_definition(model.graphdef, jax.tree.structure(model.state))  # noqa: E731
   first = definition(tiny_model)
   assert definition(tiny_model) is first and len(calls) == 1
   twin = msj.Model.init(tiny_model.config, seed=1)  # other weights, same structure
   assert twin.graphdef is not graphdef and definition(twin) == first
   assert definition(mtp_model) != first  # MTP heads: another structure
-  ls = loop.LoopSpec(max_new_tokens=4, cache_len=64, sampling=msj.SamplingParams(), expert_method="xla",
-                     drafter="none", num_draft=0)
+  ls = passes.LoopSpec(max_new_tokens=4, cache_len=64, sampling=msj.SamplingParams(), expert_method="xla",
+                       drafter="none", num_draft=0)
   x = jnp.zeros((1, 8), jnp.int32)
   hashed = len(calls)  # one per graphdef object so far
   assert hashed == 3
-  assert (loop._signature(loop._generate_spec, ls, definition(tiny_model), x)
-          == loop._signature(loop._generate_spec, ls, definition(twin), x))
+  assert (programs.signature(loop._generate_spec, ls, definition(tiny_model), x)
+          == programs.signature(loop._generate_spec, ls, definition(twin), x))
   assert len(calls) == hashed
 
 
 def test_statistics_leave_the_program_as_one_vector_in_their_shapes(tiny_model):
   """The program's statistics come back packed in one float32 vector (one copy to the host per
-  call); unpacked, each has the shape `_init` gives it, for every statistic a program reports."""
-  ls = loop.LoopSpec(max_new_tokens=4, cache_len=64, sampling=msj.SamplingParams(), expert_method="xla",
-                     drafter="ngram", num_draft=3, auto=True, timed=True, measure_quality=True)
+  call); unpacked, each has the shape `passes.init_carry` gives it, for every statistic a program reports."""
+  ls = passes.LoopSpec(max_new_tokens=4, cache_len=64, sampling=msj.SamplingParams(), expert_method="xla",
+                       drafter="ngram", num_draft=3, auto=True, timed=True, measure_quality=True)
   _, _, args = loop._prepare(tiny_model, [[1, 2, 3], [4, 5]], 4, None, msj.SpecParams(), 0, None)
   definition, params, tokens, lengths, seed, draft_inputs = args
-  stats = jax.eval_shape(lambda *a: loop._init_program(definition, *a, ls=ls), params, tokens, lengths, seed,
+  stats = jax.eval_shape(lambda *a: calibration.init_program(definition, *a, ls=ls), params, tokens, lengths, seed,
                          draft_inputs)["stats"]
   keys = loop._reported_keys(ls)
   assert {"passes_by_K", "acceptance_evidence", "pass_timing", "quality"} <= set(keys)
@@ -349,23 +349,23 @@ def test_programs_take_the_state_flat_and_the_seed_as_jax_random_key_does(tiny_m
 
 def test_forget_compiled_forgets_models_no_program_refers_to(tiny_config, monkeypatch):
   """A sweep that builds many models and drops their programs does not keep their graphdefs."""
-  for table in ("_COMPILED", "_CALIBRATED", "_DEFINITIONS"):
-    monkeypatch.setattr(loop, table, {})
+  for table in ("_COMPILED", "CALIBRATED", "_DEFINITIONS"):
+    monkeypatch.setattr(programs, table, {})
   kept, other = (msj.Model.init(tiny_config, seed=s) for s in (0, 1))
   assert kept.graphdef is not other.graphdef
   msj.generate(kept, [[1, 2, 3]], max_new_tokens=2)
   keep = loop.compiled_signatures()
   msj.generate(other, [[1, 2, 3]], max_new_tokens=2)  # an equal graphdef: the same program
   assert loop.compiled_signatures() == keep
-  assert len(loop._DEFINITIONS) == 2
+  assert len(programs._DEFINITIONS) == 2
   loop.forget_compiled(keep)
   assert loop.compiled_signatures() == keep
-  assert [d.graphdef for d in loop._DEFINITIONS.values()] == [kept.graphdef]
+  assert [d.graphdef for d in programs._DEFINITIONS.values()] == [kept.graphdef]
   assert msj.generate(other, [[1, 2, 3]], max_new_tokens=2).tokens.shape == (1, 2)
   # A calibration (the controlled drafter's form: (signature, acceptance)) keeps its model.
-  loop._CALIBRATED[(next(iter(keep)), 0.5)] = np.ones(1, np.float32)
+  programs.CALIBRATED[(next(iter(keep)), 0.5)] = np.ones(1, np.float32)
   loop.forget_compiled()
-  assert not loop._COMPILED and [d.graphdef for d in loop._DEFINITIONS.values()] == [kept.graphdef]
-  loop._CALIBRATED.clear()
+  assert not programs._COMPILED and [d.graphdef for d in programs._DEFINITIONS.values()] == [kept.graphdef]
+  programs.CALIBRATED.clear()
   loop.forget_compiled()
-  assert not loop._DEFINITIONS
+  assert not programs._DEFINITIONS

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import moespec_jax as msj
-from moespec_jax.decoding import loop, rejection
+from moespec_jax.decoding import programs, rejection
 from moespec_jax.decoding.sampling import filtered_logprobs
 
 VOCAB, EOS = 32, 31
@@ -128,7 +128,7 @@ def test_speculative_sampling_matches_the_target_distribution(stat_model, prefix
 def planted_residual_bug(monkeypatch):
   """Replaces the residual by p for one test; traces are dropped before and after."""
   monkeypatch.setattr(rejection, "residual_probs", lambda p, q: p)
-  monkeypatch.setattr(loop, "_COMPILED", {})
+  monkeypatch.setattr(programs, "_COMPILED", {})
   jax.clear_caches()
   yield
   jax.clear_caches()

@@ -1,0 +1,123 @@
+"""auto K's pass times: one pass per K (draft K, verify K + 1, drafter upkeep) timed in compiled
+loops of real decoding, once per program (`calibrate_step_ms`), and the raw measurement the
+cost-model validation reads (`measure_step_ms`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from moespec_jax.decoding import auto_draft, programs
+from moespec_jax.decoding.passes import LoopSpec, init_carry, speculative_pass
+
+
+def init_program(definition, params, tokens_BT, lengths_B, seed, draft_inputs, *, ls: LoopSpec):
+  """The carry after the prefill and first token: where every timed loop starts."""
+  return init_carry(programs.merge(definition, params, ls), tokens_BT, lengths_B, seed, draft_inputs, ls)
+
+
+def passes_program(definition, params, carry, k, n_passes, *, ls: LoopSpec):
+  """`n_passes` passes of real decoding with K = k from `carry`; a row that would reach its end
+  (or EOS) starts over from its position in `carry`, so that no row ever stops.
+
+  Passes must verify what decoding verifies: replaying the same tokens from the same position
+  every pass keeps their experts' weights in the processor's caches, which made drafting passes
+  look 25-45% cheaper than in decoding (default model, batch 1 and 8).
+  """
+  model = programs.merge(definition, params, ls)
+  start = {name: carry[name] for name in ("pos", "pending", "gen", "done")}
+
+  def one_pass(c, kk):
+    c = speculative_pass(model, c, kk, ls)
+    over_B = c["done"] | (c["gen"] + kk + 1 > ls.max_new_tokens)
+    rewound = {name: jnp.where(over_B, start[name], c[name]) for name in ("pos", "pending", "gen")}
+    return dict(c, done=start["done"], **rewound)
+
+  for kk in range(ls.num_draft + 1):
+    carry = jax.lax.fori_loop(0, jnp.where(k == kk, n_passes, 0), lambda _, c, kk=kk: one_pass(c, kk), carry)
+  return carry
+
+
+# Passes per timed loop: the per-pass time is the difference of the two loops' times over the
+# difference in passes, so the program call's fixed cost (dispatch, the carry's buffers) cancels.
+# The long loop covers the generation's passes (`calibration_passes`): the first passes after a
+# prompt are not typical of the rest. On the default model (batch 1, 128 tokens, controlled drafter
+# at a = 0 and 0.4) a long loop of 24 passes put the K = 1..8 pass times at 0.84-0.95 of their
+# ratios to a plain pass in decoding (fixed-K programs, the decode phase of whole runs) and its
+# plain pass at 1.14x decoding's; one of 127 passes at 0.91-0.99 and 1.03x. Too low a ratio makes
+# auto draft where plain decoding is faster.
+CALIBRATION_SHORT_PASSES = 4
+CALIBRATION_LONG_PASSES = (24, 127)  # at least, at most
+
+
+def calibration_passes(max_new_tokens: int) -> tuple[int, int]:
+  """(short, long) loop lengths of `measure_step_ms` for a generation of max_new_tokens."""
+  low, high = CALIBRATION_LONG_PASSES
+  return CALIBRATION_SHORT_PASSES, int(min(max(max_new_tokens - 1, low), high))
+
+
+# Rounds of `calibrate_step_ms`. On the default model (batch 1, controlled drafter at a = 0.2,
+# 128 tokens) the smoothed K = 1 / K = 0 pass-time ratios of four calibrations were 1.24-1.37
+# with 7 rounds and 1.28-1.39 with 10 (8.6 and 11.9 s, once per program); with 24-pass loops
+# they were 1.15-1.23 at 15 rounds (4.3 s): steadier, and low. The MTP drafter's programs take
+# longest (128 tokens, 7 rounds: 14 s at batch 1 and 42 s at batch 8, against 8 and 24 s with
+# 24-pass loops at 15 rounds).
+CALIBRATION_ROUNDS = 7
+
+
+def measure_step_ms(ls: LoopSpec, args, repeats: int = 7) -> np.ndarray:
+  """Median time (ms) of one pass for each K in 0..ls.num_draft.
+
+  One pass is what the loop runs per iteration (draft K, verify K + 1, drafter upkeep),
+  timed in compiled loops of `calibration_passes(ls.max_new_tokens)` passes (the per-pass time is
+  the slope between the two lengths, so the call overhead is not counted) of real decoding after
+  the prefill of these prompts (`passes_program`). K values are interleaved, and each K's time is
+  the median of its ratios to K = 0 within a round times the median K = 0 time: what the
+  choice of K depends on is these ratios, and a slow spell of the machine that spans a round
+  leaves them intact.
+  """
+  definition, params = args[0], args[1]
+  short, long = calibration_passes(ls.max_new_tokens)
+  carry0 = jax.block_until_ready(programs.compiled(init_program, ls, *args)(*args[1:]))
+  run = programs.compiled(passes_program, ls, definition, params, carry0, jnp.int32(0), jnp.int32(0),
+                  donate_argnums=(2,))
+
+  def timed(k: int, n: int) -> float:
+    carry = jax.block_until_ready(jax.tree.map(jnp.copy, carry0))
+    k_arr, n_arr = jnp.int32(k), jnp.int32(n)
+    start = time.perf_counter()
+    jax.block_until_ready(run(params, carry, k_arr, n_arr))
+    return time.perf_counter() - start
+
+  for k in range(ls.num_draft + 1):  # warm-up: one program, whatever the loop's length
+    timed(k, short)
+  times_KR = np.zeros((ls.num_draft + 1, repeats))
+  for r in range(repeats):
+    for k in range(ls.num_draft + 1):
+      times_KR[k, r] = (timed(k, long) - timed(k, short)) * 1e3 / (long - short)
+  times_KR = np.maximum(times_KR, 1e-3)  # noise can drive a slope to zero or below: keep ratios finite
+  return np.median(times_KR / times_KR[:1], axis=1) * np.median(times_KR[0])
+
+
+def calibrate_step_ms(ls: LoopSpec, args) -> np.ndarray:
+  """`measure_step_ms` smoothed and made non-decreasing in K (`auto_draft.smooth_step_times`),
+  once per program (cached, like compilation).
+
+  The controlled drafter's programs are calibrated once per acceptance rate: a pass costs more
+  when its drafts are wrong (random tokens route to more distinct experts than the model's
+  own continuation), so the pass times at one rate misjudge another.
+  """
+  # Timed and untimed programs pass alike: they share one calibration.
+  sig = programs.signature(calibrate_step_ms, dataclasses.replace(ls, timed=False), *args)
+  if ls.drafter == "controlled":
+    draft_inputs = args[-1]  # as loop._prepare builds them
+    sig = (sig, float(draft_inputs["acceptance"]))
+  if sig not in programs.CALIBRATED:
+    programs.CALIBRATED[sig] = auto_draft.smooth_step_times(measure_step_ms(ls, args, CALIBRATION_ROUNDS),
+                                                             ls.routing).astype(np.float32)
+  return programs.CALIBRATED[sig]

@@ -1,0 +1,124 @@
+"""Compiled generation programs: the model's static definition, its state merged back inside a
+program (with the CPU kernels' packed weights), and the caches of ahead-of-time compiled programs
+and of auto K's calibrations, one per program signature.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+from moespec_jax.decoding.params import SpecParams
+from moespec_jax.decoding.passes import LoopSpec
+from pallas_kernels import cpu_ffi
+
+
+class ModelDefinition:
+  """A program's static view of the model: its NNX graphdef and the tree structure of its state,
+  which programs take as a flat list of arrays (flattening an NNX State walks it in Python, about
+  80 us a time, and a call did so four times). Its hash is computed once: hashing a GraphDef
+  walks the whole module tree, and a generate() call looks its program up two to four times
+  (about 1 ms of host time per call, 5% of a 64-token batch-1 call on a tiny model). Equal
+  definitions (models of the same structure) share programs."""
+
+  __slots__ = ("graphdef", "state_treedef", "_hash")
+
+  def __init__(self, graphdef, state_treedef):
+    self.graphdef, self.state_treedef = graphdef, state_treedef
+    self._hash = hash((graphdef, state_treedef))
+
+  def __hash__(self):
+    return self._hash
+
+  def __eq__(self, other):
+    return isinstance(other, ModelDefinition) and (self is other or (
+        self._hash == other._hash and self.graphdef == other.graphdef and self.state_treedef == other.state_treedef))
+
+
+# id(graphdef) -> its definition, whose graphdef field keeps the id from being reused.
+_DEFINITIONS: dict[int, ModelDefinition] = {}
+
+
+def model_definition(graphdef, state_treedef) -> ModelDefinition:
+  """The one definition object per (graphdef object, state structure), hashed once."""
+  found = _DEFINITIONS.get(id(graphdef))
+  if found is None or found.graphdef is not graphdef or found.state_treedef != state_treedef:
+    found = _DEFINITIONS[id(graphdef)] = ModelDefinition(graphdef, state_treedef)
+  return found
+
+
+def merge(definition: ModelDefinition, params, ls: LoopSpec):
+  """The module inside a program. `params`: (the state's leaves, the packed output head or
+  None, the packed dense projections or None: see `decode_params`); `ls.cpu_attention`:
+  passes against the cache on the C++ kernel, and norms whose rows do not depend on each other."""
+  leaves, packed_head_NDC, packed_dense = params
+  model = nnx.merge(definition.graphdef, jax.tree.unflatten(definition.state_treedef, leaves))
+  if packed_head_NDC is not None:
+    model.packed_head_NDC = nnx.data(packed_head_NDC)
+  if packed_dense is not None:
+    model.use_packed_dense(packed_dense)
+  if ls.cpu_attention:
+    model.use_cpu_cached_attention()
+    model.use_row_invariant_norms()
+  return model
+
+
+def decode_params(model, spec: SpecParams, leaves):
+  """What the programs take as parameters: the leaves of the model's state (`leaves`:
+  `jax.tree.leaves(model.state)`, flattened once per call by the caller) and, on the CPU backend
+  with the C++ library, its output head (head_kernel='auto') and its dense projections
+  (dense_kernel='auto') packed for `cpu_ffi.packed_matmul`, once per model: a decode step reads
+  them from memory, and XLA's dot read the head at a third of the streaming rate and re-packs
+  the projections on every multi-row product."""
+  return (leaves, model.packed_head() if cpu_kernels(spec.head_kernel) else None,
+          model.packed_dense(leaves) if cpu_kernels(spec.dense_kernel) else None)
+
+
+def cpu_kernels(choice: str) -> bool:
+  """Whether a head_kernel / attention_kernel choice runs the C++ kernel here."""
+  return choice == "auto" and jax.default_backend() == "cpu" and cpu_ffi.available()
+
+
+_COMPILED: dict[Any, Any] = {}
+# Calibrated pass times of auto K (`calibration.calibrate_step_ms`), per program signature (the
+# controlled drafter's: per (signature, acceptance rate)); dropped with the programs.
+CALIBRATED: dict[Any, np.ndarray] = {}
+
+
+def forget_compiled(keep=frozenset()) -> None:
+  """Drops the compiled programs whose signatures are not in `keep` (a set of earlier
+  `compiled_signatures()`): a sweep over dozens of programs does not fit in memory otherwise.
+  Models that no remaining program or calibration refers to are forgotten too (their
+  definitions hold their graphdefs)."""
+  for sig in set(_COMPILED) - set(keep):
+    del _COMPILED[sig]
+  live = {id(_signature_definition(sig)) for sig in (*_COMPILED, *CALIBRATED)}
+  for graphdef_id in [i for i, definition in _DEFINITIONS.items() if id(definition) not in live]:
+    del _DEFINITIONS[graphdef_id]
+  jax.clear_caches()
+
+
+def _signature_definition(sig) -> ModelDefinition:
+  """The model definition of a program signature, or of a calibration's ((signature,
+  acceptance) for the controlled drafter: `calibrate_step_ms`)."""
+  return sig[2] if isinstance(sig[0], str) else sig[0][2]
+
+
+def compiled_signatures() -> frozenset:
+  return frozenset(_COMPILED)
+
+
+def signature(fn, ls: LoopSpec, definition, *args):
+  return (fn.__name__, ls, definition, tuple((a.shape, a.dtype) for a in jax.tree.leaves(args)))
+
+
+def compiled(fn, ls: LoopSpec, *args, donate_argnums=()):
+  """AOT-compiles `fn` once per (LoopSpec, argument shapes) so timing excludes compilation."""
+  sig = signature(fn, ls, *args)
+  if sig not in _COMPILED:
+    jitted = jax.jit(fn, static_argnums=(0,), static_argnames=("ls",), donate_argnums=donate_argnums)
+    _COMPILED[sig] = jitted.lower(*args, ls=ls).compile()
+  return _COMPILED[sig]
