@@ -255,3 +255,51 @@ def test_sweep_round_settings_are_checked():
     cost_validation.CostValidationConfig(repeats=7, max_repeats=5)
   with pytest.raises(ValueError, match="settled_share"):
     cost_validation.CostValidationConfig(settled_share=1.5)
+
+
+def _verify_times(tiny_config, step_ms_K):
+  fits = {m: cost_model.KernelFit(gbps=10.0, fixed_ms=0.01) for m in cost_validation.FITTED_METHODS}
+  unique_by_n = {n: [min(n * tiny_config.top_k, tiny_config.n_routed_experts) * 0.8] * tiny_config.n_moe_layers
+                 for n in range(1, len(step_ms_K) + 1)}
+  return cost_validation.verify_times(tiny_config, fits, unique_by_n, np.asarray(step_ms_K), len(step_ms_K) - 1)
+
+
+def test_verify_times_fit_the_fixed_time_at_one_token_and_the_linear_term_at_both_ends(tiny_config):
+  exact = _verify_times(tiny_config, [1.0] * 5)
+  # Pass times that are exactly the bytes model's: no error anywhere.
+  model_ms = [exact.predicted_ms[n] - exact.predicted_ms[1] + 1.0 for n in range(1, 6)]
+  fitted = _verify_times(tiny_config, model_ms)
+  assert fitted.predicted_ms[1] == pytest.approx(1.0) and fitted.slope_ms == pytest.approx(0.0, abs=1e-9)
+  assert max(fitted.rel_err) == pytest.approx(0.0, abs=1e-9) and len(fitted.rel_err) == 4
+  # Non-expert time growing by 0.1 ms a token: the bytes model misses it, the linear term fits it.
+  grown = _verify_times(tiny_config, [t + 0.1 * i for i, t in enumerate(model_ms)])
+  assert grown.slope_ms == pytest.approx(0.1)
+  assert min(grown.rel_err) > 0 and max(grown.rel_err_linear) == pytest.approx(0.0, abs=1e-9)
+  assert [r["n_tokens"] for r in grown.rows] == [1, 2, 3, 4, 5] and len(grown.rel_err_linear) == 3
+
+
+def test_best_k_comparison_counts_rates_within_one_of_the_measured_best(tiny_config):
+  alphas, max_k = (0.2, 0.5, 0.8, 0.95), 6
+  step_ms = [1.0 + 0.15 * k for k in range(max_k + 1)]
+  passes = cost_validation.PassTimes(reference=None, step_ms_K=np.asarray(step_ms),
+                                     step_ms_by_end={0.0: np.asarray(step_ms), 1.0: np.asarray(step_ms)},
+                                     verify=_verify_times(tiny_config, step_ms))
+  # Measured speedups that follow these pass times exactly: every predictor from the pass times
+  # finds the measured best K.
+  speedups = {(a, k): float(cost_model.speedup(a, k, 1.0, lambda _: 0.0, lambda n: step_ms[n - 1]))
+              for a in alphas for k in range(max_k + 1)}
+  shares = {a: np.eye(max_k + 1)[max(range(max_k + 1), key=lambda k, a=a: speedups[(a, k)])] for a in alphas}
+  sweep = cost_validation.SpeedupSweep(speedups, {}, [], [], shares, {a: 3 for a in alphas})
+  best = cost_validation.best_k_comparison(alphas, max_k, sweep, passes)
+  assert [r["measured"] for r in best.rows] == [r["predicted_from_step_times"] for r in best.rows]
+  assert best.within_one["predicted_from_step_times"] == 1.0 and best.self_agreement == 1.0
+  assert best.cost_of_prediction["predicted_from_step_times"]["worst"] == pytest.approx(1.0)
+  # One rate whose measured speedups peak far from the prediction: one rate in four is missed.
+  a = alphas[-1]
+  far = 0 if best.rows[-1]["measured"] > 2 else max_k
+  speedups[(a, far)] = 10.0
+  best = cost_validation.best_k_comparison(alphas, max_k, sweep, passes)
+  assert best.rows[-1]["measured"] == far
+  assert best.within_one["predicted_from_step_times"] == 0.75
+  assert best.cost_of_prediction["predicted_from_step_times"]["worst"] < 1.0
+  assert cost_validation.measured_best_k({(a, k): 1.0 for k in range(3)}, a, 2) == 0  # ties: the smallest K
