@@ -116,9 +116,10 @@ class MLAttention(nnx.Module):
     # W_uk and W_uv head-major for the absorbed passes against the cache (`set_packed`): in their
     # [C, H, *] layout XLA:CPU transposed each of them on every pass, ~23 us a layer at batch 8;
     # and packed per head for the C++ product of passes of few rows (whose rows, unlike those of
-    # XLA's batched dot, do not depend on the other rows).
+    # XLA's batched dot, do not depend on the other rows): `_H_NDC`, one `pack_columns` layout
+    # ([blocks, input, block columns]) per head.
     self.w_uk_HNC = self.w_uv_HCV = None
-    self.packed_uk_HNNC = self.packed_uv_HNCC = None
+    self.packed_uk_H_NDC = self.packed_uv_H_NDC = None
     # Passes against the cache on the C++ kernel (cpu_ffi.mla_attention), set by the decoding
     # loop's programs on CPU; False: XLA's products (and always for prefills into a fresh cache).
     self.cpu_cached_attention = False
@@ -146,21 +147,21 @@ class MLAttention(nnx.Module):
       self.packed_qb_NDC = nnx.data(packed["qb"])
     self.w_uk_HNC = nnx.data(packed["uk"])
     self.w_uv_HCV = nnx.data(packed["uv"])
-    self.packed_uk_HNNC = nnx.data(packed["uk_blocks"])
-    self.packed_uv_HNCC = nnx.data(packed["uv_blocks"])
+    self.packed_uk_H_NDC = nnx.data(packed["uk_blocks"])
+    self.packed_uv_H_NDC = nnx.data(packed["uv_blocks"])
 
   def _absorb_queries(self, q_nope_BTHN):
     """The queries' no-rope part through W_uk: scores against the latent itself."""
-    if use_packed(self.packed_uk_HNNC, q_nope_BTHN):
-      return _per_head_product(q_nope_BTHN, self.packed_uk_HNNC, self.config.kv_lora_rank)
+    if use_packed(self.packed_uk_H_NDC, q_nope_BTHN):
+      return _per_head_product(q_nope_BTHN, self.packed_uk_H_NDC, self.config.kv_lora_rank)
     if self.w_uk_HNC is not None:
       return jnp.einsum("bthn,hnc->bthc", q_nope_BTHN, self.w_uk_HNC)
     return jnp.einsum("bthn,chn->bthc", q_nope_BTHN, self.w_uk_CHN[...])
 
   def _up_values(self, out_lat_BTHC):
     """Attention outputs in the latent through W_uv: [B, T, H, V]."""
-    if use_packed(self.packed_uv_HNCC, out_lat_BTHC):
-      return _per_head_product(out_lat_BTHC, self.packed_uv_HNCC, self.config.v_head_dim)
+    if use_packed(self.packed_uv_H_NDC, out_lat_BTHC):
+      return _per_head_product(out_lat_BTHC, self.packed_uv_H_NDC, self.config.v_head_dim)
     if self.w_uv_HCV is not None:
       return jnp.einsum("bthc,hcv->bthv", out_lat_BTHC, self.w_uv_HCV)
     return jnp.einsum("bthc,chv->bthv", out_lat_BTHC, self.w_uv_CHV[...])
