@@ -73,3 +73,18 @@ def combine(y_RD, gates_TK, out_dtype):
   T, K = gates_TK.shape
   y_TKD = y_RD.reshape(T, K, -1)
   return jnp.einsum("tk,tkd->td", gates_TK.astype(jnp.float32), y_TKD.astype(jnp.float32)).astype(out_dtype)
+
+
+def routed_ffn(dedup_rows, per_slot_rows, x_TD, expert_ids_TK, gates_TK, w_gate_EDF, w_up_EDF, w_down_EFD, *,
+               method, interpret, block_rows, hidden_tile):
+  """A backend's routed SwiGLU expert FFN from its two row kernels: each (token, slot) row's
+  expert output by `method` ('dedup': `dedup_rows`, 'per_slot': `per_slot_rows`), then `combine`."""
+  if method == "dedup":
+    y_RD = dedup_rows(x_TD, expert_ids_TK, w_gate_EDF, w_up_EDF, w_down_EFD, block_rows=block_rows,
+                      hidden_tile=hidden_tile, interpret=interpret)
+  elif method == "per_slot":
+    y_RD = per_slot_rows(x_TD, expert_ids_TK, w_gate_EDF, w_up_EDF, w_down_EFD, hidden_tile=hidden_tile,
+                         interpret=interpret)
+  else:
+    raise ValueError(f"method must be 'dedup' or 'per_slot', got {method!r}")
+  return combine(y_RD, gates_TK, x_TD.dtype)

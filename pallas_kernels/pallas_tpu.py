@@ -153,12 +153,6 @@ def per_slot_rows(x_TD, expert_ids_TK, w_gate_EDF, w_up_EDF, w_down_EFD, *, hidd
 def expert_ffn_tpu(x_TD, expert_ids_TK, gates_TK, w_gate_EDF, w_up_EDF, w_down_EFD, *, method="dedup",
                    interpret=False, block_rows=None, hidden_tile=None):
   """Routed SwiGLU expert FFN with the Pallas TPU kernel of `method` ('dedup' or 'per_slot')."""
-  if method == "dedup":
-    y_RD = dedup_rows(x_TD, expert_ids_TK, w_gate_EDF, w_up_EDF, w_down_EFD, block_rows=block_rows,
-                      hidden_tile=hidden_tile, interpret=interpret)
-  elif method == "per_slot":
-    y_RD = per_slot_rows(x_TD, expert_ids_TK, w_gate_EDF, w_up_EDF, w_down_EFD, hidden_tile=hidden_tile,
-                         interpret=interpret)
-  else:
-    raise ValueError(f"method must be 'dedup' or 'per_slot', got {method!r}")
-  return metadata.combine(y_RD, gates_TK, x_TD.dtype)
+  return metadata.routed_ffn(dedup_rows, per_slot_rows, x_TD, expert_ids_TK, gates_TK, w_gate_EDF, w_up_EDF,
+                             w_down_EFD, method=method, interpret=interpret, block_rows=block_rows,
+                             hidden_tile=hidden_tile)
