@@ -88,6 +88,12 @@ def test_pallas_lowers(platform, family, method, dtype):
   assert ("tpu_custom_call" in text) if platform == "tpu" else ("triton" in text.lower())
 
 
+@pytest.mark.parametrize("family", ["tpu", "gpu"])
+def test_pallas_kernels_refuse_an_unknown_method(family):
+  with pytest.raises(ValueError, match="method must be 'dedup' or 'per_slot', got 'grouped'"):
+    KERNELS[family](*_problem(*CASES["n1"]), method="grouped", interpret=True)
+
+
 def test_entry_point_interpret_backend():
   args = _problem(*CASES["n1"])
   ref = expert_ffn_reference(*args)
