@@ -85,7 +85,7 @@ def measure_step_ms(ls: LoopSpec, args, repeats: int = 7) -> np.ndarray:
   short, long = calibration_passes(ls.max_new_tokens)
   carry0 = jax.block_until_ready(programs.compiled(init_program, ls, *args)(*args[1:]))
   run = programs.compiled(passes_program, ls, definition, params, carry0, jnp.int32(0), jnp.int32(0),
-                  donate_argnums=(2,))
+                          donate_argnums=(2,))
 
   def timed(k: int, n: int) -> float:
     carry = jax.block_until_ready(jax.tree.map(jnp.copy, carry0))

@@ -33,9 +33,9 @@ from moespec_jax.decoding import auto_draft
 from moespec_jax.decoding.calibration import calibrate_step_ms, measure_step_ms
 from moespec_jax.decoding.params import SamplingParams, SpecParams
 from moespec_jax.decoding.passes import LoopSpec, auto_segment, init_carry, speculative_pass, statistic_shapes
+from moespec_jax.decoding.programs import compiled, cpu_kernels, decode_params, merge, model_definition
 # Re-exported: experiments drop programs between sweeps through the loop's API.
-from moespec_jax.decoding.programs import (compiled, compiled_signatures, cpu_kernels, decode_params,  # noqa: F401
-                                           forget_compiled, merge, model_definition)
+from moespec_jax.decoding.programs import compiled_signatures, forget_compiled  # noqa: F401
 from moespec_jax.model.budget import ExpertBudget
 from pallas_kernels import cpu_ffi
 
@@ -83,6 +83,7 @@ def encode_prompts(prompts, tokenizer, vocab_size: int, eos_id: int) -> list[np.
       ids = ids.astype(np.int32)
     out.append(ids)
   return out
+
 
 def _generate_spec(definition, params, tokens_BT, lengths_B, seed, draft_inputs, step_ms_K, *, ls: LoopSpec):
   """Prefill, then one `lax.while_loop` of passes; returns (tokens_BN, raw statistics)."""

@@ -78,7 +78,7 @@ def decode_params(model, spec: SpecParams, leaves):
 
 
 def cpu_kernels(choice: str) -> bool:
-  """Whether a head_kernel / attention_kernel choice runs the C++ kernel here."""
+  """Whether a head_kernel / attention_kernel / dense_kernel choice runs the C++ kernel here."""
   return choice == "auto" and jax.default_backend() == "cpu" and cpu_ffi.available()
 
 
