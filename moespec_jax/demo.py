@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 import moespec_jax as msj
+from moespec_jax import cli
 from moespec_jax.data import corpus
 from moespec_jax.decoding import bench
 from moespec_jax.io import atomic
@@ -58,12 +59,24 @@ def run_demo(model, workdir, *, max_new_tokens: int = 128, batch_sizes=(1, 8), r
   prompts = corpus.held_out_prompts(max(batch_sizes), prompt_bytes=192, seed=0)
   bpb = pretrain.validation_bits_per_byte(model)
   drafters = (["mtp"] if model.config.num_mtp_modules else []) + ["ngram"]
+  budget = budget_multiplier * model.config.top_k
+  budgeted = bool(model.config.n_moe_layers) and budget < model.config.n_routed_experts
+  # A line per measured row (compilation and auto K's calibration included): minutes in all.
+  progress = cli.Progress(len(batch_sizes) * (1 + len(drafters) + budgeted), desc="demo", unit="rows",
+                          every_s=None, every_steps=1)
+  measured = 0
+
+  def row_done(what: str, **figures: float):
+    nonlocal measured
+    measured += 1
+    progress.update(measured, units=1, row=what, **figures)
+
   plain = {}
   for batch in batch_sizes:
     plain[batch] = _timed_generate(model, prompts[:batch], max_new_tokens, msj.SpecParams(drafter="none"), repeats)
+    row_done(f"batch {batch} plain", tokens_per_s=plain[batch][0])
   sample_text = prompts[0] + model.tokenizer.decode([t for t in plain[min(batch_sizes)][1].tokens[0].tolist() if t >= 0])
   rows = []
-  budget = budget_multiplier * model.config.top_k
   for batch in batch_sizes:
     plain_tps, plain_out = plain[batch]
     rows.append(_row("none", 0, batch, plain_tps, plain_tps, 1.0, plain_out, plain_out))
@@ -75,7 +88,8 @@ def run_demo(model, workdir, *, max_new_tokens: int = 128, batch_sizes=(1, 8), r
       out = msj.generate(model, prompts[:batch], max_new_tokens=max_new_tokens, spec=spec)
       chosen[drafter] = out.stats["chosen_num_draft"]
       rows.append(_row(drafter, chosen[drafter], batch, tps, paired_plain_tps, speedup, out, plain_out))
-    if model.config.n_moe_layers and budget < model.config.n_routed_experts:
+      row_done(f"batch {batch} exact {drafter} auto K (chose {chosen[drafter]})", speedup=speedup)
+    if budgeted:
       # The APPROXIMATE row: MoE-Spec budget on the first drafter at the K auto chose, read by
       # the dedup kernel (the kernel whose bytes a budget lowers), with its agreement against
       # exact logits.
@@ -84,10 +98,12 @@ def run_demo(model, workdir, *, max_new_tokens: int = 128, batch_sizes=(1, 8), r
       spec = msj.SpecParams(drafter=drafter, num_draft=k, mode="budgeted", expert_budget=budget, kernel="dedup")
       tps, paired_plain_tps, speedup, _, _ = bench.paired(model, prompts[:batch], max_new_tokens,
                                                           msj.SamplingParams(), spec, repeats)
-      measured = msj.generate(model, prompts[:batch], max_new_tokens=max_new_tokens,
-                              spec=dataclasses.replace(spec, measure_quality=True))
-      rows.append(_row(drafter, k, batch, tps, paired_plain_tps, speedup, measured, plain_out,
-                       budget=budget, top1=measured.stats["top1_agreement"]))
+      with_quality = msj.generate(model, prompts[:batch], max_new_tokens=max_new_tokens,
+                                  spec=dataclasses.replace(spec, measure_quality=True))
+      rows.append(_row(drafter, k, batch, tps, paired_plain_tps, speedup, with_quality, plain_out,
+                       budget=budget, top1=with_quality.stats["top1_agreement"]))
+      row_done(f"batch {batch} budgeted {drafter} K={k}", speedup=speedup,
+               top1=with_quality.stats["top1_agreement"])
   params = model.param_counts()
   result = {"demo": {"rows": rows, "max_draft": max_draft, "validation_bits_per_byte": bpb, "params_total": params["total"],
                      "params_active": params["active"], "max_new_tokens": max_new_tokens,

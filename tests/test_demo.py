@@ -9,7 +9,7 @@ from moespec_jax import demo
 
 
 @pytest.mark.slow
-def test_demo_rows(tiny_config, tmp_path):
+def test_demo_rows(tiny_config, tmp_path, capsys):
   model = msj.Model.init(tiny_config.replace(num_mtp_modules=1, max_seq_len=512), seed=0)
   lines = []
   demo.run_demo(model, tmp_path, max_new_tokens=8, batch_sizes=(1, 2), repeats=1, max_draft=2, log=lines.append)
@@ -31,3 +31,9 @@ def test_demo_rows(tiny_config, tmp_path):
   assert all(0 <= r["num_draft"] <= 2 and sum(r["passes_by_num_draft"]) > 0 for r in auto)
   text = "\n".join(lines)
   assert "APPROXIMATE" in text and "auto:" in text
+  # A progress line per measured row, as it finishes (8 rows: minutes on the default model).
+  progress = [line for line in capsys.readouterr().out.splitlines() if line.startswith("demo step ")]
+  assert [line.split(" | ")[0] for line in progress] == [
+      f"demo step {i}/8 ({100 * i / 8:.1f}%)" for i in range(1, 9)]
+  assert "row batch 1 plain" in progress[0] and "row batch 2 budgeted mtp K=" in progress[-1]
+  assert "eta" in progress[0] and "eta" not in progress[-1]
