@@ -54,10 +54,17 @@ class Block(nnx.Module):
       self.ffn = SwiGLU(config.d_model, config.dense_hidden, out_scale=out_scale, rngs=rngs, dtype=dtype)
 
   def __call__(self, x_BTD, positions_BT, rope, layer_cache, *, expert_method, expert_budget=None,
-               valid_BT=None, fresh_cache: bool = False):
+               valid_BT=None, fresh_cache: bool = False, ffn_at_B=None):
+    """Returns (output, new layer cache, routing). `ffn_at_B`: the FFN runs at that one index per
+    row and the output is [B, 1, D] (a caller that reads the block's output there only; the cache
+    entries of every index come from the block's input)."""
     attn_out, new_cache = self.attn(self.attn_norm(x_BTD), positions_BT, rope, layer_cache,
                                     fresh_cache=fresh_cache)
     x_BTD = x_BTD + attn_out
+    if ffn_at_B is not None:
+      rows_B = jnp.arange(x_BTD.shape[0])
+      x_BTD = x_BTD[rows_B, ffn_at_B][:, None]
+      valid_BT = None if valid_BT is None else valid_BT[rows_B, ffn_at_B][:, None]
     h = self.ffn_norm(x_BTD)
     if self.is_moe:
       ffn_out, routing = self.ffn(h, expert_method=expert_method, expert_budget=expert_budget,

@@ -257,6 +257,40 @@ def test_rolled_back_caches_match_a_fresh_forward(mtp_model):
   np.testing.assert_allclose(np.asarray(mtp_got), np.asarray(mtp_want), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("modules", [1, 2])
+def test_fill_at_one_index_runs_the_last_ffn_there_only(mtp_model, two_module_model, modules):
+  """`fill(at_B=...)` (prompt fills and passes) runs the last module's FFN at one index per row
+  and gives the module-1 state and logits there, and every cache entry, of a fill over every
+  index."""
+  model = mtp_model if modules == 1 else two_module_model
+  config = model.config
+  b, t, cache_len = 2, 6, 16
+  rng = np.random.default_rng(0)
+  hidden = jnp.asarray(rng.normal(size=(b, t, config.d_model)), jnp.float32)
+  seq = jnp.asarray(rng.integers(0, config.vocab_size, (b, t + modules)), jnp.int32)
+  positions = jnp.broadcast_to(jnp.arange(t), (b, t))
+  valid = jnp.arange(t)[None] < jnp.asarray([[6], [4]])
+  at = jnp.asarray([5, 3])
+
+  @jax.jit
+  def run(state):
+    m = nnx.merge(model.graphdef, state)
+    fills = [mtp_lib.fill(m, hidden, seq, positions, mtp_lib.new_cache(config, b, cache_len), expert_method="xla",
+                          valid_BT=valid, at_B=at_B) for at_B in (None, at)]
+    last = modules - 1
+    one_index, _, _ = mtp_lib.run_module(m, last, hidden, seq[:, last:last + t], positions, None,
+                                         expert_method="xla", compute_logits=False, valid_BT=valid, ffn_at_B=at)
+    return fills, one_index
+
+  ((h_all, logits_all, cache_all), (h1, logits1, cache_one)), one_index = run(model.state)
+  rows = np.arange(b)
+  np.testing.assert_allclose(h1, h_all[rows, at], rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(logits1, logits_all[rows, at], rtol=1e-5, atol=1e-5)
+  for got, want in zip(jax.tree.leaves(cache_one), jax.tree.leaves(cache_all)):
+    np.testing.assert_array_equal(got, want)
+  assert one_index.shape == (b, 1, config.d_model)
+
+
 def test_recursive_depths_reuse_the_last_module():
   assert [mtp_lib.module_for_depth(d, 1) for d in (1, 2, 3)] == [(0, 0), (0, 1), (0, 2)]
   assert [mtp_lib.module_for_depth(d, 2) for d in (1, 2, 3, 4)] == [(0, 0), (1, 0), (1, 1), (1, 2)]
