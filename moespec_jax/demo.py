@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import pathlib
 import statistics
 from typing import Any
@@ -64,12 +65,10 @@ def run_demo(model, workdir, *, max_new_tokens: int = 128, batch_sizes=(1, 8), r
   # A line per measured row (compilation and auto K's calibration included): minutes in all.
   progress = cli.Progress(len(batch_sizes) * (1 + len(drafters) + budgeted), desc="demo", unit="rows",
                           every_s=None, every_steps=1)
-  measured = 0
+  steps = itertools.count(1)
 
   def row_done(what: str, **figures: float):
-    nonlocal measured
-    measured += 1
-    progress.update(measured, units=1, row=what, **figures)
+    progress.update(next(steps), units=1, row=what, **figures)
 
   plain = {}
   for batch in batch_sizes:
