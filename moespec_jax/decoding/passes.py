@@ -116,9 +116,14 @@ def init_carry(model, tokens_BT, lengths_B, seed, draft_inputs, ls: LoopSpec):
 
   cache = model.new_cache(batch, ls.cache_len)
   prompt_BT = jnp.arange(prompt_len, dtype=jnp.int32)[None] < lengths_B[:, None]  # padding reads no experts
-  out = model(tokens_BT, None, cache, expert_method=ls.expert_method, valid_BT=prompt_BT, compute_logits=False,
-              fresh_cache=True)
-  last_logits_BV = model.head(out.hidden[b_idx, lengths_B - 1][:, None])[:, 0]
+  if ls.drafter == "mtp":  # the MTP fill reads the hidden state at every prompt position
+    out = model(tokens_BT, None, cache, expert_method=ls.expert_method, valid_BT=prompt_BT, compute_logits=False,
+                fresh_cache=True)
+    last_logits_BV = model.head(out.hidden[b_idx, lengths_B - 1][:, None])[:, 0]
+  else:
+    out = model(tokens_BT, None, cache, expert_method=ls.expert_method, valid_BT=prompt_BT, fresh_cache=True,
+                hidden_at_B=lengths_B - 1)
+    last_logits_BV = out.logits[:, 0]
   first_B = sampling_lib.sample(_row_keys(row_keys_B, 0), last_logits_BV, ls.sampling)
   out_BN = jnp.full((batch, ls.max_new_tokens + k_max + 1), -1, jnp.int32).at[:, 0].set(first_B)
 

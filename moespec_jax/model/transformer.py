@@ -151,7 +151,7 @@ class Transformer(nnx.Module):
 
   def __call__(self, tokens_BT, positions_BT=None, cache: KVCache | None = None, *,
                expert_method: str | None = None, expert_budget=None, valid_BT=None,
-               compute_logits: bool = True, fresh_cache: bool = False) -> ForwardOutput:
+               compute_logits: bool = True, fresh_cache: bool = False, hidden_at_B=None) -> ForwardOutput:
     """One pass over `tokens_BT` at `positions_BT` (default 0..T-1 for every row).
 
     Without a cache this is the full causal forward; with one, the pass's keys/values are
@@ -165,6 +165,9 @@ class Transformer(nnx.Module):
     `compute_logits=False` skips the output head (logits None): a prefill needs the head at
     its last position only (`head(hidden)` there). `fresh_cache=True` (a prefill into an empty
     cache): attention reads only the pass's own keys, not the cache's empty entries.
+    `hidden_at_B` [B]: hidden states and logits at that one index per row only, [B, 1, ...]; the
+    last block runs its FFN there only (`Block.__call__`'s `ffn_at_B`), every index still writes
+    its keys/values, and routing is None (a prefill whose last prompt position alone is read).
     """
     c = self.config
     method = expert_method or c.expert_method
@@ -173,11 +176,12 @@ class Transformer(nnx.Module):
     x_BTD = jnp.take(self.embed_VD[...], tokens_BT, axis=0)
     rope = self.rope(positions_BT)
     new_keys, new_values, routings = [], [], []
+    last = len(self.layers) - 1
     for i, block in enumerate(self.layers):
       layer_cache = None if cache is None else (cache.keys[i], cache.values[i])
       x_BTD, layer_new, routing = block(x_BTD, positions_BT, rope, layer_cache, expert_method=method,
                                         expert_budget=expert_budget, valid_BT=valid_BT,
-                                        fresh_cache=fresh_cache)
+                                        fresh_cache=fresh_cache, ffn_at_B=hidden_at_B if i == last else None)
       if layer_new is not None:
         new_keys.append(layer_new[0])
         new_values.append(layer_new[1])
@@ -185,7 +189,7 @@ class Transformer(nnx.Module):
         routings.append(routing)
     hidden_BTD = self.final_norm(x_BTD)
     routing = None
-    if routings:
+    if routings and hidden_at_B is None:
       routing = Routing(*(jnp.stack(parts) for parts in zip(*routings)))
     new_cache = None if cache is None else KVCache(tuple(new_keys), tuple(new_values))
     logits_BTV = self.head(hidden_BTD) if compute_logits else None

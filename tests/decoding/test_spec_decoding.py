@@ -301,6 +301,28 @@ def test_fill_at_one_index_runs_the_last_ffn_there_only(mtp_model, two_module_mo
   assert ffn_at == [False] * modules + [False] * (modules - 1) + [True]
 
 
+@pytest.mark.parametrize("drafter,reads_every_index", [("none", False), ("ngram", False), ("mtp", True)])
+def test_prefill_computes_hidden_states_where_they_are_read(two_module_model, monkeypatch, drafter,
+                                                             reads_every_index):
+  """The prompt prefill asks the target for its last position's hidden state alone
+  (`hidden_at_B`: the last layer's FFN runs there only), except for the MTP drafter, whose fill
+  reads every position's."""
+  asked = []
+  call = type(two_module_model.module()).__call__
+
+  def recording_call(self, *args, **kwargs):
+    asked.append(kwargs.get("hidden_at_B") is not None)
+    return call(self, *args, **kwargs)
+
+  monkeypatch.setattr(type(two_module_model.module()), "__call__", recording_call)
+  spec = msj.SpecParams() if drafter == "none" else msj.SpecParams(drafter=drafter, num_draft=2)
+  _, ls, (definition, params, tokens, lengths, seed, draft_inputs) = loop._prepare(
+      two_module_model, RAGGED, 8, None, spec, 0, None)
+  jax.eval_shape(lambda p: passes.init_carry(programs.merge(definition, p, ls), tokens, lengths, seed,
+                                             draft_inputs, ls)["out"], params)
+  assert asked == [not reads_every_index]
+
+
 def test_recursive_depths_reuse_the_last_module():
   assert [mtp_lib.module_for_depth(d, 1) for d in (1, 2, 3)] == [(0, 0), (0, 1), (0, 2)]
   assert [mtp_lib.module_for_depth(d, 2) for d in (1, 2, 3, 4)] == [(0, 0), (1, 0), (1, 1), (1, 2)]

@@ -99,6 +99,34 @@ def test_fresh_cache_prefill_equals_cached_prefill_and_skips_nothing_it_needs(ti
                              atol=2e-5, rtol=2e-5)
 
 
+def test_hidden_at_one_index_runs_the_last_ffn_there_only(tiny_model, monkeypatch):
+  """`hidden_at_B` (a prefill whose last prompt position alone is read) gives the hidden state
+  and logits of the pass over every index there, every cache entry bit for bit, and runs only the
+  last block's FFN at that one index."""
+  module = tiny_model.module()
+  ffn_at = []
+  block_call = type(module.layers[0]).__call__
+
+  def recording_call(self, *args, **kwargs):
+    ffn_at.append(kwargs.get("ffn_at_B") is not None)
+    return block_call(self, *args, **kwargs)
+
+  monkeypatch.setattr(type(module.layers[0]), "__call__", recording_call)
+  tokens = jnp.asarray(np.random.default_rng(3).integers(0, 256, size=(2, 8)).astype(np.int32))
+  valid = jnp.arange(8)[None] < jnp.asarray([[8], [5]])
+  at = jnp.asarray([7, 4])
+  every = module(tokens, None, module.new_cache(2, 16), valid_BT=valid, fresh_cache=True)
+  one = module(tokens, None, module.new_cache(2, 16), valid_BT=valid, fresh_cache=True, hidden_at_B=at)
+  n_layers = module.config.n_layers
+  assert ffn_at == [False] * n_layers + [False] * (n_layers - 1) + [True]
+  rows = np.arange(2)
+  assert one.hidden.shape == (2, 1, module.config.d_model) and one.routing is None
+  np.testing.assert_allclose(one.hidden[:, 0], every.hidden[rows, at], atol=1e-5, rtol=1e-5)
+  np.testing.assert_allclose(one.logits[:, 0], every.logits[rows, at], atol=1e-5, rtol=1e-5)
+  for got, want in zip(jax.tree.leaves(one.cache), jax.tree.leaves(every.cache)):
+    np.testing.assert_array_equal(got, want)
+
+
 def test_forward_returns_hidden_and_routing(tiny_model, tiny_config):
   out = tiny_model.forward_full(np.zeros((2, 5), np.int32))
   c = tiny_config
