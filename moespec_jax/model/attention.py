@@ -83,28 +83,35 @@ class Attention(nnx.Module):
       k_BTGK = self.k_norm(k_BTGK.reshape(*k_BTGK.shape[:2], -1)).reshape(k_BTGK.shape)
     return q_BTHK, k_BTGK, v_BTGK
 
-  def __call__(self, x_BTD, positions_BT, rope, layer_cache=None, *, fresh_cache: bool = False):
+  def __call__(self, x_BTD, positions_BT, rope, layer_cache=None, *, fresh_cache: bool = False,
+               query_at_B=None):
     """Returns (out_BTD, (keys_NKS, values_NSK) or None), N = B * n_kv_heads (keys key-major:
     `cache.KVCache`).
 
     With `layer_cache=(keys, values)`, the pass's keys/values are written at their positions
     (each row's positions must be contiguous) and queries attend to the cache (positions <=
     their own). `fresh_cache`: the cache holds nothing yet (a prefill), so queries attend to
-    the pass's own keys only (not to the empty entries).
+    the pass's own keys only (not to the empty entries). `query_at_B` [B]: queries (and the
+    output, [B, 1, D]) at that one index per row only; every index still writes its keys/values.
     """
     cos, sin = rope
     q_BTHK, k_BTGK, v_BTGK = self._project(x_BTD)
     q_BTHK, k_BTGK = apply_rope(q_BTHK, cos, sin), apply_rope(k_BTGK, cos, sin)
+    key_positions_BT = positions_BT
+    if query_at_B is not None:
+      rows_B = jnp.arange(x_BTD.shape[0])
+      q_BTHK = q_BTHK[rows_B, query_at_B][:, None]
+      positions_BT = positions_BT[rows_B, query_at_B][:, None]
 
     # Queries of one KV head stacked as Q = T * R rows (t-major), one batch entry per (row, KV
     # head) pair N = B * G, as the cache lies: the products are plain batched matmuls over N.
-    b, t = x_BTD.shape[:2]
+    b, t, s = x_BTD.shape[0], q_BTHK.shape[1], x_BTD.shape[1]
     g, r, k = self.n_kv_heads, self.n_heads // self.n_kv_heads, self.head_dim
     scale = 1.0 / jnp.sqrt(jnp.float32(k))
     q_NQK = q_BTHK.reshape(b, t, g, r, k).transpose(0, 2, 1, 3, 4).reshape(b * g, t * r, k)
     new_cache = None if layer_cache is None else (
-        cache_lib.write_positions(layer_cache[0], k_BTGK, positions_BT[:, 0], key_major=True),
-        cache_lib.write_positions(layer_cache[1], v_BTGK, positions_BT[:, 0]))
+        cache_lib.write_positions(layer_cache[0], k_BTGK, key_positions_BT[:, 0], key_major=True),
+        cache_lib.write_positions(layer_cache[1], v_BTGK, key_positions_BT[:, 0]))
     if new_cache is not None and self.cpu_cached_attention:
       # Prefills too: the kernel scores each block of about 32 positions' queries against the
       # keys up to the block's last position only, so it skips most masked pairs and never reads
@@ -116,8 +123,8 @@ class Attention(nnx.Module):
       out_NQK = cpu_ffi.cached_attention(q_NQK * scale, keys_NKS, values_NSK, limit_NQ).astype(q_NQK.dtype)
       return self._output(out_NQK, b, t), new_cache
     if new_cache is None or fresh_cache:  # S: the pass's own positions
-      keys_NSK, values_NSK = (x.swapaxes(1, 2).reshape(b * g, t, k) for x in (k_BTGK, v_BTGK))
-      key_pos_BS = positions_BT
+      keys_NSK, values_NSK = (x.swapaxes(1, 2).reshape(b * g, s, k) for x in (k_BTGK, v_BTGK))
+      key_pos_BS = key_positions_BT
       scores_NQS = jnp.einsum("nqk,nsk->nqs", q_NQK, keys_NSK)
     else:
       keys_NKS, values_NSK = new_cache

@@ -198,13 +198,22 @@ class MLAttention(nnx.Module):
       return out_BTD.astype(out_BTHV.dtype)
     return jnp.einsum("bthv,hvd->btd", out_BTHV, self.w_o_HVD[...])
 
-  def __call__(self, x_BTD, positions_BT, rope, layer_cache=None, *, fresh_cache: bool = False):
+  def __call__(self, x_BTD, positions_BT, rope, layer_cache=None, *, fresh_cache: bool = False,
+               query_at_B=None):
     """Returns (out_BTD, (latent_BSC, rope_key_BSR) or None); `rope`: `mla.rope_tables`.
 
     With a cache, queries attend to the cache's earlier positions and to the pass's own entries
     (positions <= their own), which are written into the cache; with `fresh_cache` (a prefill)
-    only to the pass's own entries.
+    only to the pass's own entries. `query_at_B` [B]: the output at that one index per row only,
+    [B, 1, D] (every index's is computed: GQA's `Attention` computes only that one).
     """
+    out_BTD, new_cache = self._attend(x_BTD, positions_BT, rope, layer_cache, fresh_cache)
+    if query_at_B is not None:
+      out_BTD = out_BTD[jnp.arange(x_BTD.shape[0]), query_at_B][:, None]
+    return out_BTD, new_cache
+
+  def _attend(self, x_BTD, positions_BT, rope, layer_cache, fresh_cache: bool):
+    """Every index's output (`__call__`)."""
     cfg = self.config
     n = cfg.qk_nope_head_dim
     cos, sin = rope

@@ -84,16 +84,16 @@ class MTPModule(nnx.Module):
     return jnp.einsum("btd,dv->btv", normed_BTD, self.head_DV[...])
 
   def __call__(self, hidden_BTD, next_emb_BTD, positions_BT, rope, layer_cache, *, expert_method,
-               valid_BT=None, fresh_cache: bool = False, ffn_at_B=None):
+               valid_BT=None, fresh_cache: bool = False, output_at_B=None):
     """Returns (h_BTD, new layer cache, routing). Tokens outside `valid_BT` read no routed expert
-    (see `Transformer.__call__`); `ffn_at_B`: see `Block.__call__`."""
+    (see `Transformer.__call__`); `output_at_B`: see `Block.__call__`."""
     x_BTC = jnp.concatenate([self.hidden_norm(hidden_BTD), self.embed_norm(next_emb_BTD)], axis=-1)
     if use_packed(self.packed_proj_NDC, x_BTC):
       x_BTD = packed_product(x_BTC, self.packed_proj_NDC, self.w_proj_CD.shape[1]).astype(x_BTC.dtype)
     else:
       x_BTD = jnp.einsum("btc,cd->btd", x_BTC, self.w_proj_CD[...])
     return self.block(x_BTD, positions_BT, rope, layer_cache, expert_method=expert_method,
-                      valid_BT=valid_BT, fresh_cache=fresh_cache, ffn_at_B=ffn_at_B)
+                      valid_BT=valid_BT, fresh_cache=fresh_cache, output_at_B=output_at_B)
 
 
 def new_cache(config: ModelConfig, batch: int, max_len: int) -> KVCache:
@@ -109,16 +109,16 @@ def module_for_depth(depth: int, num_modules: int) -> tuple[int, int]:
 
 def run_module(model, m: int, hidden_BTD, next_tokens_BT, positions_BT, cache: KVCache | None, *,
                expert_method: str, compute_logits: bool = True, valid_BT=None, fresh_cache: bool = False,
-               ffn_at_B=None):
+               output_at_B=None):
   """Module `m` (0-based) over T tokens; returns (h_BTD, logits_BTV or None, new cache or None).
   Tokens outside `valid_BT` (default: none) read no routed expert: their outputs are not used.
-  `ffn_at_B`: the output only at that index per row, [B, 1, ...] (`Block.__call__`)."""
+  `output_at_B`: the output only at that index per row, [B, 1, ...] (`Block.__call__`)."""
   emb_BTD = jnp.take(model.embed_VD[...], next_tokens_BT, axis=0)
   rope = model.rope(positions_BT)
   layer_cache = None if cache is None else (cache.keys[m], cache.values[m])
   h_BTD, layer_new, _ = model.mtp[m](hidden_BTD, emb_BTD, positions_BT, rope, layer_cache,
                                      expert_method=expert_method, valid_BT=valid_BT, fresh_cache=fresh_cache,
-                                     ffn_at_B=ffn_at_B)
+                                     output_at_B=output_at_B)
   logits_BTV = model.mtp[m].logits(model, h_BTD) if compute_logits else None
   if cache is not None:
     cache = KVCache(keys=cache.keys[:m] + (layer_new[0],) + cache.keys[m + 1:],
@@ -136,10 +136,10 @@ def fill(model, target_hidden_BTD, seq_BT, positions_BT, cache: KVCache, *, expe
   there only). `valid_BT` [B, T]: the indices whose outputs or cache entries are kept (the
   others read no routed expert). `fresh_cache`: the cache is empty (a prefill).
 
-  With `at_B`, the last module's FFN runs at that one index per row only (`Block.__call__`'s
-  `ffn_at_B`): its cache entries come from its block's input, its output is read there (module
-  1) or not at all (a deeper last module). A prompt fill of T tokens then runs its FFN (and
-  reads its routed experts) for one token per row instead of T.
+  With `at_B`, the last module's attention queries and FFN run at that one index per row only
+  (`Block.__call__`'s `output_at_B`): its cache entries come from its block's input, its output
+  is read there (module 1) or not at all (a deeper last module). A prompt fill of T tokens then
+  runs them (and reads its routed experts) for one token per row instead of T.
   """
   t = target_hidden_BTD.shape[1]
   n_modules = model.config.num_mtp_modules
@@ -147,7 +147,7 @@ def fill(model, target_hidden_BTD, seq_BT, positions_BT, cache: KVCache, *, expe
   for m in range(n_modules):
     hidden, _, cache = run_module(model, m, hidden, seq_BT[:, m:m + t], positions_BT, cache,
                                   expert_method=expert_method, compute_logits=False, valid_BT=valid_BT,
-                                  fresh_cache=fresh_cache, ffn_at_B=at_B if m == n_modules - 1 else None)
+                                  fresh_cache=fresh_cache, output_at_B=at_B if m == n_modules - 1 else None)
     if first is None:
       first = hidden
   if at_B is None:

@@ -54,17 +54,18 @@ class Block(nnx.Module):
       self.ffn = SwiGLU(config.d_model, config.dense_hidden, out_scale=out_scale, rngs=rngs, dtype=dtype)
 
   def __call__(self, x_BTD, positions_BT, rope, layer_cache, *, expert_method, expert_budget=None,
-               valid_BT=None, fresh_cache: bool = False, ffn_at_B=None):
-    """Returns (output, new layer cache, routing). `ffn_at_B`: the FFN runs at that one index per
-    row and the output is [B, 1, D] (a caller that reads the block's output there only; the cache
-    entries of every index come from the block's input)."""
+               valid_BT=None, fresh_cache: bool = False, output_at_B=None):
+    """Returns (output, new layer cache, routing). `output_at_B`: the block's output at that one
+    index per row only, [B, 1, D] (a caller that reads it there only): attention's queries (GQA;
+    MLA computes every index's and keeps that one) and the FFN run there only, while every index
+    writes its cache entries."""
     attn_out, new_cache = self.attn(self.attn_norm(x_BTD), positions_BT, rope, layer_cache,
-                                    fresh_cache=fresh_cache)
-    x_BTD = x_BTD + attn_out
-    if ffn_at_B is not None:
+                                    fresh_cache=fresh_cache, query_at_B=output_at_B)
+    if output_at_B is not None:
       rows_B = jnp.arange(x_BTD.shape[0])
-      x_BTD = x_BTD[rows_B, ffn_at_B][:, None]
-      valid_BT = None if valid_BT is None else valid_BT[rows_B, ffn_at_B][:, None]
+      x_BTD = x_BTD[rows_B, output_at_B][:, None]
+      valid_BT = None if valid_BT is None else valid_BT[rows_B, output_at_B][:, None]
+    x_BTD = x_BTD + attn_out
     h = self.ffn_norm(x_BTD)
     if self.is_moe:
       ffn_out, routing = self.ffn(h, expert_method=expert_method, expert_budget=expert_budget,
@@ -166,8 +167,9 @@ class Transformer(nnx.Module):
     its last position only (`head(hidden)` there). `fresh_cache=True` (a prefill into an empty
     cache): attention reads only the pass's own keys, not the cache's empty entries.
     `hidden_at_B` [B]: hidden states and logits at that one index per row only, [B, 1, ...]; the
-    last block runs its FFN there only (`Block.__call__`'s `ffn_at_B`), every index still writes
-    its keys/values, and routing is None (a prefill whose last prompt position alone is read).
+    last block's attention queries and FFN run there only (`Block.__call__`'s `output_at_B`),
+    every index still writes its keys/values, and routing is None (a prefill whose last prompt
+    position alone is read).
     """
     c = self.config
     method = expert_method or c.expert_method
@@ -181,7 +183,7 @@ class Transformer(nnx.Module):
       layer_cache = None if cache is None else (cache.keys[i], cache.values[i])
       x_BTD, layer_new, routing = block(x_BTD, positions_BT, rope, layer_cache, expert_method=method,
                                         expert_budget=expert_budget, valid_BT=valid_BT,
-                                        fresh_cache=fresh_cache, ffn_at_B=hidden_at_B if i == last else None)
+                                        fresh_cache=fresh_cache, output_at_B=hidden_at_B if i == last else None)
       if layer_new is not None:
         new_keys.append(layer_new[0])
         new_values.append(layer_new[1])

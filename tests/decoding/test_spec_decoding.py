@@ -258,15 +258,15 @@ def test_rolled_back_caches_match_a_fresh_forward(mtp_model):
 
 
 @pytest.mark.parametrize("modules", [1, 2])
-def test_fill_at_one_index_runs_the_last_ffn_there_only(mtp_model, two_module_model, modules, monkeypatch):
-  """`fill(at_B=...)` (prompt fills and passes) runs the last module's FFN at one index per row
+def test_fill_at_one_index_runs_the_last_module_there_only(mtp_model, two_module_model, modules, monkeypatch):
+  """`fill(at_B=...)` (prompt fills and passes) runs the last module at one index per row
   and gives the module-1 state and logits there, and every cache entry, of a fill over every
   index."""
   model = mtp_model if modules == 1 else two_module_model
-  run_module, ffn_at = mtp_lib.run_module, []
+  run_module, output_at = mtp_lib.run_module, []
 
   def recording_run_module(*args, **kwargs):
-    ffn_at.append(kwargs.get("ffn_at_B") is not None)
+    output_at.append(kwargs.get("output_at_B") is not None)
     return run_module(*args, **kwargs)
 
   monkeypatch.setattr(mtp_lib, "run_module", recording_run_module)
@@ -286,7 +286,7 @@ def test_fill_at_one_index_runs_the_last_ffn_there_only(mtp_model, two_module_mo
                           valid_BT=valid, at_B=at_B) for at_B in (None, at)]
     last = modules - 1
     one_index, _, _ = run_module(m, last, hidden, seq[:, last:last + t], positions, None,
-                                         expert_method="xla", compute_logits=False, valid_BT=valid, ffn_at_B=at)
+                                         expert_method="xla", compute_logits=False, valid_BT=valid, output_at_B=at)
     return fills, one_index
 
   ((h_all, logits_all, cache_all), (h1, logits1, cache_one)), one_index = run(model.state)
@@ -296,9 +296,9 @@ def test_fill_at_one_index_runs_the_last_ffn_there_only(mtp_model, two_module_mo
   for got, want in zip(jax.tree.leaves(cache_one), jax.tree.leaves(cache_all)):
     np.testing.assert_array_equal(got, want)
   assert one_index.shape == (b, 1, config.d_model)
-  # The fill over every index runs every module's FFN everywhere; the fill at one index, the
+  # The fill over every index runs every module everywhere; the fill at one index, the
   # last module's at that index only.
-  assert ffn_at == [False] * modules + [False] * (modules - 1) + [True]
+  assert output_at == [False] * modules + [False] * (modules - 1) + [True]
 
 
 @pytest.mark.parametrize("drafter,reads_every_index", [("none", False), ("ngram", False), ("mtp", True)])

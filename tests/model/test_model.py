@@ -9,6 +9,7 @@ from flax import nnx
 import pallas_kernels
 from moespec_jax.config import ModelConfig
 from moespec_jax.model import Transformer
+from moespec_jax.model import attention as attention_lib
 from moespec_jax.model.moe import masked_to_read_experts, route
 
 
@@ -99,28 +100,52 @@ def test_fresh_cache_prefill_equals_cached_prefill_and_skips_nothing_it_needs(ti
                              atol=2e-5, rtol=2e-5)
 
 
-def test_hidden_at_one_index_runs_the_last_ffn_there_only(tiny_model, monkeypatch):
+@pytest.mark.parametrize("variant", ["gqa", "gqa_cpu_attention", "mla"])
+def test_hidden_at_one_index_gives_the_full_pass_there(tiny_config, monkeypatch, variant):
   """`hidden_at_B` (a prefill whose last prompt position alone is read) gives the hidden state
-  and logits of the pass over every index there, every cache entry bit for bit, and runs only the
-  last block's FFN at that one index."""
-  module = tiny_model.module()
-  ffn_at = []
+  and logits of the pass over every index there and every cache entry bit for bit; the last
+  block alone gets `output_at_B` and its attention returns that index only (GQA's C++ kernel
+  scores that index's queries only)."""
+  config = tiny_config.replace(**MLA) if variant == "mla" else tiny_config
+  module = Transformer(config, rngs=nnx.Rngs(0))
+  if variant == "gqa_cpu_attention":
+    module.use_cpu_cached_attention()
+  at_block, queries = [], []
   block_call = type(module.layers[0]).__call__
+  attention_type = type(module.layers[0].attn)
+  attention_call = attention_type.__call__
 
-  def recording_call(self, *args, **kwargs):
-    ffn_at.append(kwargs.get("ffn_at_B") is not None)
+  def recording_block(self, *args, **kwargs):
+    at_block.append(kwargs.get("output_at_B") is not None)
     return block_call(self, *args, **kwargs)
 
-  monkeypatch.setattr(type(module.layers[0]), "__call__", recording_call)
+  def recording_attention(self, x_BTD, *args, **kwargs):
+    out_BTD, cache = attention_call(self, x_BTD, *args, **kwargs)
+    queries.append(out_BTD.shape[1])
+    return out_BTD, cache
+
+  monkeypatch.setattr(type(module.layers[0]), "__call__", recording_block)
+  monkeypatch.setattr(attention_type, "__call__", recording_attention)
+  kernel_rows, kernel = [], attention_lib.cpu_ffi.cached_attention
+
+  def recording_kernel(q_NQK, *args):
+    kernel_rows.append(q_NQK.shape[1])
+    return kernel(q_NQK, *args)
+
+  monkeypatch.setattr(attention_lib.cpu_ffi, "cached_attention", recording_kernel)
   tokens = jnp.asarray(np.random.default_rng(3).integers(0, 256, size=(2, 8)).astype(np.int32))
   valid = jnp.arange(8)[None] < jnp.asarray([[8], [5]])
   at = jnp.asarray([7, 4])
   every = module(tokens, None, module.new_cache(2, 16), valid_BT=valid, fresh_cache=True)
   one = module(tokens, None, module.new_cache(2, 16), valid_BT=valid, fresh_cache=True, hidden_at_B=at)
-  n_layers = module.config.n_layers
-  assert ffn_at == [False] * n_layers + [False] * (n_layers - 1) + [True]
+  n_layers = config.n_layers
+  assert at_block == [False] * n_layers + [False] * (n_layers - 1) + [True]
+  assert queries == [8] * n_layers + [8] * (n_layers - 1) + [1]
+  if variant == "gqa_cpu_attention":  # the kernel scores the last layer's one query per head
+    heads_per_kv = config.n_heads // config.n_kv_heads
+    assert kernel_rows == [8 * heads_per_kv] * (2 * n_layers - 1) + [heads_per_kv]
   rows = np.arange(2)
-  assert one.hidden.shape == (2, 1, module.config.d_model) and one.routing is None
+  assert one.hidden.shape == (2, 1, config.d_model) and one.routing is None
   np.testing.assert_allclose(one.hidden[:, 0], every.hidden[rows, at], atol=1e-5, rtol=1e-5)
   np.testing.assert_allclose(one.logits[:, 0], every.logits[rows, at], atol=1e-5, rtol=1e-5)
   for got, want in zip(jax.tree.leaves(one.cache), jax.tree.leaves(every.cache)):
