@@ -204,16 +204,9 @@ class MLAttention(nnx.Module):
 
     With a cache, queries attend to the cache's earlier positions and to the pass's own entries
     (positions <= their own), which are written into the cache; with `fresh_cache` (a prefill)
-    only to the pass's own entries. `query_at_B` [B]: the output at that one index per row only,
-    [B, 1, D] (every index's is computed: GQA's `Attention` computes only that one).
+    only to the pass's own entries. `query_at_B` [B]: queries (and the output, [B, 1, D]) at that
+    one index per row only; every index still writes its cache entries.
     """
-    out_BTD, new_cache = self._attend(x_BTD, positions_BT, rope, layer_cache, fresh_cache)
-    if query_at_B is not None:
-      out_BTD = out_BTD[jnp.arange(x_BTD.shape[0]), query_at_B][:, None]
-    return out_BTD, new_cache
-
-  def _attend(self, x_BTD, positions_BT, rope, layer_cache, fresh_cache: bool):
-    """Every index's output (`__call__`)."""
     cfg = self.config
     n = cfg.qk_nope_head_dim
     cos, sin = rope
@@ -229,6 +222,11 @@ class MLAttention(nnx.Module):
     scale = jnp.float32(softmax_scale(cfg))
     latent_BTC, k_rope_BTR = latent_BTGC[:, :, 0], k_rope_BTGR[:, :, 0]
     own_visible_BTT = positions_BT[:, None, :] <= positions_BT[:, :, None]
+    query_positions_BT = positions_BT
+    if query_at_B is not None:  # rows (queries) at that index; keys and values at every index
+      rows_B = jnp.arange(x_BTD.shape[0])
+      q_nope_BTHN, q_rope_BTHR, query_positions_BT, own_visible_BTT = (
+          a[rows_B, query_at_B][:, None] for a in (q_nope_BTHN, q_rope_BTHR, positions_BT, own_visible_BTT))
     if new_cache is None or fresh_cache:
       out_BTHV = self._own_attention(q_nope_BTHN, q_rope_BTHR, latent_BTC, k_rope_BTR, own_visible_BTT, scale)
       return self._output(out_BTHV), new_cache
@@ -237,7 +235,7 @@ class MLAttention(nnx.Module):
       # Query rows t-major (token, then head); each sees the updated cache up to its own position.
       b, t, h = q_lat_BTHC.shape[:3]
       latent_BSC, k_rope_BSR = new_cache
-      limit_BQ = jnp.repeat(positions_BT, h, axis=1)
+      limit_BQ = jnp.repeat(query_positions_BT, h, axis=1)
       out_lat_BQC = cpu_ffi.mla_attention((q_lat_BTHC * scale).reshape(b, t * h, -1),
                                           (q_rope_BTHR * scale).reshape(b, t * h, -1), latent_BSC, k_rope_BSR,
                                           limit_BQ)
@@ -255,8 +253,8 @@ class MLAttention(nnx.Module):
     if x_BTD.shape[0] > 1:  # the updated cache (positions <= each query's own)
       latent_BSC, k_rope_BSR = new_cache
       key_pos_S = jnp.arange(latent_BSC.shape[1])
-      probs_BHTS = jax.nn.softmax(scores(latent_BSC, k_rope_BSR, key_pos_S[None, None] <= positions_BT[:, :, None]),
-                                  axis=-1)
+      visible_BTS = key_pos_S[None, None] <= query_positions_BT[:, :, None]
+      probs_BHTS = jax.nn.softmax(scores(latent_BSC, k_rope_BSR, visible_BTS), axis=-1)
       out_lat_BTHC = jnp.einsum("bsc,bhts->bthc", latent_BSC, probs_BHTS.astype(latent_BSC.dtype))
     else:
       # Batch 1: the cache as it was before this pass (positions before the pass's first) and

@@ -100,52 +100,55 @@ def test_fresh_cache_prefill_equals_cached_prefill_and_skips_nothing_it_needs(ti
                              atol=2e-5, rtol=2e-5)
 
 
-@pytest.mark.parametrize("variant", ["gqa", "gqa_cpu_attention", "mla"])
-def test_hidden_at_one_index_gives_the_full_pass_there(tiny_config, monkeypatch, variant):
-  """`hidden_at_B` (a prefill whose last prompt position alone is read) gives the hidden state
-  and logits of the pass over every index there and every cache entry bit for bit; the last
-  block alone gets `output_at_B` and its attention returns that index only (GQA's C++ kernel
-  scores that index's queries only)."""
-  config = tiny_config.replace(**MLA) if variant == "mla" else tiny_config
+@pytest.mark.parametrize("attention,cpu_attention,fresh,batch", [
+    ("gqa", False, True, 2), ("gqa", True, True, 2), ("gqa", True, False, 1),
+    ("mla", False, True, 2), ("mla", False, False, 2), ("mla", False, False, 1), ("mla", True, False, 2)])
+def test_hidden_at_one_index_gives_the_full_pass_there(tiny_config, monkeypatch, attention, cpu_attention, fresh,
+                                                       batch):
+  """`hidden_at_B` (a prefill whose last prompt position alone is read; the MTP fill's last
+  module) gives the hidden state and logits of the pass over every index there and every cache
+  entry bit for bit, into a fresh cache and against one with earlier entries, on XLA's products
+  and on the C++ attention kernels; the last block alone gets `output_at_B`, and its attention
+  takes that index's queries only."""
+  config = tiny_config.replace(**MLA) if attention == "mla" else tiny_config
   module = Transformer(config, rngs=nnx.Rngs(0))
-  if variant == "gqa_cpu_attention":
+  if cpu_attention:
     module.use_cpu_cached_attention()
-  at_block, queries = [], []
+  at_block, kernel_rows = [], []
   block_call = type(module.layers[0]).__call__
-  attention_type = type(module.layers[0].attn)
-  attention_call = attention_type.__call__
 
   def recording_block(self, *args, **kwargs):
     at_block.append(kwargs.get("output_at_B") is not None)
     return block_call(self, *args, **kwargs)
 
-  def recording_attention(self, x_BTD, *args, **kwargs):
-    out_BTD, cache = attention_call(self, x_BTD, *args, **kwargs)
-    queries.append(out_BTD.shape[1])
-    return out_BTD, cache
+  def recording(kernel):
+    def call(q_NQK, *args):
+      kernel_rows.append(q_NQK.shape[1])
+      return kernel(q_NQK, *args)
+    return call
 
   monkeypatch.setattr(type(module.layers[0]), "__call__", recording_block)
-  monkeypatch.setattr(attention_type, "__call__", recording_attention)
-  kernel_rows, kernel = [], attention_lib.cpu_ffi.cached_attention
-
-  def recording_kernel(q_NQK, *args):
-    kernel_rows.append(q_NQK.shape[1])
-    return kernel(q_NQK, *args)
-
-  monkeypatch.setattr(attention_lib.cpu_ffi, "cached_attention", recording_kernel)
-  tokens = jnp.asarray(np.random.default_rng(3).integers(0, 256, size=(2, 8)).astype(np.int32))
-  valid = jnp.arange(8)[None] < jnp.asarray([[8], [5]])
-  at = jnp.asarray([7, 4])
-  every = module(tokens, None, module.new_cache(2, 16), valid_BT=valid, fresh_cache=True)
-  one = module(tokens, None, module.new_cache(2, 16), valid_BT=valid, fresh_cache=True, hidden_at_B=at)
+  for name in ("cached_attention", "mla_attention"):
+    monkeypatch.setattr(attention_lib.cpu_ffi, name, recording(getattr(attention_lib.cpu_ffi, name)))
+  rng = np.random.default_rng(3)
+  tokens = jnp.asarray(rng.integers(0, 256, size=(batch, 8)).astype(np.int32))
+  valid = (jnp.arange(8)[None] < jnp.asarray([[8], [5]]))[:batch]
+  at = jnp.asarray([7, 4])[:batch]
+  cache, start = module.new_cache(batch, 16), 0
+  if not fresh:  # earlier entries at positions 0..3
+    cache = module(jnp.asarray(rng.integers(0, 256, size=(batch, 4)).astype(np.int32)), None, cache).cache
+    start = 4
+  positions = jnp.broadcast_to(jnp.arange(start, start + 8), (batch, 8))
+  at_block.clear(), kernel_rows.clear()
+  every = module(tokens, positions, cache, valid_BT=valid, fresh_cache=fresh)
+  one = module(tokens, positions, cache, valid_BT=valid, fresh_cache=fresh, hidden_at_B=at)
   n_layers = config.n_layers
   assert at_block == [False] * n_layers + [False] * (n_layers - 1) + [True]
-  assert queries == [8] * n_layers + [8] * (n_layers - 1) + [1]
-  if variant == "gqa_cpu_attention":  # the kernel scores the last layer's one query per head
-    heads_per_kv = config.n_heads // config.n_kv_heads
-    assert kernel_rows == [8 * heads_per_kv] * (2 * n_layers - 1) + [heads_per_kv]
-  rows = np.arange(2)
-  assert one.hidden.shape == (2, 1, config.d_model) and one.routing is None
+  if cpu_attention and not (attention == "mla" and fresh):  # MLA's prefills keep XLA's products
+    rows_per_index = kernel_rows[0] // 8
+    assert kernel_rows == [8 * rows_per_index] * (2 * n_layers - 1) + [rows_per_index]
+  rows = np.arange(batch)
+  assert one.hidden.shape == (batch, 1, config.d_model) and one.routing is None
   np.testing.assert_allclose(one.hidden[:, 0], every.hidden[rows, at], atol=1e-5, rtol=1e-5)
   np.testing.assert_allclose(one.logits[:, 0], every.logits[rows, at], atol=1e-5, rtol=1e-5)
   for got, want in zip(jax.tree.leaves(one.cache), jax.tree.leaves(every.cache)):
