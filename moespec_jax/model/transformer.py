@@ -56,9 +56,8 @@ class Block(nnx.Module):
   def __call__(self, x_BTD, positions_BT, rope, layer_cache, *, expert_method, expert_budget=None,
                valid_BT=None, fresh_cache: bool = False, output_at_B=None):
     """Returns (output, new layer cache, routing). `output_at_B`: the block's output at that one
-    index per row only, [B, 1, D] (a caller that reads it there only): attention's queries (GQA;
-    MLA computes every index's and keeps that one) and the FFN run there only, while every index
-    writes its cache entries."""
+    index per row only, [B, 1, D] (a caller that reads it there only): attention's queries and
+    the FFN run there only, while every index writes its cache entries."""
     attn_out, new_cache = self.attn(self.attn_norm(x_BTD), positions_BT, rope, layer_cache,
                                     fresh_cache=fresh_cache, query_at_B=output_at_B)
     if output_at_B is not None:

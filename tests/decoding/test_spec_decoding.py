@@ -305,8 +305,8 @@ def test_fill_at_one_index_runs_the_last_module_there_only(mtp_model, two_module
 def test_prefill_computes_hidden_states_where_they_are_read(two_module_model, monkeypatch, drafter,
                                                              reads_every_index):
   """The prompt prefill asks the target for its last position's hidden state alone
-  (`hidden_at_B`: the last layer's FFN runs there only), except for the MTP drafter, whose fill
-  reads every position's."""
+  (`hidden_at_B`: the last layer's queries and FFN run there only), except for the MTP drafter,
+  whose fill reads every position's."""
   asked = []
   call = type(two_module_model.module()).__call__
 
