@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import sys
 import time
-from typing import Callable, Sequence, TextIO
+from typing import Any, Callable, Sequence, TextIO
 
 from absl import app
 from absl import flags
@@ -165,15 +165,21 @@ class Progress:
     train step 1200/5000 (24.0%) | 2.81k tokens/s | loss 2.315 | 3m10s elapsed, eta 10m02s
 
   Rates and ETA are measured from the first `update` (or `start_step`), so a
-  resumed run reports its own speed. Lines go to stdout and are flushed.
+  resumed run reports its own speed. Lines go to `emit` (a caller's `log`, where it takes one:
+  whatever silences or redirects its other output does the same to these), else to `stream`
+  (default stdout), flushed.
   """
 
   def __init__(self, total: int, *, desc: str = "", unit: str = "tokens",
                every_s: float = 10.0, every_steps: int | None = None,
                start_step: int = 0, stream: TextIO | None = None,
+               emit: Callable[[str], Any] | None = None,
                clock: Callable[[], float] = time.monotonic):
     if total < 0:
       raise ValueError(f"total must be >= 0, got {total}")
+    if emit is not None and stream is not None:
+      raise ValueError("Progress takes emit or stream, not both")
+    self._emit = emit
     self.total = int(total)
     self.desc = desc
     self.unit = unit
@@ -225,9 +231,12 @@ class Progress:
       return False
     line = self.format(step, now, metrics)
     self.last_line = line
-    stream = self._stream if self._stream is not None else sys.stdout
-    stream.write(line + "\n")
-    stream.flush()
+    if self._emit is not None:
+      self._emit(line)
+    else:
+      stream = self._stream if self._stream is not None else sys.stdout
+      stream.write(line + "\n")
+      stream.flush()
     self._last_print_time = now
     self._last_print_step = step
     return True

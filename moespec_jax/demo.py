@@ -64,7 +64,7 @@ def run_demo(model, workdir, *, max_new_tokens: int = 128, batch_sizes=(1, 8), r
   budgeted = bool(model.config.n_moe_layers) and budget < model.config.n_routed_experts
   # A line per measured row (compilation and auto K's calibration included): minutes in all.
   progress = cli.Progress(len(batch_sizes) * (1 + len(drafters) + budgeted), desc="demo", unit="rows",
-                          every_s=None, every_steps=1)
+                          every_s=None, every_steps=1, emit=log)
   steps = itertools.count(1)
 
   def row_done(what: str, **figures: float):

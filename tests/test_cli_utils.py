@@ -101,6 +101,12 @@ def test_progress_lines():
   by_steps = cli.Progress(50, every_s=None, every_steps=10, stream=io.StringIO(),
                           start_step=20, clock=lambda: now[0])
   assert [by_steps.update(s) for s in range(21, 41)].count(True) == 2
+  emitted = []
+  to_log = cli.Progress(3, every_s=None, every_steps=1, emit=emitted.append, clock=lambda: now[0])
+  assert to_log.update(1) and to_log.update(3)
+  assert emitted == [to_log.format(1, now[0], {}), to_log.last_line] and emitted[-1].startswith("step 3/3")
+  with pytest.raises(ValueError, match="emit or stream"):
+    cli.Progress(3, emit=emitted.append, stream=io.StringIO())
 
 
 def test_list_flags_name_the_flag():

@@ -573,7 +573,7 @@ def _speedup_sweep(model, prompts, reference, cfg: CostValidationConfig, parts, 
       f"measured best K is unsettled)")
   speedups = {(a, 0): 1.0 for a in cfg.alphas}
   accepted_lengths, sweep_rows, prefills, best_k_shares, sweep_rounds = {}, [], [], {}, {}
-  bar = cli.Progress(len(cfg.alphas), desc="cost_model sweep", unit="rates", every_s=20.0)
+  bar = cli.Progress(len(cfg.alphas), desc="cost_model sweep", unit="rates", every_s=20.0, emit=log)
   for i, a in enumerate(cfg.alphas):
     part = parts.cached(f"sweep/{a}", lambda: _sweep_rate(model, prompts, reference, cfg, a))
     prefills += part["prefills"]

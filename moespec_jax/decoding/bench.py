@@ -82,7 +82,7 @@ def run_spec_bench(model, workdir, *, batch_sizes: Sequence[int] = (1, 2, 4, 8),
     raise ValueError("drafter 'mtp' needs a model with MTP heads (num_mtp_modules > 0)")
   prompts, encoding = bench_prompts(model, max(batch_sizes), prompt_bytes, log=log)
   total = len(batch_sizes) * len(temperatures) * (1 + len(drafters) * len(num_drafts))
-  progress = cli.Progress(total, desc="spec_bench", unit="rows", every_s=15.0)
+  progress = cli.Progress(total, desc="spec_bench", unit="rows", every_s=15.0, emit=log)
   rows, plain_rows, done = [], [], 0
   began = time.perf_counter()
   for temperature in temperatures:

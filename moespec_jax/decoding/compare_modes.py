@@ -61,7 +61,7 @@ def run_compare_modes(model, workdir, *, drafter: str = "mtp", num_drafts: Seque
   budgets = budgets_for(model.config.top_k, budget_multipliers)
   prompts = corpus.held_out_prompts(max(batch_sizes), prompt_bytes=192, seed=0)
   total = len(temperatures) * len(batch_sizes) * len(num_drafts) * (1 + len(policies) * len(budgets))
-  progress = cli.Progress(total, desc="compare_modes", unit="rows", every_s=15.0)
+  progress = cli.Progress(total, desc="compare_modes", unit="rows", every_s=15.0, emit=log)
   rows, began = [], time.perf_counter()
 
   def gen(batch_prompts, sampling, spec, seed):

@@ -51,7 +51,8 @@ def decode_kernels_ab(model, prompts: Sequence, *, batch_sizes: Sequence[int] = 
   if len(prompts) < max(batch_sizes):
     raise ValueError(f"{len(prompts)} prompts for batch sizes up to {max(batch_sizes)}")
   rows = []
-  progress = cli.Progress(len(batch_sizes) * rounds, desc="decode_kernels", unit="rounds", every_s=15.0)
+  progress = cli.Progress(len(batch_sizes) * rounds, desc="decode_kernels", unit="rounds", every_s=15.0,
+                          emit=log)
   for bi, batch in enumerate(batch_sizes):
     batch_prompts = list(prompts[:batch])
     calls = {}

@@ -193,7 +193,7 @@ def train(target: Model, tc: MTPTrainConfig, workdir, *, log=print) -> tuple[Mod
 
   tokens_per_step = tc.batch_size * tc.seq_len
   progress = cli.Progress(tc.steps, desc="mtp", unit="tokens", every_s=tc.log_every_seconds,
-                          start_step=start)
+                          start_step=start, emit=log)
   began = time.perf_counter()
   step = start
   for step in range(start + 1, tc.steps + 1):

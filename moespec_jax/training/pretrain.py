@@ -195,7 +195,7 @@ def train(config: ModelConfig, tc: TrainConfig, workdir, *, config_name: str = "
   eval_step = make_eval_step(graphdef)
   tokens_per_step = tc.batch_size * tc.seq_len
   progress = cli.Progress(tc.steps, desc="train", unit="tokens", every_s=tc.log_every_seconds,
-                          start_step=start)
+                          start_step=start, emit=log)
   step_times = []
   step = start
   for step in range(start + 1, tc.steps + 1):
