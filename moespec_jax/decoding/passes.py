@@ -23,6 +23,7 @@ from moespec_jax.decoding.params import SamplingParams
 from moespec_jax.model import cache as cache_lib
 from moespec_jax.model import mtp as mtp_lib
 from moespec_jax.model.budget import ExpertBudget
+from moespec_jax.model.layers import at_index
 from pallas_kernels import cpu_ffi
 
 
@@ -119,7 +120,7 @@ def init_carry(model, tokens_BT, lengths_B, seed, draft_inputs, ls: LoopSpec):
   if ls.drafter == "mtp":  # the MTP fill reads the hidden state at every prompt position
     out = model(tokens_BT, None, cache, expert_method=ls.expert_method, valid_BT=prompt_BT, compute_logits=False,
                 fresh_cache=True)
-    last_logits_BV = model.head(out.hidden[b_idx, lengths_B - 1][:, None])[:, 0]
+    last_logits_BV = model.head(at_index(out.hidden, lengths_B - 1))[:, 0]
   else:
     out = model(tokens_BT, None, cache, expert_method=ls.expert_method, valid_BT=prompt_BT, fresh_cache=True,
                 hidden_at_B=lengths_B - 1)

@@ -10,7 +10,7 @@ from flax import nnx
 
 from moespec_jax.config import ModelConfig
 from moespec_jax.model import cache as cache_lib
-from moespec_jax.model.layers import RMSNorm, apply_rope, fan_in_init, packed_product, use_packed
+from moespec_jax.model.layers import RMSNorm, apply_rope, at_index, fan_in_init, packed_product, use_packed
 from pallas_kernels import cpu_ffi
 
 
@@ -97,11 +97,9 @@ class Attention(nnx.Module):
     cos, sin = rope
     q_BTHK, k_BTGK, v_BTGK = self._project(x_BTD)
     q_BTHK, k_BTGK = apply_rope(q_BTHK, cos, sin), apply_rope(k_BTGK, cos, sin)
-    key_positions_BT = positions_BT
+    query_positions_BT = positions_BT
     if query_at_B is not None:
-      rows_B = jnp.arange(x_BTD.shape[0])
-      q_BTHK = q_BTHK[rows_B, query_at_B][:, None]
-      positions_BT = positions_BT[rows_B, query_at_B][:, None]
+      q_BTHK, query_positions_BT = at_index(q_BTHK, query_at_B), at_index(positions_BT, query_at_B)
 
     # Queries of one KV head stacked as Q = T * R rows (t-major), one batch entry per (row, KV
     # head) pair N = B * G, as the cache lies: the products are plain batched matmuls over N.
@@ -110,8 +108,8 @@ class Attention(nnx.Module):
     scale = 1.0 / jnp.sqrt(jnp.float32(k))
     q_NQK = q_BTHK.reshape(b, t, g, r, k).transpose(0, 2, 1, 3, 4).reshape(b * g, t * r, k)
     new_cache = None if layer_cache is None else (
-        cache_lib.write_positions(layer_cache[0], k_BTGK, key_positions_BT[:, 0], key_major=True),
-        cache_lib.write_positions(layer_cache[1], v_BTGK, key_positions_BT[:, 0]))
+        cache_lib.write_positions(layer_cache[0], k_BTGK, positions_BT[:, 0], key_major=True),
+        cache_lib.write_positions(layer_cache[1], v_BTGK, positions_BT[:, 0]))
     if new_cache is not None and self.cpu_cached_attention:
       # Prefills too: the kernel scores each block of about 32 positions' queries against the
       # keys up to the block's last position only, so it skips most masked pairs and never reads
@@ -119,18 +117,18 @@ class Attention(nnx.Module):
       # 0.87x on the default model's, before the blocks; the blocks took a further 2% off a
       # 192-token prefill of the default model and 11% off a 440-token one).
       keys_NKS, values_NSK = new_cache
-      limit_NQ = jnp.broadcast_to(positions_BT[:, None, :, None], (b, g, t, r)).reshape(b * g, t * r)
+      limit_NQ = jnp.broadcast_to(query_positions_BT[:, None, :, None], (b, g, t, r)).reshape(b * g, t * r)
       out_NQK = cpu_ffi.cached_attention(q_NQK * scale, keys_NKS, values_NSK, limit_NQ).astype(q_NQK.dtype)
       return self._output(out_NQK, b, t), new_cache
     if new_cache is None or fresh_cache:  # S: the pass's own positions
       keys_NSK, values_NSK = (x.swapaxes(1, 2).reshape(b * g, s, k) for x in (k_BTGK, v_BTGK))
-      key_pos_BS = key_positions_BT
+      key_pos_BS = positions_BT
       scores_NQS = jnp.einsum("nqk,nsk->nqs", q_NQK, keys_NSK)
     else:
       keys_NKS, values_NSK = new_cache
       key_pos_BS = jnp.arange(keys_NKS.shape[2])[None]
       scores_NQS = jnp.einsum("nqk,nks->nqs", q_NQK, keys_NKS)
-    visible_BQS = jnp.repeat(key_pos_BS[:, None, :] <= positions_BT[:, :, None], r, axis=1)
+    visible_BQS = jnp.repeat(key_pos_BS[:, None, :] <= query_positions_BT[:, :, None], r, axis=1)
     scores_BGQS = scores_NQS.astype(jnp.float32).reshape(b, g, t * r, -1)
     probs_BGQS = jax.nn.softmax(jnp.where(visible_BQS[:, None], scores_BGQS * scale, -1e30), axis=-1)
     probs_NQS = probs_BGQS.reshape(b * g, t * r, -1).astype(values_NSK.dtype)

@@ -29,6 +29,12 @@ def packed_product(x_BTD, packed_NDC, n_cols: int):
   return cpu_ffi.packed_matmul(x_BTD.reshape(b * t, d), packed_NDC, n_cols).reshape(b, t, n_cols)
 
 
+def at_index(x_BT, at_B):
+  """Row b's entry at index at_B[b], keeping a length-1 axis: [B, T, ...] -> [B, 1, ...] (a pass's
+  outputs or inputs where one index per row alone is read)."""
+  return x_BT[jnp.arange(x_BT.shape[0]), at_B][:, None]
+
+
 def fan_in_init(fan_in: int, scale: float = 1.0):
   """Normal init with std = scale / sqrt(fan_in)."""
   return jax.nn.initializers.normal(stddev=scale / math.sqrt(fan_in))

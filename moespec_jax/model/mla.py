@@ -26,7 +26,7 @@ from flax import nnx
 from moespec_jax.config import ModelConfig
 from moespec_jax.model import cache as cache_lib
 from moespec_jax.model import layers
-from moespec_jax.model.layers import RMSNorm, apply_rope, fan_in_init, packed_product, use_packed
+from moespec_jax.model.layers import RMSNorm, apply_rope, at_index, fan_in_init, packed_product, use_packed
 from pallas_kernels import cpu_ffi
 
 # DeepSeek's q/kv latent norms use their own epsilon, not the config's rms_norm_eps.
@@ -221,12 +221,11 @@ class MLAttention(nnx.Module):
         for c, new in zip(layer_cache, (latent_BTGC, k_rope_BTGR)))
     scale = jnp.float32(softmax_scale(cfg))
     latent_BTC, k_rope_BTR = latent_BTGC[:, :, 0], k_rope_BTGR[:, :, 0]
-    own_visible_BTT = positions_BT[:, None, :] <= positions_BT[:, :, None]
     query_positions_BT = positions_BT
-    if query_at_B is not None:  # rows (queries) at that index; keys and values at every index
-      rows_B = jnp.arange(x_BTD.shape[0])
-      q_nope_BTHN, q_rope_BTHR, query_positions_BT, own_visible_BTT = (
-          a[rows_B, query_at_B][:, None] for a in (q_nope_BTHN, q_rope_BTHR, positions_BT, own_visible_BTT))
+    if query_at_B is not None:  # queries at that index; keys and values at every index
+      q_nope_BTHN, q_rope_BTHR, query_positions_BT = (
+          at_index(a, query_at_B) for a in (q_nope_BTHN, q_rope_BTHR, positions_BT))
+    own_visible_BTT = positions_BT[:, None, :] <= query_positions_BT[:, :, None]
     if new_cache is None or fresh_cache:
       out_BTHV = self._own_attention(q_nope_BTHN, q_rope_BTHR, latent_BTC, k_rope_BTR, own_visible_BTT, scale)
       return self._output(out_BTHV), new_cache

@@ -39,7 +39,7 @@ from flax import nnx
 
 from moespec_jax.config import ModelConfig
 from moespec_jax.model.cache import KVCache
-from moespec_jax.model.layers import RMSNorm, fan_in_init, packed_product, use_packed
+from moespec_jax.model.layers import RMSNorm, at_index, fan_in_init, packed_product, use_packed
 from pallas_kernels import cpu_ffi
 
 
@@ -152,7 +152,7 @@ def fill(model, target_hidden_BTD, seq_BT, positions_BT, cache: KVCache, *, expe
       first = hidden
   if at_B is None:
     return first, model.mtp[0].logits(model, first), cache
-  h1_BD = first[:, 0] if n_modules == 1 else first[jnp.arange(first.shape[0]), at_B]
+  h1_BD = (first if n_modules == 1 else at_index(first, at_B))[:, 0]
   return h1_BD, model.mtp[0].logits(model, h1_BD[:, None])[:, 0], cache
 
 

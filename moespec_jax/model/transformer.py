@@ -12,7 +12,7 @@ from moespec_jax.config import ModelConfig
 from moespec_jax.model.attention import Attention
 from moespec_jax.model.cache import KVCache
 from moespec_jax.model import mla
-from moespec_jax.model.layers import RMSNorm, SwiGLU, fan_in_init, rope_tables
+from moespec_jax.model.layers import RMSNorm, SwiGLU, at_index, fan_in_init, rope_tables
 from moespec_jax.model.mla import MLAttention
 from moespec_jax.model.moe import MoE
 from pallas_kernels import cpu_ffi
@@ -61,9 +61,8 @@ class Block(nnx.Module):
     attn_out, new_cache = self.attn(self.attn_norm(x_BTD), positions_BT, rope, layer_cache,
                                     fresh_cache=fresh_cache, query_at_B=output_at_B)
     if output_at_B is not None:
-      rows_B = jnp.arange(x_BTD.shape[0])
-      x_BTD = x_BTD[rows_B, output_at_B][:, None]
-      valid_BT = None if valid_BT is None else valid_BT[rows_B, output_at_B][:, None]
+      x_BTD = at_index(x_BTD, output_at_B)
+      valid_BT = None if valid_BT is None else at_index(valid_BT, output_at_B)
     x_BTD = x_BTD + attn_out
     h = self.ffn_norm(x_BTD)
     if self.is_moe:
