@@ -8,6 +8,10 @@ Prediction (the bytes/bandwidth model of analysis/cost_model.py, batch 1):
   unique experts the model's own routing traces show for n consecutive tokens, and `fixed`
   (everything but the routed experts) from one measured plain pass:
   fixed = T_measured(1) - expert time(1).
+  Two variants let the non-expert time grow with n: `slope` per token fitted to the measured
+  passes at n = 1 and the largest n (linear non-expert), or measured apart from them (measured
+  non-expert): the same passes timed with every routed expert skipped
+  (`step_times_ms(..., routed_experts=False)`), the least-squares slope of those times in n.
 Measurement:
   - T_verify(n): one loop pass with K = n - 1 (`decoding.loop.step_times_ms`) with the
     controlled drafter, whose drafting costs next to nothing;
@@ -55,6 +59,7 @@ FITTED_METHODS = ("dedup", "per_slot")
 PREDICTORS = {
     "predicted": ("", "bytes model"),
     "predicted_linear_nonexpert": ("_linear_nonexpert", "linear non-expert"),
+    "predicted_measured_nonexpert": ("_measured_nonexpert", "measured non-expert"),
     "predicted_from_step_times": ("_from_step_times", "measured pass times"),
     "predicted_from_step_times_by_acceptance": ("_from_step_times_by_acceptance", "interpolated by acceptance"),
 }
@@ -452,10 +457,12 @@ def _kernel_stage(config, cfg: CostValidationConfig, routing: RoutingStage, log)
 @dataclasses.dataclass(frozen=True)
 class VerifyTimes:
   """Verify time per pass size n = 1..max_k + 1 ({n: ms}), predicted: `fixed_ms` (everything but
-  the routed experts, from the measured plain pass) plus the predicted expert time; and with a
-  non-expert term linear in n instead (`slope_ms` per token). `rows`: metrics.json's
-  `verify_time`; the relative errors against the measured pass times, n = 2..max_k + 1 (linear:
-  n = 2..max_k, its two ends are fitted)."""
+  the routed experts, from the measured plain pass) plus the predicted expert time; with a
+  non-expert term linear in n instead (`slope_ms` per token, fitted to the pass times at both
+  ends); and with that term measured (`measured_slope_ms` per token: the pass without its routed
+  experts, timed at every n, `nonexpert_ms_K`). `rows`: metrics.json's `verify_time`; the
+  relative errors against the measured pass times, n = 2..max_k + 1 (linear: n = 2..max_k, its
+  two ends are fitted)."""
   fixed_ms: float
   slope_ms: float
   predicted_ms: dict
@@ -463,11 +470,26 @@ class VerifyTimes:
   rows: list
   rel_err: list
   rel_err_linear: list
+  measured_slope_ms: float
+  predicted_measured_nonexpert_ms: dict
+  rel_err_measured_nonexpert: list
 
 
-def verify_times(config, fits, unique_by_n, step_ms_K, max_k: int) -> VerifyTimes:
+def nonexpert_slope_ms(nonexpert_ms_K) -> float:
+  """The per-token growth of the pass without its routed experts: the least-squares line through
+  its times at n = 1..len (one noisy pass must not set it), floored at 0."""
+  t = np.asarray(nonexpert_ms_K, float)
+  if t.ndim != 1 or t.size < 2:
+    raise ValueError(f"need the non-expert pass time at two pass sizes at least, got {nonexpert_ms_K}")
+  return max(float(np.polyfit(np.arange(1, t.size + 1), t, 1)[0]), 0.0)
+
+
+def verify_times(config, fits, unique_by_n, step_ms_K, nonexpert_ms_K, max_k: int) -> VerifyTimes:
   """The bytes model's verify times against `step_ms_K` (one measured loop pass at K = 0..max_k),
-  with the fixed time calibrated at n = 1 (and the linear non-expert term at n = 1 and max_k + 1)."""
+  with the fixed time calibrated at n = 1 (and the linear non-expert term at n = 1 and max_k + 1).
+  `nonexpert_ms_K`: the same passes timed without their routed experts (`loop.step_times_ms(...,
+  routed_experts=False)`); their per-token growth (`nonexpert_slope_ms`) gives a third model that
+  takes nothing from the pass times but the plain pass."""
   n_max = max_k + 1
   expert_ms = {n: expert_time_ms(config, fits, unique_by_n[n], n) for n in range(1, n_max + 1)}
   fixed_ms = float(step_ms_K[0] - expert_ms[1])
@@ -481,7 +503,19 @@ def verify_times(config, fits, unique_by_n, step_ms_K, max_k: int) -> VerifyTime
                   "predicted_expert_ms": expert_ms[n]} for n in range(1, n_max + 1)]
   rel_err = [abs(r["predicted_ms"] - r["measured_ms"]) / r["measured_ms"] for r in verify_rows[1:]]
   rel_err_linear = [abs(r["predicted_linear_ms"] - r["measured_ms"]) / r["measured_ms"] for r in verify_rows[1:-1]]
-  return VerifyTimes(fixed_ms, slope_ms, predicted_verify, predicted_linear, verify_rows, rel_err, rel_err_linear)
+  if len(nonexpert_ms_K) != n_max:
+    raise ValueError(f"need one non-expert pass time per n = 1..{n_max}, got {len(nonexpert_ms_K)}")
+  measured_slope = nonexpert_slope_ms(nonexpert_ms_K)
+  predicted_measured = {n: fixed_ms + measured_slope * (n - 1) + expert_ms[n] for n in expert_ms}
+  for r in verify_rows:
+    r["predicted_measured_nonexpert_ms"] = predicted_measured[r["n_tokens"]]
+    r["nonexpert_measured_ms"] = float(nonexpert_ms_K[r["n_tokens"] - 1])
+    # The routed experts' part as the pass pays it (caches as in decoding), beside predicted_expert_ms.
+    r["expert_measured_ms"] = r["measured_ms"] - r["nonexpert_measured_ms"]
+  rel_err_measured = [abs(r["predicted_measured_nonexpert_ms"] - r["measured_ms"]) / r["measured_ms"]
+                      for r in verify_rows[1:]]
+  return VerifyTimes(fixed_ms, slope_ms, predicted_verify, predicted_linear, verify_rows, rel_err, rel_err_linear,
+                     measured_slope, predicted_measured, rel_err_measured)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -518,10 +552,16 @@ def _pass_time_stage(model, prompts, cfg: CostValidationConfig, fits, unique_by_
       for end in (0.0, 1.0)}
   log(f"  pass times K = 0..{cfg.max_k} (ms): every draft wrong "
       f"{np.round(step_by_end[0.0], 2).tolist()}, every draft right {np.round(step_by_end[1.0], 2).tolist()}")
-  v = verify_times(model.config, fits, unique_by_n, step_ms_K, cfg.max_k)
+  # The same passes without their routed experts: how the rest of a pass grows with n, measured.
+  nonexpert_ms_K = loop.step_times_ms(model, prompts, cfg.max_new_tokens, spec=step_spec, reference_tokens=reference,
+                                      repeats=cfg.kernel_repeats, routed_experts=False)
+  v = verify_times(model.config, fits, unique_by_n, step_ms_K, nonexpert_ms_K, cfg.max_k)
   n_max = cfg.max_k + 1
+  log(f"  without routed experts (ms): {np.round(nonexpert_ms_K, 2).tolist()}, "
+      f"{v.measured_slope_ms * 1e3:.0f} us per token (least squares)")
   log(f"  fixed (non-expert) time {v.fixed_ms:.3f} ms; verify time median relative error "
-      f"{np.median(v.rel_err):.1%} (n = 2..{n_max}); with a linear non-expert term "
+      f"{np.median(v.rel_err):.1%} (n = 2..{n_max}); with the measured non-expert term: "
+      f"{np.median(v.rel_err_measured_nonexpert):.1%}; with a linear non-expert term "
       f"({v.slope_ms * 1e3:.0f} us per token, fitted at n = 1 and {n_max}): "
       f"{np.median(v.rel_err_linear) if v.rel_err_linear else float('nan'):.1%} (n = 2..{n_max - 1})")
   return PassTimes(reference, step_ms_K, step_by_end, v)
@@ -629,9 +669,11 @@ def best_k_comparison(alphas: Sequence[float], max_k: int, sweep: SpeedupSweep, 
     step_k, _ = _best_k_on(a, max_k, passes.measured_ms)
     step_a_k, _ = _best_k_on(a, max_k, pass_times_at(passes.step_ms_by_end, a))
     linear_k, _ = _best_k_on(a, max_k, passes.verify.predicted_linear_ms.__getitem__)
+    measured_nonexpert_k, _ = _best_k_on(a, max_k, passes.verify.predicted_measured_nonexpert_ms.__getitem__)
     best_rows.append({"alpha": a, "predicted": pred_k, "measured": measured_k, "predicted_from_step_times": step_k,
                       "predicted_from_step_times_by_acceptance": step_a_k,
                       "predicted_linear_nonexpert": linear_k,
+                      "predicted_measured_nonexpert": measured_nonexpert_k,
                       "predicted_speedup": float(pred_s), "measured_speedup": sweep.speedups[(a, measured_k)],
                       "measured_speedup_at_predicted": sweep.speedups[(a, pred_k)],
                       "measured_best_k_bootstrap_shares": sweep.best_k_shares[a], "rounds": sweep.rounds[a]})
@@ -755,6 +797,8 @@ def cost_model_metrics(cfg: CostValidationConfig, routing_stats: dict, kernels: 
       "verify_time_median_rel_error": float(np.median(v.rel_err)),
       "verify_time_median_rel_error_linear_nonexpert": float(np.median(v.rel_err_linear)) if v.rel_err_linear else None,
       "nonexpert_ms_per_token": v.slope_ms,
+      "verify_time_median_rel_error_measured_nonexpert": float(np.median(v.rel_err_measured_nonexpert)),
+      "nonexpert_ms_per_token_measured": v.measured_slope_ms,
       # Timed in every round (the faster of a one-token run before and after it); median and range
       # over the rounds of the fixed-K sweeps (the auto rows subtract their own rounds' too).
       "prefill_ms": float(np.median(prefills) * 1e3),
@@ -828,15 +872,16 @@ def auto_against_fixed(model, prompts, max_new_tokens: int, auto_spec, fixed_spe
 
 
 def format_summary(cm) -> str:
-  lines = ["", "best K: predicted by the bytes model (fixed non-expert time / linear non-expert term), "
-           "by the measured pass times (at a = 0.5 / interpolated by acceptance), and measured "
-           "(decode-phase speedup at the measured best K; with the rounds resampled, the K that are the "
-           "best in at least 10% of resamples)",
-           f"{'alpha':>6}{'bytes':>7}{'linear':>8}{'passes':>8}{'by a':>6}{'measured':>10}{'speedup':>9}"
-           f"{'resampled':>11}"]
+  lines = ["", "best K: predicted by the bytes model (fixed non-expert time / linear non-expert term / "
+           "non-expert term measured without routed experts), by the measured pass times (at a = 0.5 / "
+           "interpolated by acceptance), and measured (decode-phase speedup at the measured best K; with "
+           "the rounds resampled, the K that are the best in at least 10% of resamples)",
+           f"{'alpha':>6}{'bytes':>7}{'linear':>8}{'non-exp':>9}{'passes':>8}{'by a':>6}{'measured':>10}"
+           f"{'speedup':>9}{'resampled':>11}"]
   for r in cm["best_k"]:
     lo, hi = plausible_best_k(r["measured_best_k_bootstrap_shares"])
     lines.append(f"{r['alpha']:>6.2f}{r['predicted']:>7}{r['predicted_linear_nonexpert']:>8}"
+                 f"{r['predicted_measured_nonexpert']:>9}"
                  f"{r['predicted_from_step_times']:>8}{r['predicted_from_step_times_by_acceptance']:>6}"
                  f"{r['measured']:>10}{r['measured_speedup']:>9.2f}{f'{lo}-{hi}' if hi > lo else str(lo):>11}")
   lines.append("best K within 1: " + ", ".join(
@@ -847,7 +892,9 @@ def format_summary(cm) -> str:
       + f"; the measured best K of itself {cm['measured_best_k_self_agreement']:.0%}")
   lines.append("measured speedup at the predicted K within 5% of the best measured: " + ", ".join(
       f"{c[col]['within_5pct']:.0%} ({name}, worst {c[col]['worst']:.2f})" for col, (_, name) in PREDICTORS.items()))
-  lines.append(f"verify time median relative error: {cm['verify_time_median_rel_error']:.1%}; crossover "
+  lines.append(f"verify time median relative error: {cm['verify_time_median_rel_error']:.1%} (with the measured "
+               f"non-expert term, {cm['nonexpert_ms_per_token_measured'] * 1e3:.0f} us per token: "
+               f"{cm['verify_time_median_rel_error_measured_nonexpert']:.1%}); crossover "
                f"predicted n = {cm['crossover']['predicted_n']}, measured n = {cm['crossover']['measured_n']} "
                f"(dedup faster from there on; first faster at n = {cm['crossover']['measured_first_faster_n']})")
   lines += [describe_auto(r) for r in cm["auto"]]
@@ -922,6 +969,8 @@ def plot_staircase(cm, path) -> None:
   ax1.step(alphas, [r["predicted"] for r in rows], where="mid", label="predicted (bytes model)")
   ax1.step(alphas, [r["predicted_linear_nonexpert"] for r in rows], where="mid", ls="-.",
            label="predicted (bytes model, linear non-expert)")
+  ax1.step(alphas, [r["predicted_measured_nonexpert"] for r in rows], where="mid", ls=(0, (5, 1)),
+           label="predicted (bytes model, measured non-expert)")
   ax1.step(alphas, [r["predicted_from_step_times"] for r in rows], where="mid", ls="--",
            label="predicted (measured pass times)")
   ax1.step(alphas, [r["predicted_from_step_times_by_acceptance"] for r in rows], where="mid", ls=":",
@@ -957,7 +1006,11 @@ def plot_verify_time(cm, path) -> None:
   ax.plot(ns, [r["measured_ms"] for r in rows], "o-", label="measured (one loop pass)")
   ax.plot(ns, [r["predicted_ms"] for r in rows], "s--", label="predicted: fixed + expert bytes / bandwidth")
   ax.plot(ns, [r["predicted_linear_ms"] for r in rows], "^-.", label="predicted, linear non-expert term")
+  ax.plot(ns, [r["predicted_measured_nonexpert_ms"] for r in rows], "v--",
+          label="predicted, non-expert term measured")
+  ax.plot(ns, [r["nonexpert_measured_ms"] for r in rows], "x:", label="measured without routed experts")
   ax.plot(ns, [r["predicted_expert_ms"] for r in rows], ":", label="predicted routed-expert part")
+  ax.plot(ns, [r["expert_measured_ms"] for r in rows], "+:", label="routed-expert part: pass - pass without them")
   ax.set_xlabel("tokens per pass n (K + 1)")
   ax.set_ylabel("ms per pass")
   ax.set_ylim(bottom=0)

@@ -244,7 +244,8 @@ def generate(model, prompts, max_new_tokens: int = 64, sampling: SamplingParams 
 
 
 def step_times_ms(model, prompts, max_new_tokens: int = 64, sampling: SamplingParams | None = None,
-                  spec: SpecParams | None = None, reference_tokens=None, repeats: int = 7) -> np.ndarray:
+                  spec: SpecParams | None = None, reference_tokens=None, repeats: int = 7,
+                  routed_experts: bool = True) -> np.ndarray:
   """Measured time (ms) of one loop pass for each K in 0..K of `spec` (raw medians, not smoothed).
 
   What `num_draft='auto'` calibrates with (there made non-decreasing); the cost-model
@@ -254,7 +255,7 @@ def step_times_ms(model, prompts, max_new_tokens: int = 64, sampling: SamplingPa
   if spec.num_draft == "auto":
     spec = dataclasses.replace(spec, num_draft=spec.max_draft)
   _, ls, args = _prepare(model, prompts, max_new_tokens, sampling, spec, 0, reference_tokens)
-  return measure_step_ms(ls, args, repeats)
+  return measure_step_ms(dataclasses.replace(ls, routed_experts=routed_experts), args, repeats)
 
 
 def _stats(raw, tokens_BN, seconds: float, spec: SpecParams, ls: LoopSpec, step_ms_K) -> dict[str, Any]:

@@ -44,6 +44,9 @@ class LoopSpec:
   # (routed experts, top-k), (0, 0) for a dense model: the shape of the experts' part of the
   # pass times that auto K's calibration fits (auto_draft.smooth_step_times)
   routing: tuple[int, int] = (0, 0)
+  # False only to measure the pass without its routed experts (the cost model's non-expert time):
+  # the verification pass reads no routed expert, so its tokens are not the model's.
+  routed_experts: bool = True
 
 
 def _count_unique_experts(expert_ids_LBTK, active_BT, n_experts: int):
@@ -201,8 +204,9 @@ def speculative_pass(model, carry, k: int, ls: LoopSpec):
   inputs_BS = jnp.concatenate([pend_B[:, None], drafts_BK], axis=1)
   positions_BS = pos_B[:, None] + jnp.arange(k + 1, dtype=jnp.int32)[None]
   active_BS = active_B[:, None] & jnp.concatenate([jnp.ones((batch, 1), jnp.bool_), valid_BK], axis=1)
+  experts_BS = active_BS if ls.routed_experts else jnp.zeros_like(active_BS)
   vout = model(inputs_BS, positions_BS, carry["cache"], expert_method=ls.expert_method,
-               expert_budget=ls.expert_budget, valid_BT=active_BS)
+               expert_budget=ls.expert_budget, valid_BT=experts_BS)
   if ls.sampling.greedy:
     accept_BK, n_acc_B, next_B = rejection.verify_greedy(vout.logits, drafts_BK, valid_BK)
     if shadow:
@@ -287,7 +291,7 @@ def speculative_pass(model, carry, k: int, ls: LoopSpec):
     stats["quality"] = stats["quality"] + jnp.stack([agree, kl, count])
   if config.n_moe_layers:
     stats["unique_L"] = stats["unique_L"] + _count_unique_experts(
-        vout.routing.expert_ids, active_BS, config.n_routed_experts)
+        vout.routing.expert_ids, experts_BS, config.n_routed_experts)
   return dict(carry, step=step + 1, cache=vout.cache, pos=new_pos_B, pending=new_pend_B, gen=new_gen_B,
               done=new_done_B, out=out_BN, dstate=dstate, stats=stats)
 

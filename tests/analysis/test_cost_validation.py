@@ -171,6 +171,10 @@ def test_quick_run_writes_the_documented_metrics(tiny_config, tmp_path):
   assert all(cm["best_k_within_one_resampled" + suffix] == cm["best_k_within_one_fraction" + suffix]
              for suffix, _ in cost_validation.PREDICTORS.values())
   assert [r["n_tokens"] for r in cm["verify_time"]] == [1, 2, 3]
+  # The passes timed without their routed experts, and the prediction with their measured growth.
+  assert all(r["nonexpert_measured_ms"] > 0 and r["predicted_measured_nonexpert_ms"] > 0 for r in cm["verify_time"])
+  assert cm["nonexpert_ms_per_token_measured"] >= 0 and cm["verify_time_median_rel_error_measured_nonexpert"] >= 0
+  assert cm["verify_time"][0]["predicted_measured_nonexpert_ms"] == pytest.approx(cm["verify_time"][0]["measured_ms"])
   assert {r["drafter"] for r in cm["auto"]} == {"controlled", "ngram"}
   assert all(r["mean_accepted_length"] >= 1.0 and r["tokens_per_second"] > 0 for r in cm["auto"])
   assert all(r["plain_vs_plain"] > 0 for r in cm["auto"])
@@ -257,11 +261,13 @@ def test_sweep_round_settings_are_checked():
     cost_validation.CostValidationConfig(settled_share=1.5)
 
 
-def _verify_times(tiny_config, step_ms_K):
+def _verify_times(tiny_config, step_ms_K, nonexpert_ms_K=None):
   fits = {m: cost_model.KernelFit(gbps=10.0, fixed_ms=0.01) for m in cost_validation.FITTED_METHODS}
   unique_by_n = {n: [min(n * tiny_config.top_k, tiny_config.n_routed_experts) * 0.8] * tiny_config.n_moe_layers
                  for n in range(1, len(step_ms_K) + 1)}
-  return cost_validation.verify_times(tiny_config, fits, unique_by_n, np.asarray(step_ms_K), len(step_ms_K) - 1)
+  nonexpert_ms_K = [0.5] * len(step_ms_K) if nonexpert_ms_K is None else nonexpert_ms_K
+  return cost_validation.verify_times(tiny_config, fits, unique_by_n, np.asarray(step_ms_K),
+                                      np.asarray(nonexpert_ms_K), len(step_ms_K) - 1)
 
 
 def test_verify_times_fit_the_fixed_time_at_one_token_and_the_linear_term_at_both_ends(tiny_config):
@@ -276,6 +282,27 @@ def test_verify_times_fit_the_fixed_time_at_one_token_and_the_linear_term_at_bot
   assert grown.slope_ms == pytest.approx(0.1)
   assert min(grown.rel_err) > 0 and max(grown.rel_err_linear) == pytest.approx(0.0, abs=1e-9)
   assert [r["n_tokens"] for r in grown.rows] == [1, 2, 3, 4, 5] and len(grown.rel_err_linear) == 3
+
+
+def test_the_measured_nonexpert_term_is_the_slope_of_the_passes_without_routed_experts(tiny_config):
+  exact = _verify_times(tiny_config, [1.0] * 5)
+  model_ms = [exact.predicted_ms[n] - exact.predicted_ms[1] + 1.0 for n in range(1, 6)]
+  grown = [t + 0.1 * i for i, t in enumerate(model_ms)]
+  # Passes without their routed experts growing 0.1 ms a token (one of them noisy): the least-squares
+  # slope recovers most of it, and the prediction takes nothing else from the pass times but n = 1.
+  nonexpert = [0.4 + 0.1 * i for i in range(5)]
+  v = _verify_times(tiny_config, grown, nonexpert)
+  assert v.measured_slope_ms == pytest.approx(0.1)
+  assert max(v.rel_err_measured_nonexpert) == pytest.approx(0.0, abs=1e-9) and len(v.rel_err_measured_nonexpert) == 4
+  assert [r["nonexpert_measured_ms"] for r in v.rows] == pytest.approx(nonexpert)
+  assert [r["expert_measured_ms"] for r in v.rows] == pytest.approx([t - u for t, u in zip(grown, nonexpert)])
+  noisy = _verify_times(tiny_config, grown, [0.4, 0.5, 0.9, 0.7, 0.8])
+  assert noisy.measured_slope_ms == pytest.approx(0.1) and max(noisy.rel_err_measured_nonexpert) < 1e-9
+  # Flat or falling times measure no growth (a slope below zero would make longer passes cheaper).
+  assert _verify_times(tiny_config, grown, [0.6, 0.5, 0.5, 0.4, 0.4]).measured_slope_ms == 0.0
+  assert _verify_times(tiny_config, model_ms).rel_err_measured_nonexpert == pytest.approx([0.0] * 4, abs=1e-9)
+  with pytest.raises(ValueError, match="non-expert pass time per n"):
+    _verify_times(tiny_config, grown, [0.5, 0.6])
 
 
 def test_best_k_comparison_counts_rates_within_one_of_the_measured_best(tiny_config):

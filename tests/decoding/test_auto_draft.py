@@ -1,6 +1,9 @@
 """num_draft='auto' and the controlled-acceptance drafter: the choice rule, exactness (greedy
 auto output == plain output for every drafter), geometric acceptance, step-time calibration."""
 
+import dataclasses
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -307,6 +310,23 @@ def test_step_times_grow_with_pass_size(auto_model):
   times = loop.step_times_ms(auto_model, RAGGED, 8, spec=msj.SpecParams(drafter="ngram", num_draft=2),
                              repeats=2)
   assert times.shape == (3,) and np.all(times > 0)
+
+
+def test_passes_without_routed_experts_read_none(auto_model):
+  """LoopSpec(routed_experts=False), what the cost model times as a pass's non-expert part: the
+  verification pass skips every routed expert (none counted, and the tokens change)."""
+  _, ls, args = loop._prepare(auto_model, RAGGED, 8, msj.SamplingParams(), msj.SpecParams(drafter="ngram", num_draft=2),
+                              0, None)
+  carry0 = programs.compiled(calibration.init_program, ls, *args)(*args[1:])
+  out = {}
+  for experts in (True, False):
+    run_ls = dataclasses.replace(ls, routed_experts=experts)
+    run = programs.compiled(calibration.passes_program, run_ls, args[0], args[1], carry0, jnp.int32(0), jnp.int32(0))
+    # (The program may be step_times_ms's own, compiled to take over its carry: pass a copy.)
+    out[experts] = run(args[1], jax.tree.map(jnp.copy, carry0), jnp.int32(2), jnp.int32(3))
+  assert float(jnp.sum(out[True]["stats"]["unique_L"])) > 0
+  assert float(jnp.sum(out[False]["stats"]["unique_L"])) == 0
+  assert not np.array_equal(out[True]["out"], out[False]["out"])
 
 
 def test_bad_auto_and_controlled_arguments(auto_model, auto_plain):
