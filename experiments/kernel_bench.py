@@ -11,7 +11,6 @@ every shape. Layers whose f32 weights exceed --max_weight_gb are benchmarked on 
 their experts (top_k unchanged); rows and stdout say so.
 """
 
-import json
 import os
 
 from absl import flags
@@ -24,6 +23,7 @@ import pallas_kernels
 from moespec_jax import cli
 from moespec_jax.analysis import cost_validation, kernel_report
 from moespec_jax.analysis.roofline import stream_read_gbps
+from moespec_jax.io import atomic, plots
 from pallas_kernels import bytes as kbytes
 
 
@@ -111,9 +111,7 @@ def bench_shape(shape, n_list, routings, methods, repeats, overlap, max_weight_g
 
 
 def plot(rows, crossover, workdir):
-  import matplotlib  # pylint: disable=g-import-not-at-top
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  plt = plots.pyplot()
   paths = []
   for shape in sorted({r["shape"] for r in rows}):
     for routing in sorted({r["routing"] for r in rows if r["shape"] == shape}):
@@ -134,19 +132,10 @@ def plot(rows, crossover, workdir):
         ax.set_ylabel(yl)
         ax.legend()
       fig.suptitle(f"{shape}, {routing} routing")
-      fig.tight_layout()
       p = os.path.join(workdir, f"kernel_bench_{shape}_{routing}.png")
-      fig.savefig(p, dpi=90)
-      plt.close(fig)
+      plots.save(fig, p, dpi=90)
       paths.append(p)
   return paths
-
-
-def write_json_atomic(path, obj):
-  tmp = path + ".tmp"
-  with open(tmp, "w") as fh:
-    json.dump(obj, fh, indent=1)
-  os.replace(tmp, path)
 
 
 def run(workdir, shapes, n_list, routings, methods, repeats, overlap, max_weight_gb, backend, seed):
@@ -180,7 +169,7 @@ def run(workdir, shapes, n_list, routings, methods, repeats, overlap, max_weight
       note="effective_gbps = bytes_requested / time; bytes per pallas_kernels.bytes; "
            "experts_benchmarked < n_experts means a subset of the layer's experts (memory)")}
   metrics["kernel_bench"]["plots"] = plot(rows, crossover, workdir)
-  write_json_atomic(os.path.join(workdir, "metrics.json"), metrics)
+  atomic.write_json_atomic(os.path.join(workdir, "metrics.json"), metrics)
   log(f"wrote {os.path.join(workdir, 'metrics.json')}")
   return metrics
 

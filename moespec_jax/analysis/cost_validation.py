@@ -50,7 +50,7 @@ from moespec_jax import cli
 from moespec_jax.analysis import cost_model, draft_policy_sim, routing_report, timing, traces
 from moespec_jax.data import corpus
 from moespec_jax.decoding import loop
-from moespec_jax.io import atomic, progress
+from moespec_jax.io import atomic, plots, progress
 from pallas_kernels import bytes as kbytes
 
 FITTED_METHODS = ("dedup", "per_slot")
@@ -960,9 +960,7 @@ def auto_goals(rows) -> dict[str, int]:
 
 
 def plot_staircase(cm, path) -> None:
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
+  plt = plots.pyplot()
   fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
   rows = cm["best_k"]
   alphas = [r["alpha"] for r in rows]
@@ -979,11 +977,7 @@ def plot_staircase(cm, path) -> None:
   ax1.vlines(alphas, ranges[:, 0] - 0.15, ranges[:, 1] + 0.15, colors="gray", lw=5, alpha=0.35,
              label="measured, rounds resampled (K best in >= 10%)")
   ax1.plot(alphas, [r["measured"] for r in rows], "o", label="measured")
-  ax1.set_xlabel("acceptance rate a")
-  ax1.set_ylabel("best K")
-  ax1.set_title("best draft length")
-  ax1.legend(fontsize=8)
-  ax1.grid(alpha=0.3)
+  plots.finish_axes(ax1, "acceptance rate a", "best K", "best draft length", legend_fontsize=8)
   for k in sorted({r["num_draft"] for r in cm["speedups"]}):
     sel = [r for r in cm["speedups"] if r["num_draft"] == k]
     ax2.plot([r["alpha"] for r in sel], [r["speedup"] for r in sel], "-", lw=1, label=f"K={k}")
@@ -992,14 +986,11 @@ def plot_staircase(cm, path) -> None:
   ax2.set_ylabel("measured decode-phase speedup over plain")
   ax2.legend(fontsize=7, ncol=2)
   ax2.grid(alpha=0.3)
-  fig.tight_layout()
-  atomic.save_figure_atomic(fig, path)
+  plots.save(fig, path)
 
 
 def plot_verify_time(cm, path) -> None:
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
+  plt = plots.pyplot()
   fig, ax = plt.subplots(figsize=(6, 4))
   rows = cm["verify_time"]
   ns = [r["n_tokens"] for r in rows]
@@ -1011,10 +1002,6 @@ def plot_verify_time(cm, path) -> None:
   ax.plot(ns, [r["nonexpert_measured_ms"] for r in rows], "x:", label="measured without routed experts")
   ax.plot(ns, [r["predicted_expert_ms"] for r in rows], ":", label="predicted routed-expert part")
   ax.plot(ns, [r["expert_measured_ms"] for r in rows], "+:", label="routed-expert part: pass - pass without them")
-  ax.set_xlabel("tokens per pass n (K + 1)")
-  ax.set_ylabel("ms per pass")
   ax.set_ylim(bottom=0)
-  ax.legend(fontsize=8)
-  ax.grid(alpha=0.3)
-  fig.tight_layout()
-  atomic.save_figure_atomic(fig, path)
+  plots.finish_axes(ax, "tokens per pass n (K + 1)", "ms per pass", legend_fontsize=8)
+  plots.save(fig, path)

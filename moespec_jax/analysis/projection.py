@@ -28,7 +28,7 @@ import numpy as np
 from moespec_jax.analysis import cost_model, roofline
 from moespec_jax.analysis import routing as routing_lib
 from moespec_jax.config import ModelConfig
-from moespec_jax.io import atomic
+from moespec_jax.io import atomic, plots
 from moespec_jax.model.cache import KVCache
 from pallas_kernels import bytes as kbytes
 
@@ -205,9 +205,7 @@ def describe(result: dict[str, Any]) -> str:
 
 def plot(result: dict[str, Any], path) -> pathlib.Path:
   """Pass time by pass size and kernel, and the best K staircase (labelled as projected)."""
-  import matplotlib  # pylint: disable=g-import-not-at-top
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  plt = plots.pyplot()
   fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
   n = [r["n_tokens"] for r in result["passes"]]
   for method in METHODS:
@@ -216,5 +214,4 @@ def plot(result: dict[str, Any], path) -> pathlib.Path:
   ax1.legend()
   ax2.step([b["alpha"] for b in result["best_k"]], [b["best_k"] for b in result["best_k"]], where="mid")
   ax2.set(xlabel="acceptance rate a", ylabel="best K", title="best draft length (projected)")
-  fig.tight_layout()
-  return atomic.save_figure_atomic(fig, path)
+  return plots.save(fig, path)

@@ -8,7 +8,7 @@ import numpy as np
 
 from moespec_jax.analysis import ipf, routing
 from moespec_jax.analysis.routing import RoutingTrace
-from moespec_jax.io import atomic
+from moespec_jax.io import plots
 
 
 # Overlap between the experts of tokens up to this many positions apart (the 1..8).
@@ -82,9 +82,7 @@ def routing_stats(trace: RoutingTrace, *, max_tokens: int = 16, ipf_max_tokens: 
 
 
 def plot_routing(stats: dict[str, Any], path) -> None:
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
+  plt = plots.pyplot()
   fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
   rows = stats["unique_experts"]
   ns = [r["n_tokens"] for r in rows]
@@ -92,11 +90,8 @@ def plot_routing(stats: dict[str, Any], path) -> None:
     ax1.plot(ns, [r[key] for r in rows], style, label=key)
   ipf_rows = [r for r in rows if r["ipf"] is not None]
   ax1.plot([r["n_tokens"] for r in ipf_rows], [r["ipf"] for r in ipf_rows], "-s", label="IPF (max-entropy)")
-  ax1.set_xlabel("tokens per pass n")
-  ax1.set_ylabel("unique experts per layer")
-  ax1.set_title(f"unique experts ({stats['n_experts']} experts, top-{stats['top_k']})")
-  ax1.legend()
-  ax1.grid(alpha=0.3)
+  plots.finish_axes(ax1, "tokens per pass n", "unique experts per layer",
+                    f"unique experts ({stats['n_experts']} experts, top-{stats['top_k']})")
   ov = stats["overlap_by_distance"]
   ds = [o["distance"] for o in ov]
   per_layer = np.array([o["per_layer"] for o in ov]).T
@@ -106,10 +101,6 @@ def plot_routing(stats: dict[str, Any], path) -> None:
     ax2.axhline(ind_layer[l], color=line.get_color(), ls="--", alpha=0.6)
   ax2.plot([], [], "k--", label="independent (per layer)")
   ax2.plot(ds, [o["uniform"] for o in ov], "k:", label="uniform")
-  ax2.set_xlabel("token distance")
-  ax2.set_ylabel("overlap |E(t) ∩ E(t+d)| / k")
-  ax2.set_title("expert overlap by distance")
-  ax2.legend(fontsize=7)
-  ax2.grid(alpha=0.3)
-  fig.tight_layout()
-  atomic.save_figure_atomic(fig, path)
+  plots.finish_axes(ax2, "token distance", "overlap |E(t) ∩ E(t+d)| / k", "expert overlap by distance",
+                    legend_fontsize=7)
+  plots.save(fig, path)

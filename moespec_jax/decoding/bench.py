@@ -18,7 +18,7 @@ from moespec_jax import cli
 from moespec_jax.data import corpus
 from moespec_jax.decoding import loop
 from moespec_jax.hf import tokenizer as hf_tokenizer
-from moespec_jax.io import atomic
+from moespec_jax.io import atomic, plots
 
 
 def bench_prompts(model, n: int, prompt_bytes: int, log=print) -> tuple[list, str]:
@@ -146,9 +146,7 @@ def format_table(rows) -> str:
 
 def plot_speedup(rows, path: pathlib.Path) -> None:
   """Speedup vs K, one line per batch size; one panel per (drafter, temperature)."""
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
+  plt = plots.pyplot()
   panels = sorted({(r["drafter"], r["temperature"]) for r in rows})
   if not panels:
     return
@@ -159,10 +157,6 @@ def plot_speedup(rows, path: pathlib.Path) -> None:
                     and r["batch_size"] == batch), key=lambda r: r["num_draft"])
       ax.plot([r["num_draft"] for r in sel], [r["speedup"] for r in sel], "o-", label=f"batch {batch}")
     ax.axhline(1.0, color="gray", lw=0.8, ls="--")
-    ax.set_title(f"{drafter}, {'greedy' if temperature == 0 else f'T={temperature:g}'}")
-    ax.set_xlabel("K (drafted tokens)")
-    ax.set_ylabel("speedup over plain")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-  fig.tight_layout()
-  atomic.save_figure_atomic(fig, path)
+    plots.finish_axes(ax, "K (drafted tokens)", "speedup over plain",
+                      f"{drafter}, {'greedy' if temperature == 0 else f'T={temperature:g}'}", legend_fontsize=8)
+  plots.save(fig, path)

@@ -25,7 +25,7 @@ from moespec_jax import cli
 from moespec_jax.analysis import quality
 from moespec_jax.data import corpus
 from moespec_jax.decoding import loop
-from moespec_jax.io import atomic
+from moespec_jax.io import atomic, plots
 from moespec_jax.model import budget as budget_lib
 
 BUDGET_MULTIPLIERS = (1.0, 1.5, 2.0, 3.0, 4.0, None)  # x top_k; None = no budget
@@ -149,9 +149,7 @@ def _line(r) -> str:
 
 
 def plot_pareto(rows, path) -> None:
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
+  plt = plots.pyplot()
   fig, ax = plt.subplots(figsize=(7, 5))
   for policy, marker in (("truncate", "o"), ("substitute", "s")):
     pts = [r for r in rows if r["policy"] == policy]
@@ -160,10 +158,6 @@ def plot_pareto(rows, path) -> None:
                  alpha=0.7, label=f"budgeted, {policy} (approximate)")
   ax.axhline(1.0, color="k", lw=0.8, ls="--", label="exact")
   ax.axvline(0.98, color="gray", lw=0.8, ls=":", label="top-1 agreement 0.98")
-  ax.set_xlabel("top-1 agreement with exact target logits")
-  ax.set_ylabel("speedup over exact mode")
-  ax.set_title("MoE-Spec expert budgets: speed vs quality")
-  ax.grid(alpha=0.3)
-  ax.legend(fontsize=8)
-  fig.tight_layout()
-  atomic.save_figure_atomic(fig, path)
+  plots.finish_axes(ax, "top-1 agreement with exact target logits", "speedup over exact mode",
+                    "MoE-Spec expert budgets: speed vs quality", legend_fontsize=8)
+  plots.save(fig, path)

@@ -20,7 +20,7 @@ from moespec_jax.api import Model
 from moespec_jax.config import ModelConfig, dataclass_from_dict
 from moespec_jax.data import batches as batches_lib
 from moespec_jax.data import tokenizer as tokenizer_lib
-from moespec_jax.io import atomic, checkpoint
+from moespec_jax.io import atomic, checkpoint, plots
 from moespec_jax.model import Transformer
 from moespec_jax.model.moe import RouterBias
 from moespec_jax.training import losses
@@ -127,9 +127,7 @@ def evaluate(eval_step, params, biases, val_tokens, tc: TrainConfig, byte_length
 
 
 def plot_curves(metrics: dict, path: pathlib.Path) -> None:
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
+  plt = plots.pyplot()
   fig, ax = plt.subplots(figsize=(7, 4))
   tr = metrics["train_curve"]
   if tr:
@@ -137,13 +135,8 @@ def plot_curves(metrics: dict, path: pathlib.Path) -> None:
   va = metrics["val_curve"]
   if va:
     ax.plot([r["step"] for r in va], [r["bits_per_byte"] for r in va], "o-", label="validation (bits/byte)")
-  ax.set_xlabel("step")
-  ax.set_ylabel("bits")
-  ax.set_title(f"pretraining: {metrics.get('config_name', '')}")
-  ax.grid(alpha=0.3)
-  ax.legend()
-  fig.tight_layout()
-  atomic.save_figure_atomic(fig, path)
+  plots.finish_axes(ax, "step", "bits", f"pretraining: {metrics.get('config_name', '')}")
+  plots.save(fig, path)
 
 
 def train(config: ModelConfig, tc: TrainConfig, workdir, *, config_name: str = "",
