@@ -67,6 +67,9 @@ MAX_ACCEPTANCE = 0.999
 # drafter is geometric by construction, and the MTP heads' acceptance on the default model is
 # about flat in depth (0.84-0.98 over depths 0-7), where the depth model's optimism about rarely
 # reached depths chose longer drafts at batch 8 than the geometric model and cost 3-4% there.
+# Simulated at batch 1 (analysis/draft_policy_sim, two MTP calibrations, 127 tokens, 100 runs),
+# the per-depth reading gained 0.2-2.5% of the best fixed K on the heads' measured depth profiles
+# (0.97, 0.84-0.88, 0.88-0.93, then 0.92-1.0) and lost 1-3% on flat or falling ones.
 DEPTH_DRAFTERS = ("ngram",)
 # Reached drafts at which a depth's own acceptance weighs as much as the depth before it; standard
 # errors added to a depth's estimate while it has no evidence of its own (fading with it). In
@@ -84,6 +87,11 @@ DRAFT_MARGIN = 0.1
 # after a change of K, passes run slower for a few passes (default model, a = 0.7, plain and K = 2
 # passes alternating every 8 tokens: 12-18% more time than the same passes unmixed; every 32
 # tokens: none), and near break-even the choice would otherwise flip with the estimate's noise.
+# A fixed cost of 1-4 passes per change instead (with no margin or one of 3-5%) changed auto's
+# simulated cost by at most 0.5% (analysis/draft_policy_sim: controlled a = 0.4-0.95, the MTP
+# heads, prompt lookup's depth profile); where auto loses to the best fixed K with the MTP heads,
+# the calibration's noise is what moves its choice (six MTP calibrations back to back: one K's
+# pass-time ratio to a plain pass spread by 10-14%).
 SWITCH_MARGIN = 0.15
 # Pass times measured in the loop: evidence per K decays by TIMING_DECAY per segment run at that
 # K; a K's own evidence outweighs the level pooled over all K's once it has more than
