@@ -11,7 +11,7 @@ Prediction (the bytes/bandwidth model of analysis/cost_model.py, batch 1):
   Two variants let the non-expert time grow with n: `slope` per token fitted to the measured
   passes at n = 1 and the largest n (linear non-expert), or measured apart from them (measured
   non-expert): the same passes timed with every routed expert skipped
-  (`step_times_ms(..., routed_experts=False)`), the least-squares slope of those times in n.
+  (`step_times_with_and_without_experts_ms`), the least-squares slope of those times in n.
 Measurement:
   - T_verify(n): one loop pass with K = n - 1 (`decoding.loop.step_times_ms`) with the
     controlled drafter, whose drafting costs next to nothing;
@@ -487,8 +487,8 @@ def nonexpert_slope_ms(nonexpert_ms_K) -> float:
 def verify_times(config, fits, unique_by_n, step_ms_K, nonexpert_ms_K, max_k: int) -> VerifyTimes:
   """The bytes model's verify times against `step_ms_K` (one measured loop pass at K = 0..max_k),
   with the fixed time calibrated at n = 1 (and the linear non-expert term at n = 1 and max_k + 1).
-  `nonexpert_ms_K`: the same passes timed without their routed experts (`loop.step_times_ms(...,
-  routed_experts=False)`); their per-token growth (`nonexpert_slope_ms`) gives a third model that
+  `nonexpert_ms_K`: the same passes timed without their routed experts
+  (`loop.step_times_with_and_without_experts_ms`); their per-token growth (`nonexpert_slope_ms`) gives a third model that
   takes nothing from the pass times but the plain pass."""
   n_max = max_k + 1
   expert_ms = {n: expert_time_ms(config, fits, unique_by_n[n], n) for n in range(1, n_max + 1)}
@@ -540,8 +540,10 @@ def _pass_time_stage(model, prompts, cfg: CostValidationConfig, fits, unique_by_
   log(f"[3/6] measured pass times, K = 0..{cfg.max_k} (controlled drafter, batch 1)")
   reference = msj.generate(model, prompts, max_new_tokens=cfg.max_new_tokens).tokens
   step_spec = msj.SpecParams(drafter="controlled", num_draft=cfg.max_k, controlled_acceptance=0.5)
-  step_ms_K = loop.step_times_ms(model, prompts, cfg.max_new_tokens, spec=step_spec,
-                                 reference_tokens=reference, repeats=cfg.kernel_repeats)
+  # The same passes without their routed experts, timed side by side with them: how the rest of a
+  # pass grows with n, and the experts' part as decoding pays it.
+  step_ms_K, nonexpert_ms_K = loop.step_times_with_and_without_experts_ms(
+      model, prompts, cfg.max_new_tokens, spec=step_spec, reference_tokens=reference, repeats=cfg.kernel_repeats)
   # A pass's cost depends on what it verifies: wrong drafts (random tokens here) route to more
   # distinct experts than the model's own continuation. Pass times with every draft wrong
   # (a = 0) and every draft right (a = 1); under acceptance a a fraction a of the controlled
@@ -552,9 +554,6 @@ def _pass_time_stage(model, prompts, cfg: CostValidationConfig, fits, unique_by_
       for end in (0.0, 1.0)}
   log(f"  pass times K = 0..{cfg.max_k} (ms): every draft wrong "
       f"{np.round(step_by_end[0.0], 2).tolist()}, every draft right {np.round(step_by_end[1.0], 2).tolist()}")
-  # The same passes without their routed experts: how the rest of a pass grows with n, measured.
-  nonexpert_ms_K = loop.step_times_ms(model, prompts, cfg.max_new_tokens, spec=step_spec, reference_tokens=reference,
-                                      repeats=cfg.kernel_repeats, routed_experts=False)
   v = verify_times(model.config, fits, unique_by_n, step_ms_K, nonexpert_ms_K, cfg.max_k)
   n_max = cfg.max_k + 1
   log(f"  without routed experts (ms): {np.round(nonexpert_ms_K, 2).tolist()}, "

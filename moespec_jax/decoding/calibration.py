@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -81,27 +82,39 @@ def measure_step_ms(ls: LoopSpec, args, repeats: int = 7) -> np.ndarray:
   choice of K depends on is these ratios, and a slow spell of the machine that spans a round
   leaves them intact.
   """
+  return measure_step_variants_ms([ls], args, repeats)[0]
+
+
+def measure_step_variants_ms(lss: Sequence[LoopSpec], args, repeats: int = 7) -> np.ndarray:
+  """`measure_step_ms` for programs that differ only in what a pass does (e.g. `routed_experts`),
+  timed side by side: within each round every K of every variant runs (the variants' order
+  alternating), and each time is the median of its ratios to the first variant's K = 0 within a
+  round times that time's median. Returns [variant, K]. The prefill is the first variant's."""
+  ls = lss[0]
   definition, params = args[0], args[1]
   short, long = calibration_passes(ls.max_new_tokens)
   carry0 = jax.block_until_ready(programs.compiled(init_program, ls, *args)(*args[1:]))
-  run = programs.compiled(passes_program, ls, definition, params, carry0, jnp.int32(0), jnp.int32(0),
-                          donate_argnums=(2,))
+  runs = [programs.compiled(passes_program, variant, definition, params, carry0, jnp.int32(0), jnp.int32(0),
+                            donate_argnums=(2,)) for variant in lss]
 
-  def timed(k: int, n: int) -> float:
+  def timed(run, k: int, n: int) -> float:
     carry = jax.block_until_ready(jax.tree.map(jnp.copy, carry0))
     k_arr, n_arr = jnp.int32(k), jnp.int32(n)
     start = time.perf_counter()
     jax.block_until_ready(run(params, carry, k_arr, n_arr))
     return time.perf_counter() - start
 
-  for k in range(ls.num_draft + 1):  # warm-up: one program, whatever the loop's length
-    timed(k, short)
-  times_KR = np.zeros((ls.num_draft + 1, repeats))
+  for run in runs:  # warm-up: one program per variant, whatever the loop's length
+    for k in range(ls.num_draft + 1):
+      timed(run, k, short)
+  times_VKR = np.zeros((len(runs), ls.num_draft + 1, repeats))
   for r in range(repeats):
     for k in range(ls.num_draft + 1):
-      times_KR[k, r] = (timed(k, long) - timed(k, short)) * 1e3 / (long - short)
-  times_KR = np.maximum(times_KR, 1e-3)  # noise can drive a slope to zero or below: keep ratios finite
-  return np.median(times_KR / times_KR[:1], axis=1) * np.median(times_KR[0])
+      order = range(len(runs)) if (r + k) % 2 == 0 else reversed(range(len(runs)))
+      for v in order:
+        times_VKR[v, k, r] = (timed(runs[v], k, long) - timed(runs[v], k, short)) * 1e3 / (long - short)
+  times_VKR = np.maximum(times_VKR, 1e-3)  # noise can drive a slope to zero or below: keep ratios finite
+  return np.median(times_VKR / times_VKR[:1, :1], axis=2) * np.median(times_VKR[0, 0])
 
 
 def calibrate_step_ms(ls: LoopSpec, args) -> np.ndarray:

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from moespec_jax.decoding import auto_draft
-from moespec_jax.decoding.calibration import calibrate_step_ms, measure_step_ms
+from moespec_jax.decoding.calibration import calibrate_step_ms, measure_step_ms, measure_step_variants_ms
 from moespec_jax.decoding.params import SamplingParams, SpecParams
 from moespec_jax.decoding.passes import LoopSpec, auto_segment, init_carry, speculative_pass, statistic_shapes
 from moespec_jax.decoding.programs import compiled, cpu_kernels, decode_params, merge, model_definition
@@ -244,18 +244,34 @@ def generate(model, prompts, max_new_tokens: int = 64, sampling: SamplingParams 
 
 
 def step_times_ms(model, prompts, max_new_tokens: int = 64, sampling: SamplingParams | None = None,
-                  spec: SpecParams | None = None, reference_tokens=None, repeats: int = 7,
-                  routed_experts: bool = True) -> np.ndarray:
+                  spec: SpecParams | None = None, reference_tokens=None, repeats: int = 7) -> np.ndarray:
   """Measured time (ms) of one loop pass for each K in 0..K of `spec` (raw medians, not smoothed).
 
   What `num_draft='auto'` calibrates with (there made non-decreasing); the cost-model
   validation's measured verification time per pass size n = K + 1.
   """
+  ls, args = _step_program(model, prompts, max_new_tokens, sampling, spec, reference_tokens)
+  return measure_step_ms(ls, args, repeats)
+
+
+def step_times_with_and_without_experts_ms(model, prompts, max_new_tokens: int = 64,
+                                           sampling: SamplingParams | None = None, spec: SpecParams | None = None,
+                                           reference_tokens=None, repeats: int = 7) -> tuple[np.ndarray, np.ndarray]:
+  """`step_times_ms`, and the same passes with no routed expert read (LoopSpec.routed_experts
+  False), timed side by side in the same rounds: the rest of a pass, and by difference the routed
+  experts' part as decoding pays it (the cost model's non-expert time)."""
+  ls, args = _step_program(model, prompts, max_new_tokens, sampling, spec, reference_tokens)
+  with_K, without_K = measure_step_variants_ms([ls, dataclasses.replace(ls, routed_experts=False)], args, repeats)
+  return with_K, without_K
+
+
+def _step_program(model, prompts, max_new_tokens, sampling, spec, reference_tokens):
+  """(LoopSpec, arguments) of the program whose passes `step_times_ms` times: auto K at its largest K."""
   spec = SpecParams() if spec is None else spec
   if spec.num_draft == "auto":
     spec = dataclasses.replace(spec, num_draft=spec.max_draft)
   _, ls, args = _prepare(model, prompts, max_new_tokens, sampling, spec, 0, reference_tokens)
-  return measure_step_ms(dataclasses.replace(ls, routed_experts=routed_experts), args, repeats)
+  return ls, args
 
 
 def _stats(raw, tokens_BN, seconds: float, spec: SpecParams, ls: LoopSpec, step_ms_K) -> dict[str, Any]:

@@ -310,6 +310,9 @@ def test_step_times_grow_with_pass_size(auto_model):
   times = loop.step_times_ms(auto_model, RAGGED, 8, spec=msj.SpecParams(drafter="ngram", num_draft=2),
                              repeats=2)
   assert times.shape == (3,) and np.all(times > 0)
+  with_K, without_K = loop.step_times_with_and_without_experts_ms(
+      auto_model, RAGGED, 8, spec=msj.SpecParams(drafter="ngram", num_draft=2), repeats=2)
+  assert with_K.shape == without_K.shape == (3,) and np.all(with_K > 0) and np.all(without_K > 0)
 
 
 def test_passes_without_routed_experts_read_none(auto_model):
