@@ -488,9 +488,11 @@ def verify_times(config, fits, unique_by_n, step_ms_K, nonexpert_ms_K, max_k: in
   """The bytes model's verify times against `step_ms_K` (one measured loop pass at K = 0..max_k),
   with the fixed time calibrated at n = 1 (and the linear non-expert term at n = 1 and max_k + 1).
   `nonexpert_ms_K`: the same passes timed without their routed experts
-  (`loop.step_times_with_and_without_experts_ms`); their per-token growth (`nonexpert_slope_ms`) gives a third model that
-  takes nothing from the pass times but the plain pass."""
+  (`loop.step_times_with_and_without_experts_ms`); their per-token growth (`nonexpert_slope_ms`)
+  gives a third model that takes nothing from the pass times but the plain pass."""
   n_max = max_k + 1
+  if len(nonexpert_ms_K) != n_max:
+    raise ValueError(f"need one non-expert pass time per n = 1..{n_max}, got {len(nonexpert_ms_K)}")
   expert_ms = {n: expert_time_ms(config, fits, unique_by_n[n], n) for n in range(1, n_max + 1)}
   fixed_ms = float(step_ms_K[0] - expert_ms[1])
   predicted_verify = {n: fixed_ms + expert_ms[n] for n in expert_ms}
@@ -503,8 +505,6 @@ def verify_times(config, fits, unique_by_n, step_ms_K, nonexpert_ms_K, max_k: in
                   "predicted_expert_ms": expert_ms[n]} for n in range(1, n_max + 1)]
   rel_err = [abs(r["predicted_ms"] - r["measured_ms"]) / r["measured_ms"] for r in verify_rows[1:]]
   rel_err_linear = [abs(r["predicted_linear_ms"] - r["measured_ms"]) / r["measured_ms"] for r in verify_rows[1:-1]]
-  if len(nonexpert_ms_K) != n_max:
-    raise ValueError(f"need one non-expert pass time per n = 1..{n_max}, got {len(nonexpert_ms_K)}")
   measured_slope = nonexpert_slope_ms(nonexpert_ms_K)
   predicted_measured = {n: fixed_ms + measured_slope * (n - 1) + expert_ms[n] for n in expert_ms}
   for r in verify_rows:
