@@ -280,10 +280,18 @@ inline void PanelGemvAcc(const float* in, int64_t m, int64_t R, const float* W, 
   }
 }
 
+// The machine's cores, read once: std::thread::hardware_concurrency() reads
+// /sys/devices/system/cpu/online on each call with glibc 2.36 (7.6 us, about as long as a whole
+// 256 x 32 product), and every kernel call asks.
+inline int Cores() {
+  static const int cores = std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+  return cores;
+}
+
 // Threads a kernel's work is split over: the caller and XLA's intra-op pool, at most the cores
-// ($MOESPEC_FFI_THREADS overrides).
+// ($MOESPEC_FFI_THREADS overrides; read on every call, so a test may change it).
 inline int ThreadsWanted(int64_t pool_threads) {
-  int n = static_cast<int>(std::thread::hardware_concurrency());
+  int n = Cores();
   if (pool_threads > 0) n = std::min<int>(n, static_cast<int>(pool_threads) + 1);
   if (const char* env = std::getenv("MOESPEC_FFI_THREADS")) n = std::atoi(env);
   return std::max(1, n);
