@@ -13,7 +13,7 @@ no draft to accept and both n-gram columns measure only its overhead), each load
   (transformers' assisted generation is batch 1 only);
 on code prompts (UTF-8 bytes of standard-library sources as token ids). Measurements run in
 rounds: at batch 1 both implementations' plain and prompt-lookup decoding once each per round,
-at batch 8 both plain decoders, the order reversing from round to round; tokens/s are medians
+at batch 8 both plain decoders, in a balanced order (`timing.round_order`); tokens/s are medians
 over rounds and the summary's ratios medians of within-round ratios (this machine's speed drifts
 by tens of percent over minutes). The two n-gram speedups are also compared within each round
 (ours over transformers'), each figure with a 90% bootstrap interval over the rounds

@@ -120,8 +120,9 @@ QUICK_CONFIG = CostValidationConfig(
 def progress_settings(model, cfg: CostValidationConfig) -> dict[str, Any]:
   """What a resumed run must share with the interrupted one: the validation's settings, the
   model's config and its weights (and the layout of the stored parts: 3 keeps each round's
-  speedups in the sweep's parts, as many rounds as each rate took)."""
-  return {"experiment": "cost_model", "parts_format": 3, "config": dataclasses.asdict(cfg),
+  speedups in the sweep's parts, as many rounds as each rate took; 4, rounds in the balanced
+  order of `timing.round_order`: parts timed in the earlier order are not mixed in)."""
+  return {"experiment": "cost_model", "parts_format": 4, "config": dataclasses.asdict(cfg),
           "model": dataclasses.asdict(model.config), "weights": progress.weights_fingerprint(model.state)}
 
 
@@ -132,15 +133,16 @@ def median_time_ms(fn, args, repeats: int) -> float:
 
 
 def median_times_alternating_ms(calls: dict, repeats: int) -> dict:
-  """Median wall time (ms) of each zero-argument call in `calls`, timed in alternation (the
-  order reversed every repeat) after one warm-up call each: a slow spell of the machine moves
-  every median together, so their comparison is not decided by when each was timed."""
+  """Median wall time (ms) of each zero-argument call in `calls`, timed in alternation (in the
+  balanced order of `timing.round_order`) after one warm-up call each: a slow spell of the
+  machine moves every median together, so their comparison is not decided by when each was
+  timed."""
   for call in calls.values():
     jax.block_until_ready(call())
   names = list(calls)
   times = {name: [] for name in names}
   for r in range(repeats):
-    for name in (names if r % 2 == 0 else names[::-1]):
+    for name in timing.round_order(names, r):
       start = time.perf_counter()
       jax.block_until_ready(calls[name]())
       times[name].append(time.perf_counter() - start)
@@ -262,14 +264,15 @@ def round_robin_runs(model, prompts, max_new_tokens: int, specs: dict, rounds: i
   """Decode-phase seconds of plain decoding (label None) and of each spec in `specs` (key: its
   label, e.g. K), `rounds` times each, side by side.
 
-  Each round runs plain decoding and every spec once (the order reverses from one round to the
-  next), so every spec is measured in the same stretch of time as plain and as the others: a
+  Each round runs plain decoding and every spec once (in the balanced order of
+  `timing.round_order`: no label always runs first or last, or always after the same one), so
+  every spec is measured in the same stretch of time as plain and as the others: a
   slow spell of the machine moves them together. The prefill (a one-token generate()) is timed
   at the start and at the end of every round and the faster of the two is subtracted from that
   round's runs: a prefill timed once, in a slow moment, would shrink every decode time by the
   same wrong amount and inflate every ratio. `check_tokens`: every run's tokens must equal
   these (greedy speculative decoding is exact). Round r runs with seed `first_round` + r (more
-  rounds of one comparison continue its seeds).
+  rounds of one comparison continue its seeds, and their order).
   """
   labels = [None] + list(specs)
   seconds = {k: [] for k in labels}
@@ -279,7 +282,7 @@ def round_robin_runs(model, prompts, max_new_tokens: int, specs: dict, rounds: i
   for r in range(first_round, first_round + rounds):
     totals = {}
     before = msj.generate(model, prompts, max_new_tokens=1, seed=r).stats["seconds"]
-    for k in (labels if r % 2 == 0 else labels[::-1]):
+    for k in timing.round_order(labels, r):
       spec = msj.SpecParams() if k is None else specs[k]
       out = msj.generate(model, prompts, max_new_tokens=max_new_tokens, spec=spec, seed=r,
                          reference_tokens=reference if spec.drafter == "controlled" else None)

@@ -22,10 +22,31 @@ def median_interval(values: Sequence[float], level: float = 0.9, resamples: int 
   return float(np.quantile(medians, tail)), float(np.quantile(medians, 1.0 - tail))
 
 
+def round_order(labels: Sequence[Any], r: int) -> list:
+  """The order in which round `r` runs `labels`: a balanced Latin square (Williams design).
+
+  Over a cycle of len(labels) rounds (twice that for an odd count) every label runs at every
+  position equally often and right after every other label equally often. A comparison against a
+  label always run first and last (right after the round's untimed setup, or never after a long
+  speculative run) would carry what running after another program costs here: plain decoding
+  run a second time in the middle of such rounds measured 2-5% slower than itself at the ends
+  (default model, batch 1, 128 tokens, after K = 4 and K = 8 runs). Two labels alternate.
+  """
+  n = len(labels)
+  if n == 0:
+    return []
+  # 0, 1, n-1, 2, n-2, ...: consecutive differences are distinct modulo n (even n).
+  base = [0]
+  for i in range(1, n):
+    base.append((i + 1) // 2 if i % 2 == 1 else n - i // 2)
+  row = [labels[(b + r) % n] for b in base]
+  return row[::-1] if n % 2 == 1 and (r // n) % 2 == 1 else row
+
+
 def interleaved_seconds(fns: dict[Any, Callable[[], Any]], rounds: int, *, before: Callable[[], None],
                         on_round: Callable[[int], None] | None = None) -> tuple[dict, dict]:
-  """Wall seconds of every function in `fns`, once per round, the order reversing from one round
-  to the next: every measurement of a round sees the same stretch of this machine's load, so
+  """Wall seconds of every function in `fns`, once per round, in a balanced order (`round_order`):
+  every measurement of a round sees the same stretch of this machine's load, so
   ratios are taken within rounds. `before` runs ahead of every call, untimed (benchmarks pass
   `roofline.flush_caches`, so that no call finds its weights left in the processor's caches by a
   call of its own kind); `on_round(r)` after round r (progress). Returns ({label: [seconds per
@@ -33,7 +54,7 @@ def interleaved_seconds(fns: dict[Any, Callable[[], Any]], rounds: int, *, befor
   labels = list(fns)
   seconds, last = {k: [] for k in labels}, {}
   for r in range(rounds):
-    for k in (labels if r % 2 == 0 else labels[::-1]):
+    for k in round_order(labels, r):
       before()
       start = time.perf_counter()
       last[k] = fns[k]()

@@ -4,7 +4,7 @@ On CPU, decoding runs the output head, the dense projections and the attention a
 cache (GQA, and MLA's passes against its compressed cache) on C++ kernels by default
 (`SpecParams(head_kernel=, dense_kernel=, attention_kernel=)`). This measures what each one buys
 on a given model: plain greedy decoding with all of them, with each one in turn replaced by
-XLA's ops, and with none, every variant once per round (the order reversing from round to round,
+XLA's ops, and with none, every variant once per round (in a balanced order, `timing.round_order`,
 the processor's caches emptied before every call), each run beside a first-token-only run of the
 same variant, so that the decode phase (all but the first token) is timed apart from the
 prefill. Ratios are taken within rounds, each with a 90% bootstrap interval; every variant must

@@ -93,8 +93,8 @@ def test_config_rejects_bad_values():
     cost_validation.CostValidationConfig(real_drafters=("eagle",))
 
 
-def test_round_robin_alternates_order_and_pairs_each_round(monkeypatch):
-  """Plain and every spec run once per round, in reversed order every other round, between two
+def test_round_robin_balances_order_and_pairs_each_round(monkeypatch):
+  """Plain and every spec run once per round, in the balanced order of timing.round_order, between two
   one-token runs (the round's prefill, the faster of the two, subtracted from its runs); a
   spec's speedup is the median of per-round ratios (a slow round moves plain and the spec
   together)."""
@@ -118,7 +118,7 @@ def test_round_robin_alternates_order_and_pairs_each_round(monkeypatch):
   specs = {1: msj.SpecParams(drafter="ngram", num_draft=1), 2: msj.SpecParams(drafter="ngram", num_draft=2)}
   speedup, _, _, prefills, per_round = cost_validation.round_robin_speedups(None, [[1]], 4, specs, rounds=2)
   assert calls == [(0, "prefill"), (0, "prefill"), (0, "none"), (0, "a"), (0, "b"), (0, "prefill"),
-                   (1, "prefill"), (1, "b"), (1, "a"), (1, "none"), (1, "prefill")]
+                   (1, "prefill"), (1, "a"), (1, "b"), (1, "none"), (1, "prefill")]
   assert prefills == pytest.approx([0.1, 0.3])
   # Exact only with each round's own prefill subtracted (0.1 in round 0, 0.3 in round 1).
   assert speedup[1] == pytest.approx(2.0) and speedup[2] == pytest.approx(0.5)

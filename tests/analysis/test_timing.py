@@ -1,18 +1,35 @@
 """analysis/timing: interleaved rounds, decode phases, medians and their intervals."""
 
+import collections
+
 import pytest
 
 from moespec_jax.analysis import timing
 
 
-def test_interleaved_seconds_runs_every_function_once_per_round_reversing_the_order():
+def test_interleaved_seconds_runs_every_function_once_per_round_in_the_balanced_order():
   calls = []
   fns = {name: (lambda name=name: calls.append(name) or name) for name in ("a", "b", "c")}
   seconds, last = timing.interleaved_seconds(fns, 3, before=lambda: calls.append("flush"),
                                                on_round=lambda r: calls.append(f"round {r}"))
-  assert calls == ["flush", "a", "flush", "b", "flush", "c", "round 0", "flush", "c", "flush", "b", "flush", "a",
-                   "round 1", "flush", "a", "flush", "b", "flush", "c", "round 2"]
+  assert calls == ["flush", "a", "flush", "b", "flush", "c", "round 0", "flush", "b", "flush", "c", "flush", "a",
+                   "round 1", "flush", "c", "flush", "a", "flush", "b", "round 2"]
   assert last == {"a": "a", "b": "b", "c": "c"} and all(len(v) == 3 for v in seconds.values())
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 8, 9])
+def test_round_order_balances_positions_and_predecessors_over_a_cycle(n):
+  labels = [f"l{i}" for i in range(n)]
+  cycle = n if n % 2 == 0 else 2 * n
+  rows = [timing.round_order(labels, r) for r in range(cycle)]
+  assert all(sorted(row) == sorted(labels) for row in rows)
+  positions = collections.Counter((row[i], i) for row in rows for i in range(n))
+  assert len(positions) == n * n and len(set(positions.values())) == 1
+  pairs = collections.Counter(pair for row in rows for pair in zip(row, row[1:]))
+  assert len(pairs) == n * (n - 1) and len(set(pairs.values())) <= 1
+  assert timing.round_order(labels, cycle) == rows[0]
+  if n == 2:
+    assert rows == [labels, labels[::-1]]
 
 
 def test_decode_phase_is_a_run_less_its_first_token_per_step():
