@@ -15,6 +15,7 @@ from typing import Any, Sequence
 
 import moespec_jax as msj
 from moespec_jax import cli
+from moespec_jax.analysis import timing
 from moespec_jax.data import corpus
 from moespec_jax.decoding import loop
 from moespec_jax.hf import tokenizer as hf_tokenizer
@@ -59,7 +60,7 @@ def paired(model, prompts, max_new_tokens: int, sampling, spec, repeats: int):
   spec_rates, plain_rates, ratios, lengths, stats = [], [], [], [], {}
   for r in range(repeats):
     runs = {}
-    for name, run_spec in (order if r % 2 == 0 else order[::-1]):
+    for name, run_spec in timing.round_order(order, r):
       runs[name] = msj.generate(model, prompts, max_new_tokens=max_new_tokens, sampling=sampling,
                                 spec=run_spec, seed=r).stats
     plain, stats = runs["plain"], runs["spec"]

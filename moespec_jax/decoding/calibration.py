@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from moespec_jax.analysis import timing
 from moespec_jax.decoding import auto_draft, programs
 from moespec_jax.decoding.passes import LoopSpec, init_carry, speculative_pass
 
@@ -87,9 +88,10 @@ def measure_step_ms(ls: LoopSpec, args, repeats: int = 7) -> np.ndarray:
 
 def measure_step_variants_ms(lss: Sequence[LoopSpec], args, repeats: int = 7) -> np.ndarray:
   """`measure_step_ms` for programs that differ only in what a pass does (e.g. `routed_experts`),
-  timed side by side: within each round every K of every variant runs (the variants' order
-  alternating), and each time is the median of its ratios to the first variant's K = 0 within a
-  round times that time's median. Returns [variant, K]. The prefill is the first variant's."""
+  timed side by side: within each round every K of every variant runs (the variants in the
+  balanced order of `timing.round_order`), and each time is the median of its ratios to the first
+  variant's K = 0 within a round times that time's median. Returns [variant, K]. The prefill is
+  the first variant's."""
   ls = lss[0]
   definition, params = args[0], args[1]
   short, long = calibration_passes(ls.max_new_tokens)
@@ -110,8 +112,7 @@ def measure_step_variants_ms(lss: Sequence[LoopSpec], args, repeats: int = 7) ->
   times_VKR = np.zeros((len(runs), ls.num_draft + 1, repeats))
   for r in range(repeats):
     for k in range(ls.num_draft + 1):
-      order = range(len(runs)) if (r + k) % 2 == 0 else reversed(range(len(runs)))
-      for v in order:
+      for v in timing.round_order(range(len(runs)), r + k):
         times_VKR[v, k, r] = (timed(runs[v], k, long) - timed(runs[v], k, short)) * 1e3 / (long - short)
   times_VKR = np.maximum(times_VKR, 1e-3)  # noise can drive a slope to zero or below: keep ratios finite
   return np.median(times_VKR / times_VKR[:1, :1], axis=2) * np.median(times_VKR[0, 0])

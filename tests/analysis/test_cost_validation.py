@@ -94,9 +94,9 @@ def test_config_rejects_bad_values():
 
 
 def test_round_robin_balances_order_and_pairs_each_round(monkeypatch):
-  """Plain and every spec run once per round, in the balanced order of timing.round_order, between two
-  one-token runs (the round's prefill, the faster of the two, subtracted from its runs); a
-  spec's speedup is the median of per-round ratios (a slow round moves plain and the spec
+  """Plain and every spec run once per round, in the balanced order of timing.round_order,
+  between two one-token runs (the round's prefill, the faster of the two, subtracted from its
+  runs); a spec's speedup is the median of per-round ratios (a slow round moves plain and the spec
   together)."""
   calls = []
   slow = {1: 3.0}  # round 1 runs everything 3x slower
