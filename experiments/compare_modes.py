@@ -12,6 +12,7 @@ from absl import flags
 
 from moespec_jax import cli
 from moespec_jax.decoding import compare_modes
+from moespec_jax.model import budget
 
 _WORKDIR = flags.DEFINE_string("workdir", "runs/compare_modes", "Output directory.")
 _MODEL = cli.define_model_flag()
@@ -31,7 +32,7 @@ def main(argv):
   if len(argv) > 1:
     raise ValueError(f"unexpected arguments: {argv[1:]}")
   # Checked before a model is loaded (or trained). K = 0 is plain decoding in both modes.
-  compare_modes.check_policies(_POLICIES.value, name="--policies")
+  cli.choice_list("policies", _POLICIES.value, budget.POLICIES)
   kwargs = dict(drafter=_DRAFTER.value, num_drafts=cli.int_list("num_drafts", _NUM_DRAFTS.value, minimum=0),
                 batch_sizes=cli.int_list("batch_sizes", _BATCHES.value),
                 temperatures=cli.float_list("temperatures", _TEMPS.value),

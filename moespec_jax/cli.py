@@ -72,11 +72,17 @@ def float_list(flag: str, values: Sequence[str], minimum: float = 0.0) -> list[f
   return _number_list(flag, values, float, "numbers", "finite numbers ", minimum)
 
 
+def check_choices(name: str, values: Sequence[str], known: Sequence[str]) -> list[str]:
+  """`values` as a list, each among `known` (and at least one); ValueError naming `name`
+  otherwise (a library argument's name, or a flag's with its dashes)."""
+  if not values or set(values) - set(known):
+    raise ValueError(f"{name} must be among {', '.join(known)}; got {list(values)}")
+  return list(values)
+
+
 def choice_list(flag: str, values: Sequence[str], known: Sequence[str]) -> list[str]:
   """A list flag's values, each among `known` (and at least one); ValueError naming --flag otherwise."""
-  if not values or set(values) - set(known):
-    raise ValueError(f"--{flag} must be among {', '.join(known)}; got {list(values)}")
-  return list(values)
+  return check_choices(f"--{flag}", values, known)
 
 
 def define_model_flag(unset: str = "the default trained model, trained and cached on first use") -> flags.FlagHolder:

@@ -40,20 +40,13 @@ def budgets_for(top_k: int, multipliers: Sequence[float | None]) -> list[int | N
   return out
 
 
-def check_policies(policies: Sequence[str], name: str = "policies") -> None:
-  """ValueError unless `policies` is a non-empty list of budget policies (`model/budget.POLICIES`);
-  the message calls them `name` (the CLI: its flag)."""
-  if not policies or set(policies) - set(budget_lib.POLICIES):
-    raise ValueError(f"{name} must be among {', '.join(budget_lib.POLICIES)}; got {list(policies)}")
-
-
 def run_compare_modes(model, workdir, *, drafter: str = "mtp", num_drafts: Sequence[int] = (2, 3, 4),
                       budget_multipliers: Sequence[float | None] = BUDGET_MULTIPLIERS,
                       policies: Sequence[str] = ("truncate", "substitute"), batch_sizes: Sequence[int] = (1, 4),
                       temperatures: Sequence[float] = (0.0, 1.0), scope: str = "batch", kernel: str = "dedup",
                       max_new_tokens: int = 64, repeats: int = 3, log=print) -> dict[str, Any]:
   """Runs the sweep; writes `workdir/metrics.json` (key `compare_modes`) and `pareto.png`."""
-  check_policies(policies)
+  cli.check_choices("policies", policies, budget_lib.POLICIES)
   workdir = pathlib.Path(workdir)
   workdir.mkdir(parents=True, exist_ok=True)
   if drafter == "mtp" and model.config.num_mtp_modules == 0:

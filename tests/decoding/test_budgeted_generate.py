@@ -76,7 +76,6 @@ def test_run_compare_modes_refuses_unknown_policies_before_any_run(tmp_path):
   from moespec_jax.decoding import compare_modes
   with pytest.raises(ValueError, match=r"^policies must be among truncate, substitute; got \['drop'\]"):
     compare_modes.run_compare_modes(None, tmp_path / "out", policies=["drop"])
-  with pytest.raises(ValueError, match="^--policies must be among"):
-    compare_modes.check_policies([], name="--policies")
-  compare_modes.check_policies(["substitute"])
+  with pytest.raises(ValueError, match=r"^policies must be among truncate, substitute; got \[\]"):
+    compare_modes.run_compare_modes(None, tmp_path / "out", policies=[])
   assert not (tmp_path / "out").exists()
