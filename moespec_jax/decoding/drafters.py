@@ -117,8 +117,9 @@ def controlled_table(reference_BN, key_B, acceptance, vocab_size: int):
   g of a row is the reference (the target's plain greedy output) at g with probability
   `acceptance`, else a uniformly chosen different token, independently per index. A draft at
   index g is verified at most once (then the output moves past g), so under greedy
-  verification the accepted length is exactly geometric in `acceptance`; drawing the table up
-  front keeps random-number generation out of the decoding loop (the drafter costs a lookup).
+  verification the accepted length is exactly geometric in `acceptance`. `generate` draws the
+  table before the generation's program (`passes.controlled_draft_table`): decoding pays a
+  lookup per pass, as for a drafter whose proposals cost nothing.
   """
   n = reference_BN.shape[1]
 

@@ -32,7 +32,8 @@ import numpy as np
 from moespec_jax.decoding import auto_draft
 from moespec_jax.decoding.calibration import calibrate_step_ms, measure_step_ms, measure_step_variants_ms
 from moespec_jax.decoding.params import SamplingParams, SpecParams
-from moespec_jax.decoding.passes import LoopSpec, auto_segment, init_carry, speculative_pass, statistic_shapes
+from moespec_jax.decoding.passes import (LoopSpec, auto_segment, controlled_draft_table, init_carry, speculative_pass,
+                                         statistic_shapes)
 from moespec_jax.decoding.programs import compiled, cpu_kernels, decode_params, merge, model_definition
 # Re-exported: experiments drop programs between sweeps through the loop's API.
 from moespec_jax.decoding.programs import compiled_signatures, forget_compiled  # noqa: F401
@@ -192,15 +193,19 @@ def _prepare(model, prompts, max_new_tokens, sampling, spec, seed, reference_tok
                 measure_quality=bool(spec.measure_quality and budget is not None),
                 cpu_attention=cpu_kernels(spec.attention_kernel),
                 routing=(config.n_routed_experts, config.top_k) if config.n_moe_layers else (0, 0))
-  draft_inputs = {}
-  if reference is not None:
-    draft_inputs = {"reference": np.asarray(reference, np.int32),
-                    "acceptance": np.float32(spec.controlled_acceptance)}
   # Host arrays and a uint32 seed go to the compiled program as they are (an eager jnp.asarray
   # or jax.random.key costs a dispatch each); the seed's low 32 bits, as jax.random.key takes them.
+  seed_u32 = np.asarray(int(seed) & 0xFFFFFFFF, np.uint32)
+  draft_inputs = {}
+  if reference is not None:  # the controlled drafter's table, drawn before the program (not timed)
+    acceptance = np.float32(spec.controlled_acceptance)
+    draft_inputs = {"table": controlled_draft_table(np.asarray(reference, np.int32), seed_u32, acceptance,
+                                                    length=int(max_new_tokens) + k_draft + 1,
+                                                    vocab_size=config.vocab_size),
+                    "acceptance": acceptance}
   leaves, state_treedef = jax.tree.flatten(model.state)
   args = (model_definition(model.graphdef, state_treedef), decode_params(model, spec, leaves), tokens, lengths,
-          np.asarray(int(seed) & 0xFFFFFFFF, np.uint32), draft_inputs)
+          seed_u32, draft_inputs)
   return spec, ls, args
 
 

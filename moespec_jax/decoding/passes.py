@@ -9,6 +9,7 @@ included) in, the next carry out; `decoding.loop` runs them under one `lax.while
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -65,6 +66,24 @@ def _row_keys(row_keys_B, step):
   return jax.vmap(lambda k: jax.random.fold_in(k, step))(row_keys_B)
 
 
+def row_keys(seed, batch: int):
+  """Each row's PRNG key, split from `seed` (uint32) by row index."""
+  return jax.random.split(jax.random.key(seed), batch)
+
+
+@functools.partial(jax.jit, static_argnames=("length", "vocab_size"))
+def controlled_draft_table(reference_BN, seed, acceptance, *, length: int, vocab_size: int):
+  """The controlled drafter's proposals for output indices 0..length-1 of every row
+  (`drafters.controlled_table`, from each row's key's CONTROLLED_TABLE_STREAM), drawn before the
+  generation's program: the table is the experiment's apparatus, standing in for a drafter whose
+  proposals cost nothing, so its random draws (rolled threefry loops on CPU, about 0.4 ms at
+  batch 1) are not timed as part of decoding."""
+  ref_BN = jnp.maximum(reference_BN, 0)
+  ref_BN = jnp.pad(ref_BN, ((0, 0), (0, max(length - ref_BN.shape[1], 0))))[:, :length]
+  keys_B = _row_keys(row_keys(seed, ref_BN.shape[0]), CONTROLLED_TABLE_STREAM)
+  return drafters_lib.controlled_table(ref_BN, keys_B, acceptance, vocab_size)
+
+
 def _commit(cand_BS, n_acc_B, active_B, gen_B, eos_id: int, max_new_tokens: int):
   """How many of the pass's candidate tokens each row keeps (EOS and max_new_tokens cut).
 
@@ -116,7 +135,7 @@ def init_carry(model, tokens_BT, lengths_B, seed, draft_inputs, ls: LoopSpec):
   k_max = ls.num_draft
   batch, prompt_len = tokens_BT.shape
   b_idx = jnp.arange(batch)
-  row_keys_B = jax.random.split(jax.random.key(seed), batch)
+  row_keys_B = row_keys(seed, batch)
 
   cache = model.new_cache(batch, ls.cache_len)
   prompt_BT = jnp.arange(prompt_len, dtype=jnp.int32)[None] < lengths_B[:, None]  # padding reads no experts
@@ -148,11 +167,7 @@ def init_carry(model, tokens_BT, lengths_B, seed, draft_inputs, ls: LoopSpec):
                                              valid_BT=prompt_BT, fresh_cache=True)
     dstate = {"cache": mcache, "h1": h1_BD, "logits1": logits1_BV}
   elif ls.drafter == "controlled":
-    ref_BN = jnp.maximum(draft_inputs["reference"], 0)
-    pad = ls.max_new_tokens + k_max + 1 - ref_BN.shape[1]
-    ref_BN = jnp.pad(ref_BN, ((0, 0), (0, max(pad, 0))))[:, :ls.max_new_tokens + k_max + 1]
-    dstate = {"table": drafters_lib.controlled_table(ref_BN, _row_keys(row_keys_B, CONTROLLED_TABLE_STREAM),
-                                                     draft_inputs["acceptance"], config.vocab_size)}
+    dstate = {"table": draft_inputs["table"]}
 
   stats = {name: jnp.zeros(shape, dtype) for name, (shape, dtype) in
            statistic_shapes(ls, batch, config.n_moe_layers).items()}
