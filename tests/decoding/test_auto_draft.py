@@ -312,6 +312,24 @@ def test_controlled_table_wrong_tokens_differ_from_the_reference():
   np.testing.assert_array_equal(d, [[6, 7, 8, 9], [1, 1, 1, 1]])
 
 
+def test_controlled_draft_table_is_drawn_from_each_rows_key_before_the_program():
+  """generate's table (drawn before its program): each row's proposals from that row's key's
+  table stream, the reference padded with zeros (or cut) to the program's length; the same seed
+  gives the same table, another seed another one."""
+  ref = np.asarray([[5, 6, 7, 8], [9, 9, 9, 9]], np.int32)
+  seed = np.uint32(3)
+  table = np.asarray(passes.controlled_draft_table(ref, seed, np.float32(0.5), length=7, vocab_size=264))
+  keys = jax.vmap(lambda k: jax.random.fold_in(k, passes.CONTROLLED_TABLE_STREAM))(passes.row_keys(seed, 2))
+  padded = np.pad(ref, ((0, 0), (0, 3)))
+  np.testing.assert_array_equal(table, drafters.controlled_table(jnp.asarray(padded), keys, 0.5, 264))
+  np.testing.assert_array_equal(
+      passes.controlled_draft_table(ref, seed, np.float32(0.5), length=7, vocab_size=264), table)
+  assert not np.array_equal(
+      passes.controlled_draft_table(ref, np.uint32(4), np.float32(0.5), length=7, vocab_size=264), table)
+  np.testing.assert_array_equal(
+      passes.controlled_draft_table(ref, seed, np.float32(1.0), length=3, vocab_size=264), ref[:, :3])
+
+
 def test_step_times_grow_with_pass_size(auto_model):
   times = loop.step_times_ms(auto_model, RAGGED, 8, spec=msj.SpecParams(drafter="ngram", num_draft=2),
                              repeats=2)
