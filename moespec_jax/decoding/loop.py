@@ -197,7 +197,9 @@ def _prepare(model, prompts, max_new_tokens, sampling, spec, seed, reference_tok
   # or jax.random.key costs a dispatch each); the seed's low 32 bits, as jax.random.key takes them.
   seed_u32 = np.asarray(int(seed) & 0xFFFFFFFF, np.uint32)
   draft_inputs = {}
-  if reference is not None:  # the controlled drafter's table, drawn before the program (not timed)
+  # The controlled drafter's table, drawn before the program (not timed); its acceptance rate rides
+  # along for the calibration's cache key (calibrate_step_ms), the program reads only the table.
+  if reference is not None:
     acceptance = np.float32(spec.controlled_acceptance)
     draft_inputs = {"table": controlled_draft_table(np.asarray(reference, np.int32), seed_u32, acceptance,
                                                     length=int(max_new_tokens) + k_draft + 1,

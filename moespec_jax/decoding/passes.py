@@ -62,8 +62,10 @@ def _count_unique_experts(expert_ids_LBTK, active_BT, n_experts: int):
 CONTROLLED_TABLE_STREAM = 0x7FFFFFFF
 
 
-def _row_keys(row_keys_B, step):
-  return jax.vmap(lambda k: jax.random.fold_in(k, step))(row_keys_B)
+def _stream_keys(row_keys_B, stream):
+  """Each row's key for one stream of draws: pass `step` (0: the first token), or
+  CONTROLLED_TABLE_STREAM."""
+  return jax.vmap(lambda k: jax.random.fold_in(k, stream))(row_keys_B)
 
 
 def row_keys(seed, batch: int):
@@ -80,7 +82,7 @@ def controlled_draft_table(reference_BN, seed, acceptance, *, length: int, vocab
   batch 1) are not timed as part of decoding."""
   ref_BN = jnp.maximum(reference_BN, 0)
   ref_BN = jnp.pad(ref_BN, ((0, 0), (0, max(length - ref_BN.shape[1], 0))))[:, :length]
-  keys_B = _row_keys(row_keys(seed, ref_BN.shape[0]), CONTROLLED_TABLE_STREAM)
+  keys_B = _stream_keys(row_keys(seed, ref_BN.shape[0]), CONTROLLED_TABLE_STREAM)
   return drafters_lib.controlled_table(ref_BN, keys_B, acceptance, vocab_size)
 
 
@@ -147,7 +149,7 @@ def init_carry(model, tokens_BT, lengths_B, seed, draft_inputs, ls: LoopSpec):
     out = model(tokens_BT, None, cache, expert_method=ls.expert_method, valid_BT=prompt_BT, fresh_cache=True,
                 hidden_at_B=lengths_B - 1)
     last_logits_BV = out.logits[:, 0]
-  first_B = sampling_lib.sample(_row_keys(row_keys_B, 0), last_logits_BV, ls.sampling)
+  first_B = sampling_lib.sample(_stream_keys(row_keys_B, 0), last_logits_BV, ls.sampling)
   out_BN = jnp.full((batch, ls.max_new_tokens + k_max + 1), -1, jnp.int32).at[:, 0].set(first_B)
 
   dstate = {}
@@ -205,7 +207,7 @@ def speculative_pass(model, carry, k: int, ls: LoopSpec):
   pos_B, pend_B, gen_B, done_B = carry["pos"], carry["pending"], carry["gen"], carry["done"]
   batch = pos_B.shape[0]
   active_B = ~done_B
-  keys_B = _row_keys(carry["row_keys"], step)
+  keys_B = _stream_keys(carry["row_keys"], step)
   split = jax.vmap(lambda key: jax.random.split(key, 2))(keys_B)
   drafts_BK, valid_BK, q_BKV, dstate = _draft(model, carry, k, split[:, 0], ls)
   shadow = ls.auto and k == 0 and ls.drafter in auto_draft.SHADOW_DRAFTERS
