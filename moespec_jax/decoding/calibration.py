@@ -52,7 +52,13 @@ def passes_program(definition, params, carry, k, n_passes, *, ls: LoopSpec):
 # at a = 0 and 0.4) a long loop of 24 passes put the K = 1..8 pass times at 0.84-0.95 of their
 # ratios to a plain pass in decoding (fixed-K programs, the decode phase of whole runs) and its
 # plain pass at 1.14x decoding's; one of 127 passes at 0.91-0.99 and 1.03x. Too low a ratio makes
-# auto draft where plain decoding is faster.
+# auto draft where plain decoding is faster. At high acceptance the ratios are lower still
+# (controlled a = 0.95, 15 interleaved rounds): K = 1, 2, 4, 8 passes cost 1.73, 2.00, 2.94 and 4.70
+# plain passes in decoding, 1.35-1.45, 1.83-1.93, 2.49-2.57 and 3.94-4.08 in two calibrations. Not
+# because rows replay their tokens here (a row that reaches its end starts over): loops of 24
+# passes, where no row replays up to K = 4, gave 2.05-2.18 at K = 4; and not because the programs
+# differ: auto's program held at K = 4 decoded in 0.591 of plain decoding's time, the fixed-K
+# program in 0.598.
 CALIBRATION_SHORT_PASSES = 4
 CALIBRATION_LONG_PASSES = (24, 127)  # at least, at most
 

@@ -47,7 +47,8 @@ class SpecParams:
   num_draft: K, or "auto": each pass chooses K in 0..max_draft with the cost model from the
   running acceptance estimate (decoding/auto_draft.py; K = 0 where speculation does not pay).
   auto_timing (num_draft="auto", CPU; experimental, off by default): also correct the calibrated
-  pass times by the times the loop measures while it decodes (auto_draft.corrected_step_ms).
+  pass times by the times the loop measures while it decodes (auto_draft.corrected_step_ms);
+  so far measured slower than the calibration alone (auto_draft's module docstring).
   """
 
   drafter: str = "none"
