@@ -35,13 +35,13 @@ segments (a clock read inside the program, pallas_kernels.cpu_ffi.clock_after, n
 trip): `record_pass_time` keeps, per K, decayed evidence of the log ratio of measured to
 calibrated time per pass, and `corrected_step_ms` scales each K's calibrated time by it (K's
 not yet run take the level of all K's run so far): a K chosen on a wrong calibration is thus
-meant to be measured and corrected within a few segments. Experimental, off by default: it has not yet
-been shown faster than the calibration alone, even where the calibration is off (at a = 0.95 it
-puts drafting passes 5-22% below their cost in decoding: calibration.py). Default model, batch 1,
-128 tokens, controlled a = 0.8, 0.9, 0.95: whole runs at 0.959, 1.156, 1.239x plain against the
-calibration alone's 1.052, 1.301, 1.397x, and 0.837, 1.108, 1.340x against 0.998, 1.246, 1.483x in
-a second run (15 interleaved rounds each; its K's differ from run to run, K = 2-3 in the first,
-K = 8 at a = 0.8 in the second).
+meant to be measured and corrected within a few segments. Experimental, off by default: it has
+not yet been shown faster than the calibration alone, even where the calibration is off (at
+a = 0.95 it puts drafting passes 4-22% below their cost in decoding: calibration.py). Default
+model, batch 1, 128 tokens, controlled a = 0.8, 0.9, 0.95: whole runs at 0.959, 1.156, 1.239x
+plain against the calibration alone's 1.052, 1.301, 1.397x, and 0.837, 1.108, 1.340x against
+0.998, 1.246, 1.483x in a second run (15 interleaved rounds each; its K's differ from run to
+run, K = 2-3 in the first, K = 8 at a = 0.8 in the second).
 """
 
 from __future__ import annotations
