@@ -2,8 +2,9 @@
 
 Under geometric acceptance with rate a, a pass with K drafts commits (1 - a^(K+1)) / (1 - a)
 tokens per row (analysis/cost_model.tokens_per_pass) and costs step_ms[K] (draft K, verify
-K + 1, drafter upkeep), measured once per compiled program by `calibration.calibrate_step_ms`. Each
-segment of passes picks the K that finishes the batch soonest (its slowest row: for one row,
+K + 1, drafter upkeep), measured once per compiled program by `calibration.calibrate_step_ms`
+(whole runs of the program itself, held at each K). Each segment of passes picks the K that
+finishes the batch soonest (its slowest row: for one row,
 the K with the most tokens per millisecond; drafting only where it beats plain decoding by
 DRAFT_MARGIN), from per-row estimates: one pass while the estimate rests on few drafts, then
 SEGMENT_PASSES (PLAIN_SEGMENT_PASSES at K = 0; each choice runs one loop per K, a small cost
@@ -36,12 +37,13 @@ trip): `record_pass_time` keeps, per K, decayed evidence of the log ratio of mea
 calibrated time per pass, and `corrected_step_ms` scales each K's calibrated time by it (K's
 not yet run take the level of all K's run so far): a K chosen on a wrong calibration is thus
 meant to be measured and corrected within a few segments. Experimental, off by default: it has
-not yet been shown faster than the calibration alone, even where the calibration is off (at
-a = 0.95 it puts drafting passes 4-22% below their cost in decoding: calibration.py). Default
-model, batch 1, 128 tokens, controlled a = 0.8, 0.9, 0.95: whole runs at 0.959, 1.156, 1.239x
-plain against the calibration alone's 1.052, 1.301, 1.397x, and 0.837, 1.108, 1.340x against
-0.998, 1.246, 1.483x in a second run (15 interleaved rounds each; its K's differ from run to
-run, K = 2-3 in the first, K = 8 at a = 0.8 in the second).
+not yet been shown faster than the calibration alone, even where the calibration was off (the
+calibration then timed loops of passes, which put drafting passes at a = 0.95 4-22% below their
+cost in decoding: calibration.py). Default model, batch 1, 128 tokens, controlled a = 0.8, 0.9,
+0.95, with that calibration: whole runs at 0.959, 1.156, 1.239x plain against the calibration
+alone's 1.052, 1.301, 1.397x, and 0.837, 1.108, 1.340x against 0.998, 1.246, 1.483x in a second
+run (15 interleaved rounds each; its K's differ from run to run, K = 2-3 in the first, K = 8 at
+a = 0.8 in the second).
 """
 
 from __future__ import annotations

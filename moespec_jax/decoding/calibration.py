@@ -1,13 +1,15 @@
-"""auto K's pass times: one pass per K (draft K, verify K + 1, drafter upkeep) timed in compiled
-loops of real decoding, once per program (`calibrate_step_ms`), and the raw measurement the
-cost-model validation reads (`measure_step_ms`).
+"""auto K's pass times, once per program (`calibrate_step_ms`): whole runs of the generation
+program itself held at each K (`measure_held_step_ms`), and the per-K pass times of compiled loops
+of real decoding (`measure_step_ms`: the raw measurement the cost-model validation reads, and the
+calibration where held runs make too few passes at some K).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -51,14 +53,14 @@ def passes_program(definition, params, carry, k, n_passes, *, ls: LoopSpec):
 # prompt are not typical of the rest. On the default model (batch 1, 128 tokens, controlled drafter
 # at a = 0 and 0.4) a long loop of 24 passes put the K = 1..8 pass times at 0.84-0.95 of their
 # ratios to a plain pass in decoding (fixed-K programs, the decode phase of whole runs) and its
-# plain pass at 1.14x decoding's; one of 127 passes at 0.91-0.99 and 1.03x. Too low a ratio makes
-# auto draft where plain decoding is faster. At high acceptance the ratios are lower still
-# (controlled a = 0.95, 15 interleaved rounds): K = 1, 2, 4, 8 passes cost 1.73, 2.00, 2.94 and 4.70
-# plain passes in decoding, 1.35-1.45, 1.83-1.93, 2.49-2.57 and 3.94-4.08 in two calibrations. Not
-# because rows replay their tokens here (a row that reaches its end starts over): loops of 24
-# passes, where no row replays up to K = 4, gave 2.05-2.18 at K = 4; and not because the programs
-# differ: auto's program held at K = 4 decoded in 0.591 of plain decoding's time, the fixed-K
-# program in 0.598.
+# plain pass at 1.14x decoding's; one of 127 passes at 0.91-0.99 and 1.03x. At high acceptance the
+# ratios are lower still (controlled a = 0.95, 15 interleaved rounds): K = 1, 2, 4, 8 passes cost
+# 1.73, 2.00, 2.94 and 4.70 plain passes in decoding, 1.35-1.45, 1.83-1.93, 2.49-2.57 and 3.94-4.08
+# in two loop calibrations. Not because rows replay their tokens here (a row that reaches its end
+# starts over): loops of 24 passes, where no row replays up to K = 4, gave 2.05-2.18 at K = 4; and
+# not because the programs differ: auto's program held at K = 4 decoded in 0.591 of plain
+# decoding's time, the fixed-K program in 0.598. Hence auto K's calibration times held runs of its
+# own program (`measure_held_step_ms`) and these loops only where those pass too rarely at some K.
 CALIBRATION_SHORT_PASSES = 4
 CALIBRATION_LONG_PASSES = (24, 127)  # at least, at most
 
@@ -69,12 +71,14 @@ def calibration_passes(max_new_tokens: int) -> tuple[int, int]:
   return CALIBRATION_SHORT_PASSES, int(min(max(max_new_tokens - 1, low), high))
 
 
-# Rounds of `calibrate_step_ms`. On the default model (batch 1, controlled drafter at a = 0.2,
-# 128 tokens) the smoothed K = 1 / K = 0 pass-time ratios of four calibrations were 1.24-1.37
-# with 7 rounds and 1.28-1.39 with 10 (8.6 and 11.9 s, once per program); with 24-pass loops
-# they were 1.15-1.23 at 15 rounds (4.3 s): steadier, and low. The MTP drafter's programs take
-# longest (128 tokens, 7 rounds: 14 s at batch 1 and 42 s at batch 8, against 8 and 24 s with
-# 24-pass loops at 15 rounds).
+# Rounds of `calibrate_step_ms`. On the default model (128 tokens, 5 calibrations of each kind
+# taken in turn, 7 rounds each): at batch 1 with the controlled drafter at a = 0.9, held runs took
+# 2.5 s and put the smoothed K = 1, 4, 8 pass-time ratios at 1.31-1.51, 2.58-2.81 and 3.98-4.23;
+# loops took 6.6 s and put them at 1.23-1.49, 2.47-2.66 and 3.63-4.21. With the MTP heads held runs
+# took 3.2 s (1.77-2.23, 3.53-4.00, 5.71-6.17), loops 9.2 s (1.86-1.97, 3.42-3.95, 5.37-5.97); at
+# batch 8 (3 calibrations each) 21 s against 46 s, and with prompt lookup 22 s against 35 s.
+# Calibrations taken minutes apart differ by 5-25% either way (the machine's load drifts); 11
+# rounds instead of 7 did not narrow that.
 CALIBRATION_ROUNDS = 7
 
 
@@ -124,9 +128,72 @@ def measure_step_variants_ms(lss: Sequence[LoopSpec], args, repeats: int = 7) ->
   return np.median(times_VKR / times_VKR[:1, :1], axis=2) * np.median(times_VKR[0, 0])
 
 
-def calibrate_step_ms(ls: LoopSpec, args) -> np.ndarray:
-  """`measure_step_ms` smoothed and made non-decreasing in K (`auto_draft.smooth_step_times`),
-  once per program (cached, like compilation).
+# Step times that hold auto K at one K: the held K's pass costs 1 ms, every other K's HELD_OTHER_MS.
+HELD_OTHER_MS = 1e6
+# Passes a calibration's held runs must make at each K (all runs together) to be solved for its
+# pass time; fewer (short generations, early EOS, prompt lookup without matches), and the passes
+# are timed in loops instead (`measure_step_ms`).
+CALIBRATION_MIN_PASSES = 8
+
+# A held run's time and the passes it made at each K ([K + 1]): `run(step_ms_K, prefill_only)`.
+HeldRun = Callable[[np.ndarray, bool], tuple[float, np.ndarray]]
+
+
+def held_step_ms(num_draft: int, k: int) -> np.ndarray:
+  """Step times under which auto K chooses K = k in every segment (where the cache and the rows'
+  remaining tokens allow k drafts; the MTP heads draft before K = 0 may be chosen)."""
+  step_ms_K = np.full((num_draft + 1,), HELD_OTHER_MS, np.float32)
+  step_ms_K[k] = 1.0
+  return step_ms_K
+
+
+def measure_held_step_ms(num_draft: int, run: HeldRun, repeats: int = 7) -> np.ndarray | None:
+  """Median time (ms) of one pass for each K in 0..num_draft, from whole runs of the generation
+  program itself: each round runs it held at every K (`held_step_ms`) and once stopped after its
+  first token (the prefill, and the MTP heads' fill), in the balanced order of
+  `timing.round_order`. A held run's time less the prefill's is the sum over K of the passes it
+  made at K times K's pass time, and the round's per-K times solve that linear system by least
+  squares. As in `measure_step_ms`, each
+  K's time is the median of its ratios to K = 0 within a round times the median K = 0 time.
+
+  None where the held runs make fewer than CALIBRATION_MIN_PASSES passes at some K.
+
+  What auto K pays is measured so: the passes of decoding itself, at the positions and with the
+  tokens decoding verifies, and auto's own upkeep. Loops of passes put drafting passes up to 22%
+  below their cost in decoding (`measure_step_ms`, CALIBRATION_LONG_PASSES).
+  """
+  labels = ["prefill"] + list(range(num_draft + 1))
+  steps = {k: held_step_ms(num_draft, k) for k in range(num_draft + 1)}
+
+  def call(label):
+    return run(steps[0], True) if label == "prefill" else run(steps[label], False)
+
+  def solvable(passes_KK):
+    return (np.min(passes_KK.sum(axis=0)) >= CALIBRATION_MIN_PASSES
+            and np.linalg.matrix_rank(passes_KK) == num_draft + 1)
+
+  for label in labels:  # warm-up
+    call(label)
+  times_RK = np.zeros((repeats, num_draft + 1))
+  for r in range(repeats):
+    seconds, passes = {}, {}
+    for label in timing.round_order(labels, r):
+      seconds[label], passes[label] = call(label)
+    # The same seed gives the same passes; each round solves with its own, should a backend's
+    # nondeterministic sums ever change a token.
+    passes_KK = np.stack([passes[k] for k in range(num_draft + 1)]).astype(float)
+    if not solvable(passes_KK):
+      return None
+    decode_ms_K = np.array([seconds[k] - seconds["prefill"] for k in range(num_draft + 1)]) * 1e3
+    times_RK[r] = np.linalg.lstsq(passes_KK, decode_ms_K, rcond=None)[0]
+  times_RK = np.maximum(times_RK, 1e-3)  # noise can drive a time to zero or below: keep ratios finite
+  return np.median(times_RK / times_RK[:, :1], axis=0) * np.median(times_RK[:, 0])
+
+
+def calibrate_step_ms(ls: LoopSpec, args, run: HeldRun) -> np.ndarray:
+  """Per-K pass times, once per program (cached, like compilation): `measure_held_step_ms` on the
+  program `run` calls (else, logged, `measure_step_ms`), smoothed and made non-decreasing in K
+  (`auto_draft.smooth_step_times`).
 
   The controlled drafter's programs are calibrated once per acceptance rate: a pass costs more
   when its drafts are wrong (random tokens route to more distinct experts than the model's
@@ -138,6 +205,10 @@ def calibrate_step_ms(ls: LoopSpec, args) -> np.ndarray:
     draft_inputs = args[-1]  # as loop._prepare builds them
     sig = (sig, float(draft_inputs["acceptance"]))
   if sig not in programs.CALIBRATED:
-    programs.CALIBRATED[sig] = auto_draft.smooth_step_times(measure_step_ms(ls, args, CALIBRATION_ROUNDS),
-                                                             ls.routing).astype(np.float32)
+    raw_K = measure_held_step_ms(ls.num_draft, run, CALIBRATION_ROUNDS)
+    if raw_K is None:
+      logging.info("auto K (%s drafter, max_draft=%d, %d new tokens): too few passes at some K in whole runs; "
+                   "pass times measured in loops of passes", ls.drafter, ls.num_draft, ls.max_new_tokens)
+      raw_K = measure_step_ms(ls, args, CALIBRATION_ROUNDS)
+    programs.CALIBRATED[sig] = auto_draft.smooth_step_times(raw_K, ls.routing).astype(np.float32)
   return programs.CALIBRATED[sig]

@@ -5,7 +5,7 @@ pass, exact rejection sampling or greedy matching, bonus token, rollback by posi
 
 `num_draft="auto"`: every few passes K in 0..max_draft is chosen by the cost model from the
 rows' running acceptance estimates and the per-pass times measured for this model, batch and
-drafter (`calibration.calibrate_step_ms`, once per program) and, with
+drafter (`calibration.calibrate_step_ms`, once per program: whole runs held at each K) and, with
 `SpecParams(auto_timing=True)` on CPU, corrected by the loop's own clock as it decodes
 (`auto_draft.corrected_step_ms`); one inner loop per K, of which the chosen one runs. Its cache
 keeps no lookahead room: K shrinks where the cache ends.
@@ -86,10 +86,13 @@ def encode_prompts(prompts, tokenizer, vocab_size: int, eos_id: int) -> list[np.
   return out
 
 
-def _generate_spec(definition, params, tokens_BT, lengths_B, seed, draft_inputs, step_ms_K, *, ls: LoopSpec):
-  """Prefill, then one `lax.while_loop` of passes; returns (tokens_BN, raw statistics)."""
+def _generate_spec(definition, params, tokens_BT, lengths_B, seed, draft_inputs, step_ms_K, prefill_only, *,
+                   ls: LoopSpec):
+  """Prefill, then one `lax.while_loop` of passes; returns (tokens_BN, raw statistics).
+  `prefill_only` (a bool): stop after the first token (auto K's calibration times the prefill so)."""
   model = merge(definition, params, ls)
   carry = init_carry(model, tokens_BT, lengths_B, seed, draft_inputs, ls)
+  carry = dict(carry, done=carry["done"] | prefill_only)
   if ls.auto:
     body = lambda c: auto_segment(model, c, step_ms_K, ls)
   else:
@@ -239,23 +242,34 @@ def generate(model, prompts, max_new_tokens: int = 64, sampling: SamplingParams 
   (`calibrate_step_ms`; seconds, like compilation, and excluded from the timing).
   """
   spec, ls, args = _prepare(model, prompts, max_new_tokens, sampling, spec, seed, reference_tokens)
-  step_ms_K = calibrate_step_ms(ls, args) if ls.auto else np.zeros((ls.num_draft + 1,), np.float32)
-  args = args + (np.asarray(step_ms_K, np.float32),)
-  fn = compiled(_generate_spec, ls, *args)
+  batch, n_moe_layers = args[2].shape[0], model.config.n_moe_layers
+  step_ms_K = np.zeros((ls.num_draft + 1,), np.float32)
+  fn = compiled(_generate_spec, ls, *args, step_ms_K, _FULL_RUN)
+  if ls.auto:
+    def held_run(held_ms_K, prefill_only):
+      start = time.perf_counter()
+      raw = jax.block_until_ready(fn(*args[1:], held_ms_K, np.bool_(prefill_only))[1])
+      seconds = time.perf_counter() - start
+      return seconds, _unpack_stats(raw, ls, batch, n_moe_layers)["passes_by_K"]
+    step_ms_K = np.asarray(calibrate_step_ms(ls, args, held_run), np.float32)
   start = time.perf_counter()
-  tokens_BN, raw = fn(*args[1:])
+  tokens_BN, raw = fn(*args[1:], step_ms_K, _FULL_RUN)
   tokens_BN = np.asarray(jax.block_until_ready(tokens_BN))
   seconds = time.perf_counter() - start
-  raw = _unpack_stats(raw, ls, tokens_BN.shape[0], model.config.n_moe_layers)
+  raw = _unpack_stats(raw, ls, batch, n_moe_layers)
   return GenerateOutput(tokens=tokens_BN, stats=_stats(raw, tokens_BN, seconds, spec, ls, step_ms_K))
+
+
+_FULL_RUN = np.bool_(False)  # _generate_spec's prefill_only in generate()
 
 
 def step_times_ms(model, prompts, max_new_tokens: int = 64, sampling: SamplingParams | None = None,
                   spec: SpecParams | None = None, reference_tokens=None, repeats: int = 7) -> np.ndarray:
   """Measured time (ms) of one loop pass for each K in 0..K of `spec` (raw medians, not smoothed).
 
-  What `num_draft='auto'` calibrates with (there made non-decreasing); the cost-model
-  validation's measured verification time per pass size n = K + 1.
+  Timed in loops of passes (`calibration.measure_step_ms`; what `num_draft='auto'` calibrates
+  with where its held runs pass too rarely at some K); the cost-model validation's measured
+  verification time per pass size n = K + 1.
   """
   ls, args = _step_program(model, prompts, max_new_tokens, sampling, spec, reference_tokens)
   return measure_step_ms(ls, args, repeats)

@@ -201,7 +201,7 @@ def test_auto_drafts_where_it_pays(auto_model, auto_plain, acceptance, monkeypat
   """With pass times where a K = 3 pass costs 1.6 plain passes: at acceptance 0.8 auto drafts
   (mean accepted length well above 1); at 0 it stays plain after its first evidence. (Fixed
   pass times: what auto chooses must not depend on the timings of a loaded test machine.)"""
-  monkeypatch.setattr(loop, "calibrate_step_ms", lambda ls, args: np.array([1.0, 1.2, 1.4, 1.6], np.float32))
+  monkeypatch.setattr(loop, "calibrate_step_ms", lambda ls, args, run: np.array([1.0, 1.2, 1.4, 1.6], np.float32))
   spec = msj.SpecParams(drafter="controlled", num_draft="auto", max_draft=3, controlled_acceptance=acceptance)
   out = msj.generate(auto_model, RAGGED, max_new_tokens=20, spec=spec, reference_tokens=auto_plain)
   np.testing.assert_array_equal(out.tokens, auto_plain)
@@ -218,7 +218,7 @@ def test_auto_drafts_only_as_far_as_the_cache_has_room(auto_model, monkeypatch):
   by the cache's room here depends on the rows' progress: `test_cache_room` checks the room.)
   Pass times are pinned (drafting pays at a = 0.9): a calibration taken while the other test
   worker loads the machine could make it choose K = 0 throughout."""
-  monkeypatch.setattr(loop, "calibrate_step_ms", lambda ls, args: np.array([1.0, 1.2, 1.4, 1.6], np.float32))
+  monkeypatch.setattr(loop, "calibrate_step_ms", lambda ls, args, run: np.array([1.0, 1.2, 1.4, 1.6], np.float32))
   prompts = [[(7 * i) % 50 + 1 for i in range(18)], [3, 4, 5, 6, 7]]
   plain = msj.generate(auto_model, prompts, max_new_tokens=46).tokens
   spec = msj.SpecParams(drafter="controlled", num_draft="auto", max_draft=3, controlled_acceptance=0.9)
@@ -258,8 +258,8 @@ def test_plain_passes_bring_shadow_evidence(auto_model, auto_plain, monkeypatch)
   where plain passes are fast against verification passes, they can make K = 0 the best choice
   even at acceptance 1 (it failed so once in a clean run). Each rate is still calibrated once."""
   monkeypatch.setattr(auto_draft, "PRIOR_ACCEPTANCE", 0.0)
-  monkeypatch.setattr(calibration, "measure_step_ms",
-                      lambda ls, args, rounds: np.array([1.0, 1.2, 1.4, 1.6], np.float32))
+  monkeypatch.setattr(calibration, "measure_held_step_ms",
+                      lambda num_draft, run, rounds: np.array([1.0, 1.2, 1.4, 1.6], np.float32))
   loop.forget_compiled()  # the prior is read when the loop is traced
   calibrated = len(programs.CALIBRATED)
   try:
@@ -488,7 +488,7 @@ def test_auto_timing_measures_passes_in_the_loop(auto_model, auto_plain, calibra
   """Calibrations far too fast (1 us a pass) or far too slow (1 s) against the real passes of
   the tiny model: every K the loop ran (and, pooled, every other) is corrected by the clipped
   factor, so the clock inside the program measured something between those bounds."""
-  monkeypatch.setattr(loop, "calibrate_step_ms", lambda ls, args: np.full((4,), calibrated_ms, np.float32))
+  monkeypatch.setattr(loop, "calibrate_step_ms", lambda ls, args, run: np.full((4,), calibrated_ms, np.float32))
   spec = msj.SpecParams(drafter="controlled", num_draft="auto", max_draft=3, controlled_acceptance=0.8,
                         auto_timing=True)
   out = msj.generate(auto_model, RAGGED, max_new_tokens=20, spec=spec, reference_tokens=auto_plain)
@@ -511,3 +511,73 @@ def test_calibration_loops_span_the_generation():
   assert calibration.calibration_passes(64) == (4, 63)
   assert calibration.calibration_passes(8) == (4, 24)
   assert calibration.calibration_passes(4096) == (4, 127)
+
+
+def _fake_held_run(passes_KK, step_ms_K, prefill_ms, noise=0.0, seed=0):
+  """A held run's (seconds, passes by K) as `calibration.measure_held_step_ms` calls it: held at
+  the K whose step time is smallest, its passes `passes_KK[k]` at each K's pass time."""
+  rng = np.random.default_rng(seed)
+
+  def run(held_ms_K, prefill_only):
+    if prefill_only:
+      return prefill_ms * 1e-3, np.zeros(len(step_ms_K))
+    passes_K = passes_KK[int(np.argmin(held_ms_K))]
+    return (prefill_ms + passes_K @ step_ms_K) * 1e-3 * (1.0 + noise * rng.standard_normal()), passes_K
+
+  return run
+
+
+def test_held_calibration_solves_for_pass_times():
+  """Held runs that pass at other K's too (MTP drafts before plain may be final, prompt lookup
+  passes plainly without a match, the last passes shrink K) still give each K's own pass time:
+  exactly without noise, within 5% at 1% of noise; the prefill is not counted."""
+  step_ms_K = np.array([0.3, 0.55, 0.8, 1.0])
+  passes_KK = np.array([[120, 1, 0, 0], [4, 60, 0, 0], [4, 1, 40, 0], [4, 0, 1, 30]], float)
+  held = calibration.held_step_ms(3, 2)
+  assert held[2] == 1.0 and np.all(np.delete(held, 2) == calibration.HELD_OTHER_MS)
+  exact = calibration.measure_held_step_ms(3, _fake_held_run(passes_KK, step_ms_K, prefill_ms=12.0), repeats=3)
+  np.testing.assert_allclose(exact, step_ms_K, rtol=1e-6)
+  noisy = calibration.measure_held_step_ms(3, _fake_held_run(passes_KK, step_ms_K, 12.0, noise=0.01), repeats=7)
+  np.testing.assert_allclose(noisy, step_ms_K, rtol=0.05)
+
+
+def test_held_calibration_needs_passes_at_every_k():
+  step_ms_K = np.array([0.3, 0.55, 0.8])
+  few = np.array([[60, 0, 0], [20, 10, 0], [20, 0, calibration.CALIBRATION_MIN_PASSES - 1]], float)
+  assert calibration.measure_held_step_ms(2, _fake_held_run(few, step_ms_K, 10.0), repeats=2) is None
+
+
+def test_held_calibration_solves_each_round_with_its_own_passes():
+  """Were a held run's passes to change between rounds (a nondeterministic backend changing a
+  token), each round solves with the passes it made."""
+  step_ms_K = np.array([0.3, 0.55, 0.8])
+  calls = iter(range(10_000))
+
+  def run(held_ms_K, prefill_only):
+    if prefill_only:
+      return 0.01, np.zeros(3)
+    k = int(np.argmin(held_ms_K))
+    passes_K = np.zeros(3)
+    passes_K[0], passes_K[k] = 2 + next(calls) % 3, 20 + 10 * k + next(calls) % 5  # K = 0: 2-4 more
+    return 0.01 + passes_K @ step_ms_K * 1e-3, passes_K
+
+  np.testing.assert_allclose(calibration.measure_held_step_ms(2, run, repeats=3), step_ms_K, rtol=1e-6)
+
+
+def test_auto_calibrates_on_its_own_program(auto_model, auto_plain, monkeypatch):
+  """generate's calibration times the auto program itself, held at each K, where its runs pass
+  often enough at every K (no loops of passes timed), and in loops where they do not."""
+  loop.forget_compiled()
+  loops = []
+  monkeypatch.setattr(calibration, "measure_step_ms",
+                      lambda ls, args, rounds: loops.append(ls.max_new_tokens) or np.array([1.0, 1.2, 1.4]))
+  monkeypatch.setattr(calibration, "CALIBRATION_ROUNDS", 2)
+  try:
+    for max_new in (20, 3):
+      spec = msj.SpecParams(drafter="controlled", num_draft="auto", max_draft=2, controlled_acceptance=0.8)
+      out = msj.generate(auto_model, RAGGED, max_new_tokens=max_new, spec=spec, reference_tokens=auto_plain)
+      np.testing.assert_array_equal(out.tokens, auto_plain[:, :max_new])
+      assert len(out.stats["calibrated_step_ms"]) == 3 and min(out.stats["calibrated_step_ms"]) > 0
+    assert loops == [3]  # 3 tokens: too few passes at every K
+  finally:
+    loop.forget_compiled()
