@@ -124,7 +124,14 @@ def measure_step_variants_ms(lss: Sequence[LoopSpec], args, repeats: int = 7) ->
     for k in range(ls.num_draft + 1):
       for v in timing.round_order(range(len(runs)), r + k):
         times_VKR[v, k, r] = (timed(runs[v], k, long) - timed(runs[v], k, short)) * 1e3 / (long - short)
-  times_VKR = np.maximum(times_VKR, 1e-3)  # noise can drive a slope to zero or below: keep ratios finite
+  return _scaled_ratio_medians(times_VKR)
+
+
+def _scaled_ratio_medians(times_VKR: np.ndarray) -> np.ndarray:
+  """[variant, K] times from per-round times [variant, K, round]: each the median over rounds of
+  its ratio to the first variant's K = 0 in the same round, times that time's median (a slow
+  spell of the machine that spans a round leaves the ratios intact)."""
+  times_VKR = np.maximum(times_VKR, 1e-3)  # noise can drive a time to zero or below: keep ratios finite
   return np.median(times_VKR / times_VKR[:1, :1], axis=2) * np.median(times_VKR[0, 0])
 
 
@@ -153,8 +160,8 @@ def measure_held_step_ms(num_draft: int, run: HeldRun, repeats: int = 7) -> np.n
   first token (the prefill, and the MTP heads' fill), in the balanced order of
   `timing.round_order`. A held run's time less the prefill's is the sum over K of the passes it
   made at K times K's pass time, and the round's per-K times solve that linear system by least
-  squares. As in `measure_step_ms`, each
-  K's time is the median of its ratios to K = 0 within a round times the median K = 0 time.
+  squares. As in `measure_step_ms`, each K's time is the median of its ratios to K = 0 within a
+  round times the median K = 0 time.
 
   None where the held runs make fewer than CALIBRATION_MIN_PASSES passes at some K.
 
@@ -186,8 +193,7 @@ def measure_held_step_ms(num_draft: int, run: HeldRun, repeats: int = 7) -> np.n
       return None
     decode_ms_K = np.array([seconds[k] - seconds["prefill"] for k in range(num_draft + 1)]) * 1e3
     times_RK[r] = np.linalg.lstsq(passes_KK, decode_ms_K, rcond=None)[0]
-  times_RK = np.maximum(times_RK, 1e-3)  # noise can drive a time to zero or below: keep ratios finite
-  return np.median(times_RK / times_RK[:, :1], axis=0) * np.median(times_RK[:, 0])
+  return _scaled_ratio_medians(times_RK.T[None])[0]
 
 
 def calibrate_step_ms(ls: LoopSpec, args, run: HeldRun) -> np.ndarray:

@@ -86,6 +86,9 @@ def encode_prompts(prompts, tokenizer, vocab_size: int, eos_id: int) -> list[np.
   return out
 
 
+_FULL_RUN = np.bool_(False)  # _generate_spec's prefill_only in generate()
+
+
 def _generate_spec(definition, params, tokens_BT, lengths_B, seed, draft_inputs, step_ms_K, prefill_only, *,
                    ls: LoopSpec):
   """Prefill, then one `lax.while_loop` of passes; returns (tokens_BN, raw statistics).
@@ -258,9 +261,6 @@ def generate(model, prompts, max_new_tokens: int = 64, sampling: SamplingParams 
   seconds = time.perf_counter() - start
   raw = _unpack_stats(raw, ls, batch, n_moe_layers)
   return GenerateOutput(tokens=tokens_BN, stats=_stats(raw, tokens_BN, seconds, spec, ls, step_ms_K))
-
-
-_FULL_RUN = np.bool_(False)  # _generate_spec's prefill_only in generate()
 
 
 def step_times_ms(model, prompts, max_new_tokens: int = 64, sampling: SamplingParams | None = None,
