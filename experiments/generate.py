@@ -2,7 +2,7 @@
 
   python -m experiments.generate --prompt="def fib(n):" --max_new_tokens=64
       [--model=DIR] [--temperature=0.8 --top_k=0 --top_p=0.95] [--prompt=... (a batch)]
-      [--drafter=mtp|ngram --num_draft=3|auto [--max_draft=8]]
+      [--drafter=mtp|ngram --num_draft=3|auto [--max_draft=8]] [--mtp_prompt_window=16]
       [--mode=budgeted --expert_budget=N [--measure_quality]] [--seed=0]
 
 Without --model it uses the default trained model (`make demo` creates it). Exact mode
@@ -26,6 +26,8 @@ _DRAFTER = flags.DEFINE_string("drafter", "none", "Drafter: none | mtp | ngram."
 _NUM_DRAFT = flags.DEFINE_string("num_draft", "3", "Drafted tokens per pass, or 'auto' (chosen each "
                                  "pass by the cost model, 0..--max_draft).")
 _MAX_DRAFT = flags.DEFINE_integer("max_draft", 8, "Largest K of --num_draft=auto.", lower_bound=1, upper_bound=16)
+_MTP_WINDOW = flags.DEFINE_integer("mtp_prompt_window", 16, "--drafter=mtp: the heads read each prompt's "
+                                  "last this many positions (0: every position).", lower_bound=0)
 _MODE = flags.DEFINE_enum("mode", "exact", ["exact", "budgeted"], "budgeted: APPROXIMATE expert budget.")
 _BUDGET = flags.DEFINE_integer("expert_budget", None, "Experts per MoE layer and pass (--mode=budgeted).")
 _QUALITY = flags.DEFINE_bool("measure_quality", False, "Budgeted: also run the exact pass and report "
@@ -47,7 +49,7 @@ def main(argv):
   if len(argv) > 1:
     raise ValueError(f"unexpected arguments: {argv[1:]}")
   spec = msj.SpecParams(drafter=_DRAFTER.value, num_draft=_num_draft(_NUM_DRAFT.value), max_draft=_MAX_DRAFT.value,
-                        mode=_MODE.value, expert_budget=_BUDGET.value, measure_quality=_QUALITY.value,
+                        mtp_prompt_window=_MTP_WINDOW.value or None, mode=_MODE.value, expert_budget=_BUDGET.value, measure_quality=_QUALITY.value,
                         kernel=_KERNEL.value)
   sampling = msj.SamplingParams(temperature=_TEMPERATURE.value, top_k=_TOP_K.value, top_p=_TOP_P.value)
   if _MODEL.value is None and not (paths.default_model_dir() / "config.json").exists():

@@ -192,13 +192,17 @@ def _prepare(model, prompts, max_new_tokens, sampling, spec, seed, reference_tok
 
   budget = resolve_budget(spec, config)
   auto = auto and k_draft > 0
+  # 0: the heads read every prompt position (a window as long as the padded prompt is all of it).
+  window = spec.mtp_prompt_window if spec.drafter == "mtp" and spec.mtp_prompt_window else 0
+  window = window if window < padded_len else 0
   ls = LoopSpec(max_new_tokens=int(max_new_tokens), cache_len=cache_len, sampling=sampling,
                 expert_method=model.expert_method(spec.kernel), drafter=spec.drafter if k_draft else "none",
                 num_draft=k_draft, auto=auto, timed=auto and spec.auto_timing and loop_clock_available(),
                 expert_budget=budget,
                 measure_quality=bool(spec.measure_quality and budget is not None),
                 cpu_attention=cpu_kernels(spec.attention_kernel),
-                routing=(config.n_routed_experts, config.top_k) if config.n_moe_layers else (0, 0))
+                routing=(config.n_routed_experts, config.top_k) if config.n_moe_layers else (0, 0),
+                mtp_prompt_window=window)
   # Host arrays and a uint32 seed go to the compiled program as they are (an eager jnp.asarray
   # or jax.random.key costs a dispatch each); the seed's low 32 bits, as jax.random.key takes them.
   seed_u32 = np.asarray(int(seed) & 0xFFFFFFFF, np.uint32)

@@ -56,6 +56,15 @@ class SpecParams:
   max_draft: int = 8
   auto_timing: bool = False
   controlled_acceptance: float = 0.5
+  # drafter='mtp': the heads' cache holds the last this many prompt positions of each row (None:
+  # all), so the prefill runs the target's last layer and the heads' projections there only;
+  # every generated position enters. It changes drafts only (verification keeps the output
+  # exact). Default model, 192-byte prompts, batch 1, the prefill's extra time over plain's:
+  # 2.6-2.7 ms with every position, 0.9 at 32, 0.5 at 16, 0.15 at 1 (batch 8: 15.9, 4.3, 2.5 ms).
+  # Tokens accepted per pass (16 held-out prompts, greedy, K = 2 and 4): 2.950 and 4.733 with
+  # every position and with 16, 8 or 4, 2.950 and 4.718 with 1; its heads draw on the target's
+  # hidden state more than on their own attention. Heads that attend further may want more.
+  mtp_prompt_window: int | None = 16
   mode: str = "exact"
   expert_budget: int | None = None
   kernel: str = "auto"
@@ -102,5 +111,9 @@ class SpecParams:
                        f"got {self.max_draft!r}")
     if not isinstance(self.auto_timing, bool):
       raise ValueError(f"auto_timing must be a bool, got {self.auto_timing!r}")
+    if self.mtp_prompt_window is not None and (isinstance(self.mtp_prompt_window, bool) or not isinstance(
+        self.mtp_prompt_window, int) or self.mtp_prompt_window < 1):
+      raise ValueError(f"mtp_prompt_window must be an int >= 1 or None (every prompt position), "
+                       f"got {self.mtp_prompt_window!r}")
     if not isinstance(self.controlled_acceptance, (int, float)) or not 0.0 <= self.controlled_acceptance <= 1.0:
       raise ValueError(f"controlled_acceptance must be in [0, 1], got {self.controlled_acceptance!r}")

@@ -48,6 +48,9 @@ class LoopSpec:
   # False only to measure the pass without its routed experts (the cost model's non-expert time):
   # the verification pass reads no routed expert, so its tokens are not the model's.
   routed_experts: bool = True
+  # drafter='mtp': the heads' cache holds the last `mtp_prompt_window` prompt positions of each row
+  # (0: all of them), at positions shifted down by the row's `dstate["offset"]` (`init_carry`).
+  mtp_prompt_window: int = 0
 
 
 def _count_unique_experts(expert_ids_LBTK, active_BT, n_experts: int):
@@ -141,10 +144,13 @@ def init_carry(model, tokens_BT, lengths_B, seed, draft_inputs, ls: LoopSpec):
 
   cache = model.new_cache(batch, ls.cache_len)
   prompt_BT = jnp.arange(prompt_len, dtype=jnp.int32)[None] < lengths_B[:, None]  # padding reads no experts
-  if ls.drafter == "mtp":  # the MTP fill reads the hidden state at every prompt position
+  if ls.drafter == "mtp":  # the MTP fill reads the hidden state at the window's prompt positions
+    window = ls.mtp_prompt_window or prompt_len
+    offset_B = jnp.maximum(lengths_B - window, 0)
+    window_BW = offset_B[:, None] + jnp.arange(window, dtype=jnp.int32)[None]
     out = model(tokens_BT, None, cache, expert_method=ls.expert_method, valid_BT=prompt_BT, compute_logits=False,
-                fresh_cache=True)
-    last_logits_BV = model.head(at_index(out.hidden, lengths_B - 1))[:, 0]
+                fresh_cache=True, hidden_at_B=window_BW if ls.mtp_prompt_window else None)
+    last_logits_BV = model.head(at_index(out.hidden, lengths_B - 1 - offset_B))[:, 0]
   else:
     out = model(tokens_BT, None, cache, expert_method=ls.expert_method, valid_BT=prompt_BT, fresh_cache=True,
                 hidden_at_B=lengths_B - 1)
@@ -158,16 +164,19 @@ def init_carry(model, tokens_BT, lengths_B, seed, draft_inputs, ls: LoopSpec):
     seq_BS = seq_BS.at[:, :prompt_len].set(tokens_BT).at[b_idx, lengths_B].set(first_B)
     dstate = {"seq": seq_BS}
   elif ls.drafter == "mtp":
+    # The heads' stream over the window: index j holds prompt position offset + j (RoPE is
+    # relative, so shifting a row's positions by a constant leaves its attention unchanged).
     m_total = config.num_mtp_modules
     j_P = jnp.arange(prompt_len + m_total - 1, dtype=jnp.int32)
     shifted_BP = jnp.concatenate([tokens_BT[:, 1:], jnp.zeros((batch, m_total), jnp.int32)], axis=1)
     next_BP = jnp.where(j_P[None] < (lengths_B - 1)[:, None], shifted_BP, first_B[:, None])
-    positions_BP = jnp.broadcast_to(jnp.arange(prompt_len, dtype=jnp.int32), (batch, prompt_len))
-    h1_BD, logits1_BV, mcache = mtp_lib.fill(model, out.hidden, next_BP, positions_BP,
+    next_BW = at_index(next_BP, offset_B[:, None] + jnp.arange(window + m_total - 1, dtype=jnp.int32)[None])
+    positions_BW = jnp.broadcast_to(jnp.arange(window, dtype=jnp.int32), (batch, window))
+    h1_BD, logits1_BV, mcache = mtp_lib.fill(model, out.hidden, next_BW, positions_BW,
                                              mtp_lib.new_cache(config, batch, ls.cache_len),
-                                             expert_method=ls.expert_method, at_B=lengths_B - 1,
-                                             valid_BT=prompt_BT, fresh_cache=True)
-    dstate = {"cache": mcache, "h1": h1_BD, "logits1": logits1_BV}
+                                             expert_method=ls.expert_method, at_B=lengths_B - 1 - offset_B,
+                                             valid_BT=at_index(prompt_BT, window_BW), fresh_cache=True)
+    dstate = {"cache": mcache, "h1": h1_BD, "logits1": logits1_BV, "offset": offset_B}
   elif ls.drafter == "controlled":
     dstate = {"table": draft_inputs["table"]}
 
@@ -194,7 +203,7 @@ def _draft(model, carry, k: int, draft_keys_B, ls: LoopSpec):
     return drafts_BK, jnp.ones((batch, k), jnp.bool_), None, dstate
   keys_BK = jax.vmap(lambda key: jax.random.split(key, k))(draft_keys_B)
   drafts_BK, q_BKV, mcache = drafters_lib.mtp_propose(
-      model, dstate["cache"], dstate["h1"], dstate["logits1"], carry["pos"] - 1, keys_BK, k,
+      model, dstate["cache"], dstate["h1"], dstate["logits1"], carry["pos"] - 1 - dstate["offset"], keys_BK, k,
       ls.sampling, expert_method=ls.expert_method, active_B=~carry["done"])
   return drafts_BK, jnp.ones((batch, k), jnp.bool_), q_BKV, dict(dstate, cache=mcache)
 
@@ -261,9 +270,10 @@ def speculative_pass(model, carry, k: int, ls: LoopSpec):
     next_BT = jnp.where(j_T[None] < n_acc_B[:, None], base_BT, next_B[:, None])
     # Indices past the accepted ones are rolled back: they read no experts.
     kept_BS = active_B[:, None] & (j_S[None] <= n_acc_B[:, None])
-    h1_BD, logits1_BV, mcache = mtp_lib.fill(model, vout.hidden, next_BT, positions_BS, dstate["cache"],
-                                             expert_method=ls.expert_method, at_B=n_acc_B, valid_BT=kept_BS)
-    dstate = {"cache": mcache, "h1": h1_BD, "logits1": logits1_BV}
+    h1_BD, logits1_BV, mcache = mtp_lib.fill(model, vout.hidden, next_BT, positions_BS - dstate["offset"][:, None],
+                                             dstate["cache"], expert_method=ls.expert_method, at_B=n_acc_B,
+                                             valid_BT=kept_BS)
+    dstate = dict(dstate, cache=mcache, h1=h1_BD, logits1=logits1_BV)
 
   # Statistics over the active rows.
   stats = dict(carry["stats"])

@@ -92,7 +92,8 @@ class Attention(nnx.Module):
     (each row's positions must be contiguous) and queries attend to the cache (positions <=
     their own). `fresh_cache`: the cache holds nothing yet (a prefill), so queries attend to
     the pass's own keys only (not to the empty entries). `query_at_B` [B]: queries (and the
-    output, [B, 1, D]) at that one index per row only; every index still writes its keys/values.
+    output, [B, 1, D]) at that one index per row only ([B, W]: at those W, [B, W, D]); every index
+    still writes its keys/values.
     """
     cos, sin = rope
     q_BTHK, k_BTGK, v_BTGK = self._project(x_BTD)

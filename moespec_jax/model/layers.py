@@ -31,8 +31,12 @@ def packed_product(x_BTD, packed_NDC, n_cols: int):
 
 def at_index(x_BT, at_B):
   """Row b's entry at index at_B[b], keeping a length-1 axis: [B, T, ...] -> [B, 1, ...] (a pass's
-  outputs or inputs where one index per row alone is read)."""
-  return x_BT[jnp.arange(x_BT.shape[0]), at_B][:, None]
+  outputs or inputs where one index per row alone is read); with at_B [B, W], the W entries of
+  row b at indices at_B[b]: [B, W, ...]."""
+  rows_B = jnp.arange(x_BT.shape[0])
+  if at_B.ndim == 2:
+    return x_BT[rows_B[:, None], at_B]
+  return x_BT[rows_B, at_B][:, None]
 
 
 def fan_in_init(fan_in: int, scale: float = 1.0):

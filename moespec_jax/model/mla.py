@@ -205,7 +205,7 @@ class MLAttention(nnx.Module):
     With a cache, queries attend to the cache's earlier positions and to the pass's own entries
     (positions <= their own), which are written into the cache; with `fresh_cache` (a prefill)
     only to the pass's own entries. `query_at_B` [B]: queries (and the output, [B, 1, D]) at that
-    one index per row only; every index still writes its cache entries.
+    one index per row only ([B, W]: at those W); every index still writes its cache entries.
     """
     cfg = self.config
     n = cfg.qk_nope_head_dim

@@ -56,8 +56,9 @@ class Block(nnx.Module):
   def __call__(self, x_BTD, positions_BT, rope, layer_cache, *, expert_method, expert_budget=None,
                valid_BT=None, fresh_cache: bool = False, output_at_B=None):
     """Returns (output, new layer cache, routing). `output_at_B`: the block's output at that one
-    index per row only, [B, 1, D] (a caller that reads it there only): attention's queries and
-    the FFN run there only, while every index writes its cache entries."""
+    index per row only, [B, 1, D] (a caller that reads it there only; [B, W]: at those W indices,
+    [B, W, D]): attention's queries and the FFN run there only, while every index writes its cache
+    entries."""
     attn_out, new_cache = self.attn(self.attn_norm(x_BTD), positions_BT, rope, layer_cache,
                                     fresh_cache=fresh_cache, query_at_B=output_at_B)
     if output_at_B is not None:
@@ -167,7 +168,8 @@ class Transformer(nnx.Module):
     `hidden_at_B` [B]: hidden states and logits at that one index per row only, [B, 1, ...]; the
     last block's attention queries and FFN run there only (`Block.__call__`'s `output_at_B`),
     every index still writes its keys/values, and routing is None (a prefill whose last prompt
-    position alone is read).
+    position alone is read). [B, W]: at those W indices per row, [B, W, ...] (the MTP heads'
+    prompt window).
     """
     c = self.config
     method = expert_method or c.expert_method

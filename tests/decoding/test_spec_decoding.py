@@ -1,6 +1,8 @@
 """Speculative decoding: greedy equality with plain decoding, EOS and max_new_tokens inside
 accepted runs, rollback of the KV caches, validation."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -121,15 +123,17 @@ def test_cpu_decoding_pass_gives_a_token_the_bits_of_a_plain_step(tiny_config, a
 
 def test_mla_greedy_speculative_tokens_equal_plain_greedy(tiny_config):
   """DeepSeek MLA with an MTP module: plain decoding with MLA's passes on the C++ kernel emits
-  XLA's tokens, and greedy speculative decoding (MTP heads; prompt lookup, whose repetitive
-  prompts get drafts accepted) emits the same tokens as plain."""
+  XLA's tokens, and greedy speculative decoding (MTP heads, from every prompt position and from a
+  window of the last 3; prompt lookup, whose repetitive prompts get drafts accepted) emits the
+  same tokens as plain."""
   config = tiny_config.replace(attention_type="mla", kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
                                v_head_dim=8, num_mtp_modules=1)
   model = msj.Model.init(config, seed=2)
   plain = msj.generate(model, RAGGED + REPEATS, max_new_tokens=16).tokens
   xla = msj.generate(model, RAGGED + REPEATS, max_new_tokens=16, spec=msj.SpecParams(attention_kernel="xla"))
   np.testing.assert_array_equal(xla.tokens, plain)
-  for spec in (msj.SpecParams(drafter="mtp", num_draft=3), msj.SpecParams(drafter="ngram", num_draft=2)):
+  for spec in (msj.SpecParams(drafter="mtp", num_draft=3), msj.SpecParams(drafter="mtp", num_draft=2, mtp_prompt_window=3),
+               msj.SpecParams(drafter="ngram", num_draft=2)):
     out = msj.generate(model, RAGGED + REPEATS, max_new_tokens=16, spec=spec)
     np.testing.assert_array_equal(out.tokens, plain)
     if spec.drafter == "ngram":
@@ -301,12 +305,13 @@ def test_fill_at_one_index_runs_the_last_module_there_only(mtp_model, two_module
   assert output_at == [False] * modules + [False] * (modules - 1) + [True]
 
 
-@pytest.mark.parametrize("drafter,reads_every_index", [("none", False), ("ngram", False), ("mtp", True)])
-def test_prefill_computes_hidden_states_where_they_are_read(two_module_model, monkeypatch, drafter,
+@pytest.mark.parametrize("drafter,window,reads_every_index", [
+    ("none", None, False), ("ngram", None, False), ("mtp", None, True), ("mtp", 3, False)])
+def test_prefill_computes_hidden_states_where_they_are_read(two_module_model, monkeypatch, drafter, window,
                                                              reads_every_index):
   """The prompt prefill asks the target for its last position's hidden state alone
   (`hidden_at_B`: the last layer's queries and FFN run there only), except for the MTP drafter,
-  whose fill reads every position's."""
+  whose fill reads every position's, or its prompt window's (`hidden_at_B` [B, W])."""
   asked = []
   call = type(two_module_model.module()).__call__
 
@@ -315,12 +320,74 @@ def test_prefill_computes_hidden_states_where_they_are_read(two_module_model, mo
     return call(self, *args, **kwargs)
 
   monkeypatch.setattr(type(two_module_model.module()), "__call__", recording_call)
-  spec = msj.SpecParams() if drafter == "none" else msj.SpecParams(drafter=drafter, num_draft=2)
+  spec = msj.SpecParams() if drafter == "none" else msj.SpecParams(drafter=drafter, num_draft=2,
+                                                                     mtp_prompt_window=window)
   _, ls, (definition, params, tokens, lengths, seed, draft_inputs) = loop._prepare(
       two_module_model, RAGGED, 8, None, spec, 0, None)
   jax.eval_shape(lambda p: passes.init_carry(programs.merge(definition, p, ls), tokens, lengths, seed,
                                              draft_inputs, ls)["out"], params)
   assert asked == [not reads_every_index]
+
+
+def test_mtp_prompt_window_keeps_greedy_tokens(two_module_model, plain_greedy):
+  """A window shorter than the longest prompt (two modules: module 2 reads the window's next
+  tokens one further) changes drafts only: the tokens are plain greedy's."""
+  spec = msj.SpecParams(drafter="mtp", num_draft=3, mtp_prompt_window=3)
+  assert loop._prepare(two_module_model, RAGGED + REPEATS, 24, None, spec, 0, None)[1].mtp_prompt_window == 3
+  out = msj.generate(two_module_model, RAGGED + REPEATS, max_new_tokens=24, spec=spec)
+  np.testing.assert_array_equal(out.tokens, plain_greedy)
+
+
+def test_mtp_prompt_window_drafts_from_the_window_stream(mtp_model):
+  """With a prompt window W, the heads' stream of a row starts at prompt position max(L - W, 0),
+  at stream position 0: after the prefill and after a pass of K = 2, the depth-1 draft logits
+  equal the module run afresh (no cache) over the target's hidden states from there on, at
+  stream positions 0, 1, ... (the target's hidden states from a fresh forward over the whole
+  committed sequence)."""
+  window, k = 5, 2
+  prompts = [[4, 8, 15, 16, 23, 42, 7, 9, 11, 13, 17, 19], [3, 1, 4]]
+  spec = msj.SpecParams(drafter="mtp", num_draft=k, mtp_prompt_window=window)
+  _, ls, (definition, params, tokens, lengths, seed, draft_inputs) = loop._prepare(
+      mtp_model, prompts, 8, None, spec, 0, None)
+  assert ls.mtp_prompt_window == window
+
+  @jax.jit
+  def prefill_and_pass(params):
+    model = programs.merge(definition, params, ls)
+    carry = passes.init_carry(model, tokens, lengths, seed, draft_inputs, ls)
+    return carry, passes.speculative_pass(model, carry, k, ls)
+
+  @jax.jit
+  def drafts(params, carry):
+    model = programs.merge(definition, params, ls)
+    return passes._draft(model, carry, k, carry["row_keys"], ls)[0]
+
+  @functools.partial(jax.jit, static_argnums=2)
+  def fresh_stream(state, committed, offset):
+    """Depth-1 logits at the stream's last index, and the greedy depth-1 and depth-2 drafts
+    (depth 2: the module once more, on its own output and the depth-1 draft)."""
+    m = nnx.merge(mtp_model.graphdef, state)
+    hidden = m(committed[None]).hidden[:, offset:-1]
+    positions = jnp.arange(hidden.shape[1] + 1)[None]
+    h, logits, _ = mtp_lib.run_module(m, 0, hidden, committed[None, offset + 1:], positions[:, :-1], None,
+                                      expert_method="xla")
+    draft1 = jnp.argmax(logits[0, -1]).astype(jnp.int32)
+    _, logits2, _ = mtp_lib.run_module(m, 0, jnp.concatenate([hidden, h[:, -1:]], axis=1),
+                                       jnp.concatenate([committed[offset + 1:], draft1[None]])[None], positions,
+                                       None, expert_method="xla")
+    return logits[0, -1], jnp.stack([draft1, jnp.argmax(logits2[0, -1]).astype(jnp.int32)])
+
+  carries = prefill_and_pass(params)
+  np.testing.assert_array_equal(carries[0]["dstate"]["offset"], [len(prompts[0]) - window, 0])
+  for carry in carries:
+    got_drafts = drafts(params, carry)
+    for row, prompt in enumerate(prompts):
+      gen = int(carry["gen"][row])
+      committed = jnp.asarray(prompt + list(np.asarray(carry["out"][row, :gen])), jnp.int32)
+      assert int(carry["pos"][row]) == len(committed) - 1  # the pending token's position
+      logits1, want_drafts = fresh_stream(mtp_model.state, committed, max(len(prompt) - window, 0))
+      np.testing.assert_allclose(carry["dstate"]["logits1"][row], logits1, rtol=1e-4, atol=1e-4)
+      np.testing.assert_array_equal(got_drafts[row], want_drafts)
 
 
 def test_recursive_depths_reuse_the_last_module():
@@ -331,6 +398,12 @@ def test_recursive_depths_reuse_the_last_module():
 def test_uniforms_are_strictly_inside_the_unit_interval():
   u = np.asarray(rejection.uniform_open(jax.random.key(0), (200000,)))
   assert u.min() > 0.0 and u.max() < 1.0
+
+
+def test_mtp_prompt_window_must_be_a_positive_int():
+  for bad in (0, -1, 2.5, True):
+    with pytest.raises(ValueError, match="mtp_prompt_window"):
+      msj.SpecParams(drafter="mtp", mtp_prompt_window=bad)
 
 
 @pytest.mark.parametrize("kwargs,match", [
