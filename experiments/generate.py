@@ -66,7 +66,7 @@ def main(argv):
         f"{s['passes']} passes, mean accepted length {s['mean_accepted_length']:.2f}")
   if s.get("passes_by_num_draft") is not None:
     print("auto K: passes by K " + " ".join(f"{k}:{n}" for k, n in enumerate(s["passes_by_num_draft"]) if n)
-          + f"; acceptance estimate {s['acceptance_estimate']:.2f}")
+          + f"; acceptance estimate {s['acceptance_estimate']:.2f}; pass times calibrated on {s['calibration'].replace('_', ' ')}")
   if s["approximate"]:
     quality = (f"; top-1 agreement with exact {s['top1_agreement']:.3f}, mean KL {s['mean_kl']:.4f}"
                if "top1_agreement" in s else "; --measure_quality reports its cost")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -196,7 +196,14 @@ def measure_held_step_ms(num_draft: int, run: HeldRun, repeats: int = 7) -> np.n
   return _scaled_ratio_medians(times_RK.T[None])[0]
 
 
-def calibrate_step_ms(ls: LoopSpec, args, run: HeldRun) -> np.ndarray:
+class Calibration(NamedTuple):
+  """auto K's per-K pass times (ms, [K + 1]) and how they were measured: "held_runs"
+  (`measure_held_step_ms`) or "loops" (`measure_step_ms`)."""
+  step_ms_K: np.ndarray
+  method: str
+
+
+def calibrate_step_ms(ls: LoopSpec, args, run: HeldRun) -> Calibration:
   """Per-K pass times, once per program (cached, like compilation): `measure_held_step_ms` on the
   program `run` calls (else, logged, `measure_step_ms`), smoothed and made non-decreasing in K
   (`auto_draft.smooth_step_times`).
@@ -211,10 +218,10 @@ def calibrate_step_ms(ls: LoopSpec, args, run: HeldRun) -> np.ndarray:
     draft_inputs = args[-1]  # as loop._prepare builds them
     sig = (sig, float(draft_inputs["acceptance"]))
   if sig not in programs.CALIBRATED:
-    raw_K = measure_held_step_ms(ls.num_draft, run, CALIBRATION_ROUNDS)
+    raw_K, method = measure_held_step_ms(ls.num_draft, run, CALIBRATION_ROUNDS), "held_runs"
     if raw_K is None:
       logging.info("auto K (%s drafter, max_draft=%d, %d new tokens): too few passes at some K in whole runs; "
                    "pass times measured in loops of passes", ls.drafter, ls.num_draft, ls.max_new_tokens)
-      raw_K = measure_step_ms(ls, args, CALIBRATION_ROUNDS)
-    programs.CALIBRATED[sig] = auto_draft.smooth_step_times(raw_K, ls.routing).astype(np.float32)
+      raw_K, method = measure_step_ms(ls, args, CALIBRATION_ROUNDS), "loops"
+    programs.CALIBRATED[sig] = Calibration(auto_draft.smooth_step_times(raw_K, ls.routing).astype(np.float32), method)
   return programs.CALIBRATED[sig]

@@ -246,11 +246,12 @@ def generate(model, prompts, max_new_tokens: int = 64, sampling: SamplingParams 
   `reference_tokens` (drafter='controlled' only): the plain greedy output for these prompts,
   which the controlled drafter proposes with probability `spec.controlled_acceptance`.
   With num_draft='auto', the first call for a program also measures its per-K pass times
-  (`calibrate_step_ms`; seconds, like compilation, and excluded from the timing).
+  (`calibrate_step_ms`; seconds, like compilation, and excluded from the timing; stats
+  "calibration": "held_runs", or "loops" where held runs pass too rarely at some K).
   """
   spec, ls, args = _prepare(model, prompts, max_new_tokens, sampling, spec, seed, reference_tokens)
   batch, n_moe_layers = args[2].shape[0], model.config.n_moe_layers
-  step_ms_K = np.zeros((ls.num_draft + 1,), np.float32)
+  step_ms_K, calibration_method = np.zeros((ls.num_draft + 1,), np.float32), None
   fn = compiled(_generate_spec, ls, *args, step_ms_K, _FULL_RUN)
   if ls.auto:
     def held_run(held_ms_K, prefill_only):
@@ -258,13 +259,17 @@ def generate(model, prompts, max_new_tokens: int = 64, sampling: SamplingParams 
       raw = jax.block_until_ready(fn(*args[1:], held_ms_K, np.bool_(prefill_only))[1])
       seconds = time.perf_counter() - start
       return seconds, _unpack_stats(raw, ls, batch, n_moe_layers)["passes_by_K"]
-    step_ms_K = np.asarray(calibrate_step_ms(ls, args, held_run), np.float32)
+    step_ms_K, calibration_method = calibrate_step_ms(ls, args, held_run)
+    step_ms_K = np.asarray(step_ms_K, np.float32)
   start = time.perf_counter()
   tokens_BN, raw = fn(*args[1:], step_ms_K, _FULL_RUN)
   tokens_BN = np.asarray(jax.block_until_ready(tokens_BN))
   seconds = time.perf_counter() - start
   raw = _unpack_stats(raw, ls, batch, n_moe_layers)
-  return GenerateOutput(tokens=tokens_BN, stats=_stats(raw, tokens_BN, seconds, spec, ls, step_ms_K))
+  stats = _stats(raw, tokens_BN, seconds, spec, ls, step_ms_K)
+  if ls.auto:  # "held_runs" or "loops" (calibration.Calibration)
+    stats["calibration"] = calibration_method
+  return GenerateOutput(tokens=tokens_BN, stats=stats)
 
 
 def step_times_ms(model, prompts, max_new_tokens: int = 64, sampling: SamplingParams | None = None,

@@ -85,7 +85,7 @@ def cpu_kernels(choice: str) -> bool:
 _COMPILED: dict[Any, Any] = {}
 # Calibrated pass times of auto K (`calibration.calibrate_step_ms`), per program signature (the
 # controlled drafter's: per (signature, acceptance rate)); dropped with the programs.
-CALIBRATED: dict[Any, np.ndarray] = {}
+CALIBRATED: dict[Any, Any] = {}  # calibration.Calibration values
 
 
 def forget_compiled(keep=frozenset()) -> None:

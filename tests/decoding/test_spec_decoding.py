@@ -502,7 +502,7 @@ def test_forget_compiled_forgets_models_no_program_refers_to(tiny_config, monkey
   assert [d.graphdef for d in programs._DEFINITIONS.values()] == [kept.graphdef]
   assert msj.generate(other, [[1, 2, 3]], max_new_tokens=2).tokens.shape == (1, 2)
   # A calibration (the controlled drafter's form: (signature, acceptance)) keeps its model.
-  programs.CALIBRATED[(next(iter(keep)), 0.5)] = np.ones(1, np.float32)
+  programs.CALIBRATED[(next(iter(keep)), 0.5)] = calibration.Calibration(np.ones(1, np.float32), "held_runs")
   loop.forget_compiled()
   assert not programs._COMPILED and [d.graphdef for d in programs._DEFINITIONS.values()] == [kept.graphdef]
   programs.CALIBRATED.clear()
