@@ -28,6 +28,9 @@ attention by position makes this rollback copy-free. For modules k >= 2, the ent
 k-1 indices before p+a+1 keep the token they were given (a draft or a placeholder) when it
 was not the committed one; this only affects draft quality (DeepSeek-V3 and the default model
 use M = 1), never exactness, since verification does not depend on what the drafter computes.
+A generation's prompt fill may cover only each row's last prompt positions (`SpecParams.
+mtp_prompt_window`): the row's stream then starts there at index 0, and every later index is the
+position less that offset (RoPE is relative: the shift leaves attention unchanged).
 Training (`forward_train`) runs
 the same modules over whole sequences with teacher forcing.
 """
