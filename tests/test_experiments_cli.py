@@ -36,6 +36,7 @@ def test_generate_cli_end_to_end_and_bad_values(tiny_model, tmp_path):
               "--drafter=ngram", "--num_draft=auto", "--max_draft=3")
   assert proc.returncode == 0, proc.stderr
   assert "auto K: passes by K" in proc.stdout and "APPROXIMATE" not in proc.stdout
+  assert "pass times calibrated on loops" in proc.stdout  # 6 tokens: too few passes per K for held runs
   proc = run_module("experiments.generate", f"--checkpoint={path}", "--max_new_tokens=4", "--drafter=ngram",
               "--mode=budgeted", "--expert_budget=3", "--measure_quality")
   assert proc.returncode == 0, proc.stderr
@@ -43,6 +44,8 @@ def test_generate_cli_end_to_end_and_bad_values(tiny_model, tmp_path):
   assert_one_line_error(run_module("experiments.generate", f"--checkpoint={path}", "--num_draft=many"), "--num_draft")
   assert_one_line_error(run_module("experiments.generate", f"--checkpoint={path}", "--mode=budgeted"), "expert_budget")
   assert_one_line_error(run_module("experiments.generate", f"--checkpoint={path}", "--top_p=0"), "top_p")
+  assert_one_line_error(run_module("experiments.generate", f"--checkpoint={path}", "--mtp_prompt_window=-1"),
+                        "mtp_prompt_window")
   assert_one_line_error(run_module("experiments.generate", f"--checkpoint={path}", "--max_new_tokens=500"),
                   "max_seq_len")
   assert_one_line_error(run_module("experiments.generate", f"--model={tmp_path / 'missing'}"), "config.json")
