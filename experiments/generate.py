@@ -49,8 +49,8 @@ def main(argv):
   if len(argv) > 1:
     raise ValueError(f"unexpected arguments: {argv[1:]}")
   spec = msj.SpecParams(drafter=_DRAFTER.value, num_draft=_num_draft(_NUM_DRAFT.value), max_draft=_MAX_DRAFT.value,
-                        mtp_prompt_window=_MTP_WINDOW.value or None, mode=_MODE.value, expert_budget=_BUDGET.value, measure_quality=_QUALITY.value,
-                        kernel=_KERNEL.value)
+                        mtp_prompt_window=_MTP_WINDOW.value or None, mode=_MODE.value,
+                        expert_budget=_BUDGET.value, measure_quality=_QUALITY.value, kernel=_KERNEL.value)
   sampling = msj.SamplingParams(temperature=_TEMPERATURE.value, top_k=_TOP_K.value, top_p=_TOP_P.value)
   if _MODEL.value is None and not (paths.default_model_dir() / "config.json").exists():
     # Generating is quick; training the default model is not: say so rather than start it.
@@ -66,7 +66,8 @@ def main(argv):
         f"{s['passes']} passes, mean accepted length {s['mean_accepted_length']:.2f}")
   if s.get("passes_by_num_draft") is not None:
     print("auto K: passes by K " + " ".join(f"{k}:{n}" for k, n in enumerate(s["passes_by_num_draft"]) if n)
-          + f"; acceptance estimate {s['acceptance_estimate']:.2f}; pass times calibrated on {s['calibration'].replace('_', ' ')}")
+          + f"; acceptance estimate {s['acceptance_estimate']:.2f}"
+          + f"; pass times calibrated on {s['calibration'].replace('_', ' ')}")
   if s["approximate"]:
     quality = (f"; top-1 agreement with exact {s['top1_agreement']:.3f}, mean KL {s['mean_kl']:.4f}"
                if "top1_agreement" in s else "; --measure_quality reports its cost")

@@ -251,7 +251,7 @@ def generate(model, prompts, max_new_tokens: int = 64, sampling: SamplingParams 
   """
   spec, ls, args = _prepare(model, prompts, max_new_tokens, sampling, spec, seed, reference_tokens)
   batch, n_moe_layers = args[2].shape[0], model.config.n_moe_layers
-  step_ms_K, calibration_method = np.zeros((ls.num_draft + 1,), np.float32), None
+  step_ms_K, calibration = np.zeros((ls.num_draft + 1,), np.float32), None
   fn = compiled(_generate_spec, ls, *args, step_ms_K, _FULL_RUN)
   if ls.auto:
     def held_run(held_ms_K, prefill_only):
@@ -259,17 +259,14 @@ def generate(model, prompts, max_new_tokens: int = 64, sampling: SamplingParams 
       raw = jax.block_until_ready(fn(*args[1:], held_ms_K, np.bool_(prefill_only))[1])
       seconds = time.perf_counter() - start
       return seconds, _unpack_stats(raw, ls, batch, n_moe_layers)["passes_by_K"]
-    step_ms_K, calibration_method = calibrate_step_ms(ls, args, held_run)
-    step_ms_K = np.asarray(step_ms_K, np.float32)
+    calibration = calibrate_step_ms(ls, args, held_run)
+    step_ms_K = np.asarray(calibration.step_ms_K, np.float32)
   start = time.perf_counter()
   tokens_BN, raw = fn(*args[1:], step_ms_K, _FULL_RUN)
   tokens_BN = np.asarray(jax.block_until_ready(tokens_BN))
   seconds = time.perf_counter() - start
   raw = _unpack_stats(raw, ls, batch, n_moe_layers)
-  stats = _stats(raw, tokens_BN, seconds, spec, ls, step_ms_K)
-  if ls.auto:  # "held_runs" or "loops" (calibration.Calibration)
-    stats["calibration"] = calibration_method
-  return GenerateOutput(tokens=tokens_BN, stats=stats)
+  return GenerateOutput(tokens=tokens_BN, stats=_stats(raw, tokens_BN, seconds, spec, ls, calibration))
 
 
 def step_times_ms(model, prompts, max_new_tokens: int = 64, sampling: SamplingParams | None = None,
@@ -304,8 +301,9 @@ def _step_program(model, prompts, max_new_tokens, sampling, spec, reference_toke
   return ls, args
 
 
-def _stats(raw, tokens_BN, seconds: float, spec: SpecParams, ls: LoopSpec, step_ms_K) -> dict[str, Any]:
-  """The public statistics from the program's (`_unpack_stats`)."""
+def _stats(raw, tokens_BN, seconds: float, spec: SpecParams, ls: LoopSpec, calibration) -> dict[str, Any]:
+  """The public statistics from the program's (`_unpack_stats`); `calibration`: auto K's
+  (`calibration.Calibration`), None without auto."""
   verify_passes = int(raw["verify_passes"])
   row_passes = float(raw["row_passes"])
   generated = int(np.sum(tokens_BN >= 0))
@@ -338,7 +336,9 @@ def _stats(raw, tokens_BN, seconds: float, spec: SpecParams, ls: LoopSpec, step_
     # The K auto chose most often, and the mean K over passes.
     stats["chosen_num_draft"] = int(np.argmax(by_k))
     stats["mean_num_draft"] = float(np.sum(np.arange(by_k.size) * by_k) / max(by_k.sum(), 1))
+    step_ms_K = calibration.step_ms_K
     stats["calibrated_step_ms"] = [float(t) for t in step_ms_K]
+    stats["calibration"] = calibration.method  # "held_runs" or "loops"
     stats["auto_timing"] = ls.timed
     if ls.timed:  # the pass times auto chose with at the end: calibration corrected by the loop's clock
       stats["corrected_step_ms"] = [float(t) for t in auto_draft.corrected_step_ms(

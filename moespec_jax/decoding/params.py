@@ -60,7 +60,7 @@ class SpecParams:
   # all), so the prefill runs the target's last layer and the heads' projections there only;
   # every generated position enters. It changes drafts only (verification keeps the output
   # exact). Default model, 192-byte prompts, batch 1, the prefill's extra time over plain's:
-  # 2.6-2.7 ms with every position, 0.9 at 32, 0.5 at 16, 0.15 at 1 (batch 8: 15.9, 4.3, 2.5 ms).
+  # 2.6-2.7 ms with every position, 0.8-0.9 at 32, 0.5 at 16, 0.15 at 1 (batch 8: 15.9, 4.3, 2.5 ms).
   # Tokens accepted per pass (16 held-out prompts, greedy, K = 2 and 4): 2.950 and 4.733 with
   # every position and with 16, 8 or 4, 2.950 and 4.718 with 1; its heads draw on the target's
   # hidden state more than on their own attention. Heads that attend further may want more.

@@ -132,7 +132,8 @@ def test_mla_greedy_speculative_tokens_equal_plain_greedy(tiny_config):
   plain = msj.generate(model, RAGGED + REPEATS, max_new_tokens=16).tokens
   xla = msj.generate(model, RAGGED + REPEATS, max_new_tokens=16, spec=msj.SpecParams(attention_kernel="xla"))
   np.testing.assert_array_equal(xla.tokens, plain)
-  for spec in (msj.SpecParams(drafter="mtp", num_draft=3), msj.SpecParams(drafter="mtp", num_draft=2, mtp_prompt_window=3),
+  for spec in (msj.SpecParams(drafter="mtp", num_draft=3),
+               msj.SpecParams(drafter="mtp", num_draft=2, mtp_prompt_window=3),
                msj.SpecParams(drafter="ngram", num_draft=2)):
     out = msj.generate(model, RAGGED + REPEATS, max_new_tokens=16, spec=spec)
     np.testing.assert_array_equal(out.tokens, plain)
