@@ -1,8 +1,11 @@
-"""experiments/peer_bench: rounds interleave every measurement; ratios are taken within rounds."""
+"""moespec_jax/hf/peer_bench: rounds interleave every measurement; ratios are taken within rounds."""
+
+import dataclasses
+import json
 
 import pytest
 
-from experiments import peer_bench
+from moespec_jax.hf import peer_bench
 
 
 def test_summary_ratios_are_medians_of_within_round_ratios():
@@ -139,3 +142,64 @@ def test_ngram_decode_speedups_pair_only_rounds_both_sides_timed():
   assert s["ngram_decode_speedup_ours"] == pytest.approx(2.0)
   assert s["ngram_decode_speedup_transformers"] == pytest.approx(1.25)
   assert s["ngram_decode_speedup_ours_over_transformers"] == pytest.approx(1.6)
+
+
+def test_make_config_defaults_quick_caps_and_errors():
+  from moespec_jax.hf import FAMILIES
+  cfg = peer_bench.make_config()
+  assert cfg.families == (*FAMILIES, peer_bench.TRAINED) and cfg.size == peer_bench.BENCH_SIZE
+  assert peer_bench.make_config(trained=False).families == tuple(FAMILIES)
+  quick = peer_bench.make_config(quick=True, max_new_tokens=64, repeats=5, prompt_len=192)
+  assert quick.families == tuple(FAMILIES)  # the trained model needs the full run
+  assert (quick.max_new_tokens, quick.repeats, quick.prompt_len, quick.size) == (16, 1, 64, peer_bench.QUICK_SIZE)
+  with pytest.raises(ValueError, match=r"unknown \['nope'\]"):
+    peer_bench.make_config(["mixtral", "nope"])
+  with pytest.raises(ValueError, match="does not run with --quick"):
+    peer_bench.make_config([peer_bench.TRAINED], quick=True)
+  # A fixed K's drafts need cache room; auto K's do not.
+  with pytest.raises(ValueError, match=r"\+ --num_draft \(4\) exceeds the 1024 positions"):
+    peer_bench.make_config(["mixtral"], prompt_len=1000, max_new_tokens=22, auto_draft=False)
+  assert peer_bench.make_config(["mixtral"], prompt_len=1000, max_new_tokens=22).prompt_len == 1000
+
+
+def _family_rows(family, cfg):
+  """The rows `bench_family` returns, with made-up times (two rounds)."""
+  rows = []
+  for batch, drafter in ((1, "none"), (1, "ngram"), (8, "none")):
+    for impl in ("moespec_jax", "transformers"):
+      rows.append({"family": family, "impl": impl, "batch_size": batch, "drafter": drafter, "params": 1e6,
+                   "seconds": [0.1, 0.2] if impl == "moespec_jax" else [0.5, 0.6], "tokens": 64 * batch,
+                   "tokens_per_second": 640.0 * batch, "tokens_identical_to_transformers": True,
+                   "max_new_tokens": cfg.max_new_tokens, "prompt_len": cfg.prompt_len,
+                   "num_draft": cfg.num_draft if drafter == "ngram" else 0,
+                   "auto_draft": cfg.auto_draft and drafter == "ngram",
+                   **({"cache_bytes_per_step": 1.0} if drafter == "none" else {})})
+  return rows
+
+
+def test_an_interrupted_run_keeps_its_finished_families_and_resumes_with_the_rest(tmp_path, monkeypatch):
+  monkeypatch.setattr(peer_bench.roofline, "stream_read_gbps", lambda: 10.0)
+  cfg = peer_bench.make_config(["mixtral", "olmoe"], repeats=2)
+  measured = []
+
+  def bench(family, ckpt, size, **kw):
+    assert size == cfg.size and kw["repeats"] == 2 and ckpt == tmp_path / "checkpoints" / family
+    measured.append(family)
+    if family == "olmoe" and measured.count("olmoe") == 1:
+      raise KeyboardInterrupt  # the run stops during its second family
+    return _family_rows(family, cfg)
+
+  monkeypatch.setattr(peer_bench, "bench_family", bench)
+  with pytest.raises(KeyboardInterrupt):
+    peer_bench.run_peer_bench(tmp_path, cfg, log=lambda _: None)
+  first = json.loads((tmp_path / "metrics.json").read_text())
+  assert first["families_done"] == ["mixtral"] and (tmp_path / "table.md").read_text().count("| mixtral |") == 4  # 3 rows, 1 summary
+  assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # nothing half-written
+
+  lines = []
+  metrics = peer_bench.run_peer_bench(tmp_path, cfg, log=lines.append)
+  assert measured == ["mixtral", "olmoe", "olmoe"] and metrics["families_done"] == ["mixtral", "olmoe"]
+  assert any(line.startswith("resuming: ['mixtral']") for line in lines)
+  # Other settings start afresh: nothing of the old rows is kept.
+  assert peer_bench.finished_rows(tmp_path / "metrics.json", dataclasses.replace(cfg, repeats=3)) == []
+  assert len(peer_bench.finished_rows(tmp_path / "metrics.json", cfg)) == 12
