@@ -51,14 +51,15 @@ def _accepted(rng: np.random.Generator, acceptance_J: np.ndarray, k: int) -> int
   return n
 
 
-def simulate(acceptance: float | Sequence[float], step_ms_K: Sequence[float], *, num_draft: int | str = "auto",
+def simulate(acceptance: float | Sequence[float] | Callable[[int], float], step_ms_K: Sequence[float], *, num_draft: int | str = "auto",
              n_tokens: int = 127, runs: int = 100, shadow: bool = True,
              switch_ms: Callable[[int, int], float] | float = 0.0, seed: int = 0,
              by_depth: bool = False, calibrated_ms_K: Sequence[float] | None = None) -> PolicyRun:
   """Decodes `n_tokens` tokens `runs` times with num_draft="auto" (K in 0..len(step_ms_K) - 1)
   or a fixed K; `shadow`: plain passes bring evidence (n-gram and controlled drafters).
   `acceptance`: one rate for every draft (geometric), or one per depth (draft j accepted with
-  probability acceptance[j] given drafts 0..j-1 were; len(step_ms_K) - 1 of them). `by_depth`:
+  probability acceptance[j] given drafts 0..j-1 were; len(step_ms_K) - 1 of them), or a function
+  of the tokens generated so far returning either (text whose acceptance changes: a weak start). `by_depth`:
   the policy reads acceptance per depth, as for prompt lookup (auto_draft.DEPTH_DRAFTERS);
   otherwise geometrically, as for the controlled drafter. `calibrated_ms_K`: the pass times the
   policy chooses with, where they differ from the times the passes take (`step_ms_K`): a noisy or
@@ -66,11 +67,17 @@ def simulate(acceptance: float | Sequence[float], step_ms_K: Sequence[float], *,
   step = np.asarray(step_ms_K, np.float64)
   if step.ndim != 1 or step.size < 2 or np.any(step <= 0):
     raise ValueError(f"step_ms_K must hold a positive time for each K = 0..max (at least 2), got {step_ms_K}")
-  acceptance_J = np.asarray(acceptance, np.float64)
-  if acceptance_J.ndim == 0:
-    acceptance_J = np.full(step.size - 1, acceptance_J)
-  if acceptance_J.shape != (step.size - 1,) or np.any((acceptance_J < 0) | (acceptance_J > 1)):
-    raise ValueError(f"acceptance must be a rate in [0, 1] or one per draft depth ({step.size - 1}), got {acceptance}")
+
+  def rates_at(generated: int) -> np.ndarray:
+    value = acceptance(generated) if callable(acceptance) else acceptance
+    acceptance_J = np.asarray(value, np.float64)
+    if acceptance_J.ndim == 0:
+      acceptance_J = np.full(step.size - 1, acceptance_J)
+    if acceptance_J.shape != (step.size - 1,) or np.any((acceptance_J < 0) | (acceptance_J > 1)):
+      raise ValueError(f"acceptance must be a rate in [0, 1] or one per draft depth ({step.size - 1}), got {value}")
+    return acceptance_J
+
+  rates_at(0)  # bad input fails before any run
   auto = num_draft == "auto"
   if not auto and not (isinstance(num_draft, int) and 0 <= num_draft < step.size):
     raise ValueError(f"num_draft must be 'auto' or an int in [0, {step.size}), got {num_draft!r}")
@@ -100,6 +107,7 @@ def simulate(acceptance: float | Sequence[float], step_ms_K: Sequence[float], *,
       for _ in range(n_passes):
         if generated >= n_tokens:
           break
+        acceptance_J = rates_at(generated)
         if k:
           accepted = _accepted(rng, acceptance_J, k)
           tried = min(accepted + 1, k)

@@ -91,3 +91,19 @@ def test_bad_arguments_are_refused():
   with pytest.raises(ValueError, match="calibrated_ms_K"):
     sim.simulate(0.5, STEP_MS, calibrated_ms_K=STEP_MS[:-1])
   assert np.isfinite(sim.simulate(0.5, STEP_MS, runs=1).mean_ms)
+
+
+def test_acceptance_that_changes_with_the_text():
+  """Acceptance as a function of the tokens generated: every draft rejected for the first 30
+  tokens, then every draft accepted. With shadow drafts auto sees the change and drafts the rest;
+  without them (the MTP heads) the K = 0 chosen on the weak start is final."""
+  weak_start = lambda generated: 0.0 if generated < 30 else 1.0  # noqa: E731
+  shadow = sim.simulate(weak_start, STEP_MS, runs=3)
+  final = sim.simulate(weak_start, STEP_MS, runs=3, shadow=False)
+  assert sum(shadow.passes_by_k[1:]) >= 10 and sum(shadow.passes_by_k) < 75
+  assert final.passes_by_k[0] >= 110 and sum(final.passes_by_k[1:]) <= 10
+  assert shadow.mean_ms < 0.7 * final.mean_ms
+  # A function returning a constant is that constant.
+  assert sim.simulate(lambda _: 0.6, STEP_MS, runs=3).mean_ms == sim.simulate(0.6, STEP_MS, runs=3).mean_ms
+  with pytest.raises(ValueError, match="acceptance"):
+    sim.simulate(lambda generated: 1.5, STEP_MS)

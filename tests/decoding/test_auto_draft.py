@@ -440,7 +440,7 @@ def test_one_rejected_first_draft_does_not_end_drafting_that_pays():
   first_pass = jnp.asarray([[1.0, 1.0]] * 7 + [[0.0, 1.0]], jnp.float32)
   row_bound = auto_draft.acceptance_upper_bound(first_pass[-1], auto_draft.STOP_CONFIDENCE)
   row_alone = auto_draft.finish_ms(jnp.full((8,), row_bound), remaining, batch8)
-  assert row_alone[0] <= jnp.min(row_alone[1:]) * (1.0 + auto_draft.DRAFT_MARGIN)  # the row alone: stop
+  assert row_alone[0] <= jnp.min(row_alone[1:]) * (1.0 + auto_draft.STOP_MARGIN)  # the row alone: stop
   k, _ = auto_draft.choose_k(first_pass, batch8, shadow=False, remaining_B=remaining)
   assert int(k) >= 1
   rejected = jnp.asarray([[0.0, 2.0]] * 8, jnp.float32)
