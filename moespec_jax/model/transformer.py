@@ -169,8 +169,12 @@ class Transformer(nnx.Module):
     last block's attention queries and FFN run there only (`Block.__call__`'s `output_at_B`),
     every index still writes its keys/values, and routing is None (a prefill whose last prompt
     position alone is read). [B, W]: at those W indices per row, [B, W, ...] (the MTP heads'
-    prompt window).
+    prompt window). Not with `expert_budget`: the last block would rank its budget over those
+    indices only, not over the pass's tokens (ValueError).
     """
+    if hidden_at_B is not None and expert_budget is not None:
+      raise ValueError("hidden_at_B with expert_budget: the last layer's expert budget would be ranked over the "
+                       "selected positions only; run the whole pass (hidden_at_B=None) and index its output")
     c = self.config
     method = expert_method or c.expert_method
     if positions_BT is None:
