@@ -112,7 +112,8 @@ def _message(error: BaseException) -> str:
 
 def run(main: Callable[[list[str]], object], argv: Sequence[str] | None = None, *,
         verbosity: int = -1) -> None:
-  """`absl.app.run(main)` with one-line user errors and exit status 2.
+  """`absl.app.run(main)` with one-line user errors and exit status 2, and the persistent cache of
+  compiled programs on (`io/compile_cache.enable`: a rerun loads what an earlier run compiled).
 
   Args:
     main: the program; receives the arguments left after the flags.
@@ -132,6 +133,8 @@ def run(main: Callable[[list[str]], object], argv: Sequence[str] | None = None, 
     # absl raises an unset --verbosity to INFO after parsing; apply ours instead.
     if verbosity_given and not verbosity_given[-1]:
       flags.FLAGS.verbosity = verbosity
+    from moespec_jax.io import compile_cache  # pylint: disable=g-import-not-at-top
+    compile_cache.enable()  # a rerun loads its compiled programs
     try:
       return main(args)
     except _USER_ERRORS as e:
