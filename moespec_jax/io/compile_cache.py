@@ -15,6 +15,7 @@ back; call `enable()` to opt in. A cache the user configured (JAX_COMPILATION_CA
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import pathlib
 import platform
@@ -53,14 +54,19 @@ def compilation_cache_dir() -> pathlib.Path:
 def enable(directory: str | os.PathLike | None = None) -> pathlib.Path | None:
   """Turns JAX's persistent compilation cache on at `directory` (default
   `compilation_cache_dir()`) and returns where it is; the user's own cache directory where one is
-  configured; None where `MOESPEC_COMPILATION_CACHE=0`. Call before the first compilation."""
+  configured; None where `MOESPEC_COMPILATION_CACHE=0` or the directory cannot be created (logged).
+  Call before the first compilation."""
   if os.environ.get(DISABLE_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
     return None
   configured = jax.config.jax_compilation_cache_dir
   if configured:
     return pathlib.Path(configured)
   target = pathlib.Path(directory) if directory is not None else compilation_cache_dir()
-  target.mkdir(parents=True, exist_ok=True)
+  try:
+    target.mkdir(parents=True, exist_ok=True)
+  except OSError as e:  # a read-only home: run without the cache rather than not at all
+    logging.warning("compiled programs are not cached: cannot create %s (%s)", target, e)
+    return None
   jax.config.update("jax_compilation_cache_dir", str(target))
   if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:  # else the user's
     jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_SECONDS)

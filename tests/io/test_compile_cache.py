@@ -30,6 +30,10 @@ def test_enable_sets_our_directory_keeps_the_users_and_can_be_turned_off(unconfi
   assert compile_cache.enable(tmp_path / "off") is None
   assert jax.config.jax_compilation_cache_dir is None and not (tmp_path / "off").exists()
   monkeypatch.delenv(compile_cache.DISABLE_ENV)
+  blocker = tmp_path / "file"
+  blocker.write_text("")
+  assert compile_cache.enable(blocker / "xla") is None  # cannot be created: no cache, no error
+  assert jax.config.jax_compilation_cache_dir is None
   assert compile_cache.enable(tmp_path / "ours") == tmp_path / "ours"
   assert jax.config.jax_compilation_cache_dir == str(tmp_path / "ours") and (tmp_path / "ours").is_dir()
   # Once a directory is configured (by the user, or by an earlier call), it is kept.
