@@ -70,3 +70,14 @@ def test_a_second_command_line_run_loads_what_the_first_compiled(tiny_model, tmp
   on = run_module("experiments.generate", *args[:2], "--max_new_tokens=7", env=env)
   assert on.returncode == 0, on.stderr
   assert len(list(host.iterdir())) > len(written)
+
+
+def test_trim_empties_a_cache_over_its_size_only(tmp_path):
+  cache = tmp_path / "c"
+  assert not compile_cache.trim(cache, 10)  # no cache yet
+  (cache / "sub").mkdir(parents=True)
+  (cache / "a-cache").write_bytes(b"x" * 6)
+  (cache / "sub" / "b-atime").write_bytes(b"y" * 4)
+  assert not compile_cache.trim(cache, 10) and len(list(cache.rglob("*-*"))) == 2
+  assert compile_cache.trim(cache, 9)
+  assert [p for p in cache.rglob("*") if p.is_file()] == [] and cache.is_dir()
