@@ -1,4 +1,5 @@
-"""The persistent cache of compiled programs for command-line runs (`cli.run` enables it).
+"""The persistent cache of compiled programs: command-line runs (`cli.run` enables it) and the
+test suite (tests/conftest.py, its own folder, `trim`med between runs).
 
 A generation with num_draft="auto" and the MTP heads compiles for tens of seconds on CPU; every
 command-line run used to pay it again. With JAX's persistent compilation cache at
