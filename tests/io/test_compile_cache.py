@@ -16,13 +16,18 @@ def test_host_fingerprint_is_stable_and_short():
   assert compile_cache.compilation_cache_dir().parent.name == "xla"
 
 
+_SETTINGS = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+             "jax_compilation_cache_max_size")
+
+
 @pytest.fixture
 def unconfigured():
-  """JAX's cache directory unset for the test (the suite's own is restored after)."""
-  before = jax.config.jax_compilation_cache_dir
+  """JAX's cache directory unset for the test; the suite's settings restored after."""
+  before = {name: getattr(jax.config, name) for name in _SETTINGS}
   jax.config.update("jax_compilation_cache_dir", None)
   yield
-  jax.config.update("jax_compilation_cache_dir", before)
+  for name, value in before.items():
+    jax.config.update(name, value)
 
 
 def test_enable_sets_our_directory_keeps_the_users_and_can_be_turned_off(unconfigured, tmp_path, monkeypatch):
