@@ -19,7 +19,8 @@ from moespec_jax.hf import peer_bench
 _WORKDIR = flags.DEFINE_string("workdir", "runs/peer_bench", "Where metrics.json and table.md go.")
 _QUICK = flags.DEFINE_bool("quick", False, "Tiny checkpoints, fewer tokens and repeats.")
 _FAMILIES = flags.DEFINE_list("families", [], "Checkpoints to run: families of moespec_jax.hf and/or "
-                              f"{peer_bench.TRAINED} (default: every family, and the trained model unless --notrained).")
+                              f"{peer_bench.TRAINED} (default: every family, and the trained model unless "
+                              "--notrained).")
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 64, "Tokens generated per prompt (a decode phase: >= 2).",
                                 lower_bound=2)
 _REPEATS = flags.DEFINE_integer("repeats", 5, "Timed repeats per measurement (median).", lower_bound=1)

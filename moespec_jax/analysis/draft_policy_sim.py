@@ -51,7 +51,8 @@ def _accepted(rng: np.random.Generator, acceptance_J: np.ndarray, k: int) -> int
   return n
 
 
-def simulate(acceptance: float | Sequence[float] | Callable[[int], float], step_ms_K: Sequence[float], *, num_draft: int | str = "auto",
+def simulate(acceptance: float | Sequence[float] | Callable[[int], float], step_ms_K: Sequence[float], *,
+             num_draft: int | str = "auto",
              n_tokens: int = 127, runs: int = 100, shadow: bool = True,
              switch_ms: Callable[[int, int], float] | float = 0.0, seed: int = 0,
              by_depth: bool = False, calibrated_ms_K: Sequence[float] | None = None) -> PolicyRun:
@@ -77,7 +78,7 @@ def simulate(acceptance: float | Sequence[float] | Callable[[int], float], step_
       raise ValueError(f"acceptance must be a rate in [0, 1] or one per draft depth ({step.size - 1}), got {value}")
     return acceptance_J
 
-  rates_at(0)  # bad input fails before any run
+  constant_J = None if callable(acceptance) else rates_at(0)  # bad input fails before any run
   auto = num_draft == "auto"
   if not auto and not (isinstance(num_draft, int) and 0 <= num_draft < step.size):
     raise ValueError(f"num_draft must be 'auto' or an int in [0, {step.size}), got {num_draft!r}")
@@ -107,7 +108,7 @@ def simulate(acceptance: float | Sequence[float] | Callable[[int], float], step_
       for _ in range(n_passes):
         if generated >= n_tokens:
           break
-        acceptance_J = rates_at(generated)
+        acceptance_J = rates_at(generated) if constant_J is None else constant_J
         if k:
           accepted = _accepted(rng, acceptance_J, k)
           tried = min(accepted + 1, k)

@@ -94,9 +94,9 @@ DRAFT_MARGIN = 0.1
 # this margin at the acceptance's high bound. Simulated (analysis/draft_policy_sim.simulate,
 # shadow=False, 127 tokens, 100 runs, this constant set in turn; MTP-like pass costs 1, 1.85, 2.65,
 # 3.4, ... plain passes, calibrations 0.9-1.1x those; acceptance constant at 0.5-0.98, or 0.75 for
-# 12 tokens then 0.98 as the default model's heads on held-out code): margins of 0.1, 0.07, 0.05, 0.03 and 0 gave auto 0.974, 0.975,
-# 0.977, 0.978 and 0.977 of the best fixed K on average and missed 3% of plain or 5% of the best
-# fixed K in 7, 7, 6, 7 and 7 of 40 cases. A smaller margin recovers a weak start (0.75 then
+# 12 tokens then 0.98 as the default model's heads on held-out code): margins of 0.1, 0.07, 0.05,
+# 0.03 and 0 gave auto 0.974, 0.975, 0.977, 0.978 and 0.977 of the best fixed K on average and
+# missed 3% of plain or 5% of the best fixed K in 7, 7, 6, 7 and 7 of 40 cases. A smaller margin recovers a weak start (0.75 then
 # 0.98, exact calibration: 0.93 of the best fixed K at 0.1, 0.99 at 0) and drafts at a loss where
 # the calibration is low (7% low, a = 0.7: 0.98 of plain at 0.1, 0.93 at 0): the calibration's
 # noise, not the margin, decides; kept at DRAFT_MARGIN.
@@ -222,8 +222,8 @@ def choose_k(evidence_B2, step_ms_K, *, shadow: bool, remaining_B=None, current_
   (YOUNG_PLAIN_PASSES while the estimate is young, with shadow drafts).
   `shadow`: plain passes bring evidence (see the module docstring); without it K = 0 is final
   and needs MIN_EVIDENCE tried drafts over the active rows and plain decoding faster than every
-  K (by STOP_MARGIN) at the Wilson bound STOP_CONFIDENCE standard errors above each row's estimate and above the
-  active rows' pooled estimate (a batch's first pass gives a row one or two drafts: one rejected
+  K (by STOP_MARGIN) at the Wilson bound STOP_CONFIDENCE standard errors above each row's estimate
+  and above the active rows' pooled estimate (a batch's first pass gives a row one or two drafts: one rejected
   draft puts that row's bound near 0.8, low enough alone to stop drafting that pays; the pooled
   counts are the batch's evidence). `current_k`: the
   K of the last segment, kept unless another K is predicted faster by SWITCH_MARGIN (once the

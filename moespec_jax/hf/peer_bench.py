@@ -338,8 +338,9 @@ class PeerBenchConfig:
     return QUICK_SIZE if self.quick else BENCH_SIZE
 
 
-def make_config(families: Sequence[str] = (), *, trained: bool = True, quick: bool = False, max_new_tokens: int = 64,
-                repeats: int = 5, num_draft: int = 4, prompt_len: int = 192, auto_draft: bool = True) -> PeerBenchConfig:
+def make_config(families: Sequence[str] = (), *, trained: bool = True, quick: bool = False,
+                max_new_tokens: int = 64, repeats: int = 5, num_draft: int = 4, prompt_len: int = 192,
+                auto_draft: bool = True) -> PeerBenchConfig:
   """The run the command line asks for: every family (and the trained model unless `trained` is
   False or `quick`) where `families` is empty; `quick` caps tokens, rounds and prompt length.
   ValueError (naming the flag) for an unknown family, the trained model with `quick`, or prompts
@@ -369,7 +370,8 @@ def make_config(families: Sequence[str] = (), *, trained: bool = True, quick: bo
 
 def run_peer_bench(workdir, cfg: PeerBenchConfig, log=print) -> dict:
   """Measures every family of `cfg` not already in `workdir/metrics.json` from an interrupted run
-  with the same settings; writes metrics.json and table.md after each family; returns the metrics."""
+  with the same settings; writes metrics.json and table.md after each family; returns the metrics
+  (a finished run's as written, where nothing is left to measure)."""
   try:
     import torch  # pylint: disable=g-import-not-at-top,unused-import
     import transformers  # pylint: disable=g-import-not-at-top,unused-import
@@ -378,14 +380,17 @@ def run_peer_bench(workdir, cfg: PeerBenchConfig, log=print) -> dict:
   workdir = pathlib.Path(workdir)
   rows = finished_rows(workdir / "metrics.json", cfg)
   done = {r["family"] for r in rows}
+  todo = [f for f in cfg.families if f not in done]
+  if not todo:  # a finished run: its figures as written, not rewritten with a new bandwidth sample
+    metrics = json.loads((workdir / "metrics.json").read_text())
+    log(f"every family already measured in {workdir / 'metrics.json'}")
+    log(table(metrics["rows"], metrics["summary"]))
+    return metrics
   streams = [roofline.stream_read_gbps()]
   log(f"stream read bandwidth: {streams[-1]:.1f} GB/s")
   if done:
     log(f"resuming: {sorted(done)} already measured in {workdir / 'metrics.json'}")
-  metrics = None
-  for family in cfg.families:
-    if family in done:
-      continue
+  for family in todo:
     ckpt = workdir / "checkpoints" / (f"{family}-quick" if cfg.quick else family)
     if family == TRAINED:  # exported afresh (seconds): a retrained default model never meets a stale copy
       from moespec_jax.default_model import ensure_default_model  # pylint: disable=g-import-not-at-top
@@ -396,8 +401,6 @@ def run_peer_bench(workdir, cfg: PeerBenchConfig, log=print) -> dict:
     streams.append(roofline.stream_read_gbps())
     metrics = _write(workdir, cfg, rows, streams)
     log(f"{family}: done")
-  if metrics is None:  # nothing left to measure: the finished run's figures
-    metrics = _write(workdir, cfg, rows, streams)
   log(table(metrics["rows"], metrics["summary"]))
   return metrics
 

@@ -72,28 +72,16 @@ def enable(directory: str | os.PathLike | None = None) -> pathlib.Path | None:
   jax.config.update("jax_compilation_cache_dir", str(target))
   if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:  # else the user's
     jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_SECONDS)
-  if jax.config.jax_compilation_cache_max_size < 0:
-    cap_size(MAX_BYTES)
+  if jax.config.jax_compilation_cache_max_size < 0:  # JAX's LRU cap (it locks with filelock)
+    jax.config.update("jax_compilation_cache_max_size", MAX_BYTES)
   return target
-
-
-def cap_size(max_bytes: int) -> bool:
-  """Drops least recently used entries beyond `max_bytes` (JAX locks the cache with `filelock`:
-  without it, logged, the cache is left unbounded). Returns whether the cap is set."""
-  try:
-    import filelock  # pylint: disable=g-import-not-at-top,unused-import
-  except ImportError:
-    logging.warning("the compilation cache is not size-capped: the filelock package is missing")
-    return False
-  jax.config.update("jax_compilation_cache_max_size", int(max_bytes))
-  return True
 
 
 def trim(directory: str | os.PathLike, max_bytes: int) -> bool:
   """Empties `directory` where its files take more than `max_bytes`; returns whether it did.
 
   For a cache that many processes write at once (the test suite's): JAX's own cap
-  (`cap_size`) rescans the whole directory under a file lock on every write, which took
+  (`jax_compilation_cache_max_size`, as `enable` sets it) rescans the whole directory under a file lock on every write, which took
   `make test` from 4.5 to 11 minutes; this runs once, before the writers start."""
   directory = pathlib.Path(directory)
   if not directory.is_dir():

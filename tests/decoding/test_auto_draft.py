@@ -201,7 +201,8 @@ def test_auto_drafts_where_it_pays(auto_model, auto_plain, acceptance, monkeypat
   """With pass times where a K = 3 pass costs 1.6 plain passes: at acceptance 0.8 auto drafts
   (mean accepted length well above 1); at 0 it stays plain after its first evidence. (Fixed
   pass times: what auto chooses must not depend on the timings of a loaded test machine.)"""
-  monkeypatch.setattr(loop, "calibrate_step_ms", lambda ls, args, run: calibration.Calibration(np.array([1.0, 1.2, 1.4, 1.6], np.float32), "held_runs"))
+  monkeypatch.setattr(loop, "calibrate_step_ms", lambda ls, args, run: calibration.Calibration(
+      np.array([1.0, 1.2, 1.4, 1.6], np.float32), "held_runs"))
   spec = msj.SpecParams(drafter="controlled", num_draft="auto", max_draft=3, controlled_acceptance=acceptance)
   out = msj.generate(auto_model, RAGGED, max_new_tokens=20, spec=spec, reference_tokens=auto_plain)
   np.testing.assert_array_equal(out.tokens, auto_plain)
@@ -218,7 +219,8 @@ def test_auto_drafts_only_as_far_as_the_cache_has_room(auto_model, monkeypatch):
   by the cache's room here depends on the rows' progress: `test_cache_room` checks the room.)
   Pass times are pinned (drafting pays at a = 0.9): a calibration taken while the other test
   worker loads the machine could make it choose K = 0 throughout."""
-  monkeypatch.setattr(loop, "calibrate_step_ms", lambda ls, args, run: calibration.Calibration(np.array([1.0, 1.2, 1.4, 1.6], np.float32), "held_runs"))
+  monkeypatch.setattr(loop, "calibrate_step_ms", lambda ls, args, run: calibration.Calibration(
+      np.array([1.0, 1.2, 1.4, 1.6], np.float32), "held_runs"))
   prompts = [[(7 * i) % 50 + 1 for i in range(18)], [3, 4, 5, 6, 7]]
   plain = msj.generate(auto_model, prompts, max_new_tokens=46).tokens
   spec = msj.SpecParams(drafter="controlled", num_draft="auto", max_draft=3, controlled_acceptance=0.9)
@@ -488,7 +490,8 @@ def test_auto_timing_measures_passes_in_the_loop(auto_model, auto_plain, calibra
   """Calibrations far too fast (1 us a pass) or far too slow (1 s) against the real passes of
   the tiny model: every K the loop ran (and, pooled, every other) is corrected by the clipped
   factor, so the clock inside the program measured something between those bounds."""
-  monkeypatch.setattr(loop, "calibrate_step_ms", lambda ls, args, run: calibration.Calibration(np.full((4,), calibrated_ms, np.float32), "held_runs"))
+  monkeypatch.setattr(loop, "calibrate_step_ms", lambda ls, args, run: calibration.Calibration(
+      np.full((4,), calibrated_ms, np.float32), "held_runs"))
   spec = msj.SpecParams(drafter="controlled", num_draft="auto", max_draft=3, controlled_acceptance=0.8,
                         auto_timing=True)
   out = msj.generate(auto_model, RAGGED, max_new_tokens=20, spec=spec, reference_tokens=auto_plain)

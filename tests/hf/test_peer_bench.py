@@ -193,13 +193,19 @@ def test_an_interrupted_run_keeps_its_finished_families_and_resumes_with_the_res
   with pytest.raises(KeyboardInterrupt):
     peer_bench.run_peer_bench(tmp_path, cfg, log=lambda _: None)
   first = json.loads((tmp_path / "metrics.json").read_text())
-  assert first["families_done"] == ["mixtral"] and (tmp_path / "table.md").read_text().count("| mixtral |") == 4  # 3 rows, 1 summary
+  assert first["families_done"] == ["mixtral"]
+  assert (tmp_path / "table.md").read_text().count("| mixtral |") == 4  # 3 rows, 1 summary
   assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # nothing half-written
 
   lines = []
   metrics = peer_bench.run_peer_bench(tmp_path, cfg, log=lines.append)
   assert measured == ["mixtral", "olmoe", "olmoe"] and metrics["families_done"] == ["mixtral", "olmoe"]
   assert any(line.startswith("resuming: ['mixtral']") for line in lines)
+  # A finished run, rerun: nothing measured, its metrics returned and left as written.
+  written = (tmp_path / "metrics.json").read_bytes()
+  monkeypatch.setattr(peer_bench.roofline, "stream_read_gbps", lambda: pytest.fail("measured again"))
+  assert peer_bench.run_peer_bench(tmp_path, cfg, log=lambda _: None) == json.loads(written)
+  assert measured == ["mixtral", "olmoe", "olmoe"] and (tmp_path / "metrics.json").read_bytes() == written
   # Other settings start afresh: nothing of the old rows is kept.
   assert peer_bench.finished_rows(tmp_path / "metrics.json", dataclasses.replace(cfg, repeats=3)) == []
   assert len(peer_bench.finished_rows(tmp_path / "metrics.json", cfg)) == 12
