@@ -318,6 +318,12 @@ def finished_rows(path: pathlib.Path, cfg: "PeerBenchConfig") -> list[dict]:
   return list(old.get("rows", [])) if same else []
 
 
+def earlier_stream_samples(path: pathlib.Path) -> list[float]:
+  """The streaming-bandwidth samples an interrupted run took beside its finished families (a
+  resumed run adds its own to them: the ceiling ratios of all families rest on every sample)."""
+  if not path.exists():
+    return []
+  return [float(x) for x in json.loads(path.read_text()).get("stream_read_gbps_samples", [])]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -386,10 +392,11 @@ def run_peer_bench(workdir, cfg: PeerBenchConfig, log=print) -> dict:
     log(f"every family already measured in {workdir / 'metrics.json'}")
     log(table(metrics["rows"], metrics["summary"]))
     return metrics
-  streams = [roofline.stream_read_gbps()]
+  streams = (earlier_stream_samples(workdir / "metrics.json") if rows else []) + [roofline.stream_read_gbps()]
   log(f"stream read bandwidth: {streams[-1]:.1f} GB/s")
   if done:
-    log(f"resuming: {sorted(done)} already measured in {workdir / 'metrics.json'}")
+    log(f"resuming: {sorted(done)} already measured in {workdir / 'metrics.json'} "
+        f"(with {len(streams) - 1} bandwidth samples)")
   for family in todo:
     ckpt = workdir / "checkpoints" / (f"{family}-quick" if cfg.quick else family)
     if family == TRAINED:  # exported afresh (seconds): a retrained default model never meets a stale copy

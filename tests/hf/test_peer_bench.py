@@ -197,10 +197,16 @@ def test_an_interrupted_run_keeps_its_finished_families_and_resumes_with_the_res
   assert (tmp_path / "table.md").read_text().count("| mixtral |") == 4  # 3 rows, 1 summary
   assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # nothing half-written
 
+  assert first["stream_read_gbps_samples"] == [10.0, 10.0]  # before the first family and after it
+
   lines = []
+  monkeypatch.setattr(peer_bench.roofline, "stream_read_gbps", lambda: 16.0)
   metrics = peer_bench.run_peer_bench(tmp_path, cfg, log=lines.append)
   assert measured == ["mixtral", "olmoe", "olmoe"] and metrics["families_done"] == ["mixtral", "olmoe"]
   assert any(line.startswith("resuming: ['mixtral']") for line in lines)
+  # The resumed run's samples join the interrupted run's: mixtral's ceiling was measured beside those.
+  assert metrics["stream_read_gbps_samples"] == [10.0, 10.0, 16.0, 16.0]
+  assert metrics["stream_read_gbps"] == 13.0
   # A finished run, rerun: nothing measured, its metrics returned and left as written.
   written = (tmp_path / "metrics.json").read_bytes()
   monkeypatch.setattr(peer_bench.roofline, "stream_read_gbps", lambda: pytest.fail("measured again"))
