@@ -3,7 +3,7 @@
   python -m experiments.generate --prompt="def fib(n):" --max_new_tokens=64
       [--model=DIR] [--temperature=0.8 --top_k=0 --top_p=0.95] [--prompt=... (a batch)]
       [--drafter=mtp|ngram --num_draft=3|auto [--max_draft=8]] [--mtp_prompt_window=16]
-      [--mode=budgeted --expert_budget=N [--measure_quality]] [--seed=0]
+      [--mode=budgeted --expert_budget=N [--measure_quality]] [--seed=0] [--pass_trace]
 
 Without --model it uses the default trained model (`make demo` creates it). Exact mode
 (the default) samples the target's distribution whatever the drafter; --mode=budgeted caps the
@@ -14,6 +14,7 @@ from absl import flags
 
 import moespec_jax as msj
 from moespec_jax import cli
+from moespec_jax.decoding import loop
 from moespec_jax.io import paths
 
 _PROMPT = flags.DEFINE_multi_string("prompt", ["def fib(n):"], "Prompt(s); repeat the flag for a batch.")
@@ -34,6 +35,8 @@ _QUALITY = flags.DEFINE_bool("measure_quality", False, "Budgeted: also run the e
                              "top-1 agreement and KL (slower).")
 _KERNEL = flags.DEFINE_string("kernel", "auto", "Expert kernel: auto | dedup | per_slot | xla.")
 _SEED = flags.DEFINE_integer("seed", 0, "Random seed.")
+_PASS_TRACE = flags.DEFINE_bool("pass_trace", False, "Time every pass inside the program (CPU) and print the "
+                                "first passes' times and the later ones' median at each K.")
 
 
 def _num_draft(text: str):
@@ -50,7 +53,8 @@ def main(argv):
     raise ValueError(f"unexpected arguments: {argv[1:]}")
   spec = msj.SpecParams(drafter=_DRAFTER.value, num_draft=_num_draft(_NUM_DRAFT.value), max_draft=_MAX_DRAFT.value,
                         mtp_prompt_window=_MTP_WINDOW.value or None, mode=_MODE.value,
-                        expert_budget=_BUDGET.value, measure_quality=_QUALITY.value, kernel=_KERNEL.value)
+                        expert_budget=_BUDGET.value, measure_quality=_QUALITY.value, kernel=_KERNEL.value,
+                        pass_trace=_PASS_TRACE.value)
   sampling = msj.SamplingParams(temperature=_TEMPERATURE.value, top_k=_TOP_K.value, top_p=_TOP_P.value)
   if _MODEL.value is None and not (paths.default_model_dir() / "config.json").exists():
     # Generating is quick; training the default model is not: say so rather than start it.
@@ -68,6 +72,8 @@ def main(argv):
     print("auto K: passes by K " + " ".join(f"{k}:{n}" for k, n in enumerate(s["passes_by_num_draft"]) if n)
           + f"; acceptance estimate {s['acceptance_estimate']:.2f}"
           + f"; pass times calibrated on {s['calibration'].replace('_', ' ')}")
+  if "pass_trace" in s:
+    print(loop.describe_pass_trace(s["pass_trace"]))
   if s["approximate"]:
     quality = (f"; top-1 agreement with exact {s['top1_agreement']:.3f}, mean KL {s['mean_kl']:.4f}"
                if "top1_agreement" in s else "; --measure_quality reports its cost")

@@ -28,9 +28,10 @@ def test_pretrain_bad_config_file_exits_2():
 def test_generate_cli_end_to_end_and_bad_values(tiny_model, tmp_path):
   path = str(tiny_model.save(tmp_path / "model"))
   proc = run_module("experiments.generate", f"--model={path}", "--prompt=def f(x):",
-              "--max_new_tokens=5")
+              "--max_new_tokens=5", "--pass_trace")
   assert proc.returncode == 0, proc.stderr
   assert proc.stdout.startswith("def f(x):") and "tokens/s" in proc.stdout
+  assert "pass times (ms): the first 4: " in proc.stdout and "ms over 4 passes" in proc.stdout
   # --checkpoint: --model's alias (every experiment that runs on a model takes both).
   proc = run_module("experiments.generate", f"--checkpoint={path}", "--prompt=def f(x): return x", "--max_new_tokens=6",
               "--drafter=ngram", "--num_draft=auto", "--max_draft=3")

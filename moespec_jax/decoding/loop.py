@@ -32,8 +32,8 @@ import numpy as np
 from moespec_jax.decoding import auto_draft
 from moespec_jax.decoding.calibration import calibrate_step_ms, measure_step_ms, measure_step_variants_ms
 from moespec_jax.decoding.params import SamplingParams, SpecParams
-from moespec_jax.decoding.passes import (LoopSpec, auto_segment, controlled_draft_table, init_carry, speculative_pass,
-                                         statistic_shapes)
+from moespec_jax.decoding.passes import (LoopSpec, auto_segment, controlled_draft_table, end_trace, init_carry,
+                                         speculative_pass, start_trace, statistic_shapes)
 from moespec_jax.decoding.programs import compiled, cpu_kernels, decode_params, merge, model_definition
 # Re-exported: experiments drop programs between sweeps through the loop's API.
 from moespec_jax.decoding.programs import compiled_signatures, forget_compiled  # noqa: F401
@@ -95,12 +95,12 @@ def _generate_spec(definition, params, tokens_BT, lengths_B, seed, draft_inputs,
   `prefill_only` (a bool): stop after the first token (auto K's calibration times the prefill so)."""
   model = merge(definition, params, ls)
   carry = init_carry(model, tokens_BT, lengths_B, seed, draft_inputs, ls)
-  carry = dict(carry, done=carry["done"] | prefill_only)
+  carry = start_trace(dict(carry, done=carry["done"] | prefill_only), ls)
   if ls.auto:
     body = lambda c: auto_segment(model, c, step_ms_K, ls)
   else:
     body = lambda c: speculative_pass(model, c, ls.num_draft if ls.drafter != "none" else 0, ls)
-  carry = jax.lax.while_loop(lambda c: ~jnp.all(c["done"]), body, carry)
+  carry = end_trace(jax.lax.while_loop(lambda c: ~jnp.all(c["done"]), body, carry), ls)
   return carry["out"][:, :ls.max_new_tokens], _reported_stats(carry["stats"], ls)
 
 
@@ -109,6 +109,7 @@ def _reported_keys(ls: LoopSpec) -> list[str]:
   keys = ["verify_passes", "row_passes", "accepted_tokens", "reached_K", "accepted_K", "unique_L"]
   keys += ["passes_by_K", "acceptance_evidence"] if ls.auto else []
   keys += ["pass_timing"] if ls.timed else []
+  keys += ["pass_trace", "trace_end_ms"] if ls.trace_passes else []
   keys += ["quality"] if ls.measure_quality else []
   return keys
 
@@ -192,12 +193,18 @@ def _prepare(model, prompts, max_new_tokens, sampling, spec, seed, reference_tok
 
   budget = resolve_budget(spec, config)
   auto = auto and k_draft > 0
+  if spec.pass_trace and not (jax.default_backend() == "cpu" and cpu_ffi.available()):
+    where = (f"the {jax.default_backend()} backend" if jax.default_backend() != "cpu"
+             else cpu_ffi.unavailable_reason())
+    raise ValueError(f"pass_trace reads a clock inside the compiled program, which needs the CPU backend "
+                     f"and the C++ library; not available here ({where})")
   # 0: the heads read every prompt position (a window as long as the padded prompt is all of it).
   window = spec.mtp_prompt_window if spec.drafter == "mtp" and spec.mtp_prompt_window else 0
   window = window if window < padded_len else 0
   ls = LoopSpec(max_new_tokens=int(max_new_tokens), cache_len=cache_len, sampling=sampling,
                 expert_method=model.expert_method(spec.kernel), drafter=spec.drafter if k_draft else "none",
                 num_draft=k_draft, auto=auto, timed=auto and spec.auto_timing and loop_clock_available(),
+                trace_passes=spec.pass_trace,
                 expert_budget=budget,
                 measure_quality=bool(spec.measure_quality and budget is not None),
                 cpu_attention=cpu_kernels(spec.attention_kernel),
@@ -346,6 +353,8 @@ def _stats(raw, tokens_BN, seconds: float, spec: SpecParams, ls: LoopSpec, calib
     # The acceptance estimate at the end, pooled over the rows (decayed evidence from drafts
     # and shadow drafts).
     stats["acceptance_estimate"] = float(auto_draft.acceptance_estimate(raw["acceptance_evidence"].sum(0)))
+  if ls.trace_passes:
+    stats["pass_trace"] = pass_trace(raw["pass_trace"][:verify_passes], float(raw["trace_end_ms"][0]))
   if budget is not None:
     stats["budget_policy"], stats["budget_scope"] = budget.policy, budget.scope
   if ls.measure_quality:
@@ -354,6 +363,30 @@ def _stats(raw, tokens_BN, seconds: float, spec: SpecParams, ls: LoopSpec, calib
     stats["mean_kl"] = kl / count if count else float("nan")
     stats["quality_positions"] = int(count)
   return stats
+
+
+def pass_trace(records_P3, end_ms: float) -> dict[str, list]:
+  """stats["pass_trace"] from the program's per-pass records ([ms from the first token to the
+  pass's start, K, tokens]) and the loop's end: each pass's `ms` (from its start to the next
+  pass's, the last to the loop's end: the auto K choices between passes included), `num_draft`
+  and `tokens` (committed over the batch's rows)."""
+  starts = records_P3[:, 0].astype(np.float64)
+  ends = np.append(starts[1:], end_ms)
+  return {"ms": (ends - starts).tolist(), "num_draft": records_P3[:, 1].astype(int).tolist(),
+          "tokens": records_P3[:, 2].astype(int).tolist()}
+
+
+def describe_pass_trace(trace: dict[str, list], first: int = 8) -> str:
+  """One line of stats["pass_trace"]: the first passes' times (after the prefill a pass reads
+  weights the prefill evicted from the caches), then the median time of the later passes at
+  each K, and the total."""
+  ms, ks = np.asarray(trace["ms"]), np.asarray(trace["num_draft"])
+  head = " ".join(f"{t:.2f}" for t in ms[:first])
+  later = ", ".join(f"K={k} {np.median(ms[first:][ks[first:] == k]):.3f} ({np.sum(ks[first:] == k)})"
+                    for k in np.unique(ks[first:]))
+  return (f"pass times (ms): the first {min(first, ms.size)}: {head}"
+          + (f"; later, median at each K (passes): {later}" if later else "")
+          + f"; {ms.sum():.2f} ms over {ms.size} passes")
 
 
 def resolve_budget(spec: SpecParams, config) -> ExpertBudget | None:

@@ -49,12 +49,15 @@ class SpecParams:
   auto_timing (num_draft="auto", CPU; experimental, off by default): also correct the calibrated
   pass times by the times the loop measures while it decodes (auto_draft.corrected_step_ms);
   so far measured slower than the calibration alone (auto_draft's module docstring).
+  pass_trace (CPU): time every pass inside the program (a clock read as each pass starts, no
+  host round trip) and report them in stats["pass_trace"] with each pass's K and tokens.
   """
 
   drafter: str = "none"
   num_draft: int | str = 3
   max_draft: int = 8
   auto_timing: bool = False
+  pass_trace: bool = False
   controlled_acceptance: float = 0.5
   # drafter='mtp': the heads' cache holds the last this many prompt positions of each row (None:
   # all), so the prefill runs the target's last layer and the heads' projections there only;
@@ -111,6 +114,8 @@ class SpecParams:
                        f"got {self.max_draft!r}")
     if not isinstance(self.auto_timing, bool):
       raise ValueError(f"auto_timing must be a bool, got {self.auto_timing!r}")
+    if not isinstance(self.pass_trace, bool):
+      raise ValueError(f"pass_trace must be a bool, got {self.pass_trace!r}")
     if self.mtp_prompt_window is not None and (isinstance(self.mtp_prompt_window, bool) or not isinstance(
         self.mtp_prompt_window, int) or self.mtp_prompt_window < 1):
       raise ValueError(f"mtp_prompt_window must be an int >= 1 or None (every prompt position), "

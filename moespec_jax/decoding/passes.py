@@ -39,6 +39,7 @@ class LoopSpec:
   num_draft: int  # K; with `auto`, the largest K a pass may choose
   auto: bool = False
   timed: bool = False  # auto K corrects its calibration by the loop's own clock (CPU)
+  trace_passes: bool = False  # every pass timed by a clock read as it starts (CPU): SpecParams.pass_trace
   expert_budget: ExpertBudget | None = None
   measure_quality: bool = False
   cpu_attention: bool = False  # attention against the cache on the C++ kernel, row-invariant norms (`programs.merge`)
@@ -129,6 +130,12 @@ def statistic_shapes(ls: LoopSpec, batch: int, n_moe_layers: int) -> dict[str, t
       "pass_timing": ((k_max + 1, 2), f32),
       "segment_clock": ((2,), i32),
       "segment_start_passes": ((), i32),
+      # SpecParams.pass_trace: the clock when the first token is out (`start_trace`); per pass
+      # (at most max_new_tokens - 1), [ms from then to the pass's start, K, tokens committed over
+      # the rows]; ms from then to the end of the last pass (`end_trace`).
+      "trace_clock": ((2,), i32),
+      "pass_trace": ((ls.max_new_tokens if ls.trace_passes else 0, 3), f32),
+      "trace_end_ms": ((1,), f32),
   }
 
 
@@ -215,6 +222,9 @@ def speculative_pass(model, carry, k: int, ls: LoopSpec):
   step = carry["step"]
   pos_B, pend_B, gen_B, done_B = carry["pos"], carry["pending"], carry["gen"], carry["done"]
   batch = pos_B.shape[0]
+  if ls.trace_passes:  # everything of the pass before (a loop iteration) is done by now
+    pos_B, started_2 = cpu_ffi.clock_after(pos_B)
+    carry = dict(carry, pos=pos_B)
   active_B = ~done_B
   keys_B = _stream_keys(carry["row_keys"], step)
   split = jax.vmap(lambda key: jax.random.split(key, 2))(keys_B)
@@ -319,8 +329,31 @@ def speculative_pass(model, carry, k: int, ls: LoopSpec):
   if config.n_moe_layers:
     stats["unique_L"] = stats["unique_L"] + _count_unique_experts(
         vout.routing.expert_ids, experts_BS, config.n_routed_experts)
+  if ls.trace_passes:  # passes past the trace's rows (the calibration's loops) are not recorded
+    record = jnp.stack([cpu_ffi.elapsed_ms(stats["trace_clock"], started_2), jnp.float32(k),
+                        jnp.sum(n_commit_B).astype(jnp.float32)])
+    stats["pass_trace"] = stats["pass_trace"].at[step - 1].set(record, mode="drop")
   return dict(carry, step=step + 1, cache=vout.cache, pos=new_pos_B, pending=new_pend_B, gen=new_gen_B,
               done=new_done_B, out=out_BN, dstate=dstate, stats=stats)
+
+
+def start_trace(carry, ls: LoopSpec):
+  """SpecParams.pass_trace: the clock once the prefill and first token are done (passes'
+  times count from it). Read after the first tokens: the rows' positions are the prompts'
+  lengths, known before the prefill."""
+  if not ls.trace_passes:
+    return carry
+  pending_B, now_2 = cpu_ffi.clock_after(carry["pending"])
+  return dict(carry, pending=pending_B, stats=dict(carry["stats"], trace_clock=now_2))
+
+
+def end_trace(carry, ls: LoopSpec):
+  """SpecParams.pass_trace: the clock once the loop is done (the last pass's end)."""
+  if not ls.trace_passes:
+    return carry
+  pos_B, now_2 = cpu_ffi.clock_after(carry["pos"])
+  end_ms = cpu_ffi.elapsed_ms(carry["stats"]["trace_clock"], now_2)[None]
+  return dict(carry, pos=pos_B, stats=dict(carry["stats"], trace_end_ms=end_ms))
 
 
 def cache_room(carry, cache_len: int):

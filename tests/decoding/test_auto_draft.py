@@ -505,6 +505,17 @@ def test_auto_timing_measures_passes_in_the_loop(auto_model, auto_plain, calibra
   assert untimed.stats["auto_timing"] is False and "corrected_step_ms" not in untimed.stats
 
 
+def test_pass_trace_records_the_k_auto_chose_each_pass(auto_model, auto_plain, monkeypatch):
+  monkeypatch.setattr(loop, "calibrate_step_ms", lambda ls, args, run: calibration.Calibration(
+      np.asarray([1.0, 1.2, 1.4, 1.6], np.float32), "held_runs"))
+  spec = msj.SpecParams(drafter="controlled", num_draft="auto", max_draft=3, controlled_acceptance=0.9,
+                        pass_trace=True)
+  out = msj.generate(auto_model, RAGGED, max_new_tokens=20, spec=spec, reference_tokens=auto_plain)
+  np.testing.assert_array_equal(out.tokens, auto_plain)
+  ks = out.stats["pass_trace"]["num_draft"]
+  assert np.bincount(ks, minlength=4).tolist() == out.stats["passes_by_num_draft"] and max(ks) > 0
+
+
 def test_calibration_loops_span_the_generation():
   """The long timed loop covers a generation's passes (its first ones are not typical of the
   rest), within bounds: short generations still get a slope over 20 passes, long ones a bounded

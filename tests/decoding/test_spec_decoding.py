@@ -450,13 +450,14 @@ def test_statistics_leave_the_program_as_one_vector_in_their_shapes(tiny_model):
   """The program's statistics come back packed in one float32 vector (one copy to the host per
   call); unpacked, each has the shape `passes.init_carry` gives it, for every statistic a program reports."""
   ls = passes.LoopSpec(max_new_tokens=4, cache_len=64, sampling=msj.SamplingParams(), expert_method="xla",
-                       drafter="ngram", num_draft=3, auto=True, timed=True, measure_quality=True)
+                       drafter="ngram", num_draft=3, auto=True, timed=True, measure_quality=True,
+                       trace_passes=True)
   _, _, args = loop._prepare(tiny_model, [[1, 2, 3], [4, 5]], 4, None, msj.SpecParams(), 0, None)
   definition, params, tokens, lengths, seed, draft_inputs = args
   stats = jax.eval_shape(lambda *a: calibration.init_program(definition, *a, ls=ls), params, tokens, lengths, seed,
                          draft_inputs)["stats"]
   keys = loop._reported_keys(ls)
-  assert {"passes_by_K", "acceptance_evidence", "pass_timing", "quality"} <= set(keys)
+  assert {"passes_by_K", "acceptance_evidence", "pass_timing", "quality", "pass_trace", "trace_end_ms"} <= set(keys)
   values = {k: np.arange(np.prod(stats[k].shape), dtype=np.float32).reshape(stats[k].shape) + i
             for i, k in enumerate(keys)}
   packed = jax.jit(lambda v: loop._reported_stats(v, ls))(values)
@@ -509,3 +510,34 @@ def test_forget_compiled_forgets_models_no_program_refers_to(tiny_config, monkey
   programs.CALIBRATED.clear()
   loop.forget_compiled()
   assert not programs._DEFINITIONS
+
+
+def test_pass_trace_times_every_pass_and_keeps_the_tokens(two_module_model, plain_greedy):
+  """One record per pass: its K, the tokens it committed over the rows (with the prefill's first
+  tokens, every generated token), and a positive time; together less than the whole call."""
+  spec = msj.SpecParams(drafter="ngram", num_draft=3, pass_trace=True)
+  out = msj.generate(two_module_model, RAGGED + REPEATS, max_new_tokens=24, spec=spec)
+  np.testing.assert_array_equal(out.tokens, plain_greedy)
+  trace, stats = out.stats["pass_trace"], out.stats
+  assert len(trace["ms"]) == len(trace["num_draft"]) == len(trace["tokens"]) == stats["verify_passes"]
+  assert set(trace["num_draft"]) == {3}
+  assert sum(trace["tokens"]) == stats["generated_tokens"] - len(RAGGED + REPEATS)
+  assert min(trace["ms"]) > 0 and sum(trace["ms"]) < stats["seconds"] * 1e3
+  assert "pass_trace" not in msj.generate(two_module_model, RAGGED, max_new_tokens=4).stats
+
+
+def test_pass_trace_needs_the_clock_of_the_cpu_library(tiny_model, monkeypatch):
+  with pytest.raises(ValueError, match="pass_trace must be a bool"):
+    msj.SpecParams(pass_trace=1)
+  monkeypatch.setattr(loop.cpu_ffi, "available", lambda: False)
+  with pytest.raises(ValueError, match="pass_trace reads a clock inside the compiled program"):
+    msj.generate(tiny_model, [[1, 2, 3]], max_new_tokens=4, spec=msj.SpecParams(pass_trace=True))
+
+
+def test_describe_pass_trace():
+  trace = {"ms": [0.6, 0.3, 0.2, 0.25, 0.5, 0.52], "num_draft": [1, 0, 0, 0, 3, 3], "tokens": [2, 1, 1, 1, 4, 4]}
+  line = loop.describe_pass_trace(trace, first=2)
+  assert line == ("pass times (ms): the first 2: 0.60 0.30; later, median at each K (passes): K=0 0.225 (2), "
+                  "K=3 0.510 (2); 2.37 ms over 6 passes")
+  assert loop.describe_pass_trace(trace, first=8).endswith(
+      "the first 6: 0.60 0.30 0.20 0.25 0.50 0.52; 2.37 ms over 6 passes")
