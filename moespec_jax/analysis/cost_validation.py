@@ -28,7 +28,14 @@ best fixed K, with the controlled drafter and with the model's real drafters. Ea
 auto row also carries two simulations (analysis/draft_policy_sim): the policy on the pass times it
 chose with (its own cost), and the policy choosing on them but paying the pass times the sweep
 measured in decoding at that rate (`pass_costs_from_sweep`): the gap between the two is what the
-calibration's error costs, the rest of the measured gap execution and timing noise.
+calibration's error costs, the rest of the measured gap execution and timing noise. Part of the
+execution: the simulations charge every pass at K the same time, but the first passes after the
+prefill cost more than later ones (SpecParams.pass_trace), and auto spends them at small K while
+its estimate grows, or at a K a lucky start overrated. Default model, 128 tokens, one controlled
+table (seed 0), in-program times, 7 runs: at a = 0.9 auto ran K = 1, 2, 4, 6, 8 then K = 4, and
+its first 32 tokens took 8.2 ms against 6.3 at the best fixed K (5), its whole decode 0.875 of
+that K's; at a = 0.7 and 0.8, K = 6 and 8 after 7 accepted drafts in a row, then K = 2 (0.86 and
+0.87 of the best fixed K).
 """
 
 from __future__ import annotations

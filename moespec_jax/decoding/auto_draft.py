@@ -105,6 +105,11 @@ STOP_MARGIN = DRAFT_MARGIN
 # after a change of K, passes run slower for a few passes (default model, a = 0.7, plain and K = 2
 # passes alternating every 8 tokens: 12-18% more time than the same passes unmixed; every 32
 # tokens: none), and near break-even the choice would otherwise flip with the estimate's noise.
+# Timed inside the program (clock reads as in SpecParams.pass_trace; K forced in one-pass segments,
+# alternating or constant, controlled drafter, 128 tokens, medians over 30 runs), the pass after a
+# change cost 0.02-0.03 ms more than in a run of its own K at a = 1 and 0.03-0.13 ms more at a = 0
+# (up to half a plain pass), the most where a short pass follows a long one: the long pass's
+# experts evicted what the short one reads.
 # A fixed cost of 1-4 passes per change instead (with no margin or one of 3-5%) changed auto's
 # simulated cost by at most 0.5% (analysis/draft_policy_sim: controlled a = 0.4-0.95, the MTP
 # heads, prompt lookup's depth profile); where auto loses to the best fixed K with the MTP heads,
