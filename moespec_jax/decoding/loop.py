@@ -377,10 +377,12 @@ def pass_trace(records_P3, end_ms: float) -> dict[str, list]:
 
 
 def describe_pass_trace(trace: dict[str, list], first: int = 8) -> str:
-  """One line of stats["pass_trace"]: the first passes' times (after the prefill a pass reads
-  weights the prefill evicted from the caches), then the median time of the later passes at
+  """One line of stats["pass_trace"]: the first passes' times (the first passes after the
+  prefill cost more than later ones at the same K), then the median time of the later passes at
   each K, and the total."""
   ms, ks = np.asarray(trace["ms"]), np.asarray(trace["num_draft"])
+  if not ms.size:
+    return "pass times: no passes (every token came from the prefill)"
   head = " ".join(f"{t:.2f}" for t in ms[:first])
   later = ", ".join(f"K={k} {np.median(ms[first:][ks[first:] == k]):.3f} ({np.sum(ks[first:] == k)})"
                     for k in np.unique(ks[first:]))
