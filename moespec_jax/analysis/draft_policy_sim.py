@@ -60,8 +60,8 @@ def simulate(acceptance: float | Sequence[float] | Callable[[int], float], step_
   or a fixed K; `shadow`: plain passes bring evidence (n-gram and controlled drafters).
   `acceptance`: one rate for every draft (geometric), or one per depth (draft j accepted with
   probability acceptance[j] given drafts 0..j-1 were; len(step_ms_K) - 1 of them), or a function
-  of the tokens generated so far returning either (text whose acceptance changes: a weak start). `by_depth`:
-  the policy reads acceptance per depth, as for prompt lookup (auto_draft.DEPTH_DRAFTERS);
+  of the tokens generated so far returning either (text whose acceptance changes: a weak start).
+  `by_depth`: the policy reads acceptance per depth, as for prompt lookup (auto_draft.DEPTH_DRAFTERS);
   otherwise geometrically, as for the controlled drafter. `calibrated_ms_K`: the pass times the
   policy chooses with, where they differ from the times the passes take (`step_ms_K`): a noisy or
   drifted calibration (default: step_ms_K)."""
@@ -85,7 +85,8 @@ def simulate(acceptance: float | Sequence[float] | Callable[[int], float], step_
   switch = switch_ms if callable(switch_ms) else (lambda old, new: float(switch_ms))
   believed = step if calibrated_ms_K is None else np.asarray(calibrated_ms_K, np.float64)
   if believed.shape != step.shape or np.any(believed <= 0):
-    raise ValueError(f"calibrated_ms_K must hold a positive time for each K = 0..{step.size - 1}, got {calibrated_ms_K}")
+    raise ValueError(f"calibrated_ms_K must hold a positive time for each K = 0..{step.size - 1}, "
+                     f"got {calibrated_ms_K}")
   choose, step_j = _choose(shadow), jnp.asarray(believed, jnp.float32)
   rng = np.random.default_rng(seed)
   total_ms, passes_K = 0.0, np.zeros(step.size)

@@ -13,8 +13,9 @@ kept off most passes); K = 0 is plain decoding, chosen where speculation does no
 Each row's a is estimated from its decayed counts of accepted and tried drafts, starting from a
 weak prior, and read optimistically (plus OPTIMISM standard errors). The tokens a pass commits
 follow each draft depth's own conditional acceptance, from per-depth counts each shrunk towards
-the depth before it, depth 0 towards that pooled rate (`depth_acceptance`), for prompt lookup (DEPTH_DRAFTERS), whose drafts are wrong at
-once or right for a long run: it gets the K its runs pay for. Drafters whose proposals
+the depth before it, depth 0 towards that pooled rate (`depth_acceptance`), for prompt lookup
+(DEPTH_DRAFTERS), whose drafts are wrong at once or right for a long run: it gets the K its runs
+pay for. Drafters whose proposals
 cost next to nothing (n-gram lookup, the controlled drafter) keep the evidence flowing at
 K = 0: each plain pass checks the one draft they would have proposed against the token the
 target produced ("shadow" drafts: greedy, whether it matches; sampled, its acceptance
@@ -96,17 +97,18 @@ DRAFT_MARGIN = 0.1
 # 3.4, ... plain passes, calibrations 0.9-1.1x those; acceptance constant at 0.5-0.98, or 0.75 for
 # 12 tokens then 0.98 as the default model's heads on held-out code): margins of 0.1, 0.07, 0.05,
 # 0.03 and 0 gave auto 0.974, 0.975, 0.977, 0.978 and 0.977 of the best fixed K on average and
-# missed 3% of plain or 5% of the best fixed K in 7, 7, 6, 7 and 7 of 40 cases. A smaller margin recovers a weak start (0.75 then
-# 0.98, exact calibration: 0.93 of the best fixed K at 0.1, 0.99 at 0) and drafts at a loss where
-# the calibration is low (7% low, a = 0.7: 0.98 of plain at 0.1, 0.93 at 0): the calibration's
-# noise, not the margin, decides; kept at DRAFT_MARGIN.
+# missed 3% of plain or 5% of the best fixed K in 7, 7, 6, 7 and 7 of 40 cases. A smaller margin
+# recovers a weak start (0.75 then 0.98, exact calibration: 0.93 of the best fixed K at 0.1, 0.99
+# at 0) and drafts at a loss where the calibration is low (7% low, a = 0.7: 0.98 of plain at 0.1,
+# 0.93 at 0): the calibration's noise, not the margin, decides; kept at DRAFT_MARGIN.
 STOP_MARGIN = DRAFT_MARGIN
 # Changing K is chosen only where the new K is predicted at least this much faster than staying:
 # after a change of K, passes run slower for a few passes (default model, a = 0.7, plain and K = 2
 # passes alternating every 8 tokens: 12-18% more time than the same passes unmixed; every 32
 # tokens: none), and near break-even the choice would otherwise flip with the estimate's noise.
 # Timed inside the program (clock reads as in SpecParams.pass_trace; K forced in one-pass segments,
-# alternating or constant, controlled drafter, 128 tokens, medians over 30 runs), the pass after a
+# alternating or constant, controlled drafter, 128 tokens, medians over 30 runs at a = 1 and 10 at
+# a = 0), the pass after a
 # change cost 0.02-0.03 ms more than in a run of its own K at a = 1 and 0.03-0.13 ms more at a = 0
 # (up to half a plain pass), the most where a short pass follows a long one: the long pass's
 # experts evicted what the short one reads.

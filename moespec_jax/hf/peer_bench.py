@@ -24,9 +24,10 @@ the other implementation did not).
 
 The memory-bound ceiling beside the plain rows (`analysis/roofline`): the bytes one decode step
 reads (the weights, routed experts as our decoding routed them: both sides emit the same tokens;
-and the KV cache, the positions a step attends to, on average) and the streaming read bandwidth, measured before the first family and after each; `ceiling_ratio_b*` is
-the largest speed ratio over transformers that any decoder reading those bytes at that bandwidth
-could reach, and `read_gbps` what each side sustained (prefill included: a lower bound).
+and the KV cache, the positions a step attends to, on average) and the streaming read bandwidth,
+measured before the first family and after each; `ceiling_ratio_b*` is the largest speed ratio
+over transformers that any decoder reading those bytes at that bandwidth could reach, and
+`read_gbps` what each side sustained (prefill included: a lower bound).
 
 The decode phase apart: each round also times both sides' plain decoding of the first token alone
 (prefill and one step); the rest of a plain run is its decode phase (`decode_ms_per_step`,
@@ -162,7 +163,8 @@ def _decode_ratios(ours: dict, theirs: dict) -> list[float]:
   zero); [] where either side has no decode phase figure."""
   if not (ours.get("decode_ms_per_step") and theirs.get("decode_ms_per_step")):
     return []
-  o, t = (timing.decode_ms_per_step(r["seconds"], r["first_token_seconds"], r["max_new_tokens"]) for r in (ours, theirs))
+  o, t = (timing.decode_ms_per_step(r["seconds"], r["first_token_seconds"], r["max_new_tokens"])
+          for r in (ours, theirs))
   return [ti / oi for oi, ti in zip(o, t) if oi > 0 and ti > 0]
 
 
@@ -283,7 +285,8 @@ def table(rows: list[dict], summary: list[dict]) -> str:
   has_decode = lambda s: "decode_ratio_b1" in s and "decode_ratio_b8" in s  # noqa: E731
   if any(has_decode(s) for s in summary):
     lines += ["", "Decode phase (a plain run less its first token, timed alone in the same rounds):", "",
-              "| family | decode ratio b1 [90% interval] | decode ratio b8 [90% interval] | first-token ratio b1 / b8 | "
+              "| family | decode ratio b1 [90% interval] | decode ratio b8 [90% interval] | "
+              "first-token ratio b1 / b8 | "
               "decode ceiling ratio b1 / b8 | our decode read GB/s b1 / b8 (share of stream) | "
               "b8 / b1 ratio at an equal read rate | n-gram decode speedup ours / transformers "
               "(ours over transformers [90% interval]) |", "|---|---|---|---|---|---|---|---|"]

@@ -81,8 +81,9 @@ def trim(directory: str | os.PathLike, max_bytes: int) -> bool:
   """Empties `directory` where its files take more than `max_bytes`; returns whether it did.
 
   For a cache that many processes write at once (the test suite's): JAX's own cap
-  (`jax_compilation_cache_max_size`, as `enable` sets it) rescans the whole directory under a file lock on every write, which took
-  `make test` from 4.5 to 11 minutes; this runs once, before the writers start."""
+  (`jax_compilation_cache_max_size`, as `enable` sets it) rescans the whole directory under a
+  file lock on every write, which took `make test` from 4.5 to 11 minutes; this runs once, before
+  the writers start."""
   directory = pathlib.Path(directory)
   if not directory.is_dir():
     return False

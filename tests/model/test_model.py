@@ -10,6 +10,7 @@ import pallas_kernels
 from moespec_jax.config import ModelConfig
 from moespec_jax.model import Transformer
 from moespec_jax.model import attention as attention_lib
+from moespec_jax.model.budget import ExpertBudget
 from moespec_jax.model.moe import masked_to_read_experts, route
 
 
@@ -155,15 +156,14 @@ def test_hidden_at_one_index_gives_the_full_pass_there(tiny_config, monkeypatch,
     np.testing.assert_array_equal(got, want)
 
 
-
 def test_hidden_at_index_with_an_expert_budget_is_refused(tiny_config):
   """The last block would rank its budget over the selected indices only: refused, not approximated
   differently from the whole pass."""
-  from moespec_jax.model.budget import ExpertBudget  # pylint: disable=g-import-not-at-top
   module = Transformer(tiny_config, rngs=nnx.Rngs(0))
   tokens = jnp.zeros((1, 4), jnp.int32)
   with pytest.raises(ValueError, match="hidden_at_B with expert_budget"):
     module(tokens, None, module.new_cache(1, 8), expert_budget=ExpertBudget(2), hidden_at_B=jnp.asarray([3]))
+
 
 def test_forward_returns_hidden_and_routing(tiny_model, tiny_config):
   out = tiny_model.forward_full(np.zeros((2, 5), np.int32))
