@@ -29,13 +29,17 @@ auto row also carries two simulations (analysis/draft_policy_sim): the policy on
 chose with (its own cost), and the policy choosing on them but paying the pass times the sweep
 measured in decoding at that rate (`pass_costs_from_sweep`): the gap between the two is what the
 calibration's error costs, the rest of the measured gap execution and timing noise. Part of the
-execution: the simulations charge every pass at K the same time, but the first passes after the
-prefill cost more than later ones (SpecParams.pass_trace), and auto spends them at small K while
-its estimate grows, or at a K a lucky start overrated. Default model, 128 tokens, one controlled
-table (seed 0), in-program times, 7 runs: at a = 0.9 auto ran K = 1, 2, 4, 6, 8 then K = 4, and
-its first 32 tokens took 8.2 ms against 6.3 at the best fixed K (5), its whole decode 0.875 of
-that K's; at a = 0.7 and 0.8, K = 6 and 8 after 7 accepted drafts in a row, then K = 2 (0.86 and
-0.87 of the best fixed K).
+execution: the simulations charge every pass at K the same time, but a pass's time follows the
+distinct experts it reads, and the first tokens after a prompt route to more of them (default
+model, controlled a = 1 and 0.7, K = 3 and 7, four 192-byte prompts, 128 tokens: the first pass
+read 31-76 experts over the MoE layers where the later passes' median was 19-66); beyond that
+only the first two passes cost more, the first by 0.23-0.41 ms and the second by 0.04-0.22 ms
+over a line in the experts read fitted to the passes after the eighth (about 10 us per expert; 7
+runs each, analysis/pass_times). Auto spends these passes at small K while its estimate grows, or
+at a K a lucky start overrated. One controlled table (seed 0), in-program times, 7 runs: at a = 0.9
+auto ran K = 1, 2, 4, 6, 8 then K = 4, and its first 32 tokens took 8.2 ms against 6.3 at the best
+fixed K (5), its whole decode 0.875 of that K's; at a = 0.7 and 0.8, K = 6 and 8 after 7 accepted
+drafts in a row, then K = 2 (0.86 and 0.87 of the best fixed K).
 """
 
 from __future__ import annotations

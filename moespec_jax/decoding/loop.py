@@ -365,21 +365,22 @@ def _stats(raw, tokens_BN, seconds: float, spec: SpecParams, ls: LoopSpec, calib
   return stats
 
 
-def pass_trace(records_P3, end_ms: float) -> dict[str, list]:
+def pass_trace(records_P4, end_ms: float) -> dict[str, list]:
   """stats["pass_trace"] from the program's per-pass records ([ms from the first token to the
-  pass's start, K, tokens]) and the loop's end: each pass's `ms` (from its start to the next
-  pass's, the last to the loop's end: the auto K choices between passes included), `num_draft`
-  and `tokens` (committed over the batch's rows)."""
-  starts = records_P3[:, 0].astype(np.float64)
+  pass's start, K, tokens, experts]) and the loop's end: each pass's `ms` (from its start to the
+  next pass's, the last to the loop's end: the auto K choices between passes included),
+  `num_draft`, `tokens` (committed over the batch's rows) and `experts` (the distinct routed
+  experts the pass read, summed over the MoE layers: what its expert bytes scale with)."""
+  starts = records_P4[:, 0].astype(np.float64)
   ends = np.append(starts[1:], end_ms)
-  return {"ms": (ends - starts).tolist(), "num_draft": records_P3[:, 1].astype(int).tolist(),
-          "tokens": records_P3[:, 2].astype(int).tolist()}
+  return {"ms": (ends - starts).tolist(), "num_draft": records_P4[:, 1].astype(int).tolist(),
+          "tokens": records_P4[:, 2].astype(int).tolist(), "experts": records_P4[:, 3].astype(int).tolist()}
 
 
 def describe_pass_trace(trace: dict[str, list], first: int = 8) -> str:
-  """One line of stats["pass_trace"]: the first passes' times (the first passes after the
-  prefill cost more than later ones at the same K), then the median time of the later passes at
-  each K, and the total."""
+  """One line of stats["pass_trace"]: the first passes' times, then the median time of the later
+  passes at each K, and the total. (Over repeated runs, analysis/pass_times sets the passes'
+  times against the experts they read.)"""
   ms, ks = np.asarray(trace["ms"]), np.asarray(trace["num_draft"])
   if not ms.size:
     return "pass times: no passes (every token came from the prefill)"

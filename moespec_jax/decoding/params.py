@@ -50,7 +50,8 @@ class SpecParams:
   pass times by the times the loop measures while it decodes (auto_draft.corrected_step_ms);
   so far measured slower than the calibration alone (auto_draft's module docstring).
   pass_trace (CPU): time every pass inside the program (a clock read as each pass starts, no
-  host round trip) and report them in stats["pass_trace"] with each pass's K and tokens.
+  host round trip) and report them in stats["pass_trace"] with each pass's K, tokens and the
+  distinct experts it read (analysis/pass_times: medians over runs, a fit against experts read).
   """
 
   drafter: str = "none"

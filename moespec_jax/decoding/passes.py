@@ -132,9 +132,10 @@ def statistic_shapes(ls: LoopSpec, batch: int, n_moe_layers: int) -> dict[str, t
       "segment_start_passes": ((), i32),
       # SpecParams.pass_trace: the clock when the first token is out (`start_trace`); per pass
       # (at most max_new_tokens - 1), [ms from then to the pass's start, K, tokens committed over
-      # the rows]; ms from then to the end of the last pass (`end_trace`).
+      # the rows, distinct experts read summed over the MoE layers]; ms from then to the end of
+      # the last pass (`end_trace`).
       "trace_clock": ((2,), i32),
-      "pass_trace": ((ls.max_new_tokens if ls.trace_passes else 0, 3), f32),
+      "pass_trace": ((ls.max_new_tokens if ls.trace_passes else 0, 4), f32),
       "trace_end_ms": ((1,), f32),
   }
 
@@ -326,12 +327,13 @@ def speculative_pass(model, carry, k: int, ls: LoopSpec):
     agree, kl, count = quality_lib.logit_agreement(exact_logits_BSV.reshape(-1, vocab),
                                                    vout.logits.reshape(-1, vocab), used_BS.reshape(-1))
     stats["quality"] = stats["quality"] + jnp.stack([agree, kl, count])
+  unique_L = jnp.zeros((config.n_moe_layers,), jnp.float32)
   if config.n_moe_layers:
-    stats["unique_L"] = stats["unique_L"] + _count_unique_experts(
-        vout.routing.expert_ids, experts_BS, config.n_routed_experts)
+    unique_L = _count_unique_experts(vout.routing.expert_ids, experts_BS, config.n_routed_experts)
+    stats["unique_L"] = stats["unique_L"] + unique_L
   if ls.trace_passes:  # passes past the trace's rows (the calibration's loops) are not recorded
     record = jnp.stack([cpu_ffi.elapsed_ms(stats["trace_clock"], started_2), jnp.float32(k),
-                        jnp.sum(n_commit_B).astype(jnp.float32)])
+                        jnp.sum(n_commit_B).astype(jnp.float32), jnp.sum(unique_L)])
     stats["pass_trace"] = stats["pass_trace"].at[step - 1].set(record, mode="drop")
   return dict(carry, step=step + 1, cache=vout.cache, pos=new_pos_B, pending=new_pend_B, gen=new_gen_B,
               done=new_done_B, out=out_BN, dstate=dstate, stats=stats)

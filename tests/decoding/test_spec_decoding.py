@@ -514,14 +514,20 @@ def test_forget_compiled_forgets_models_no_program_refers_to(tiny_config, monkey
 
 def test_pass_trace_times_every_pass_and_keeps_the_tokens(two_module_model, plain_greedy):
   """One record per pass: its K, the tokens it committed over the rows (with the prefill's first
-  tokens, every generated token), and a positive time; together less than the whole call."""
+  tokens, every generated token), the distinct experts it read (over the passes, the statistics'
+  per-pass mean) and a positive time; together less than the whole call."""
   spec = msj.SpecParams(drafter="ngram", num_draft=3, pass_trace=True)
   out = msj.generate(two_module_model, RAGGED + REPEATS, max_new_tokens=24, spec=spec)
   np.testing.assert_array_equal(out.tokens, plain_greedy)
   trace, stats = out.stats["pass_trace"], out.stats
-  assert len(trace["ms"]) == len(trace["num_draft"]) == len(trace["tokens"]) == stats["verify_passes"]
+  assert len(trace["ms"]) == len(trace["num_draft"]) == len(trace["tokens"]) == len(trace["experts"]) == (
+      stats["verify_passes"])
   assert set(trace["num_draft"]) == {3}
   assert sum(trace["tokens"]) == stats["generated_tokens"] - len(RAGGED + REPEATS)
+  config = two_module_model.config
+  most = min(config.n_routed_experts, len(RAGGED + REPEATS) * 4 * config.top_k) * config.n_moe_layers
+  assert all(config.top_k * config.n_moe_layers <= e <= most for e in trace["experts"])
+  assert sum(trace["experts"]) == pytest.approx(sum(stats["unique_experts_per_pass"]) * stats["verify_passes"])
   assert min(trace["ms"]) > 0 and sum(trace["ms"]) < stats["seconds"] * 1e3
   assert "pass_trace" not in msj.generate(two_module_model, RAGGED, max_new_tokens=4).stats
 
@@ -543,3 +549,4 @@ def test_describe_pass_trace():
       "pass times: no passes (every token came from the prefill)")
   assert loop.describe_pass_trace(trace, first=8).endswith(
       "the first 6: 0.60 0.30 0.20 0.25 0.50 0.52; 2.37 ms over 6 passes")
+
