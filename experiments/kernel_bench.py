@@ -21,7 +21,7 @@ import numpy as np
 import configs
 import pallas_kernels
 from moespec_jax import cli
-from moespec_jax.analysis import cost_validation, kernel_report
+from moespec_jax.analysis import kernel_report, timing
 from moespec_jax.analysis.roofline import stream_read_gbps
 from moespec_jax.io import atomic, plots
 from pallas_kernels import bytes as kbytes
@@ -95,7 +95,7 @@ def bench_shape(shape, n_list, routings, methods, repeats, overlap, max_weight_g
       u = kbytes.unique_experts(ids)
       parts = []
       ids_j = jnp.asarray(ids)
-      times_ms = cost_validation.median_times_alternating_ms(
+      times_ms = timing.median_times_alternating_ms(
           {m: (lambda fn=fns[m]: fn(x, ids_j, g, *w)) for m in methods}, repeats)
       for m in methods:
         t_ms = times_ms[m]

@@ -17,7 +17,7 @@ Measurement:
     controlled drafter, whose drafting costs next to nothing;
   - speedup(a, K): decode time of plain decoding over that of the controlled drafter
     (acceptance a, greedy, so exactly geometric), every K of one a in the same rounds as plain
-    (`round_robin_runs`), the median of the per-round ratios;
+    (`rounds.round_robin_runs`), the median of the per-round ratios;
   - the crossover: dedup vs per-slot single-layer times on windows of the traces' real routing,
     timed in alternation; the first pass size from which dedup stays faster (at n = 1 both read
     the same experts, and which wins there is timing noise).
@@ -58,7 +58,7 @@ import numpy as np
 import moespec_jax as msj
 import pallas_kernels
 from moespec_jax import cli
-from moespec_jax.analysis import cost_model, draft_policy_sim, routing_report, timing, traces
+from moespec_jax.analysis import cost_model, draft_policy_sim, rounds, routing_report, timing, traces
 from moespec_jax.data import corpus
 from moespec_jax.decoding import loop
 from moespec_jax.io import atomic, plots, progress
@@ -85,9 +85,9 @@ class CostValidationConfig:
   alphas: tuple[float, ...] = tuple(float(a) for a in np.round(np.linspace(0.0, 1.0, 21), 3))
   max_k: int = 8
   max_new_tokens: int = 128
-  repeats: int = 7  # rounds of plain and every K, side by side (round_robin_runs)
+  repeats: int = 7  # rounds of plain and every K, side by side (rounds.round_robin_runs)
   # Where the measured best K is unsettled (the rounds resampled put it within 1 of the full
-  # sample's best in under `settled_share` of resamples: `share_within_one`), the sweep adds
+  # sample's best in under `settled_share` of resamples: `rounds.share_within_one`), the sweep adds
   # `repeats` rounds at that rate, up to `max_repeats`: flat speedup curves at high acceptance
   # otherwise leave the measured best K to timing noise.
   max_repeats: int = 21
@@ -138,28 +138,6 @@ def progress_settings(model, cfg: CostValidationConfig) -> dict[str, Any]:
 
 
 # Single-layer expert timings ------------------------------------------------------------------
-def median_time_ms(fn, args, repeats: int) -> float:
-  """Median wall time (ms) of `fn(*args)` after one warm-up call."""
-  return median_times_alternating_ms({"call": lambda: fn(*args)}, repeats)["call"]
-
-
-def median_times_alternating_ms(calls: dict, repeats: int) -> dict:
-  """Median wall time (ms) of each zero-argument call in `calls`, timed in alternation (in the
-  balanced order of `timing.round_order`) after one warm-up call each: a slow spell of the
-  machine moves every median together, so their comparison is not decided by when each was
-  timed."""
-  for call in calls.values():
-    jax.block_until_ready(call())
-  names = list(calls)
-  times = {name: [] for name in names}
-  for r in range(repeats):
-    for name in timing.round_order(names, r):
-      start = time.perf_counter()
-      jax.block_until_ready(calls[name]())
-      times[name].append(time.perf_counter() - start)
-  return {name: float(np.median(t)) * 1e3 for name, t in times.items()}
-
-
 def _layer_weights(config, seed: int):
   """One routed-expert weight set per MoE layer of the model (a pass reads every layer's
   experts once, so a layer's experts are usually not in the processor's caches when they
@@ -182,13 +160,13 @@ def time_layer_pair(fns, layer_weights, ids_TK: np.ndarray, repeats: int, rng) -
   """Median time (ms) of one layer's routed experts for this routing, per method (dedup and
   per-slot): each timed call runs a method on every weight set of `layer_weights` in turn (as a
   decoding pass does) and is divided by their number. The two methods are timed in alternation
-  on the same input (`median_times_alternating_ms`)."""
+  on the same input (`timing.median_times_alternating_ms`)."""
   n, k = ids_TK.shape
   x = jnp.asarray(rng.standard_normal((n, layer_weights[0][0].shape[1])), jnp.float32)
   gates = jnp.full((n, k), 1.0 / k, jnp.float32)
   ids = jnp.asarray(ids_TK, jnp.int32)
   calls = {m: (lambda fn=fns[m]: [fn(x, ids, gates, *w) for w in layer_weights]) for m in FITTED_METHODS}
-  return {m: t / len(layer_weights) for m, t in median_times_alternating_ms(calls, repeats).items()}
+  return {m: t / len(layer_weights) for m, t in timing.median_times_alternating_ms(calls, repeats).items()}
 
 
 def fit_kernels(config, n_list: Sequence[int], repeats: int, seed: int = 0):
@@ -250,132 +228,6 @@ def measured_crossover(config, trace, n_list, windows: int, repeats: int, seed: 
                  "per_slot_ms": float(np.median(t["per_slot"]))})
   curves = ([r["n_tokens"] for r in rows], [r["dedup_ms"] for r in rows], [r["per_slot_ms"] for r in rows])
   return cost_model.crossover(*curves, for_good=True), cost_model.crossover(*curves), rows
-
-
-# Generation-level measurements --------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class RoundRobin:
-  """Per-round decode-phase seconds and stats ({label: [per round]}) and each round's prefill."""
-  seconds: dict
-  stats: dict
-  prefill_s: list
-
-  def speedups(self, label) -> list[float]:
-    """Each round's decode-phase speedup of `label` over plain decoding (label None)."""
-    return [p / q for p, q in zip(self.seconds[None], self.seconds[label])]
-
-  def extended(self, more: "RoundRobin") -> "RoundRobin":
-    """These rounds followed by `more`'s (the same labels)."""
-    return RoundRobin({k: self.seconds[k] + more.seconds[k] for k in self.seconds},
-                      {k: self.stats[k] + more.stats[k] for k in self.stats}, self.prefill_s + more.prefill_s)
-
-
-def round_robin_runs(model, prompts, max_new_tokens: int, specs: dict, rounds: int, reference=None,
-                     check_tokens=None, first_round: int = 0) -> RoundRobin:
-  """Decode-phase seconds of plain decoding (label None) and of each spec in `specs` (key: its
-  label, e.g. K), `rounds` times each, side by side.
-
-  Each round runs plain decoding and every spec once (in the balanced order of
-  `timing.round_order`: no label always runs first or last, or always after the same one), so
-  every spec is measured in the same stretch of time as plain and as the others: a
-  slow spell of the machine moves them together. The prefill (a one-token generate()) is timed
-  at the start and at the end of every round and the faster of the two is subtracted from that
-  round's runs: a prefill timed once, in a slow moment, would shrink every decode time by the
-  same wrong amount and inflate every ratio. `check_tokens`: every run's tokens must equal
-  these (greedy speculative decoding is exact). Round r runs with seed `first_round` + r (more
-  rounds of one comparison continue its seeds, and their order).
-  """
-  labels = [None] + list(specs)
-  seconds = {k: [] for k in labels}
-  stats = {k: [] for k in labels}
-  prefills = []
-  msj.generate(model, prompts, max_new_tokens=1)
-  for r in range(first_round, first_round + rounds):
-    totals = {}
-    before = msj.generate(model, prompts, max_new_tokens=1, seed=r).stats["seconds"]
-    for k in timing.round_order(labels, r):
-      spec = msj.SpecParams() if k is None else specs[k]
-      out = msj.generate(model, prompts, max_new_tokens=max_new_tokens, spec=spec, seed=r,
-                         reference_tokens=reference if spec.drafter == "controlled" else None)
-      if check_tokens is not None and not np.array_equal(out.tokens, check_tokens):
-        raise AssertionError(f"speculative greedy output differs from plain ({spec})")
-      totals[k] = out.stats["seconds"]
-      stats[k].append(out.stats)
-    after = msj.generate(model, prompts, max_new_tokens=1, seed=r).stats["seconds"]
-    prefills.append(min(before, after))
-    for k in labels:
-      seconds[k].append(max(totals[k] - prefills[-1], 1e-9))
-  return RoundRobin(seconds, stats, prefills)
-
-
-def median_ratio(num, den) -> float:
-  """The median over rounds of num[r] / den[r]."""
-  return statistics.median(n / d for n, d in zip(num, den))
-
-
-def median_ratio_interval(num, den, level: float = 0.9, resamples: int = 2000, seed: int = 0):
-  """A percentile-bootstrap interval (rounds resampled) for `median_ratio(num, den)`: how far
-  this machine's timing noise leaves the median ratio uncertain."""
-  return timing.median_interval(np.asarray(num, float) / np.asarray(den, float), level, resamples, seed)
-
-
-def round_robin_speedups(model, prompts, max_new_tokens: int, specs: dict, rounds: int, reference=None,
-                         check_tokens=None):
-  """Each spec's decode-phase speedup over plain decoding: the median over rounds of plain's
-  time over the spec's in the same round (`round_robin_runs`).
-
-  Returns ({label: speedup}, {label: median tokens/s}, {label: stats of its last run}, [each
-  round's prefill seconds], {label: [each round's speedup]}).
-  """
-  runs = round_robin_runs(model, prompts, max_new_tokens, specs, rounds, reference, check_tokens)
-  per_round = {k: runs.speedups(k) for k in specs}
-  return ({k: statistics.median(per_round[k]) for k in specs},
-          {k: statistics.median(s["tokens_per_second"] for s in runs.stats[k]) for k in specs},
-          {k: runs.stats[k][-1] for k in specs}, runs.prefill_s, per_round)
-
-
-def best_k_bootstrap(round_speedups_KR, resamples: int = 2000, seed: int = 0) -> np.ndarray:
-  """How often each K is the measured best when the rounds are resampled (percentile bootstrap).
-
-  `round_speedups_KR[k][r]`: K = k's speedup in round r (K = 0: plain, 1.0 in every round).
-  Every K of a resample draws the same rounds (they were timed side by side). Returns the share
-  of resamples whose best median speedup is at each K: where speedups are flat in K, the
-  measured best K moves with timing noise, and this says how far.
-  """
-  ratios_KR = np.asarray(round_speedups_KR, float)
-  n_rounds = ratios_KR.shape[1]
-  picks_SR = np.random.default_rng(seed).integers(0, n_rounds, (resamples, n_rounds))
-  medians_SK = np.median(ratios_KR[:, picks_SR], axis=2).T
-  return np.bincount(np.argmax(medians_SK, axis=1), minlength=ratios_KR.shape[0]) / resamples
-
-
-def rounds_until_settled(more, labels: Sequence, repeats: int, max_repeats: int, settled_share: float,
-                         seed: int = 0) -> RoundRobin:
-  """Rounds of plain decoding (label None) and of every K in `labels` (K = 1, 2, ... in order),
-  `repeats` at a time (`more(first_round, n)`: n more rounds, a `RoundRobin`), until the measured
-  best K is settled: the rounds resampled put it within 1 of the best median speedup in at least
-  `settled_share` of resamples (`best_k_bootstrap`, `share_within_one`), or `max_repeats` rounds
-  have run."""
-  runs = more(0, repeats)
-  while len(runs.prefill_s) < max_repeats:
-    per_round_KR = [[1.0] * len(runs.prefill_s)] + [runs.speedups(k) for k in labels]
-    best = int(np.argmax([statistics.median(r) for r in per_round_KR]))
-    if share_within_one(best_k_bootstrap(per_round_KR, seed=seed), best) >= settled_share:
-      break
-    runs = runs.extended(more(len(runs.prefill_s), min(repeats, max_repeats - len(runs.prefill_s))))
-  return runs
-
-
-def share_within_one(shares_K: Sequence[float], k: int) -> float:
-  """The share of bootstrap resamples (`best_k_bootstrap`) whose best K is within 1 of k."""
-  return float(sum(s for j, s in enumerate(shares_K) if abs(j - k) <= 1))
-
-
-def plausible_best_k(shares_K: Sequence[float], floor: float = 0.1) -> tuple[int, int]:
-  """The smallest and largest K that are the best in at least `floor` of the bootstrap
-  resamples (`best_k_bootstrap`): the range of best K the rounds' timing noise allows."""
-  ks = [k for k, s in enumerate(shares_K) if s >= floor] or [int(np.argmax(shares_K))]
-  return min(ks), max(ks)
 
 
 # The run -------------------------------------------------------------------------------------
@@ -586,7 +438,7 @@ class SpeedupSweep:
   plain} (K = 0: 1.0); `accepted_lengths`: {(a, K >= 1): tokens committed per pass}; `rows`:
   metrics.json's `speedups`; `prefills`: every round's prefill (s), subtracted from its runs;
   `best_k_shares`: {a: each K's share of bootstrap resamples where it is best}; `rounds`: {a:
-  rounds run (`rounds_until_settled`)}."""
+  rounds run (`rounds.rounds_until_settled`)}."""
   speedups: dict
   accepted_lengths: dict
   rows: list
@@ -606,8 +458,8 @@ def _sweep_rate(model, prompts, reference, cfg: CostValidationConfig, a: float) 
   K's per-round speedups (K = 1..max_k) and its row; rounds added until the best K is settled."""
   drafted = list(range(1, cfg.max_k + 1))
   specs = {k: msj.SpecParams(drafter="controlled", num_draft=k, controlled_acceptance=a) for k in drafted}
-  runs = rounds_until_settled(
-      lambda first, n: round_robin_runs(model, prompts, cfg.max_new_tokens, specs, n, reference,
+  runs = rounds.rounds_until_settled(
+      lambda first, n: rounds.round_robin_runs(model, prompts, cfg.max_new_tokens, specs, n, reference,
                                         check_tokens=reference, first_round=first),
       drafted, cfg.repeats, cfg.max_repeats, cfg.settled_share, cfg.seed)
   rounds_K = {k: runs.speedups(k) for k in drafted}
@@ -630,9 +482,9 @@ def _speedup_sweep(model, prompts, reference, cfg: CostValidationConfig, parts, 
   for i, a in enumerate(cfg.alphas):
     part = parts.cached(f"sweep/{a}", lambda: _sweep_rate(model, prompts, reference, cfg, a))
     prefills += part["prefills"]
-    rounds = part["round_speedups"]
-    best_k_shares[a] = best_k_bootstrap([[1.0] * len(rounds[0])] + rounds, seed=cfg.seed).tolist()
-    sweep_rounds[a] = len(rounds[0])
+    per_round_KR = part["round_speedups"]
+    best_k_shares[a] = rounds.best_k_bootstrap([[1.0] * len(per_round_KR[0])] + per_round_KR, seed=cfg.seed).tolist()
+    sweep_rounds[a] = len(per_round_KR[0])
     for r in part["rows"]:
       speedups[(a, r["num_draft"])] = r["speedup"]
       accepted_lengths[(a, r["num_draft"])] = r["mean_accepted_length"]
@@ -694,9 +546,9 @@ def best_k_comparison(alphas: Sequence[float], max_k: int, sweep: SpeedupSweep, 
   # The same question asked of the rounds resampled: how often the measured best K lands within 1
   # of each predictor's K, and of the measured best K itself (what timing noise leaves of the goal
   # figure: no predictor can expect to agree with a resampled measurement more often than that).
-  within_resampled = {col: float(np.mean([share_within_one(r["measured_best_k_bootstrap_shares"], r[col])
+  within_resampled = {col: float(np.mean([rounds.share_within_one(r["measured_best_k_bootstrap_shares"], r[col])
                                           for r in best_rows])) for col in PREDICTORS}
-  self_agreement = float(np.mean([share_within_one(r["measured_best_k_bootstrap_shares"], r["measured"])
+  self_agreement = float(np.mean([rounds.share_within_one(r["measured_best_k_bootstrap_shares"], r["measured"])
                                   for r in best_rows]))
   # Where measured speedups are flat in K (within run-to-run timing noise) the measured
   # argmax is itself noisy; what choosing the predicted K costs is the measured speedup there
@@ -764,7 +616,7 @@ def _real_drafter_part(model, prompts, cfg: CostValidationConfig, reference, dra
   0..max_k), and the prefills of those speedups' rounds: what the run keeps of it (progress)."""
   ks = list(range(cfg.max_k + 1))
   specs = {k: msj.SpecParams(drafter=drafter, num_draft=k) for k in ks[1:]}
-  fixed_speedups, _, _, drafter_prefills, _ = round_robin_speedups(
+  fixed_speedups, _, _, drafter_prefills, _ = rounds.round_robin_speedups(
       model, prompts, cfg.max_new_tokens, specs, cfg.repeats, check_tokens=reference)
   fixed_speedups[0] = 1.0
   loop.forget_compiled(keep)
@@ -820,7 +672,7 @@ def cost_model_metrics(cfg: CostValidationConfig, routing_stats: dict, kernels: 
                              "the prefill timed in the same round"),
       "best_k": best.rows,
       **{f"best_k_within_one_fraction{suffix}": best.within_one[col] for col, (suffix, _) in PREDICTORS.items()},
-      # Rounds resampled (best_k_bootstrap): the expected share of acceptance rates where the
+      # Rounds resampled (rounds.best_k_bootstrap): the expected share of acceptance rates where the
       # measured best K is within 1 of each prediction, and of the full-data measured best K.
       **{f"best_k_within_one_resampled{suffix}": best.within_one_resampled[col]
          for col, (suffix, _) in PREDICTORS.items()},
@@ -856,12 +708,12 @@ def _write_outputs(result: dict, routing_stats: dict, workdir: pathlib.Path, par
 
 def auto_against_fixed(model, prompts, max_new_tokens: int, auto_spec, fixed_spec, repeats: int,
                        reference=None) -> dict[str, Any]:
-  """Plain, auto and fixed-K decoding side by side (`round_robin_runs`, same seeds); medians of
+  """Plain, auto and fixed-K decoding side by side (`rounds.round_robin_runs`, same seeds); medians of
   the per-round decode-phase ratios: auto over plain, fixed over plain, and auto over fixed.
 
   Plain decoding also runs a second time in every round: `plain_vs_plain`, the same program
   against itself, is the timing noise these ratios carry (ideally 1.0)."""
-  runs = round_robin_runs(model, prompts, max_new_tokens,
+  runs = rounds.round_robin_runs(model, prompts, max_new_tokens,
                           {"auto": auto_spec, "plain_again": msj.SpecParams(), "fixed": fixed_spec}, repeats, reference)
   seconds, stats = runs.seconds, runs.stats
   auto_stats = stats["auto"]
@@ -870,9 +722,9 @@ def auto_against_fixed(model, prompts, max_new_tokens: int, auto_spec, fixed_spe
   accepted = sum(s["mean_accepted_length"] * s["verify_passes"] for s in auto_stats)
   ratios = {"speedup_vs_plain": (None, "auto"), "best_fixed_speedup": (None, "fixed"),
             "vs_best_fixed": ("fixed", "auto"), "plain_vs_plain": (None, "plain_again")}
-  return {**{name: median_ratio(seconds[num], seconds[den]) for name, (num, den) in ratios.items()},
+  return {**{name: rounds.median_ratio(seconds[num], seconds[den]) for name, (num, den) in ratios.items()},
           # 90% bootstrap intervals of the same medians.
-          **{f"{name}_interval": median_ratio_interval(seconds[num], seconds[den])
+          **{f"{name}_interval": rounds.median_ratio_interval(seconds[num], seconds[den])
              for name, (num, den) in ratios.items()},
           "best_fixed_num_draft": fixed_spec.num_draft,
           # Over all repeats; the calibrated per-K pass times auto chose with (last run).
@@ -892,7 +744,7 @@ def format_summary(cm) -> str:
            f"{'alpha':>6}{'bytes':>7}{'linear':>8}{'non-exp':>9}{'passes':>8}{'by a':>6}{'measured':>10}"
            f"{'speedup':>9}{'resampled':>11}"]
   for r in cm["best_k"]:
-    lo, hi = plausible_best_k(r["measured_best_k_bootstrap_shares"])
+    lo, hi = rounds.plausible_best_k(r["measured_best_k_bootstrap_shares"])
     lines.append(f"{r['alpha']:>6.2f}{r['predicted']:>7}{r['predicted_linear_nonexpert']:>8}"
                  f"{r['predicted_measured_nonexpert']:>9}"
                  f"{r['predicted_from_step_times']:>8}{r['predicted_from_step_times_by_acceptance']:>6}"
@@ -986,7 +838,7 @@ def plot_staircase(cm, path) -> None:
            label="predicted (measured pass times)")
   ax1.step(alphas, [r["predicted_from_step_times_by_acceptance"] for r in rows], where="mid", ls=":",
            label="predicted (pass times interpolated by acceptance)")
-  ranges = np.array([plausible_best_k(r["measured_best_k_bootstrap_shares"]) for r in rows], float)
+  ranges = np.array([rounds.plausible_best_k(r["measured_best_k_bootstrap_shares"]) for r in rows], float)
   ax1.vlines(alphas, ranges[:, 0] - 0.15, ranges[:, 1] + 0.15, colors="gray", lw=5, alpha=0.35,
              label="measured, rounds resampled (K best in >= 10%)")
   ax1.plot(alphas, [r["measured"] for r in rows], "o", label="measured")

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moespec_jax.analysis import cost_validation
+from moespec_jax.analysis import timing
 from pallas_kernels import bytes as kbytes
 
 STREAM_BYTES = 256 * 1024 * 1024  # far beyond the processor's caches
@@ -25,7 +25,7 @@ STREAM_BYTES = 256 * 1024 * 1024  # far beyond the processor's caches
 def stream_read_gbps(repeats: int = 7) -> float:
   """Streaming read bandwidth (GB/s): a jitted jnp.sum over a 256 MB f32 array, median of repeats."""
   a = jnp.ones((STREAM_BYTES // 4,), jnp.float32)
-  t_ms = cost_validation.median_time_ms(jax.jit(jnp.sum), (a,), repeats)
+  t_ms = timing.median_time_ms(jax.jit(jnp.sum), (a,), repeats)
   return a.nbytes / (t_ms / 1e3) / 1e9
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, Sequence
 
+import jax
 import numpy as np
 
 
@@ -71,3 +72,25 @@ def decode_ms_per_step(seconds: Sequence[float], first_token_seconds: Sequence[f
   if max_new < 2:
     raise ValueError(f"a decode phase needs max_new_tokens >= 2, got {max_new}")
   return [(t - t1) * 1e3 / (max_new - 1) for t, t1 in zip(seconds, first_token_seconds)]
+
+
+def median_time_ms(fn, args, repeats: int) -> float:
+  """Median wall time (ms) of `fn(*args)` after one warm-up call."""
+  return median_times_alternating_ms({"call": lambda: fn(*args)}, repeats)["call"]
+
+
+def median_times_alternating_ms(calls: dict, repeats: int) -> dict:
+  """Median wall time (ms) of each zero-argument call in `calls`, timed in alternation (in the
+  balanced order of `round_order`) after one warm-up call each: a slow spell of the
+  machine moves every median together, so their comparison is not decided by when each was
+  timed."""
+  for call in calls.values():
+    jax.block_until_ready(call())
+  names = list(calls)
+  times = {name: [] for name in names}
+  for r in range(repeats):
+    for name in round_order(names, r):
+      start = time.perf_counter()
+      jax.block_until_ready(calls[name]())
+      times[name].append(time.perf_counter() - start)
+  return {name: float(np.median(t)) * 1e3 for name, t in times.items()}

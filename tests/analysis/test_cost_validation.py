@@ -1,8 +1,6 @@
 """The cost-model validation: byte accounting of a predicted pass, the --quick run end to end."""
 
-import itertools
 import json
-import types
 
 import numpy as np
 import pytest
@@ -25,42 +23,6 @@ def test_predicted_expert_time_follows_bytes(tiny_config):
   assert two_layers == pytest.approx(expected)
   with pytest.raises(ValueError, match="no kernel fit"):
     cost_validation.expert_time_ms(tiny_config, {"dedup": fits["dedup"]}, [4.0], 3, "per_slot")
-
-
-def test_median_ratio_interval_brackets_the_median_and_narrows_with_rounds():
-  rng = np.random.default_rng(1)
-  few, many = (rng.lognormal(0.0, 0.1, (2, n)) for n in (9, 201))
-  intervals = []
-  for num, den in (few, many):
-    lo, hi = cost_validation.median_ratio_interval(num, den)
-    assert lo <= cost_validation.median_ratio(num, den) <= hi
-    intervals.append(hi - lo)
-  assert intervals[1] < intervals[0] / 2
-  assert cost_validation.median_ratio_interval([2.0, 4.0, 6.0], [1.0, 2.0, 3.0]) == (2.0, 2.0)
-  with pytest.raises(ValueError, match="non-empty 1-D"):
-    cost_validation.median_ratio_interval([], [])
-
-
-def test_best_k_bootstrap_shares_follow_the_timing_noise():
-  rng = np.random.default_rng(0)
-  plain = np.ones(9)
-  clear = [plain, 1.3 + 0.01 * rng.standard_normal(9), 1.6 + 0.01 * rng.standard_normal(9)]
-  shares = cost_validation.best_k_bootstrap(clear, resamples=500)
-  assert shares.tolist() == [0.0, 0.0, 1.0]
-  # K = 1 and 3 equal within noise, K = 2 clearly worse: the best K splits between 1 and 3.
-  tied = [plain, 1.5 + 0.05 * rng.standard_normal(9), np.full(9, 1.2), 1.5 + 0.05 * rng.standard_normal(9)]
-  shares = cost_validation.best_k_bootstrap(tied, resamples=500)
-  assert shares.sum() == pytest.approx(1.0) and shares[0] == shares[2] == 0.0
-  assert 0.1 < shares[1] < 0.9 and 0.1 < shares[3] < 0.9
-  assert cost_validation.share_within_one(shares, 2) == pytest.approx(1.0)
-  assert cost_validation.share_within_one(shares, 0) == pytest.approx(shares[1])
-  assert cost_validation.plausible_best_k(shares) == (1, 3)
-  assert cost_validation.plausible_best_k([0.0, 0.05, 0.9, 0.05]) == (2, 2)
-  assert cost_validation.plausible_best_k([0.0, 0.05, 0.9, 0.05], floor=0.01) == (1, 3)
-  # Every K of a resample draws the same rounds: K = 2 beats K = 1 in every round, by less than
-  # the spread between rounds, and is the best in every resample.
-  k1 = np.array([1.1, 1.5, 1.9, 1.3, 1.7])
-  assert cost_validation.best_k_bootstrap([np.ones(5), k1, k1 + 0.05], resamples=500).tolist() == [0.0, 0.0, 1.0]
 
 
 def test_auto_goals_count_medians_and_interval_ends():
@@ -91,40 +53,6 @@ def test_config_rejects_bad_values():
     cost_validation.CostValidationConfig(max_k=0)
   with pytest.raises(ValueError, match="real_drafters"):
     cost_validation.CostValidationConfig(real_drafters=("eagle",))
-
-
-def test_round_robin_balances_order_and_pairs_each_round(monkeypatch):
-  """Plain and every spec run once per round, in the balanced order of timing.round_order,
-  between two one-token runs (the round's prefill, the faster of the two, subtracted from its
-  runs); a spec's speedup is the median of per-round ratios (a slow round moves plain and the spec
-  together)."""
-  calls = []
-  slow = {1: 3.0}  # round 1 runs everything 3x slower
-  base = {"none": 1.0, "a": 0.5, "b": 2.0}
-  # After the warm-up: round 0 min(0.1, 0.3), round 1 min(0.6, 0.3).
-  prefill = itertools.chain([0.2, 0.1, 0.3, 0.6, 0.3], itertools.repeat(0.1))
-
-  def fake_generate(model, prompts, max_new_tokens, spec=None, seed=0, reference_tokens=None):
-    if max_new_tokens == 1:
-      calls.append((seed, "prefill"))
-      return types.SimpleNamespace(tokens=np.zeros((1, 1), np.int32), stats={"seconds": next(prefill)})
-    label = "none" if spec.drafter == "none" else ("a" if spec.num_draft == 1 else "b")
-    calls.append((seed, label))
-    seconds = (0.1 if seed == 0 else 0.3) + base[label] * slow.get(seed, 1.0)
-    tokens = np.zeros((1, 4), np.int32) if label != "b" or seed < 2 else np.ones((1, 4), np.int32)
-    return types.SimpleNamespace(tokens=tokens, stats={"seconds": seconds, "tokens_per_second": 4 / seconds})
-
-  monkeypatch.setattr(msj, "generate", fake_generate)
-  specs = {1: msj.SpecParams(drafter="ngram", num_draft=1), 2: msj.SpecParams(drafter="ngram", num_draft=2)}
-  speedup, _, _, prefills, per_round = cost_validation.round_robin_speedups(None, [[1]], 4, specs, rounds=2)
-  assert calls == [(0, "prefill"), (0, "prefill"), (0, "none"), (0, "a"), (0, "b"), (0, "prefill"),
-                   (1, "prefill"), (1, "a"), (1, "b"), (1, "none"), (1, "prefill")]
-  assert prefills == pytest.approx([0.1, 0.3])
-  # Exact only with each round's own prefill subtracted (0.1 in round 0, 0.3 in round 1).
-  assert speedup[1] == pytest.approx(2.0) and speedup[2] == pytest.approx(0.5)
-  assert per_round[1] == pytest.approx([2.0, 2.0]) and per_round[2] == pytest.approx([0.5, 0.5])
-  with pytest.raises(AssertionError, match="differs from plain"):  # round 2: b's tokens differ
-    cost_validation.round_robin_runs(None, [[1]], 4, specs, rounds=3, check_tokens=np.zeros((1, 4), np.int32))
 
 
 @pytest.mark.slow
@@ -222,36 +150,6 @@ def test_auto_row_text_says_where_the_passes_went():
   paid = dict(simulated, best_fixed_over_auto=0.91, pass_time_ratios=[1.0, 1.3, 1.6, 1.9])
   assert ("choosing on its calibration, paying the sweep's pass times: 1.250x plain, 0.910 of best fixed K=3"
           in cost_validation.describe_auto(dict(row, simulated=simulated, simulated_on_measured_pass_times=paid)))
-
-
-def _fake_rounds(speedups_by_round):
-  """`more` for rounds_until_settled: plain takes 1 s a round, K = k takes 1 / speedup; records its calls."""
-  calls = []
-
-  def more(first, n):
-    calls.append((first, n))
-    rows = [speedups_by_round(r) for r in range(first, first + n)]
-    seconds = {None: [1.0] * n, **{k: [1.0 / row[k - 1] for row in rows] for k in range(1, len(rows[0]) + 1)}}
-    return cost_validation.RoundRobin(seconds, {k: [{"round": r} for r in range(first, first + n)] for k in seconds},
-                                      [0.01] * n)
-  return more, calls
-
-
-def test_rounds_stop_once_the_measured_best_k_is_settled():
-  more, calls = _fake_rounds(lambda r: [1.1, 1.3 + 0.01 * (r % 2), 1.2])  # K = 2 best in every round
-  runs = cost_validation.rounds_until_settled(more, [1, 2, 3], repeats=3, max_repeats=9, settled_share=0.9)
-  assert calls == [(0, 3)] and len(runs.prefill_s) == 3
-
-
-def test_rounds_grow_where_the_best_k_moves_with_the_noise_up_to_the_cap():
-  """K = 1 and K = 4 trade places from round to round (neither within 1 of the other): more rounds,
-  continuing the round numbers, until max_repeats."""
-  more, calls = _fake_rounds(lambda r: [1.3, 1.0, 1.0, 1.25] if r % 2 else [1.25, 1.0, 1.0, 1.3])
-  runs = cost_validation.rounds_until_settled(more, [1, 2, 3, 4], repeats=3, max_repeats=8, settled_share=0.9)
-  assert calls == [(0, 3), (3, 3), (6, 2)]
-  assert len(runs.prefill_s) == 8 and all(len(v) == 8 for v in runs.seconds.values())
-  assert [s["round"] for s in runs.stats[4]] == list(range(8))
-  assert runs.seconds[1][:2] == pytest.approx([1 / 1.25, 1 / 1.3])
 
 
 def test_sweep_round_settings_are_checked():

@@ -43,3 +43,14 @@ def test_median_interval_brackets_the_median_and_refuses_nothing_to_resample():
   assert lo <= 3.0 <= hi and 1.0 <= lo and hi <= 5.0
   with pytest.raises(ValueError, match="non-empty"):
     timing.median_interval([])
+
+
+def test_alternating_medians_time_each_call_in_balanced_rounds():
+  """One warm-up call each, then `repeats` timed calls each, in round_order's order."""
+  order = []
+  calls = {name: (lambda name=name: order.append(name)) for name in ("a", "b", "c")}
+  medians = timing.median_times_alternating_ms(calls, repeats=3)
+  assert set(medians) == {"a", "b", "c"} and all(m >= 0 for m in medians.values())
+  assert order[:3] == ["a", "b", "c"]
+  assert order[3:] == [name for r in range(3) for name in timing.round_order(["a", "b", "c"], r)]
+  assert timing.median_time_ms(lambda x: x + 1, (1,), repeats=2) >= 0
