@@ -23,7 +23,8 @@ _FAMILIES = flags.DEFINE_list("families", [], "Checkpoints to run: families of m
                               "--notrained).")
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 64, "Tokens generated per prompt (a decode phase: >= 2).",
                                 lower_bound=2)
-_REPEATS = flags.DEFINE_integer("repeats", 5, "Timed repeats per measurement (median).", lower_bound=1)
+_REPEATS = flags.DEFINE_integer("repeats", peer_bench.DEFAULT_REPEATS, "Rounds per family (medians over rounds).",
+                                lower_bound=1)
 _NUM_DRAFT = flags.DEFINE_integer("num_draft", 4, "Draft length of both prompt-lookup decoders.", lower_bound=1,
                                   upper_bound=16)
 _PROMPT_LEN = flags.DEFINE_integer("prompt_len", 192, "Prompt tokens per row.", lower_bound=1)
