@@ -53,4 +53,6 @@ def test_alternating_medians_time_each_call_in_balanced_rounds():
   assert set(medians) == {"a", "b", "c"} and all(m >= 0 for m in medians.values())
   assert order[:3] == ["a", "b", "c"]
   assert order[3:] == [name for r in range(3) for name in timing.round_order(["a", "b", "c"], r)]
-  assert timing.median_time_ms(lambda x: x + 1, (1,), repeats=2) >= 0
+  args_seen = []
+  assert timing.median_time_ms(lambda x: args_seen.append(x), (7,), repeats=2) >= 0
+  assert args_seen == [7, 7, 7]  # one warm-up call, then two timed ones, with the given arguments
