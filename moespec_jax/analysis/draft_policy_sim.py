@@ -11,7 +11,7 @@ prompt lookup's runs), and each
 pass with K drafts costs step_ms[K]; the policy runs exactly as the decoding loop runs it
 (`auto_draft.choose_k` per segment, the same evidence updates, shadow drafts on plain passes),
 and fixed K runs the same random acceptances. `switch_ms`: time added whenever K changes between
-segments (after a change the first passes run slower: decoding/auto_draft.SWITCH_MARGIN).
+segments (after a change the first passes run slower: decoding/auto_draft.SWITCH_COST_PASSES).
 `calibrated_ms_K`: the pass times the policy chooses with, where they differ from those it pays
 (the loop chooses on a calibration measured once, and passes in decoding can cost more or less:
 what such an error costs the policy).

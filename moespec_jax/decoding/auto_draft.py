@@ -102,22 +102,23 @@ DRAFT_MARGIN = 0.1
 # at 0) and drafts at a loss where the calibration is low (7% low, a = 0.7: 0.98 of plain at 0.1,
 # 0.93 at 0): the calibration's noise, not the margin, decides; kept at DRAFT_MARGIN.
 STOP_MARGIN = DRAFT_MARGIN
-# Changing K is chosen only where the new K is predicted at least this much faster than staying:
-# after a change of K, passes run slower for a few passes (default model, a = 0.7, plain and K = 2
-# passes alternating every 8 tokens: 12-18% more time than the same passes unmixed; every 32
-# tokens: none), and near break-even the choice would otherwise flip with the estimate's noise.
-# Timed inside the program (clock reads as in SpecParams.pass_trace; K forced in one-pass segments,
-# alternating or constant, controlled drafter, 128 tokens, medians over 30 runs at a = 1 and 10 at
-# a = 0), the pass after a
-# change cost 0.02-0.03 ms more than in a run of its own K at a = 1 and 0.03-0.13 ms more at a = 0
-# (up to half a plain pass), the most where a short pass follows a long one: the long pass's
-# experts evicted what the short one reads.
-# A fixed cost of 1-4 passes per change instead (with no margin or one of 3-5%) changed auto's
-# simulated cost by at most 0.5% (analysis/draft_policy_sim: controlled a = 0.4-0.95, the MTP
-# heads, prompt lookup's depth profile); where auto loses to the best fixed K with the MTP heads,
-# the calibration's noise is what moves its choice (six MTP calibrations back to back: one K's
-# pass-time ratio to a plain pass spread by 10-14%).
-SWITCH_MARGIN = 0.15
+# A change of K, once the estimate is settled, is charged SWITCH_COST_PASSES plain passes: after a
+# change, passes run slower for a few passes (default model, a = 0.7, plain and K = 2 passes
+# alternating every 8 tokens: 12-18% more time than the same passes unmixed; every 32 tokens:
+# none). Timed inside the program (clock reads as in SpecParams.pass_trace; K forced in one-pass
+# segments, alternating or constant, controlled drafter, 128 tokens, medians over 30 runs at a = 1
+# and 10 at a = 0), the pass after a change cost 0.02-0.03 ms more than in a run of its own K at
+# a = 1 and 0.03-0.13 ms more at a = 0 (up to half a plain pass), the most where a short pass
+# follows a long one: the long pass's experts evicted what the short one reads. The charge is a
+# time, not a fraction of the remaining time: a relative margin (0.15 before) held a K that was
+# slower over a long remainder and let K flip near the end, where a change cannot pay back.
+# Simulated (analysis/draft_policy_sim, 200 runs of 127 tokens, controlled a = 0.4-1.0, pass
+# times and calibrations of three cost_model runs; mean best fixed K's time over auto's): 0.4
+# passes and no margin gave 0.969-0.971 against 0.963-0.969 with the margin, 0.955-0.963 against
+# 0.950-0.952 where the policy chose on a calibration and paid the run's measured pass times,
+# and 0.983 against 0.942 at a = 1 (the ramp K = 1, 2, 3, 5 no longer stops short of the
+# longest K); 0.25 passes did the same, 0.6 lost the a = 1 gain.
+SWITCH_COST_PASSES = 0.4
 # Pass times measured in the loop: evidence per K decays by TIMING_DECAY per segment run at that
 # K; a K's own evidence outweighs the level pooled over all K's once it has more than
 # TIMING_PRIOR_PASSES passes; a segment's ratio to calibration is clipped to within a factor
@@ -229,18 +230,18 @@ def choose_k(evidence_B2, step_ms_K, *, shadow: bool, remaining_B=None, current_
   (YOUNG_PLAIN_PASSES while the estimate is young, with shadow drafts).
   `shadow`: plain passes bring evidence (see the module docstring); without it K = 0 is final
   and needs MIN_EVIDENCE tried drafts over the active rows and plain decoding faster than every
-  K (by STOP_MARGIN) at the Wilson bound STOP_CONFIDENCE standard errors above each row's estimate
-  and above the active rows' pooled estimate (a batch's first pass gives a row one or two drafts: one rejected
-  draft puts that row's bound near 0.8, low enough alone to stop drafting that pays; the pooled
-  counts are the batch's evidence). `current_k`: the
-  K of the last segment, kept unless another K is predicted faster by SWITCH_MARGIN (once the
-  estimate is settled). `depth_evidence_BJ2`: each row's decayed (accepted, reached) counts per
-  draft depth; the tokens a pass commits then follow each depth's own acceptance
-  (`depth_acceptance`, depth 0 shrunk towards the optimistic pooled rate, each deeper one towards
-  the one before it) instead of a geometric run at
-  the pooled rate: a prompt-lookup draft is often wrong at its first token and then right for a
-  long run (the default model on code: 0.45-0.48 at depth 0, 0.8-0.86 at depth 1, 0.95-1.0
-  beyond), where the geometric model overrates short drafts against long ones."""
+  K (by STOP_MARGIN) at the Wilson bound STOP_CONFIDENCE standard errors above each row's
+  estimate and above the active rows' pooled estimate (a batch's first pass gives a row one or
+  two drafts: one rejected draft puts that row's bound near 0.8, low enough alone to stop
+  drafting that pays; the pooled counts are the batch's evidence). `current_k`: the K of the
+  last segment; once the estimate is settled, another K must be predicted to finish sooner by
+  more than SWITCH_COST_PASSES plain passes. `depth_evidence_BJ2`: each row's decayed
+  (accepted, reached) counts per draft depth; the tokens a pass commits then follow each depth's
+  own acceptance (`depth_acceptance`, depth 0 shrunk towards the optimistic pooled rate, each
+  deeper one towards the one before it) instead of a geometric run at the pooled rate: a
+  prompt-lookup draft is often wrong at its first token and then right for a long run (the
+  default model on code: 0.45-0.48 at depth 0, 0.8-0.86 at depth 1, 0.95-1.0 beyond),
+  where the geometric model overrates short drafts against long ones."""
   evidence_B2 = jnp.atleast_2d(jnp.asarray(evidence_B2, jnp.float32))
   remaining_B = (jnp.ones(evidence_B2.shape[0], jnp.float32) if remaining_B is None
                  else jnp.asarray(remaining_B, jnp.float32))
@@ -253,8 +254,8 @@ def choose_k(evidence_B2, step_ms_K, *, shadow: bool, remaining_B=None, current_
   time_K = time_K.at[1:].multiply(1.0 + DRAFT_MARGIN)
   settled = jnp.min(jnp.where(remaining_B > 0, evidence_B2[:, 1], jnp.inf)) >= SETTLED_EVIDENCE
   if current_k is not None:  # while the estimate is young, K follows it freely
-    switch = jnp.where(settled, SWITCH_MARGIN, 0.0)
-    time_K = jnp.where(jnp.arange(time_K.shape[0]) == current_k, time_K, time_K * (1.0 + switch))
+    switch_ms = jnp.where(settled, SWITCH_COST_PASSES * step_ms_K[0], 0.0)
+    time_K = jnp.where(jnp.arange(time_K.shape[0]) == current_k, time_K, time_K + switch_ms)
   if not shadow:
     active_B1 = (remaining_B > 0)[:, None]
     pooled_2 = jnp.sum(jnp.where(active_B1, evidence_B2, 0.0), axis=0)

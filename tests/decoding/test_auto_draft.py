@@ -377,16 +377,24 @@ def test_bad_auto_and_controlled_arguments(auto_model, auto_plain):
     msj.generate(auto_model, RAGGED, max_new_tokens=4, reference_tokens=auto_plain)
 
 
-def test_settled_choice_keeps_its_k_unless_another_is_clearly_faster():
-  """K = 1 predicted ~10% faster than plain (past DRAFT_MARGIN): chosen with no history, but a
-  settled estimate keeps the current K, since a change costs SWITCH_MARGIN; a young one does not."""
+def test_settled_choice_changes_k_only_where_the_gain_exceeds_the_switch_cost():
+  """K = 1 predicted ~10% faster than plain (past DRAFT_MARGIN): chosen with no history; a
+  settled estimate at K = 0 keeps it for one token left (a gain of ~0.1 pass, under the
+  SWITCH_COST_PASSES charge) and moves to K = 1 for 40 left (~4 passes); a young one moves
+  either way."""
   step_ms = jnp.asarray([1.0, 1.2], jnp.float32)
   settled = jnp.asarray([8.0, 20.0], jnp.float32)  # a ~ 0.41, optimistic ~ 0.46
-  choose = lambda ev, cur: int(auto_draft.choose_k(ev, step_ms, shadow=True, current_k=cur)[0])
-  assert int(auto_draft.choose_k(settled, step_ms, shadow=True)[0]) == 1
-  assert choose(settled, jnp.int32(0)) == 0 and choose(settled, jnp.int32(1)) == 1
   young = jnp.asarray([2.0, 4.0], jnp.float32)
-  assert choose(young, jnp.int32(0)) == 1
+  choose = lambda ev, cur, left=1.0: int(auto_draft.choose_k(
+      ev, step_ms, shadow=True, current_k=jnp.int32(cur), remaining_B=jnp.asarray([left]))[0])
+  assert int(auto_draft.choose_k(settled, step_ms, shadow=True)[0]) == 1
+  assert choose(settled, 0) == 0 and choose(settled, 1) == 1
+  assert choose(settled, 0, left=40.0) == 1 and choose(settled, 1, left=40.0) == 1
+  assert choose(young, 0) == 1
+  time_K = auto_draft.finish_ms(auto_draft.optimistic_acceptance(settled[None]), jnp.asarray([1.0]),
+                                step_ms)
+  gain_passes = float(time_K[0] - time_K[1] * (1.0 + auto_draft.DRAFT_MARGIN)) / float(step_ms[0])
+  assert 0.0 < gain_passes < auto_draft.SWITCH_COST_PASSES < 40.0 * gain_passes
 
 
 def test_final_plain_needs_confidence_without_shadow_drafts():
