@@ -321,9 +321,12 @@ def smooth_step_times(step_ms_K, routing: tuple[int, int] = (0, 0)) -> np.ndarra
   as far as the expert term saturates.
 
   The fit cannot follow a step: on CPU, default model, the loops' pass times of two cost_model
-  runs rose by 0.10-0.37 ms from K = 5 to K = 6, against 0.04-0.15 ms per K from K = 1 to 5
-  (likely a second register tile in the C++ products, which take up to six tokens per tile:
-  csrc/gemv.h). Judged across runs (simulated choices on one cost_model run's pass times, paid
+  runs rose by 0.10-0.37 ms from K = 5 to K = 6, against 0.04-0.15 ms per K from K = 1 to 5;
+  passes timed inside whole runs (SpecParams.pass_trace, controlled a = 1, two runs) rose by
+  0.08-0.14 ms there, against 0.06-0.13 ms per K from K = 1 to 5. The dense products do step at
+  7 rows with their weights in cache (a second register tile, csrc/gemv.h), but a build with one
+  tile for 7-8 rows left decoding's pass times the same within noise: the cause is not
+  established. Judged across runs (simulated choices on one cost_model run's pass times, paid
   at another's, controlled a = 0-1, the two runs each way), this fit gave 0.953 of the best
   fixed K on average; with a step term [K >= 6] added 0.955, the raw times 0.942, the times
   only made non-decreasing 0.944. Two runs' pass times differ by more than the fit's bias: kept
