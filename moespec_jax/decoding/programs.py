@@ -1,10 +1,14 @@
 """Compiled generation programs: the model's static definition, its state merged back inside a
 program (with the CPU kernels' packed weights), and the caches of ahead-of-time compiled programs
-and of auto K's calibrations, one per program signature.
+and of auto K's calibrations, one per program signature. The programs' cache drops its least
+recently used programs where the process runs short of memory mappings (`drop_least_recent`).
 """
 
 from __future__ import annotations
 
+import gc
+import itertools
+import logging
 from typing import Any
 
 import jax
@@ -83,6 +87,9 @@ def cpu_kernels(choice: str) -> bool:
 
 
 _COMPILED: dict[Any, Any] = {}
+# When each program was last asked for (`compiled`), for `drop_least_recent`.
+_LAST_USE: dict[Any, int] = {}
+_USES = itertools.count()
 # Calibrated pass times of auto K (`calibration.calibrate_step_ms`), per program signature (the
 # controlled drafter's: per (signature, acceptance rate)); dropped with the programs.
 CALIBRATED: dict[Any, Any] = {}  # calibration.Calibration values
@@ -95,6 +102,8 @@ def forget_compiled(keep=frozenset()) -> None:
   definitions hold their graphdefs)."""
   for sig in set(_COMPILED) - set(keep):
     del _COMPILED[sig]
+  for sig in set(_LAST_USE) - set(_COMPILED):
+    del _LAST_USE[sig]
   live = {id(_signature_definition(sig)) for sig in (*_COMPILED, *CALIBRATED)}
   for graphdef_id in [i for i, definition in _DEFINITIONS.items() if id(definition) not in live]:
     del _DEFINITIONS[graphdef_id]
@@ -111,14 +120,69 @@ def compiled_signatures() -> frozenset:
   return frozenset(_COMPILED)
 
 
+def compiled_signatures_by_use() -> tuple:
+  """The cached programs' signatures, least recently used first."""
+  return tuple(sorted(_COMPILED, key=lambda sig: _LAST_USE.get(sig, -1)))
+
+
 def signature(fn, ls: LoopSpec, definition, *args):
   return (fn.__name__, ls, definition, tuple((a.shape, a.dtype) for a in jax.tree.leaves(args)))
 
 
 def compiled(fn, ls: LoopSpec, *args, donate_argnums=()):
-  """AOT-compiles `fn` once per (LoopSpec, argument shapes) so timing excludes compilation."""
+  """AOT-compiles `fn` once per (LoopSpec, argument shapes) so timing excludes compilation; the
+  cache keeps its programs in order of last use (`drop_least_recent` after each compilation)."""
   sig = signature(fn, ls, *args)
-  if sig not in _COMPILED:
+  _LAST_USE[sig] = next(_USES)
+  program = _COMPILED.get(sig)
+  if program is None:
     jitted = jax.jit(fn, static_argnums=(0,), static_argnames=("ls",), donate_argnums=donate_argnums)
-    _COMPILED[sig] = jitted.lower(*args, ls=ls).compile()
-  return _COMPILED[sig]
+    program = _COMPILED[sig] = jitted.lower(*args, ls=ls).compile()
+    drop_least_recent()
+  return program
+
+
+# XLA:CPU maps each kernel of a compiled program into memory apart: on the default model a plain
+# generate() program held about 370 memory mappings and each of auto K's three programs (the run,
+# its held runs and loops) 1400-1900, and a Linux process may hold at most vm.max_map_count
+# (65530 by default), past which a compilation fails and the process crashes (52 generate()
+# configurations of the default model in one process, with and without drafting: a segmentation
+# fault at 65386 mappings). Where a compilation leaves the process above MAP_HIGH_WATER of its
+# limit, the least recently used programs are dropped until it is below MAP_LOW_WATER.
+MAP_HIGH_WATER = 0.5
+MAP_LOW_WATER = 0.25
+
+
+def memory_mappings() -> tuple[int, int] | None:
+  """(memory mappings this process holds, the most it may hold); None where the system does not
+  say (not Linux)."""
+  try:
+    with open("/proc/self/maps", "rb") as f:
+      held = sum(1 for _ in f)
+    with open("/proc/sys/vm/max_map_count", encoding="ascii") as f:
+      limit = int(f.read())
+  except (OSError, ValueError):
+    return None
+  return held, limit
+
+
+def drop_least_recent() -> int:
+  """Where the process holds more than MAP_HIGH_WATER of its memory mappings, drops the older half
+  of the cached programs (least recently used first; never the newest), then JAX's caches, which
+  hold them too (`forget_compiled`), until it holds less than MAP_LOW_WATER or one program is
+  left. A dropped program is compiled again when next asked for; one a caller still holds keeps
+  working. Returns the number dropped."""
+  counts = memory_mappings()
+  if counts is None or counts[0] <= MAP_HIGH_WATER * counts[1]:
+    return 0
+  (before, limit), held, dropped = counts, counts[0], 0
+  while held > MAP_LOW_WATER * limit and len(_COMPILED) > 1:
+    older = compiled_signatures_by_use()[:-1]
+    oldest = older[:max(1, len(older) // 2)]
+    forget_compiled(keep=frozenset(_COMPILED) - frozenset(oldest))
+    gc.collect()
+    dropped += len(oldest)
+    held = (memory_mappings() or (0, limit))[0]
+  logging.info("dropped the %d least recently used compiled programs: the process held %d memory mappings, "
+               "now %d, of at most %d", dropped, before, held, limit)
+  return dropped

@@ -512,6 +512,51 @@ def test_forget_compiled_forgets_models_no_program_refers_to(tiny_config, monkey
   assert not programs._DEFINITIONS
 
 
+def test_compiled_programs_drop_the_least_recently_used_where_memory_mappings_run_short(tiny_model, monkeypatch):
+  """Every compiled program holds memory mappings (hundreds, on CPU); past the process's limit the
+  next compilation crashes it, so the cache drops its least recently used programs first."""
+  for table in ("_COMPILED", "CALIBRATED", "_DEFINITIONS", "_LAST_USE"):
+    monkeypatch.setattr(programs, table, {})
+  # Each program holds 12 of the process's 100 mappings: dropping starts above 50, stops below 25.
+  monkeypatch.setattr(programs, "memory_mappings", lambda: (12 * len(programs._COMPILED), 100))
+  tokens = {n: msj.generate(tiny_model, [[1, 2, 3]], max_new_tokens=n).tokens for n in (1, 2, 3, 4)}
+  first, _, _, _ = order = list(loop.compiled_signatures_by_use())
+  assert len(order) == 4
+  msj.generate(tiny_model, [[1, 2, 3]], max_new_tokens=1)  # the first is now the most recently used
+  assert list(loop.compiled_signatures_by_use()) == order[1:] + [first]
+  msj.generate(tiny_model, [[1, 2, 3]], max_new_tokens=5)  # 5 programs, 60 mappings: 2, then 1 dropped
+  newest = list(loop.compiled_signatures_by_use())
+  assert len(newest) == 2 and newest[0] == first and newest[1] not in order
+  np.testing.assert_array_equal(msj.generate(tiny_model, [[1, 2, 3]], max_new_tokens=2).tokens, tokens[2])
+  assert len(loop.compiled_signatures_by_use()) == 3
+  assert programs.drop_least_recent() == 0  # 36 of 100 mappings: below the high-water mark
+  monkeypatch.setattr(programs, "memory_mappings", lambda: None)  # a system that does not say
+  assert programs.drop_least_recent() == 0
+
+
+@pytest.mark.skipif(programs.memory_mappings() is None, reason="the system does not report memory mappings")
+def test_dropping_compiled_programs_returns_their_memory_mappings(tiny_model, monkeypatch):
+  for table in ("_COMPILED", "CALIBRATED", "_DEFINITIONS"):
+    monkeypatch.setattr(programs, table, {})
+  tokens = msj.generate(tiny_model, [[1, 2, 3]], max_new_tokens=5).tokens
+  (oldest_program,) = programs._COMPILED.values()
+  msj.generate(tiny_model, [[1, 2, 3]], max_new_tokens=6)
+  held, limit = programs.memory_mappings()
+  assert 0 < held <= limit
+  seen, measure = [], programs.memory_mappings
+  monkeypatch.setattr(programs, "memory_mappings", lambda: seen.append(measure()) or seen[-1])
+  monkeypatch.setattr(programs, "MAP_HIGH_WATER", held / limit)  # the next compilation crosses it
+  monkeypatch.setattr(programs, "MAP_LOW_WATER", (held - 1) / limit)
+  msj.generate(tiny_model, [[1, 2, 3]], max_new_tokens=7)
+  assert seen[0][0] > held and len(seen) >= 2
+  assert seen[-1][0] < seen[0][0], seen  # the dropped programs' mappings were returned
+  assert len(programs._COMPILED) in (1, 2) and oldest_program not in programs._COMPILED.values()
+  # A dropped program that a caller still holds keeps working.
+  _, _, args = loop._prepare(tiny_model, [[1, 2, 3]], 5, None, None, 0, None)
+  out_BN, _ = oldest_program(*args[1:], np.zeros(1, np.float32), loop._FULL_RUN)
+  np.testing.assert_array_equal(np.asarray(out_BN), tokens)
+
+
 def test_pass_trace_times_every_pass_and_keeps_the_tokens(two_module_model, plain_greedy):
   """One record per pass: its K, the tokens it committed over the rows (with the prefill's first
   tokens, every generated token), the distinct experts it read (over the passes, the statistics'
