@@ -36,7 +36,7 @@ from moespec_jax.decoding.passes import (LoopSpec, auto_segment, controlled_draf
                                          speculative_pass, start_trace, statistic_shapes)
 from moespec_jax.decoding.programs import compiled, cpu_kernels, decode_params, merge, model_definition
 # Re-exported: experiments drop programs between sweeps through the loop's API.
-from moespec_jax.decoding.programs import compiled_signatures, compiled_signatures_by_use, forget_compiled  # noqa: F401
+from moespec_jax.decoding.programs import compiled_signatures, forget_compiled  # noqa: F401
 from moespec_jax.model.budget import ExpertBudget
 from pallas_kernels import cpu_ffi
 

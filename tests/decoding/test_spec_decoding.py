@@ -520,15 +520,14 @@ def test_compiled_programs_drop_the_least_recently_used_where_memory_mappings_ru
   # Each program holds 12 of the process's 100 mappings: dropping starts above 50, stops below 25.
   monkeypatch.setattr(programs, "memory_mappings", lambda: (12 * len(programs._COMPILED), 100))
   tokens = {n: msj.generate(tiny_model, [[1, 2, 3]], max_new_tokens=n).tokens for n in (1, 2, 3, 4)}
-  first, _, _, _ = order = list(loop.compiled_signatures_by_use())
-  assert len(order) == 4
+  first, _, _, _ = order = list(programs.compiled_signatures_by_use())
   msj.generate(tiny_model, [[1, 2, 3]], max_new_tokens=1)  # the first is now the most recently used
-  assert list(loop.compiled_signatures_by_use()) == order[1:] + [first]
+  assert list(programs.compiled_signatures_by_use()) == order[1:] + [first]
   msj.generate(tiny_model, [[1, 2, 3]], max_new_tokens=5)  # 5 programs, 60 mappings: 2, then 1 dropped
-  newest = list(loop.compiled_signatures_by_use())
+  newest = list(programs.compiled_signatures_by_use())
   assert len(newest) == 2 and newest[0] == first and newest[1] not in order
   np.testing.assert_array_equal(msj.generate(tiny_model, [[1, 2, 3]], max_new_tokens=2).tokens, tokens[2])
-  assert len(loop.compiled_signatures_by_use()) == 3
+  assert len(programs.compiled_signatures_by_use()) == 3
   assert programs.drop_least_recent() == 0  # 36 of 100 mappings: below the high-water mark
   monkeypatch.setattr(programs, "memory_mappings", lambda: None)  # a system that does not say
   assert programs.drop_least_recent() == 0
@@ -536,7 +535,7 @@ def test_compiled_programs_drop_the_least_recently_used_where_memory_mappings_ru
 
 @pytest.mark.skipif(programs.memory_mappings() is None, reason="the system does not report memory mappings")
 def test_dropping_compiled_programs_returns_their_memory_mappings(tiny_model, monkeypatch):
-  for table in ("_COMPILED", "CALIBRATED", "_DEFINITIONS"):
+  for table in ("_COMPILED", "CALIBRATED", "_DEFINITIONS", "_LAST_USE"):
     monkeypatch.setattr(programs, table, {})
   tokens = msj.generate(tiny_model, [[1, 2, 3]], max_new_tokens=5).tokens
   (oldest_program,) = programs._COMPILED.values()
