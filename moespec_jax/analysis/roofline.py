@@ -1,10 +1,13 @@
 """The memory-bound ceiling of decoding: the bytes one decode step must read (weights and KV
-cache), and the machine's streaming read bandwidth.
+cache), and the machine's streaming read bandwidth; the compute floor of a prefill: the products
+it must compute, and the machine's best measured matmul rate.
 
 No implementation of the same weights in the same dtype decodes faster than
 bandwidth / bytes-per-step steps per second, so this ceiling over a peer's measured tokens/s is
 the largest speed ratio any decoder of those weights can reach over that peer
-(experiments/peer_bench reports it beside the measured ratios).
+(experiments/peer_bench reports it beside the measured ratios). Likewise a prefill takes at least
+its products' operations over the matmul rate: the floor under a first token (experiments/peer_bench:
+what a faster prefill could still buy a whole run).
 """
 
 from __future__ import annotations
@@ -27,6 +30,63 @@ def stream_read_gbps(repeats: int = 7) -> float:
   a = jnp.ones((STREAM_BYTES // 4,), jnp.float32)
   t_ms = timing.median_time_ms(jax.jit(jnp.sum), (a,), repeats)
   return a.nbytes / (t_ms / 1e3) / 1e9
+
+
+MATMUL_SIZE = 2048  # a square product far from the small shapes' overheads
+
+
+def matmul_gflops(repeats: int = 5, size: int = MATMUL_SIZE) -> float:
+  """The machine's f32 matrix-product rate (GFLOP/s, 2 per multiply-add): a jitted [size, size] @
+  [size, size], median of repeats. Small products run below it (the prefills' run at about the
+  same rate or slower here), so operations over this rate are a floor on their time."""
+  a = jnp.ones((size, size), jnp.float32)
+  t_ms = timing.median_time_ms(jax.jit(jnp.matmul), (a, a), repeats)
+  return 2 * size ** 3 / (t_ms / 1e3) / 1e9
+
+
+def _attention_macs(config, positions: int, queries: int, pairs: int) -> int:
+  """Multiply-adds of one attention layer over `positions` keys/values written, `queries` query
+  positions and `pairs` (query, visible key) pairs. MLA: the cheaper of its two forms (the latent
+  expanded to keys and values at every position, or absorbed into queries and outputs)."""
+  c = config
+  d, h = c.d_model, c.n_heads
+  if c.attention_type != "mla":
+    g, k = c.n_kv_heads, c.head_dim
+    return positions * d * 2 * g * k + queries * 2 * d * h * k + pairs * 2 * h * k
+  nope, rope, v, lat = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank
+  q = d * h * (nope + rope) if not c.q_lora_rank else d * c.q_lora_rank + c.q_lora_rank * h * (nope + rope)
+  common = queries * (q + h * v * d) + positions * d * (lat + rope)
+  expanded = positions * lat * h * (nope + v) + pairs * h * (nope + rope + v)
+  absorbed = queries * h * lat * (nope + v) + pairs * h * (2 * lat + rope)
+  return common + min(expanded, absorbed)
+
+
+def _ffn_macs(config, layer: int) -> int:
+  """Multiply-adds of one position through layer `layer`'s FFN: dense, or router, top_k routed
+  experts, shared experts and their gate."""
+  c = config
+  if not c.is_moe_layer(layer):
+    return 3 * c.d_model * c.dense_hidden
+  shared = 3 * c.d_model * c.shared_width + (c.d_model if c.shared_expert_gate else 0)
+  return c.d_model * c.n_routed_experts + c.top_k * 3 * c.d_model * c.expert_hidden + shared
+
+
+def prefill_flops(config, prompt_len: int, batch_size: int = 1) -> float:
+  """Operations (2 per multiply-add) of the products that a prefill of `batch_size` prompts of
+  `prompt_len` tokens cannot skip where only its last position's output is read (plain decoding's
+  first token): every layer's keys and values at every position (the cache holds them) and,
+  except in the last layer, queries, causal attention, output projection and FFN at every
+  position (routed experts: top_k per token); the last layer's at the last position; the output
+  head there. Elementwise work (norms, rotary, softmax, SwiGLU, gates) is not counted."""
+  if prompt_len < 1 or batch_size < 1:
+    raise ValueError(f"prompt_len and batch_size must be >= 1, got {prompt_len} and {batch_size}")
+  t, last = prompt_len, config.n_layers - 1
+  macs = 0
+  for layer in range(config.n_layers):
+    queries, pairs = (1, t) if layer == last else (t, t * (t + 1) // 2)
+    macs += _attention_macs(config, t, queries, pairs) + queries * _ffn_macs(config, layer)
+  macs += config.d_model * config.vocab_size
+  return float(2 * macs * batch_size)
 
 
 CPU_CACHES = pathlib.Path("/sys/devices/system/cpu/cpu0/cache")

@@ -40,7 +40,14 @@ while a batch-1 step whose weights fit in the last-level cache (`last_level_cach
 part of them from there and a batch-8 step that does not fit reads them all from memory. The
 n-gram speedups of the decode phase alone (`ngram_decode_speedup_*`: each side's plain and
 prompt-lookup runs less the plain first token of the same round): our prefill is a larger share of
-our whole run than of transformers', which dilutes our whole-run speedup more. Writes
+our whole run than of transformers', which dilutes our whole-run speedup more.
+
+The prefill's floor: the operations of the products a prefill must compute
+(`roofline.prefill_flops`) over the machine's matmul rate (`roofline.matmul_gflops`, sampled with
+the bandwidth), `prefill_floor_ms_b*` and its share of our first token; and
+`ngram_speedup_ours_at_prefill_floor`: our whole-run n-gram speedup had both runs' first token
+cost only that floor and one decode step, within rounds, and over transformers' speedup. Where it
+stays below transformers', no faster prefill on this machine closes the whole-run gap. Writes
 DIR/metrics.json and DIR/table.md, after each family (an interrupted run resumes with the families
 it finished, where its settings are the same).
 """
@@ -136,7 +143,8 @@ def bench_family(family: str, ckpt: pathlib.Path, size: dict, *, max_new: int, r
         weight_bytes = roofline.decode_weight_bytes(model.config, ours_out.stats["unique_experts_per_pass"])
         # Decode step j (1..max_new - 1) of a row reads prompt_len + j cached positions.
         cache_bytes = roofline.decode_cache_bytes(model.config, batch * (prompt_len + max_new / 2))
-        common.update(weight_bytes_per_step=weight_bytes, cache_bytes_per_step=cache_bytes)
+        common.update(weight_bytes_per_step=weight_bytes, cache_bytes_per_step=cache_bytes,
+                      prefill_flops=roofline.prefill_flops(model.config, prompt_len, batch))
         bytes_per_step = weight_bytes + cache_bytes
       ours_t, hf_t = seconds[("moespec_jax", drafter)], seconds[("transformers", drafter)]
       for impl, n_tokens, times, extra in (
@@ -186,11 +194,32 @@ def step_bytes(row: dict) -> float:
   return row["weight_bytes_per_step"] + row.get("cache_bytes_per_step", 0.0)
 
 
-def summarize(rows: list[dict], stream_gbps: float | None = None) -> list[dict]:
+def _ngram_speedups_at_prefill_floor(plain: dict, ngram: dict, floor_ms: float) -> list[float]:
+  """Per round, our n-gram speedup over plain decoding had both runs' first token cost only the
+  prefill's floor and one plain decode step (`roofline.prefill_flops` at the matmul rate; the
+  host's work and every other operation of the first token free): the whole-run speedup that a
+  prefill as fast as the machine allows would leave. None for a round whose decode phase came out at or below zero; []
+  without first-token times."""
+  if not plain.get("decode_ms_per_step"):
+    return []
+  first, max_new = plain["first_token_seconds"], plain["max_new_tokens"]
+  out = []
+  for tp, tn, t1, step_ms in zip(plain["seconds"], ngram["seconds"], first,
+                                 timing.decode_ms_per_step(plain["seconds"], first, max_new)):
+    at_floor = (floor_ms + step_ms) / 1e3
+    tp_floor, tn_floor = tp - t1 + at_floor, tn - t1 + at_floor
+    out.append((ngram["tokens"] / tn_floor) / (plain["tokens"] / tp_floor) if step_ms > 0 and tn_floor > 0 else None)
+  return out
+
+
+def summarize(rows: list[dict], stream_gbps: float | None = None, matmul_gflops: float | None = None) -> list[dict]:
   """Per family: speed ratios (ours / transformers) and each side's n-gram speedup over its own
   plain decoding, each the median over rounds of the ratio of tokens/s within a round; with
   `stream_gbps`, the memory-bound ceiling on the plain ratios (`roofline`) and the share of
-  the streaming bandwidth our plain decoding sustained."""
+  the streaming bandwidth our plain decoding sustained; with `matmul_gflops`, the compute floor of
+  each prefill, its share of our first token, and our n-gram speedup had our first token cost
+  only that floor and one step, against transformers' (`ngram_speedup_ours_at_prefill_floor*`):
+  below 1, no faster prefill closes the whole-run gap, only a faster decode phase can."""
   out = []
   for family in dict.fromkeys(r["family"] for r in rows):
     by = {(r["impl"], r["batch_size"], r["drafter"]): r for r in rows if r["family"] == family}
@@ -245,6 +274,21 @@ def summarize(rows: list[dict], stream_gbps: float | None = None) -> list[dict]:
           bound_ms = step_bytes(ours) / (stream_gbps * 1e9) * 1e3
           s[f"decode_ceiling_ratio_b{batch}"] = theirs["decode_ms_per_step"] / bound_ms
           s[f"decode_stream_fraction_b{batch}"] = ours["decode_read_gbps"] / stream_gbps
+    if matmul_gflops and all("prefill_flops" in by[("moespec_jax", b, "none")] for b in (1, 8)):
+      for batch in (1, 8):
+        ours = by[("moespec_jax", batch, "none")]
+        floor_ms = ours["prefill_flops"] / (matmul_gflops * 1e9) * 1e3
+        s[f"prefill_floor_ms_b{batch}"] = floor_ms
+        if ours.get("first_token_seconds"):
+          s[f"prefill_floor_share_b{batch}"] = floor_ms / (statistics.median(ours["first_token_seconds"]) * 1e3)
+      paired = [(o, t) for o, t in zip(_ngram_speedups_at_prefill_floor(
+          by[("moespec_jax", 1, "none")], by[("moespec_jax", 1, "ngram")], s["prefill_floor_ms_b1"]), ngram_theirs)
+                if o is not None]
+      if paired:
+        relative = [o / t for o, t in paired]
+        s.update(ngram_speedup_ours_at_prefill_floor=statistics.median(o for o, _ in paired),
+                 ngram_speedup_ours_at_prefill_floor_over_transformers=statistics.median(relative),
+                 ngram_speedup_ours_at_prefill_floor_over_transformers_interval=timing.median_interval(relative))
     plain = {b: (by[("moespec_jax", b, "none")], by[("transformers", b, "none")]) for b in (1, 8)}
     if all(r.get("decode_ms_per_step") and "weight_bytes_per_step" in r for pair in plain.values() for r in pair):
       # How much transformers' decode step grows from batch 1 to 8, over how much the bytes a step
@@ -304,6 +348,23 @@ def table(rows: list[dict], summary: list[dict]) -> str:
       lines.append(f"| {s['family']} | {ratio(1)} | {ratio(8)} | {pair(s, 'first_token_ratio', '.2f')} | "
                    f"{pair(s, 'decode_ceiling_ratio', '.2f')} | {gbps} ({pair(s, 'decode_stream_fraction', '.0%')}) | "
                    f"{s.get('decode_ratio_b8_over_b1_at_equal_read_rate', float('nan')):.2f} | {ngram_decode(s)} |")
+  if any("prefill_floor_ms_b1" in s for s in summary):
+    lines += ["", "Prefill at the machine's matmul rate (its products' operations over the rate: a floor on "
+              "its time; the n-gram speedup had our first token cost only that floor and one decode step):", "",
+              "| family | prefill GFLOP b1 / b8 | floor ms b1 / b8 | floor's share of our first token b1 / b8 | "
+              "n-gram speedup ours at the floor | over transformers' [90% interval] |", "|---|---|---|---|---|---|"]
+    flops = {(r["family"], r["batch_size"]): r["prefill_flops"] for r in rows
+             if r["impl"] == "moespec_jax" and r["drafter"] == "none" and "prefill_flops" in r}
+    for s in summary:
+      if "prefill_floor_ms_b1" not in s:
+        continue
+      gflop = " / ".join(f"{flops[(s['family'], b)] / 1e9:.2f}" for b in (1, 8))
+      share = pair(s, "prefill_floor_share", ".0%") if "prefill_floor_share_b1" in s else "-"
+      at_floor = ("{:.2f}x | {:.2f} [{:.2f}, {:.2f}]".format(
+          s["ngram_speedup_ours_at_prefill_floor"], s["ngram_speedup_ours_at_prefill_floor_over_transformers"],
+          *s["ngram_speedup_ours_at_prefill_floor_over_transformers_interval"])
+                  if "ngram_speedup_ours_at_prefill_floor" in s else "- | -")
+      lines.append(f"| {s['family']} | {gflop} | {pair(s, 'prefill_floor_ms', '.2f')} | {share} | {at_floor} |")
   return "\n".join(lines) + "\n"
 
 
@@ -317,16 +378,17 @@ def finished_rows(path: pathlib.Path, cfg: "PeerBenchConfig") -> list[dict]:
           and all(r["max_new_tokens"] == cfg.max_new_tokens and r["prompt_len"] == cfg.prompt_len
                   and r["num_draft"] in (0, cfg.num_draft) and r.get("auto_draft", False) == (
                       cfg.auto_draft and r["drafter"] == "ngram")
-                  and (r["drafter"] != "none" or "cache_bytes_per_step" in r) for r in old.get("rows", [])))
+                  and (r["drafter"] != "none" or "prefill_flops" in r) for r in old.get("rows", [])))
   return list(old.get("rows", [])) if same else []
 
 
-def earlier_stream_samples(path: pathlib.Path) -> list[float]:
-  """The streaming-bandwidth samples an interrupted run took beside its finished families (a
-  resumed run adds its own to them: the ceiling ratios of all families rest on every sample)."""
+def earlier_samples(path: pathlib.Path, key: str = "stream_read_gbps_samples") -> list[float]:
+  """The machine samples (`key`: streaming bandwidth, or matmul rate `matmul_gflops_samples`) an
+  interrupted run took beside its finished families (a resumed run adds its own to them: the
+  ceilings and floors of all families rest on every sample)."""
   if not path.exists():
     return []
-  return [float(x) for x in json.loads(path.read_text()).get("stream_read_gbps_samples", [])]
+  return [float(x) for x in json.loads(path.read_text()).get(key, [])]
 
 
 # Rounds per family. The n-gram comparison's ratios sit near 1 on the random-weight families
@@ -404,8 +466,10 @@ def run_peer_bench(workdir, cfg: PeerBenchConfig, log=print) -> dict:
     log(f"every family already measured in {workdir / 'metrics.json'}")
     log(table(metrics["rows"], metrics["summary"]))
     return metrics
-  streams = (earlier_stream_samples(workdir / "metrics.json") if rows else []) + [roofline.stream_read_gbps()]
-  log(f"stream read bandwidth: {streams[-1]:.1f} GB/s")
+  streams = (earlier_samples(workdir / "metrics.json") if rows else []) + [roofline.stream_read_gbps()]
+  rates = (earlier_samples(workdir / "metrics.json", "matmul_gflops_samples") if rows else []) + [
+      roofline.matmul_gflops()]
+  log(f"stream read bandwidth: {streams[-1]:.1f} GB/s; matmul rate: {rates[-1]:.0f} GFLOP/s")
   if done:
     log(f"resuming: {sorted(done)} already measured in {workdir / 'metrics.json'} "
         f"(with {len(streams) - 1} bandwidth samples)")
@@ -418,18 +482,21 @@ def run_peer_bench(workdir, cfg: PeerBenchConfig, log=print) -> dict:
     rows += bench_family(family, ckpt, cfg.size, max_new=cfg.max_new_tokens, repeats=cfg.repeats,
                          num_draft=cfg.num_draft, prompt_len=cfg.prompt_len, auto_draft=cfg.auto_draft)
     streams.append(roofline.stream_read_gbps())
-    metrics = _write(workdir, cfg, rows, streams)
+    rates.append(roofline.matmul_gflops())
+    metrics = _write(workdir, cfg, rows, streams, rates)
     log(f"{family}: done")
   log(table(metrics["rows"], metrics["summary"]))
   return metrics
 
 
-def _write(workdir: pathlib.Path, cfg: PeerBenchConfig, rows: list[dict], streams: list[float]) -> dict:
+def _write(workdir: pathlib.Path, cfg: PeerBenchConfig, rows: list[dict], streams: list[float],
+           rates: list[float]) -> dict:
   """metrics.json and table.md for the rows so far (a long run leaves its finished part)."""
-  summary = summarize(rows, statistics.median(streams))
+  summary = summarize(rows, statistics.median(streams), statistics.median(rates))
   metrics = {"experiment": "peer_bench", "protocol": PROTOCOL, "quick": cfg.quick, "size": cfg.size,
              "repeats": cfg.repeats, "stream_read_gbps": statistics.median(streams),
-             "stream_read_gbps_samples": streams, "last_level_cache_bytes": roofline.last_level_cache_bytes(),
+             "stream_read_gbps_samples": streams, "matmul_gflops": statistics.median(rates),
+             "matmul_gflops_samples": rates, "last_level_cache_bytes": roofline.last_level_cache_bytes(),
              "families_done": sorted({r["family"] for r in rows}), "rows": rows, "summary": summary}
   atomic.write_json_atomic(workdir / "metrics.json", metrics)
   atomic.write_text_atomic(workdir / "table.md", table(rows, summary))

@@ -74,3 +74,46 @@ def test_cache_bytes_are_the_cache_arrays_per_position(tiny_config, mla):
   assert roofline.decode_cache_bytes(config, 8 * 40) == 8 * held
   with pytest.raises(ValueError, match="context_tokens"):
     roofline.decode_cache_bytes(config, -1)
+
+
+@pytest.mark.parametrize("mla, tie", [(False, False), (False, True), (True, False)])
+def test_a_one_token_prefill_multiplies_each_active_weight_once(tiny_config, mla, tie):
+  """One position: every active weight but the input table, norms and the score bias enters one
+  multiply-add, plus one (query, key) pair per layer (MLA: its latent expanded, the cheaper form
+  for one position)."""
+  import dataclasses
+  config = dataclasses.replace(tiny_config, tie_embeddings=tie, use_score_bias=True)
+  c = config
+  if mla:
+    config = dataclasses.replace(config, attention_type="mla", q_lora_rank=24, kv_lora_rank=16,
+                                 qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8)
+    c = config
+    norms = c.n_layers * (2 * c.d_model + c.kv_lora_rank + c.q_lora_rank) + c.d_model
+    pair = c.n_heads * (c.qk_nope_head_dim + c.qk_rope_head_dim + c.v_head_dim)
+  else:
+    norms = c.n_layers * 2 * c.d_model + c.d_model
+    pair = 2 * c.n_heads * c.head_dim
+  table = 0 if tie else c.vocab_size * c.d_model
+  weights = c.param_counts()["active"] - table - norms - c.n_moe_layers * c.n_routed_experts
+  assert roofline.prefill_flops(config, 1) == 2 * (weights + c.n_layers * pair)
+  assert roofline.prefill_flops(config, 1, batch_size=3) == 3 * roofline.prefill_flops(config, 1)
+
+
+def test_a_prefill_counts_causal_pairs_and_the_last_layer_at_its_last_position():
+  """Three positions through a dense layer and a last MoE layer, by hand: keys and values at every
+  position in both; queries, attention pairs (6 causal, then 3 for the last position) and FFN at
+  every position, then at the last one only; the head once per row."""
+  from moespec_jax.config import ModelConfig
+  config = ModelConfig(vocab_size=10, d_model=8, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=4,
+                       n_routed_experts=4, top_k=2, n_shared_experts=1, expert_hidden=3, dense_hidden=6,
+                       first_k_dense=1, eos_id=0, bos_id=1)
+  kv, qo, pair = 8 * 2 * 4, 2 * 8 * 2 * 4, 2 * 2 * 4  # per position, per query, per pair
+  dense_layer = 3 * kv + 3 * qo + 6 * pair + 3 * (3 * 8 * 6)
+  moe_last = 3 * kv + qo + 3 * pair + (8 * 4 + 2 * 3 * 8 * 3 + 3 * 8 * 3)
+  assert roofline.prefill_flops(config, 3, batch_size=2) == 2 * 2 * (dense_layer + moe_last + 8 * 10)
+  with pytest.raises(ValueError, match="prompt_len"):
+    roofline.prefill_flops(config, 0)
+
+
+def test_matmul_rate_is_measured():
+  assert roofline.matmul_gflops(repeats=1, size=128) > 0

@@ -99,6 +99,36 @@ def test_summary_decode_phase_is_a_run_less_its_first_token_within_rounds():
           "1.00 | 2.00x / 1.00x (2.00 [2.00, 2.00]) |") in peer_bench.table(rows, [s])
 
 
+def test_prefill_floor_replaces_our_first_token_within_rounds():
+  """17 tokens. Ours: first token 20 ms, 1 ms plain steps, prompt lookup at 0.5 ms a token; round
+  2 is three times slower for everything. A 1 GFLOP prefill at 250 GFLOP/s takes at least 4 ms: had
+  our first token cost 4 ms and one step, round 1's runs would take 21 and 13 ms (1.615x), round
+  2's 55 and 31 ms (1.774x); transformers' prompt lookup gains nothing."""
+  def row(impl, batch, drafter, first, step_ms, flops=None):
+    seconds = [(first + 16 * step_ms / 1e3) * f for f in (1, 3, 1)]
+    r = {"family": "f", "impl": impl, "batch_size": batch, "drafter": drafter, "seconds": seconds,
+         "tokens": 17 * batch, "tokens_per_second": 17 * batch / seconds[0], "params": 1e6, "max_new_tokens": 17,
+         "tokens_identical_to_transformers": True}
+    if drafter == "none":
+      r.update(first_token_seconds=[first * f for f in (1, 3, 1)], decode_ms_per_step=step_ms, decode_read_gbps=1.0)
+      if impl == "moespec_jax":
+        r["prefill_flops"] = flops
+    return r
+  rows = [row("moespec_jax", 1, "none", 0.02, 1.0, 1e9), row("transformers", 1, "none", 0.05, 5.0),
+          row("moespec_jax", 1, "ngram", 0.02, 0.5), row("transformers", 1, "ngram", 0.05, 5.0),
+          row("moespec_jax", 8, "none", 0.08, 8.0, 8e9), row("transformers", 8, "none", 0.2, 20.0)]
+  (s,) = peer_bench.summarize(rows, matmul_gflops=250.0)
+  assert s["prefill_floor_ms_b1"] == pytest.approx(4.0) and s["prefill_floor_ms_b8"] == pytest.approx(32.0)
+  assert s["prefill_floor_share_b1"] == pytest.approx(0.2) and s["prefill_floor_share_b8"] == pytest.approx(0.4)
+  assert s["ngram_speedup_ours"] == pytest.approx(0.036 / 0.028)  # the whole runs as measured
+  assert s["ngram_speedup_ours_at_prefill_floor"] == pytest.approx(21 / 13)
+  assert s["ngram_speedup_ours_at_prefill_floor_over_transformers"] == pytest.approx(21 / 13)
+  assert s["ngram_speedup_ours_at_prefill_floor_over_transformers_interval"] == pytest.approx((21 / 13, 55 / 31))
+  assert "| f | 1.00 / 8.00 | 4.00 / 32.00 | 20% / 40% | 1.62x | 1.62 [1.62, 1.77] |" in peer_bench.table(rows, [s])
+  # Without a matmul rate, no floor figures.
+  assert not any("floor" in k for k in peer_bench.summarize(rows)[0])
+
+
 def test_no_decode_figures_where_the_decode_phase_was_too_short_to_time():
   def row(impl, batch, drafter, decode_ms):
     return {"family": "f", "impl": impl, "batch_size": batch, "drafter": drafter, "seconds": [0.01], "tokens": 2,
@@ -174,12 +204,13 @@ def _family_rows(family, cfg):
                    "max_new_tokens": cfg.max_new_tokens, "prompt_len": cfg.prompt_len,
                    "num_draft": cfg.num_draft if drafter == "ngram" else 0,
                    "auto_draft": cfg.auto_draft and drafter == "ngram",
-                   **({"cache_bytes_per_step": 1.0} if drafter == "none" else {})})
+                   **({"cache_bytes_per_step": 1.0, "prefill_flops": 1e9} if drafter == "none" else {})})
   return rows
 
 
 def test_an_interrupted_run_keeps_its_finished_families_and_resumes_with_the_rest(tmp_path, monkeypatch):
   monkeypatch.setattr(peer_bench.roofline, "stream_read_gbps", lambda: 10.0)
+  monkeypatch.setattr(peer_bench.roofline, "matmul_gflops", lambda: 100.0)
   cfg = peer_bench.make_config(["mixtral", "olmoe"], repeats=2)
   measured = []
 
@@ -195,22 +226,28 @@ def test_an_interrupted_run_keeps_its_finished_families_and_resumes_with_the_res
     peer_bench.run_peer_bench(tmp_path, cfg, log=lambda _: None)
   first = json.loads((tmp_path / "metrics.json").read_text())
   assert first["families_done"] == ["mixtral"]
-  assert (tmp_path / "table.md").read_text().count("| mixtral |") == 4  # 3 rows, 1 summary
+  assert (tmp_path / "table.md").read_text().count("| mixtral |") == 5  # 3 rows, 1 summary, 1 prefill floor
   assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # nothing half-written
 
   assert first["stream_read_gbps_samples"] == [10.0, 10.0]  # before the first family and after it
+  assert first["matmul_gflops_samples"] == [100.0, 100.0]
 
   lines = []
   monkeypatch.setattr(peer_bench.roofline, "stream_read_gbps", lambda: 16.0)
+  monkeypatch.setattr(peer_bench.roofline, "matmul_gflops", lambda: 200.0)
   metrics = peer_bench.run_peer_bench(tmp_path, cfg, log=lines.append)
   assert measured == ["mixtral", "olmoe", "olmoe"] and metrics["families_done"] == ["mixtral", "olmoe"]
   assert any(line.startswith("resuming: ['mixtral']") for line in lines)
   # The resumed run's samples join the interrupted run's: mixtral's ceiling was measured beside those.
   assert metrics["stream_read_gbps_samples"] == [10.0, 10.0, 16.0, 16.0]
   assert metrics["stream_read_gbps"] == 13.0
+  assert metrics["matmul_gflops_samples"] == [100.0, 100.0, 200.0, 200.0] and metrics["matmul_gflops"] == 150.0
+  # 1 GFLOP at 150 GFLOP/s; the rows' first tokens took 0.1 and 0.2 s.
+  assert metrics["summary"][0]["prefill_floor_ms_b1"] == pytest.approx(1e3 / 150)
   # A finished run, rerun: nothing measured, its metrics returned and left as written.
   written = (tmp_path / "metrics.json").read_bytes()
   monkeypatch.setattr(peer_bench.roofline, "stream_read_gbps", lambda: pytest.fail("measured again"))
+  monkeypatch.setattr(peer_bench.roofline, "matmul_gflops", lambda: pytest.fail("measured again"))
   assert peer_bench.run_peer_bench(tmp_path, cfg, log=lambda _: None) == json.loads(written)
   assert measured == ["mixtral", "olmoe", "olmoe"] and (tmp_path / "metrics.json").read_bytes() == written
   # Other settings start afresh: nothing of the old rows is kept.
