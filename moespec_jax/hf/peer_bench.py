@@ -47,7 +47,8 @@ The prefill's floor: the operations of the products a prefill must compute
 the bandwidth), `prefill_floor_ms_b*` and its share of our first token; and
 `ngram_speedup_ours_at_prefill_floor`: our whole-run n-gram speedup had both runs' first token
 cost only that floor and one decode step, within rounds, and over transformers' speedup. Where it
-stays below transformers', no faster prefill on this machine closes the whole-run gap. Writes
+stays below transformers', no faster prefill on this machine closes the whole-run gap (to within
+the matmul rate's drift: the floor is approximate). Writes
 DIR/metrics.json and DIR/table.md, after each family (an interrupted run resumes with the families
 it finished, where its settings are the same).
 """
@@ -194,12 +195,12 @@ def step_bytes(row: dict) -> float:
   return row["weight_bytes_per_step"] + row.get("cache_bytes_per_step", 0.0)
 
 
-def _ngram_speedups_at_prefill_floor(plain: dict, ngram: dict, floor_ms: float) -> list[float]:
+def _ngram_speedups_at_prefill_floor(plain: dict, ngram: dict, floor_ms: float) -> list[float | None]:
   """Per round, our n-gram speedup over plain decoding had both runs' first token cost only the
   prefill's floor and one plain decode step (`roofline.prefill_flops` at the matmul rate; the
   host's work and every other operation of the first token free): the whole-run speedup that a
-  prefill as fast as the machine allows would leave. None for a round whose decode phase came out at or below zero; []
-  without first-token times."""
+  prefill as fast as the machine allows would leave. None for a round whose decode phase came out
+  at or below zero; [] without first-token times."""
   if not plain.get("decode_ms_per_step"):
     return []
   first, max_new = plain["first_token_seconds"], plain["max_new_tokens"]
@@ -219,7 +220,8 @@ def summarize(rows: list[dict], stream_gbps: float | None = None, matmul_gflops:
   the streaming bandwidth our plain decoding sustained; with `matmul_gflops`, the compute floor of
   each prefill, its share of our first token, and our n-gram speedup had our first token cost
   only that floor and one step, against transformers' (`ngram_speedup_ours_at_prefill_floor*`):
-  below 1, no faster prefill closes the whole-run gap, only a faster decode phase can."""
+  below 1, no faster prefill closes the whole-run gap (to within the rate's drift), only a faster
+  decode phase can."""
   out = []
   for family in dict.fromkeys(r["family"] for r in rows):
     by = {(r["impl"], r["batch_size"], r["drafter"]): r for r in rows if r["family"] == family}
@@ -349,7 +351,7 @@ def table(rows: list[dict], summary: list[dict]) -> str:
                    f"{pair(s, 'decode_ceiling_ratio', '.2f')} | {gbps} ({pair(s, 'decode_stream_fraction', '.0%')}) | "
                    f"{s.get('decode_ratio_b8_over_b1_at_equal_read_rate', float('nan')):.2f} | {ngram_decode(s)} |")
   if any("prefill_floor_ms_b1" in s for s in summary):
-    lines += ["", "Prefill at the machine's matmul rate (its products' operations over the rate: a floor on "
+    lines += ["", "Prefill at the machine's matmul rate (its products' operations over the rate: an approximate floor on "
               "its time; the n-gram speedup had our first token cost only that floor and one decode step):", "",
               "| family | prefill GFLOP b1 / b8 | floor ms b1 / b8 | floor's share of our first token b1 / b8 | "
               "n-gram speedup ours at the floor | over transformers' [90% interval] |", "|---|---|---|---|---|---|"]

@@ -242,7 +242,7 @@ def test_an_interrupted_run_keeps_its_finished_families_and_resumes_with_the_res
   assert metrics["stream_read_gbps_samples"] == [10.0, 10.0, 16.0, 16.0]
   assert metrics["stream_read_gbps"] == 13.0
   assert metrics["matmul_gflops_samples"] == [100.0, 100.0, 200.0, 200.0] and metrics["matmul_gflops"] == 150.0
-  # 1 GFLOP at 150 GFLOP/s; the rows' first tokens took 0.1 and 0.2 s.
+  # The floor rests on every sample: 1 GFLOP at the median, 150 GFLOP/s.
   assert metrics["summary"][0]["prefill_floor_ms_b1"] == pytest.approx(1e3 / 150)
   # A finished run, rerun: nothing measured, its metrics returned and left as written.
   written = (tmp_path / "metrics.json").read_bytes()
