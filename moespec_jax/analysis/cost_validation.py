@@ -328,7 +328,7 @@ class VerifyTimes:
   ends); and with that term measured (`measured_slope_ms` per token: the pass without its routed
   experts, timed at every n, `nonexpert_ms_K`). `rows`: metrics.json's `verify_time`; the
   relative errors against the measured pass times, n = 2..max_k + 1 (linear: n = 2..max_k, its
-  two ends are fitted)."""
+  two ends are fitted). `nonexpert_growth_share`: `nonexpert_share_of_growth`."""
   fixed_ms: float
   slope_ms: float
   predicted_ms: dict
@@ -339,6 +339,16 @@ class VerifyTimes:
   measured_slope_ms: float
   predicted_measured_nonexpert_ms: dict
   rel_err_measured_nonexpert: list
+  nonexpert_growth_share: float | None
+
+
+def nonexpert_share_of_growth(step_ms_K, nonexpert_ms_K) -> float | None:
+  """The share of the pass time's growth from n = 1 to the largest n by which the same passes
+  without their routed experts grow: growth that no model of expert reads accounts for (near 1,
+  the best K follows the rest of the pass, not the experts). None where the pass time does not
+  grow."""
+  growth = float(step_ms_K[-1] - step_ms_K[0])
+  return float(nonexpert_ms_K[-1] - nonexpert_ms_K[0]) / growth if growth > 0 else None
 
 
 def nonexpert_slope_ms(nonexpert_ms_K) -> float:
@@ -381,7 +391,8 @@ def verify_times(config, fits, unique_by_n, step_ms_K, nonexpert_ms_K, max_k: in
   rel_err_measured = [abs(r["predicted_measured_nonexpert_ms"] - r["measured_ms"]) / r["measured_ms"]
                       for r in verify_rows[1:]]
   return VerifyTimes(fixed_ms, slope_ms, predicted_verify, predicted_linear, verify_rows, rel_err, rel_err_linear,
-                     measured_slope, predicted_measured, rel_err_measured)
+                     measured_slope, predicted_measured, rel_err_measured,
+                     nonexpert_share_of_growth(step_ms_K[:n_max], nonexpert_ms_K))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -423,7 +434,8 @@ def _pass_time_stage(model, prompts, cfg: CostValidationConfig, fits, unique_by_
   v = verify_times(model.config, fits, unique_by_n, step_ms_K, nonexpert_ms_K, cfg.max_k)
   n_max = cfg.max_k + 1
   log(f"  without routed experts (ms): {np.round(nonexpert_ms_K, 2).tolist()}, "
-      f"{v.measured_slope_ms * 1e3:.0f} us per token (least squares)")
+      f"{v.measured_slope_ms * 1e3:.0f} us per token (least squares); "
+      f"{_share(v.nonexpert_growth_share)} of the pass time's growth from n = 1 to {n_max}")
   log(f"  fixed (non-expert) time {v.fixed_ms:.3f} ms; verify time median relative error "
       f"{np.median(v.rel_err):.1%} (n = 2..{n_max}); with the measured non-expert term: "
       f"{np.median(v.rel_err_measured_nonexpert):.1%}; with a linear non-expert term "
@@ -664,6 +676,9 @@ def cost_model_metrics(cfg: CostValidationConfig, routing_stats: dict, kernels: 
       "nonexpert_ms_per_token": v.slope_ms,
       "verify_time_median_rel_error_measured_nonexpert": float(np.median(v.rel_err_measured_nonexpert)),
       "nonexpert_ms_per_token_measured": v.measured_slope_ms,
+      # The pass time's growth from n = 1 to max_k + 1 that the passes without their routed experts
+      # show too (None where the pass time did not grow).
+      "nonexpert_share_of_pass_growth": v.nonexpert_growth_share,
       # Timed in every round (the faster of a one-token run before and after it); median and range
       # over the rounds of the fixed-K sweeps (the auto rows subtract their own rounds' too).
       "prefill_ms": float(np.median(prefills) * 1e3),
@@ -736,6 +751,11 @@ def auto_against_fixed(model, prompts, max_new_tokens: int, auto_spec, fixed_spe
           "tokens_per_second": statistics.median(s["tokens_per_second"] for s in auto_stats)}
 
 
+def _share(x: float | None) -> str:
+  """A share as a percentage, or n/a."""
+  return "n/a" if x is None else f"{x:.0%}"
+
+
 def format_summary(cm) -> str:
   lines = ["", "best K: predicted by the bytes model (fixed non-expert time / linear non-expert term / "
            "non-expert term measured without routed experts), by the measured pass times (at a = 0.5 / "
@@ -759,7 +779,8 @@ def format_summary(cm) -> str:
       f"{c[col]['within_5pct']:.0%} ({name}, worst {c[col]['worst']:.2f})" for col, (_, name) in PREDICTORS.items()))
   lines.append(f"verify time median relative error: {cm['verify_time_median_rel_error']:.1%} (with the measured "
                f"non-expert term, {cm['nonexpert_ms_per_token_measured'] * 1e3:.0f} us per token: "
-               f"{cm['verify_time_median_rel_error_measured_nonexpert']:.1%}); crossover "
+               f"{cm['verify_time_median_rel_error_measured_nonexpert']:.1%}; the passes without routed "
+               f"experts grow by {_share(cm['nonexpert_share_of_pass_growth'])} of the pass time's growth); crossover "
                f"predicted n = {cm['crossover']['predicted_n']}, measured n = {cm['crossover']['measured_n']} "
                f"(dedup faster from there on; first faster at n = {cm['crossover']['measured_first_faster_n']})")
   lines += [describe_auto(r) for r in cm["auto"]]

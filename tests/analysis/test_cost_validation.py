@@ -103,6 +103,13 @@ def test_quick_run_writes_the_documented_metrics(tiny_config, tmp_path):
   assert all(r["nonexpert_measured_ms"] > 0 and r["predicted_measured_nonexpert_ms"] > 0 for r in cm["verify_time"])
   assert cm["nonexpert_ms_per_token_measured"] >= 0 and cm["verify_time_median_rel_error_measured_nonexpert"] >= 0
   assert cm["verify_time"][0]["predicted_measured_nonexpert_ms"] == pytest.approx(cm["verify_time"][0]["measured_ms"])
+  vt = cm["verify_time"]
+  growth = vt[-1]["measured_ms"] - vt[0]["measured_ms"]
+  if growth > 0:
+    assert cm["nonexpert_share_of_pass_growth"] == pytest.approx(
+        (vt[-1]["nonexpert_measured_ms"] - vt[0]["nonexpert_measured_ms"]) / growth)
+  else:
+    assert cm["nonexpert_share_of_pass_growth"] is None
   assert {r["drafter"] for r in cm["auto"]} == {"controlled", "ngram"}
   assert all(r["mean_accepted_length"] >= 1.0 and r["tokens_per_second"] > 0 for r in cm["auto"])
   assert all(r["plain_vs_plain"] > 0 for r in cm["auto"])
@@ -201,6 +208,24 @@ def test_the_measured_nonexpert_term_is_the_slope_of_the_passes_without_routed_e
   assert _verify_times(tiny_config, model_ms).rel_err_measured_nonexpert == pytest.approx([0.0] * 4, abs=1e-9)
   with pytest.raises(ValueError, match="non-expert pass time per n"):
     _verify_times(tiny_config, grown, [0.5, 0.6])
+
+
+def test_the_nonexpert_share_of_growth_is_what_the_passes_without_experts_grow_of_the_whole():
+  assert cost_validation.nonexpert_share_of_growth([1.0, 1.5, 2.0], [0.8, 1.0, 1.4]) == pytest.approx(0.6)
+  assert cost_validation.nonexpert_share_of_growth([1.0, 1.5, 2.0], [0.8, 0.8, 0.8]) == 0.0
+  # The experts' part as decoding pays it can shrink: the share is reported as measured, above 1.
+  assert cost_validation.nonexpert_share_of_growth([1.0, 1.2], [0.9, 1.2]) == pytest.approx(1.5)
+  assert cost_validation.nonexpert_share_of_growth([1.0, 1.0], [0.5, 0.7]) is None
+  assert cost_validation.nonexpert_share_of_growth([1.2, 1.0], [0.5, 0.7]) is None
+
+
+def test_verify_times_carry_the_nonexpert_share_of_growth(tiny_config):
+  exact = _verify_times(tiny_config, [1.0] * 5)
+  model_ms = [exact.predicted_ms[n] - exact.predicted_ms[1] + 1.0 for n in range(1, 6)]
+  grown = [t + 0.1 * i for i, t in enumerate(model_ms)]
+  v = _verify_times(tiny_config, grown, [0.4 + 0.1 * i for i in range(5)])
+  assert v.nonexpert_growth_share == pytest.approx(0.4 / (grown[-1] - grown[0]))
+  assert 0 < v.nonexpert_growth_share < 1
 
 
 def test_best_k_comparison_counts_rates_within_one_of_the_measured_best(tiny_config):
