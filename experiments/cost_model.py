@@ -3,7 +3,8 @@ per acceptance rate (controlled drafter, K = 0..8), verification time per pass s
 dedup/per-slot crossover, and num_draft='auto' against plain decoding and the best fixed K.
 
   python -m experiments.cost_model --workdir=runs/cost_model [--quick] [--model=PATH] \
-      [--n_alphas=21] [--max_k=8] [--repeats=7] [--max_repeats=3 x repeats] [--auto_repeats=31] [--max_new_tokens=128]
+      [--n_alphas=21] [--max_k=8] [--repeats=7] [--max_repeats=3 x repeats] [--auto_repeats=31] [--drafter_prompts=8] \
+      [--max_new_tokens=128]
 
 Writes `workdir/metrics.json` (key `cost_model`), `staircase.png`, `verify_time.png` and
 `unique_experts.png`. Batch 1, greedy (the controlled drafter's acceptance is geometric only
@@ -34,6 +35,9 @@ _MAX_REPEATS = flags.DEFINE_integer(
 _AUTO_REPEATS = flags.DEFINE_integer(
     "auto_repeats", 31, "Rounds of plain, auto and the best fixed K side by side, per num_draft='auto' row.",
     lower_bound=1)
+_DRAFTER_PROMPTS = flags.DEFINE_integer(
+    "drafter_prompts", 8, "Held-out prompts the model drafters' rows (mtp, ngram) take in turn, one a round.",
+    lower_bound=1)
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 128, "Tokens generated per run (a decode phase: >= 2).",
                                 lower_bound=2)
 
@@ -48,7 +52,8 @@ def main(argv):
     cfg = cost_validation.CostValidationConfig(alphas=alphas, max_k=_MAX_K.value, repeats=_REPEATS.value,
                                                max_repeats=(3 * _REPEATS.value if _MAX_REPEATS.value is None else
                                                             _MAX_REPEATS.value),
-                                               auto_repeats=_AUTO_REPEATS.value, max_new_tokens=_MAX_NEW.value)
+                                               auto_repeats=_AUTO_REPEATS.value, max_new_tokens=_MAX_NEW.value,
+                                               drafter_prompts=_DRAFTER_PROMPTS.value)
   cost_validation.run_cost_model(cli.load_model(_MODEL.value), _WORKDIR.value, cfg)
 
 

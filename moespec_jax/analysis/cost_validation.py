@@ -24,7 +24,8 @@ Measurement:
 Then best K per a predicted vs measured (and the measured speedup at the predicted K against
 the best measured one, and the agreement with the rounds resampled: where speedups are flat in
 K, the measured argmax moves with timing noise), and num_draft='auto' against plain and the
-best fixed K, with the controlled drafter and with the model's real drafters. Each controlled
+best fixed K, with the controlled drafter and with the model's real drafters (over several held-out
+prompts, one a round: `drafter_prompts`). Each controlled
 auto row also carries two simulations (analysis/draft_policy_sim): the policy on the pass times it
 chose with (its own cost), and the policy choosing on them but paying the pass times the sweep
 measured in decoding at that rate (`pass_costs_from_sweep`): the gap between the two is what the
@@ -45,6 +46,7 @@ drafts in a row, then K = 2 (0.86 and 0.87 of the best fixed K).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import pathlib
 import statistics
@@ -99,6 +101,12 @@ class CostValidationConfig:
   auto_alphas: tuple[float, ...] = (0.0, 0.2, 0.4, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
   auto_repeats: int = 31  # rounds; their medians still carry a few % of timing noise
   real_drafters: tuple[str, ...] = ("mtp", "ngram")
+  # Held-out prompts the model drafters' rows take in turn, round by round (rounds.PromptSets;
+  # their rounds are rounded up to whole turns): under greedy decoding each prompt's rounds repeat
+  # one acceptance trajectory. On one prompt, auto with the MTP heads ran at 0.90-0.99 of the best
+  # fixed K over five runs; on each of eight held-out prompts apart (K = 2, 4, 6, 8 and auto, 5
+  # rounds each) at 0.90-1.08 of that prompt's best.
+  drafter_prompts: int = 8
   prompt_bytes: int = 192
   seed: int = 0
 
@@ -109,8 +117,8 @@ class CostValidationConfig:
       raise ValueError(f"auto_alphas must be in [0, 1], got {self.auto_alphas}")
     if not 1 <= self.max_k <= 16:
       raise ValueError(f"max_k must be in [1, 16], got {self.max_k}")
-    if min(self.repeats, self.kernel_repeats, self.auto_repeats) < 1:
-      raise ValueError("repeats, kernel_repeats and auto_repeats must be >= 1")
+    if min(self.repeats, self.kernel_repeats, self.auto_repeats, self.drafter_prompts) < 1:
+      raise ValueError("repeats, kernel_repeats, auto_repeats and drafter_prompts must be >= 1")
     if self.max_repeats < self.repeats:
       raise ValueError(f"max_repeats ({self.max_repeats}) must be >= repeats ({self.repeats})")
     if not 0.0 <= self.settled_share <= 1.0:
@@ -125,15 +133,16 @@ class CostValidationConfig:
 QUICK_CONFIG = CostValidationConfig(
     alphas=(0.0, 0.25, 0.5, 0.75, 1.0), max_k=2, max_new_tokens=16, repeats=1, max_repeats=1, kernel_n=(1, 2, 4),
     kernel_repeats=2, crossover_windows=2, trace_segments=4, auto_alphas=(0.0, 1.0), auto_repeats=1,
-    real_drafters=("ngram",))
+    real_drafters=("ngram",), drafter_prompts=2)
 
 
 def progress_settings(model, cfg: CostValidationConfig) -> dict[str, Any]:
   """What a resumed run must share with the interrupted one: the validation's settings, the
   model's config and its weights (and the layout of the stored parts: 3 keeps each round's
   speedups in the sweep's parts, as many rounds as each rate took; 4, rounds in the balanced
-  order of `timing.round_order`: parts timed in the earlier order are not mixed in)."""
-  return {"experiment": "cost_model", "parts_format": 4, "config": dataclasses.asdict(cfg),
+  order of `timing.round_order`: parts timed in the earlier order are not mixed in; 5, the model
+  drafters' rows over `drafter_prompts` prompts, the sweep's accepted lengths over all rounds)."""
+  return {"experiment": "cost_model", "parts_format": 5, "config": dataclasses.asdict(cfg),
           "model": dataclasses.asdict(model.config), "weights": progress.weights_fingerprint(model.state)}
 
 
@@ -253,7 +262,7 @@ def run_cost_model(model, workdir, cfg: CostValidationConfig = CostValidationCon
   best_k = best_k_comparison(cfg.alphas, cfg.max_k, sweep, passes)
   _log_best_k(best_k, log)
   controlled_rows = _auto_controlled_rows(model, prompts, cfg, passes, sweep, parts, log)
-  real_rows, real_prefills = _auto_real_rows(model, prompts, cfg, passes.reference, keep, parts, log)
+  real_rows, real_prefills = _auto_real_rows(model, cfg, keep, parts, log)
 
   result = {"cost_model": cost_model_metrics(
       cfg, routing.stats, kernels, passes, sweep, best_k, controlled_rows + real_rows, sweep.prefills + real_prefills,
@@ -478,7 +487,15 @@ def _sweep_rate(model, prompts, reference, cfg: CostValidationConfig, a: float) 
   return {"prefills": runs.prefill_s, "round_speedups": [rounds_K[k] for k in drafted],
           "rows": [{"num_draft": k, "speedup": statistics.median(rounds_K[k]),
                     "tokens_per_second": statistics.median(st["tokens_per_second"] for st in runs.stats[k]),
-                    "mean_accepted_length": runs.stats[k][-1]["mean_accepted_length"]} for k in drafted]}
+                    "mean_accepted_length": pooled_accepted_length(runs.stats[k])} for k in drafted]}
+
+
+def pooled_accepted_length(stats_by_round: Sequence[dict]) -> float:
+  """Tokens committed per verify pass over all rounds, weighted by their passes: each round of the
+  controlled drafter draws its own table, and a model drafter's rounds decode different prompts,
+  so one round's figure is one draw's."""
+  passes = sum(st["verify_passes"] for st in stats_by_round)
+  return sum(st["mean_accepted_length"] * st["verify_passes"] for st in stats_by_round) / max(passes, 1)
 
 
 def _speedup_sweep(model, prompts, reference, cfg: CostValidationConfig, parts, keep, log) -> SpeedupSweep:
@@ -623,34 +640,48 @@ def _auto_controlled_rows(model, prompts, cfg: CostValidationConfig, passes: Pas
   return auto_rows
 
 
-def _real_drafter_part(model, prompts, cfg: CostValidationConfig, reference, drafter: str, keep) -> dict:
+def drafter_prompt_sets(model, cfg: CostValidationConfig) -> rounds.PromptSets:
+  """The held-out prompts the model drafters' rows take in turn (one a round, batch 1), each with
+  plain greedy decoding's tokens, which every run of its rounds must reproduce."""
+  batches = tuple([p] for p in corpus.held_out_prompts(cfg.drafter_prompts, prompt_bytes=cfg.prompt_bytes,
+                                                       seed=cfg.seed))
+  return rounds.PromptSets(batches, tuple(msj.generate(model, b, max_new_tokens=cfg.max_new_tokens).tokens
+                                          for b in batches))
+
+
+def _real_drafter_part(model, prompt_sets: rounds.PromptSets, cfg: CostValidationConfig, drafter: str,
+                       keep) -> dict:
   """One model drafter's auto row against its best fixed K, with its fixed-K speedups (K =
-  0..max_k), and the prefills of those speedups' rounds: what the run keeps of it (progress)."""
+  0..max_k), and the prefills of those speedups' rounds: what the run keeps of it (progress).
+  Rounds take the prompts of `prompt_sets` in turn."""
   ks = list(range(cfg.max_k + 1))
   specs = {k: msj.SpecParams(drafter=drafter, num_draft=k) for k in ks[1:]}
   fixed_speedups, _, _, drafter_prefills, _ = rounds.round_robin_speedups(
-      model, prompts, cfg.max_new_tokens, specs, cfg.repeats, check_tokens=reference)
+      model, prompt_sets, cfg.max_new_tokens, specs, prompt_sets.rounds_for(cfg.repeats))
   fixed_speedups[0] = 1.0
   loop.forget_compiled(keep)
   best = max(ks, key=lambda k: fixed_speedups[k])
   spec = msj.SpecParams(drafter=drafter, num_draft="auto", max_draft=cfg.max_k)
   fixed = msj.SpecParams(drafter=drafter if best else "none", num_draft=best)
-  row = auto_against_fixed(model, prompts, cfg.max_new_tokens, spec, fixed, cfg.auto_repeats)
+  row = auto_against_fixed(model, prompt_sets, cfg.max_new_tokens, spec, fixed,
+                           prompt_sets.rounds_for(cfg.auto_repeats))
   loop.forget_compiled(keep)
-  return {"row": dict(row, drafter=drafter, alpha=None, fixed_speedups=[fixed_speedups[k] for k in ks]),
+  return {"row": dict(row, drafter=drafter, alpha=None, fixed_speedups=[fixed_speedups[k] for k in ks],
+                      prompts=len(prompt_sets)),
           "prefills": drafter_prefills}
 
 
-def _auto_real_rows(model, prompts, cfg: CostValidationConfig, reference, keep, parts,
-                    log) -> tuple[list[dict], list[float]]:
+def _auto_real_rows(model, cfg: CostValidationConfig, keep, parts, log) -> tuple[list[dict], list[float]]:
   """[6/6] num_draft='auto' with the model's drafters (mtp where the model has MTP modules), each
-  against every fixed K (`_real_drafter_part`, kept as it finishes). Returns the rows and the
-  prefills of their fixed-K rounds."""
-  log("[6/6] num_draft='auto' with the model's drafters, against every fixed K")
+  against every fixed K (`_real_drafter_part`, kept as it finishes), over `cfg.drafter_prompts`
+  held-out prompts. Returns the rows and the prefills of their fixed-K rounds."""
+  log(f"[6/6] num_draft='auto' with the model's drafters, against every fixed K ({cfg.drafter_prompts} "
+      f"held-out prompts, one a round)")
   drafters = [d for d in cfg.real_drafters if d != "mtp" or model.config.num_mtp_modules]
   auto_rows, prefills = [], []
+  prompt_sets = functools.cache(lambda: drafter_prompt_sets(model, cfg))  # only where a row is not kept
   for drafter in drafters:
-    part = parts.cached(f"auto/{drafter}", lambda: _real_drafter_part(model, prompts, cfg, reference, drafter, keep))
+    part = parts.cached(f"auto/{drafter}", lambda: _real_drafter_part(model, prompt_sets(), cfg, drafter, keep))
     prefills += part["prefills"]
     auto_rows.append(part["row"])
     log(f"  {describe_auto(auto_rows[-1])}; fixed K=1..{cfg.max_k} (sweep): "
@@ -727,14 +758,14 @@ def auto_against_fixed(model, prompts, max_new_tokens: int, auto_spec, fixed_spe
   the per-round decode-phase ratios: auto over plain, fixed over plain, and auto over fixed.
 
   Plain decoding also runs a second time in every round: `plain_vs_plain`, the same program
-  against itself, is the timing noise these ratios carry (ideally 1.0)."""
+  against itself, is the timing noise these ratios carry (ideally 1.0). `prompts`: one batch (a
+  controlled drafter reading `reference`), or `rounds.PromptSets` taken in turn, every run checked
+  against its batch's reference."""
   runs = rounds.round_robin_runs(model, prompts, max_new_tokens,
                           {"auto": auto_spec, "plain_again": msj.SpecParams(), "fixed": fixed_spec}, repeats, reference)
   seconds, stats = runs.seconds, runs.stats
   auto_stats = stats["auto"]
   passes_by_k = np.sum([s["passes_by_num_draft"] for s in auto_stats], axis=0)
-  passes = sum(s["verify_passes"] for s in auto_stats)
-  accepted = sum(s["mean_accepted_length"] * s["verify_passes"] for s in auto_stats)
   ratios = {"speedup_vs_plain": (None, "auto"), "best_fixed_speedup": (None, "fixed"),
             "vs_best_fixed": ("fixed", "auto"), "plain_vs_plain": (None, "plain_again")}
   return {**{name: rounds.median_ratio(seconds[num], seconds[den]) for name, (num, den) in ratios.items()},
@@ -747,7 +778,7 @@ def auto_against_fixed(model, prompts, max_new_tokens: int, auto_spec, fixed_spe
           "mean_num_draft": float(np.arange(passes_by_k.size) @ passes_by_k / max(passes_by_k.sum(), 1)),
           "passes_by_num_draft": passes_by_k.tolist(), "calibrated_step_ms": auto_stats[-1]["calibrated_step_ms"],
           # Over all repeats (weighted by verify passes) and their median.
-          "mean_accepted_length": accepted / max(passes, 1),
+          "mean_accepted_length": pooled_accepted_length(auto_stats),
           "tokens_per_second": statistics.median(s["tokens_per_second"] for s in auto_stats)}
 
 
@@ -819,6 +850,7 @@ def pass_costs_from_sweep(speedup_K: Sequence[float], accepted_length_K: Sequenc
 def describe_auto(r) -> str:
   """One line per auto row: its medians over rounds with their 90% intervals."""
   who = r["drafter"] + (f" a={r['alpha']:.2f}" if r["alpha"] is not None else "")
+  who += f" ({r['prompts']} prompts)" if r.get("prompts", 1) > 1 else ""
   line = (f"auto {who}: {_ratio_text(r, 'speedup_vs_plain')}x plain, {_ratio_text(r, 'vs_best_fixed')} of "
           f"best fixed K={r['best_fixed_num_draft']} ({_passes_text(r['passes_by_num_draft'])}, mean K "
           f"{r['mean_num_draft']:.2f}); plain against itself {_ratio_text(r, 'plain_vs_plain')}")

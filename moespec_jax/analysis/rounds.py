@@ -32,6 +32,32 @@ class RoundRobin:
                       {k: self.stats[k] + more.stats[k] for k in self.stats}, self.prefill_s + more.prefill_s)
 
 
+@dataclasses.dataclass(frozen=True)
+class PromptSets:
+  """Prompt batches that rounds take in turn (round r: `batches[r % len(batches)]`), each with the
+  tokens plain greedy decoding gives it (`references`, the same length), the tokens every run of
+  that round must equal and a controlled drafter's reference.
+
+  A model drafter's acceptance is a property of the text: under greedy decoding every round of
+  one prompt repeats the same passes, so its rounds measure one trajectory however many they
+  are; rounds over several prompts measure the drafter on held-out text.
+  """
+  batches: tuple
+  references: tuple
+
+  def __post_init__(self):
+    if not self.batches or len(self.batches) != len(self.references):
+      raise ValueError(f"need one reference per prompt batch (and at least one batch), got "
+                       f"{len(self.batches)} batches and {len(self.references)} references")
+
+  def __len__(self) -> int:
+    return len(self.batches)
+
+  def rounds_for(self, rounds: int) -> int:
+    """`rounds` rounded up to a whole number of turns over the batches (each counts alike)."""
+    return -(-rounds // len(self)) * len(self)
+
+
 def round_robin_runs(model, prompts, max_new_tokens: int, specs: dict, rounds: int, reference=None,
                      check_tokens=None, first_round: int = 0) -> RoundRobin:
   """Decode-phase seconds of plain decoding (label None) and of each spec in `specs` (key: its
@@ -45,25 +71,35 @@ def round_robin_runs(model, prompts, max_new_tokens: int, specs: dict, rounds: i
   round's runs: a prefill timed once, in a slow moment, would shrink every decode time by the
   same wrong amount and inflate every ratio. `check_tokens`: every run's tokens must equal
   these (greedy speculative decoding is exact). Round r runs with seed `first_round` + r (more
-  rounds of one comparison continue its seeds, and their order).
+  rounds of one comparison continue its seeds, and their order). `prompts` may be `PromptSets`:
+  round r then decodes its batch, checked against (and a controlled drafter reading) that batch's
+  reference; `reference` and `check_tokens` must then be None.
   """
+  if isinstance(prompts, PromptSets):
+    if reference is not None or check_tokens is not None:
+      raise ValueError("with PromptSets, each batch's reference is its own: pass no reference or check_tokens")
+    sets = prompts
+  else:
+    sets = PromptSets((prompts,), (reference,))
   labels = [None] + list(specs)
   seconds = {k: [] for k in labels}
   stats = {k: [] for k in labels}
   prefills = []
-  msj.generate(model, prompts, max_new_tokens=1)
+  msj.generate(model, sets.batches[first_round % len(sets)], max_new_tokens=1)
   for r in range(first_round, first_round + rounds):
+    batch, batch_reference = sets.batches[r % len(sets)], sets.references[r % len(sets)]
+    expected = batch_reference if isinstance(prompts, PromptSets) else check_tokens
     totals = {}
-    before = msj.generate(model, prompts, max_new_tokens=1, seed=r).stats["seconds"]
+    before = msj.generate(model, batch, max_new_tokens=1, seed=r).stats["seconds"]
     for k in timing.round_order(labels, r):
       spec = msj.SpecParams() if k is None else specs[k]
-      out = msj.generate(model, prompts, max_new_tokens=max_new_tokens, spec=spec, seed=r,
-                         reference_tokens=reference if spec.drafter == "controlled" else None)
-      if check_tokens is not None and not np.array_equal(out.tokens, check_tokens):
+      out = msj.generate(model, batch, max_new_tokens=max_new_tokens, spec=spec, seed=r,
+                         reference_tokens=batch_reference if spec.drafter == "controlled" else None)
+      if expected is not None and not np.array_equal(out.tokens, expected):
         raise AssertionError(f"speculative greedy output differs from plain ({spec})")
       totals[k] = out.stats["seconds"]
       stats[k].append(out.stats)
-    after = msj.generate(model, prompts, max_new_tokens=1, seed=r).stats["seconds"]
+    after = msj.generate(model, batch, max_new_tokens=1, seed=r).stats["seconds"]
     prefills.append(min(before, after))
     for k in labels:
       seconds[k].append(max(totals[k] - prefills[-1], 1e-9))

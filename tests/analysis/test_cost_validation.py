@@ -53,6 +53,8 @@ def test_config_rejects_bad_values():
     cost_validation.CostValidationConfig(max_k=0)
   with pytest.raises(ValueError, match="real_drafters"):
     cost_validation.CostValidationConfig(real_drafters=("eagle",))
+  with pytest.raises(ValueError, match="drafter_prompts"):
+    cost_validation.CostValidationConfig(drafter_prompts=0)
 
 
 @pytest.mark.slow
@@ -111,6 +113,8 @@ def test_quick_run_writes_the_documented_metrics(tiny_config, tmp_path):
   else:
     assert cm["nonexpert_share_of_pass_growth"] is None
   assert {r["drafter"] for r in cm["auto"]} == {"controlled", "ngram"}
+  # The model drafter's row ran over the quick config's two held-out prompts, one a round.
+  assert [r.get("prompts") for r in cm["auto"] if r["drafter"] == "ngram"] == [2]
   assert all(r["mean_accepted_length"] >= 1.0 and r["tokens_per_second"] > 0 for r in cm["auto"])
   assert all(r["plain_vs_plain"] > 0 for r in cm["auto"])
   for r in cm["auto"]:
@@ -142,6 +146,12 @@ def test_pass_costs_from_sweep_invert_the_speedup():
     cost_validation.pass_costs_from_sweep([1.5, 2.0], [3.0])
 
 
+def test_accepted_lengths_are_pooled_over_every_round():
+  stats = [{"mean_accepted_length": 4.0, "verify_passes": 30}, {"mean_accepted_length": 6.0, "verify_passes": 10}]
+  assert cost_validation.pooled_accepted_length(stats) == pytest.approx(180.0 / 40)
+  assert cost_validation.pooled_accepted_length(stats[1:]) == 6.0
+
+
 def test_auto_row_text_says_where_the_passes_went():
   row = {"drafter": "controlled", "alpha": 0.7, "best_fixed_num_draft": 2, "mean_num_draft": 2.18,
          "passes_by_num_draft": [1236, 6, 3, 353, 106, 132, 1, 2, 316],
@@ -149,6 +159,8 @@ def test_auto_row_text_says_where_the_passes_went():
          **{f"{name}_interval": (0.9, 1.1) for name in ("speedup_vs_plain", "vs_best_fixed", "plain_vs_plain")}}
   text = cost_validation.describe_auto(row)
   assert "57% of passes plain, drafting mostly at K=3, mean K 2.18" in text
+  assert text.startswith("auto controlled a=0.70:")
+  assert cost_validation.describe_auto(dict(row, drafter="mtp", alpha=None, prompts=8)).startswith("auto mtp (8 prompts):")
   assert "100% of passes plain, never drafting" in cost_validation.describe_auto(
       dict(row, passes_by_num_draft=[40, 0, 0], mean_num_draft=0.0))
   simulated = {"plain_over_auto": 1.25, "best_fixed_num_draft": 3, "best_fixed_over_auto": 0.97}

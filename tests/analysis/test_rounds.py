@@ -109,3 +109,33 @@ def test_rounds_grow_where_the_best_k_moves_with_the_noise_up_to_the_cap():
   assert len(runs.prefill_s) == 8 and all(len(v) == 8 for v in runs.seconds.values())
   assert [s["round"] for s in runs.stats[4]] == list(range(8))
   assert runs.seconds[1][:2] == pytest.approx([1 / 1.25, 1 / 1.3])
+
+
+def test_prompt_sets_are_taken_in_turn_and_each_checked_against_its_own_reference(monkeypatch):
+  """Round r decodes batch r % len, its runs checked against that batch's reference (and a
+  controlled drafter reading it); rounds are rounded up to whole turns."""
+  seen = []
+
+  def fake_generate(model, prompts, max_new_tokens, spec=None, seed=0, reference_tokens=None):
+    tokens = np.full((1, 4), len(prompts[0]), np.int32)
+    if max_new_tokens > 1:
+      seen.append((seed, prompts[0], None if spec is None else spec.drafter,
+                   None if reference_tokens is None else int(reference_tokens[0, 0])))
+    return types.SimpleNamespace(tokens=tokens, stats={"seconds": 1.0, "tokens_per_second": 4.0})
+
+  monkeypatch.setattr(msj, "generate", fake_generate)
+  sets = rounds.PromptSets((["a"], ["bb"], ["ccc"]), tuple(np.full((1, 4), n, np.int32) for n in (1, 2, 3)))
+  assert len(sets) == 3 and sets.rounds_for(7) == 9 and sets.rounds_for(3) == 3 and sets.rounds_for(1) == 3
+  specs = {"c": msj.SpecParams(drafter="controlled", num_draft=1, controlled_acceptance=0.5)}
+  runs = rounds.round_robin_runs(None, sets, 4, specs, rounds=4, first_round=2)
+  assert len(runs.prefill_s) == 4
+  assert sorted((s, p) for s, p, d, _ in seen if d == "none") == [(2, "ccc"), (3, "a"), (4, "bb"), (5, "ccc")]
+  # The controlled drafter reads its round's batch's reference.
+  assert all(ref == len(p) for _, p, d, ref in seen if d == "controlled")
+  wrong = rounds.PromptSets(sets.batches, (sets.references[0], np.zeros((1, 4), np.int32), sets.references[2]))
+  with pytest.raises(AssertionError, match="differs from plain"):
+    rounds.round_robin_runs(None, wrong, 4, specs, rounds=2)
+  with pytest.raises(ValueError, match="own"):
+    rounds.round_robin_runs(None, sets, 4, specs, rounds=1, check_tokens=sets.references[0])
+  with pytest.raises(ValueError, match="one reference per prompt batch"):
+    rounds.PromptSets((["a"],), ())
