@@ -4,7 +4,7 @@ dedup/per-slot crossover, and num_draft='auto' against plain decoding and the be
 
   python -m experiments.cost_model --workdir=runs/cost_model [--quick] [--model=PATH] \
       [--n_alphas=21] [--max_k=8] [--repeats=7] [--max_repeats=3 x repeats] [--auto_repeats=31] [--drafter_prompts=8] \
-      [--max_new_tokens=128]
+      [--auto_timing] [--max_new_tokens=128]
 
 Writes `workdir/metrics.json` (key `cost_model`), `staircase.png`, `verify_time.png` and
 `unique_experts.png`. Batch 1, greedy (the controlled drafter's acceptance is geometric only
@@ -13,6 +13,8 @@ kept in `workdir/progress.json` as it finishes; rerun the same command (same set
 model) after an interruption and only the rest is measured (the file is removed when the run
 completes).
 """
+
+import dataclasses
 
 import numpy as np
 from absl import flags
@@ -38,6 +40,9 @@ _AUTO_REPEATS = flags.DEFINE_integer(
 _DRAFTER_PROMPTS = flags.DEFINE_integer(
     "drafter_prompts", 8, "Held-out prompts the model drafters' rows (mtp, ngram) take in turn, one a round.",
     lower_bound=1)
+_AUTO_TIMING = flags.DEFINE_bool(
+    "auto_timing", False, "Run the num_draft='auto' rows with SpecParams(auto_timing=True) (experimental, CPU): "
+    "the calibrated pass times corrected by the loop's own clock as it decodes.")
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 128, "Tokens generated per run (a decode phase: >= 2).",
                                 lower_bound=2)
 
@@ -46,14 +51,15 @@ def main(argv):
   if len(argv) > 1:
     raise ValueError(f"unexpected arguments: {argv[1:]}")
   if _QUICK.value:
-    cfg = cost_validation.QUICK_CONFIG
+    cfg = dataclasses.replace(cost_validation.QUICK_CONFIG, auto_timing=_AUTO_TIMING.value)
   else:
     alphas = tuple(float(a) for a in np.round(np.linspace(0.0, 1.0, _N_ALPHAS.value), 3))
     cfg = cost_validation.CostValidationConfig(alphas=alphas, max_k=_MAX_K.value, repeats=_REPEATS.value,
                                                max_repeats=(3 * _REPEATS.value if _MAX_REPEATS.value is None else
                                                             _MAX_REPEATS.value),
                                                auto_repeats=_AUTO_REPEATS.value, max_new_tokens=_MAX_NEW.value,
-                                               drafter_prompts=_DRAFTER_PROMPTS.value)
+                                               drafter_prompts=_DRAFTER_PROMPTS.value,
+                                               auto_timing=_AUTO_TIMING.value)
   cost_validation.run_cost_model(cli.load_model(_MODEL.value), _WORKDIR.value, cfg)
 
 

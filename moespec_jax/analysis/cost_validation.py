@@ -107,6 +107,9 @@ class CostValidationConfig:
   # fixed K over five runs; on each of eight held-out prompts apart (K = 2, 4, 6, 8 and auto, 5
   # rounds each) at 0.90-1.08 of that prompt's best.
   drafter_prompts: int = 8
+  # The auto rows with SpecParams(auto_timing=True) (experimental): the calibration corrected by
+  # the loop's own clock as it decodes.
+  auto_timing: bool = False
   prompt_bytes: int = 192
   seed: int = 0
 
@@ -616,6 +619,13 @@ def auto_simulations(a: float, calibrated_step_ms, n_tokens: int, paid_K=None) -
   return out
 
 
+def auto_spec(cfg: CostValidationConfig, drafter: str, acceptance: float | None = None) -> msj.SpecParams:
+  """num_draft='auto' up to max_k drafts, as the validation's auto rows run it."""
+  controlled = {} if acceptance is None else {"controlled_acceptance": acceptance}
+  return msj.SpecParams(drafter=drafter, num_draft="auto", max_draft=cfg.max_k, auto_timing=cfg.auto_timing,
+                        **controlled)
+
+
 def _auto_controlled_rows(model, prompts, cfg: CostValidationConfig, passes: PassTimes, sweep: SpeedupSweep,
                           parts, log) -> list[dict]:
   """[5/6] num_draft='auto' with the controlled drafter against plain and the best fixed K (the
@@ -628,7 +638,7 @@ def _auto_controlled_rows(model, prompts, cfg: CostValidationConfig, passes: Pas
   for a in cfg.auto_alphas:
     best_k = (measured_best_k(sweep.speedups, a, cfg.max_k) if a in cfg.alphas
               else _best_k_on(a, cfg.max_k, passes.measured_ms)[0])
-    spec = msj.SpecParams(drafter="controlled", num_draft="auto", max_draft=cfg.max_k, controlled_acceptance=a)
+    spec = auto_spec(cfg, "controlled", a)
     fixed = msj.SpecParams(drafter="controlled", num_draft=best_k, controlled_acceptance=a)
     row = parts.cached(f"auto/controlled/{a}", lambda: auto_against_fixed(
         model, prompts, cfg.max_new_tokens, spec, fixed, cfg.auto_repeats, passes.reference))
@@ -661,7 +671,7 @@ def _real_drafter_part(model, prompt_sets: rounds.PromptSets, cfg: CostValidatio
   fixed_speedups[0] = 1.0
   loop.forget_compiled(keep)
   best = max(ks, key=lambda k: fixed_speedups[k])
-  spec = msj.SpecParams(drafter=drafter, num_draft="auto", max_draft=cfg.max_k)
+  spec = auto_spec(cfg, drafter)
   fixed = msj.SpecParams(drafter=drafter if best else "none", num_draft=best)
   row = auto_against_fixed(model, prompt_sets, cfg.max_new_tokens, spec, fixed,
                            prompt_sets.rounds_for(cfg.auto_repeats))
@@ -777,6 +787,7 @@ def auto_against_fixed(model, prompts, max_new_tokens: int, auto_spec, fixed_spe
           "chosen_num_draft": int(np.argmax(passes_by_k)),
           "mean_num_draft": float(np.arange(passes_by_k.size) @ passes_by_k / max(passes_by_k.sum(), 1)),
           "passes_by_num_draft": passes_by_k.tolist(), "calibrated_step_ms": auto_stats[-1]["calibrated_step_ms"],
+          "auto_timing": bool(auto_stats[-1].get("auto_timing", False)),
           # Over all repeats (weighted by verify passes) and their median.
           "mean_accepted_length": pooled_accepted_length(auto_stats),
           "tokens_per_second": statistics.median(s["tokens_per_second"] for s in auto_stats)}

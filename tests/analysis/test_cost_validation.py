@@ -117,6 +117,7 @@ def test_quick_run_writes_the_documented_metrics(tiny_config, tmp_path):
   assert [r.get("prompts") for r in cm["auto"] if r["drafter"] == "ngram"] == [2]
   assert all(r["mean_accepted_length"] >= 1.0 and r["tokens_per_second"] > 0 for r in cm["auto"])
   assert all(r["plain_vs_plain"] > 0 for r in cm["auto"])
+  assert not any(r["auto_timing"] for r in cm["auto"]) and cm["config"]["auto_timing"] is False
   for r in cm["auto"]:
     for name in ("speedup_vs_plain", "vs_best_fixed", "best_fixed_speedup", "plain_vs_plain"):
       lo, hi = r[name + "_interval"]
@@ -144,6 +145,13 @@ def test_pass_costs_from_sweep_invert_the_speedup():
     cost_validation.pass_costs_from_sweep([1.5], [0.5])
   with pytest.raises(ValueError, match="one positive speedup"):
     cost_validation.pass_costs_from_sweep([1.5, 2.0], [3.0])
+
+
+def test_auto_rows_run_auto_k_up_to_max_k_with_the_configured_timing():
+  spec = cost_validation.auto_spec(cost_validation.CostValidationConfig(max_k=5), "controlled", 0.7)
+  assert (spec.num_draft, spec.max_draft, spec.controlled_acceptance, spec.auto_timing) == ("auto", 5, 0.7, False)
+  timed = cost_validation.auto_spec(cost_validation.CostValidationConfig(auto_timing=True), "mtp")
+  assert (timed.drafter, timed.max_draft, timed.auto_timing) == ("mtp", 8, True)
 
 
 def test_accepted_lengths_are_pooled_over_every_round():
