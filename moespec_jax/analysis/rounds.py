@@ -34,9 +34,9 @@ class RoundRobin:
 
 @dataclasses.dataclass(frozen=True)
 class PromptSets:
-  """Prompt batches that rounds take in turn (round r: `batches[r % len(batches)]`), each with the
-  tokens plain greedy decoding gives it (`references`, the same length), the tokens every run of
-  that round must equal and a controlled drafter's reference.
+  """Prompt batches that rounds take in turn (`index`), each with the tokens plain greedy decoding
+  gives it (`references`, the same length), the tokens every run of that round must equal and a
+  controlled drafter's reference.
 
   A model drafter's acceptance is a property of the text: under greedy decoding every round of
   one prompt repeats the same passes, so its rounds measure one trajectory however many they
@@ -52,6 +52,14 @@ class PromptSets:
 
   def __len__(self) -> int:
     return len(self.batches)
+
+  def index(self, r: int) -> int:
+    """The batch of round r: every turn of len(self) rounds takes each batch once, shifted by one
+    batch a turn, so that a batch does not always meet the same order of runs (the orders of
+    `timing.round_order` cycle too: 4 labels and 8 batches in plain turns would pair each batch
+    with one order)."""
+    n = len(self)
+    return (r + r // n) % n
 
   def rounds_for(self, rounds: int) -> int:
     """`rounds` rounded up to a whole number of turns over the batches (each counts alike)."""
@@ -72,7 +80,7 @@ def round_robin_runs(model, prompts, max_new_tokens: int, specs: dict, rounds: i
   same wrong amount and inflate every ratio. `check_tokens`: every run's tokens must equal
   these (greedy speculative decoding is exact). Round r runs with seed `first_round` + r (more
   rounds of one comparison continue its seeds, and their order). `prompts` may be `PromptSets`:
-  round r then decodes its batch, checked against (and a controlled drafter reading) that batch's
+  round r then decodes its batch (`PromptSets.index`), checked against (and a controlled drafter reading) that batch's
   reference; `reference` and `check_tokens` must then be None.
   """
   if isinstance(prompts, PromptSets):
@@ -85,9 +93,9 @@ def round_robin_runs(model, prompts, max_new_tokens: int, specs: dict, rounds: i
   seconds = {k: [] for k in labels}
   stats = {k: [] for k in labels}
   prefills = []
-  msj.generate(model, sets.batches[first_round % len(sets)], max_new_tokens=1)
+  msj.generate(model, sets.batches[sets.index(first_round)], max_new_tokens=1)
   for r in range(first_round, first_round + rounds):
-    batch, batch_reference = sets.batches[r % len(sets)], sets.references[r % len(sets)]
+    batch, batch_reference = sets.batches[sets.index(r)], sets.references[sets.index(r)]
     expected = batch_reference if isinstance(prompts, PromptSets) else check_tokens
     totals = {}
     before = msj.generate(model, batch, max_new_tokens=1, seed=r).stats["seconds"]

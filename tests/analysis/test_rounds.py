@@ -126,10 +126,17 @@ def test_prompt_sets_are_taken_in_turn_and_each_checked_against_its_own_referenc
   monkeypatch.setattr(msj, "generate", fake_generate)
   sets = rounds.PromptSets((["a"], ["bb"], ["ccc"]), tuple(np.full((1, 4), n, np.int32) for n in (1, 2, 3)))
   assert len(sets) == 3 and sets.rounds_for(7) == 9 and sets.rounds_for(3) == 3 and sets.rounds_for(1) == 3
+  # Each turn takes every batch once, shifted by one a turn.
+  assert [sets.index(r) for r in range(9)] == [0, 1, 2, 1, 2, 0, 2, 0, 1]
+  eight = rounds.PromptSets(tuple([str(i)] for i in range(8)), tuple(range(8)))
+  for turn in range(4):
+    assert sorted(eight.index(r) for r in range(8 * turn, 8 * turn + 8)) == list(range(8))
+  # Against an order of runs that cycles every 4 rounds, each batch meets all four over 4 turns.
+  assert all(sorted(r % 4 for r in range(32) if eight.index(r) == b) == [0, 1, 2, 3] for b in range(8))
   specs = {"c": msj.SpecParams(drafter="controlled", num_draft=1, controlled_acceptance=0.5)}
   runs = rounds.round_robin_runs(None, sets, 4, specs, rounds=4, first_round=2)
   assert len(runs.prefill_s) == 4
-  assert sorted((s, p) for s, p, d, _ in seen if d == "none") == [(2, "ccc"), (3, "a"), (4, "bb"), (5, "ccc")]
+  assert sorted((s, p) for s, p, d, _ in seen if d == "none") == [(2, "ccc"), (3, "bb"), (4, "ccc"), (5, "a")]
   # The controlled drafter reads its round's batch's reference.
   assert all(ref == len(p) for _, p, d, ref in seen if d == "controlled")
   wrong = rounds.PromptSets(sets.batches, (sets.references[0], np.zeros((1, 4), np.int32), sets.references[2]))
