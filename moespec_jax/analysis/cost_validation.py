@@ -787,7 +787,7 @@ def auto_against_fixed(model, prompts, max_new_tokens: int, auto_spec, fixed_spe
           "chosen_num_draft": int(np.argmax(passes_by_k)),
           "mean_num_draft": float(np.arange(passes_by_k.size) @ passes_by_k / max(passes_by_k.sum(), 1)),
           "passes_by_num_draft": passes_by_k.tolist(), "calibrated_step_ms": auto_stats[-1]["calibrated_step_ms"],
-          "auto_timing": bool(auto_stats[-1].get("auto_timing", False)),
+          "auto_timing": bool(auto_stats[-1]["auto_timing"]),
           # Over all repeats (weighted by verify passes) and their median.
           "mean_accepted_length": pooled_accepted_length(auto_stats),
           "tokens_per_second": statistics.median(s["tokens_per_second"] for s in auto_stats)}

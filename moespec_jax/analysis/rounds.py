@@ -80,23 +80,23 @@ def round_robin_runs(model, prompts, max_new_tokens: int, specs: dict, rounds: i
   same wrong amount and inflate every ratio. `check_tokens`: every run's tokens must equal
   these (greedy speculative decoding is exact). Round r runs with seed `first_round` + r (more
   rounds of one comparison continue its seeds, and their order). `prompts` may be `PromptSets`:
-  round r then decodes its batch (`PromptSets.index`), checked against (and a controlled drafter reading) that batch's
-  reference; `reference` and `check_tokens` must then be None.
+  round r then decodes its batch (`PromptSets.index`), checked against (and a controlled drafter
+  reading) that batch's reference; `reference` and `check_tokens` must then be None.
   """
   if isinstance(prompts, PromptSets):
     if reference is not None or check_tokens is not None:
       raise ValueError("with PromptSets, each batch's reference is its own: pass no reference or check_tokens")
-    sets = prompts
+    sets, checks = prompts, prompts.references
   else:
-    sets = PromptSets((prompts,), (reference,))
+    sets, checks = PromptSets((prompts,), (reference,)), (check_tokens,)
   labels = [None] + list(specs)
   seconds = {k: [] for k in labels}
   stats = {k: [] for k in labels}
   prefills = []
   msj.generate(model, sets.batches[sets.index(first_round)], max_new_tokens=1)
   for r in range(first_round, first_round + rounds):
-    batch, batch_reference = sets.batches[sets.index(r)], sets.references[sets.index(r)]
-    expected = batch_reference if isinstance(prompts, PromptSets) else check_tokens
+    i = sets.index(r)
+    batch, batch_reference, expected = sets.batches[i], sets.references[i], checks[i]
     totals = {}
     before = msj.generate(model, batch, max_new_tokens=1, seed=r).stats["seconds"]
     for k in timing.round_order(labels, r):

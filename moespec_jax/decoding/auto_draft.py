@@ -329,11 +329,11 @@ def smooth_step_times(step_ms_K, routing: tuple[int, int] = (0, 0)) -> np.ndarra
   0.08-0.14 ms there, against 0.06-0.13 ms per K from K = 1 to 5. The dense products do step at
   7 rows with their weights in cache (a second register tile, csrc/gemv.h), but a build with one
   tile for 7-8 rows left decoding's pass times the same within noise: the cause is not
-  established. It lies outside the routed experts: the same passes timed without them (cost_model's
-  verify_time rows) rose by 0.12-0.22 ms from n = 6 to 7 in eight of nine runs (0.08 in the
-  ninth), against 0.01-0.11 ms per n from n = 2 to 6. Judged across runs (simulated choices on one cost_model run's pass times, paid
-  at another's, controlled a = 0-1, the two runs each way), this fit gave 0.953 of the best
-  fixed K on average; with a step term [K >= 6] added 0.955, the raw times 0.942, the times
+  established. It lies outside the routed experts: the same passes timed without them
+  (cost_model's verify_time rows) rose by 0.12-0.22 ms from n = 6 to 7 in eight of nine runs
+  (0.08 in the ninth), against 0.01-0.11 ms per n from n = 2 to 6. Judged across runs (simulated
+  choices on one cost_model run's pass times, paid at another's, controlled a = 0-1, the two runs
+  each way), this fit gave 0.953 of the best fixed K on average; with a step term [K >= 6] added 0.955, the raw times 0.942, the times
   only made non-decreasing 0.944. Two runs' pass times differ by more than the fit's bias: kept
   without the step.
   """
