@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test install clean-venv
+.PHONY: demo test lint install clean-venv
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -17,7 +17,11 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m experiments.demo --workdir=runs/demo
 
-test: $(STAMP)
+# The layer contracts of pyproject.toml ([tool.importlinter]): a broken layer or an import cycle fails.
+lint: $(STAMP)
+	$(VENV)/bin/lint-imports
+
+test: lint
 	$(PY) -m pytest -q -n 2 --dist loadfile tests
 
 clean-venv:

@@ -11,7 +11,7 @@ DIR/pareto.png; budgeted rows are labelled approximate and carry their quality f
 from absl import flags
 
 from moespec_jax import cli
-from moespec_jax.decoding import compare_modes
+from moespec_jax.research import compare_modes
 from moespec_jax.model import budget
 
 _WORKDIR = flags.DEFINE_string("workdir", "runs/compare_modes", "Output directory.")

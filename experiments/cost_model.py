@@ -20,7 +20,7 @@ import numpy as np
 from absl import flags
 
 from moespec_jax import cli
-from moespec_jax.analysis import cost_validation
+from moespec_jax.research import cost_validation
 
 _WORKDIR = flags.DEFINE_string("workdir", "runs/cost_model", "Where metrics.json and the plots go.")
 _MODEL = cli.define_model_flag()

@@ -17,7 +17,7 @@ import jax
 from absl import flags
 
 from moespec_jax import cli
-from moespec_jax.decoding import bench, kernel_ab
+from moespec_jax.research import decode_kernels, spec_bench
 from moespec_jax.io import atomic
 
 _WORKDIR = flags.DEFINE_string("workdir", "runs/decode_kernels", "Where metrics.json and table.md go.")
@@ -40,14 +40,14 @@ def main(argv):
     batch_sizes, max_new, rounds = [1], 8, 1
   else:
     max_new, rounds = _MAX_NEW.value, _ROUNDS.value
-  prompts, encoding = bench.bench_prompts(model, max(batch_sizes), _PROMPT_BYTES.value)
-  rows = kernel_ab.decode_kernels_ab(model, prompts, batch_sizes=batch_sizes, max_new_tokens=max_new,
+  prompts, encoding = spec_bench.bench_prompts(model, max(batch_sizes), _PROMPT_BYTES.value)
+  rows = decode_kernels.decode_kernels_ab(model, prompts, batch_sizes=batch_sizes, max_new_tokens=max_new,
                                      rounds=rounds)
   workdir = pathlib.Path(_WORKDIR.value)
   atomic.write_json_atomic(workdir / "metrics.json", {"decode_kernels": {
       "model": _MODEL.value or "default", "prompt_encoding": encoding, "prompt_bytes": _PROMPT_BYTES.value,
       "max_new_tokens": max_new, "rounds": rounds, "batch_sizes": batch_sizes, "rows": rows}})
-  table = kernel_ab.format_table(rows)
+  table = decode_kernels.format_table(rows)
   atomic.write_text_atomic(workdir / "table.md", table)
   print(table)
 

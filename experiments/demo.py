@@ -5,7 +5,8 @@
 
 from absl import flags
 
-from moespec_jax import cli, demo
+from moespec_jax import cli
+from moespec_jax.research import demo
 from moespec_jax.default_model import ensure_default_model
 
 _WORKDIR = flags.DEFINE_string("workdir", "runs/demo", "Where metrics.json goes.")

@@ -21,8 +21,9 @@ import numpy as np
 import configs
 import pallas_kernels
 from moespec_jax import cli
-from moespec_jax.analysis import kernel_report, timing
-from moespec_jax.analysis.roofline import stream_read_gbps
+from moespec_jax.analysis import timing
+from moespec_jax.research import kernel_report
+from moespec_jax.research.roofline import stream_read_gbps
 from moespec_jax.io import atomic, plots
 from pallas_kernels import bytes as kbytes
 

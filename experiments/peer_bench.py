@@ -14,7 +14,7 @@ extra.
 from absl import flags
 
 from moespec_jax import cli
-from moespec_jax.hf import peer_bench
+from moespec_jax.research import peer_bench
 
 _WORKDIR = flags.DEFINE_string("workdir", "runs/peer_bench", "Where metrics.json and table.md go.")
 _QUICK = flags.DEFINE_bool("quick", False, "Tiny checkpoints, fewer tokens and repeats.")

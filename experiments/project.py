@@ -19,7 +19,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from moespec_jax import cli
-from moespec_jax.analysis import projection
+from moespec_jax.research import projection
 from moespec_jax.config import model_config_from
 from moespec_jax.io import atomic
 

@@ -11,7 +11,7 @@ import pathlib
 from absl import flags
 
 from moespec_jax import cli
-from moespec_jax.analysis import routing_report, traces
+from moespec_jax.research import routing_report, traces
 from moespec_jax.io import atomic
 
 _WORKDIR = flags.DEFINE_string("workdir", "runs/routing_stats", "Output directory.")

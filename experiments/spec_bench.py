@@ -15,7 +15,7 @@ tokenizer.json (a random checkpoint) is prompted with the held-out code's UTF-8 
 from absl import flags
 
 from moespec_jax import cli
-from moespec_jax.decoding import bench
+from moespec_jax.research import spec_bench
 
 _WORKDIR = flags.DEFINE_string("workdir", "runs/spec_bench", "Where metrics.json and the plot go.")
 _MODEL = cli.define_model_flag()
@@ -41,7 +41,7 @@ def main(argv):
                  repeats=_REPEATS.value)
   model = cli.load_model(_MODEL.value)
   drafters = [d for d in _DRAFTERS.value if d != "mtp" or model.config.num_mtp_modules]
-  bench.run_spec_bench(model, _WORKDIR.value, drafters=drafters, **sweep)
+  spec_bench.run_spec_bench(model, _WORKDIR.value, drafters=drafters, **sweep)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from moespec_jax import cli
+from moespec_jax.io.progress import Progress
 
 CLI_PATH = pathlib.Path(cli.__file__)
 
@@ -88,7 +89,7 @@ def test_user_errors_one_line_exit_2(script):
 def test_progress_lines():
   now = [0.0]
   stream = io.StringIO()
-  prog = cli.Progress(100, desc="train", every_s=10.0, stream=stream, clock=lambda: now[0])
+  prog = Progress(100, desc="train", every_s=10.0, stream=stream, clock=lambda: now[0])
   now[0] = 5.0
   assert not prog.update(10, units=1000)
   now[0] = 10.0
@@ -98,15 +99,15 @@ def test_progress_lines():
   assert "200 tokens/s" in line and "loss 2.5" in line and "eta 40s" in line
   assert prog.update(100)  # the last step always prints
   assert "eta" not in prog.last_line and len(stream.getvalue().splitlines()) == 2
-  by_steps = cli.Progress(50, every_s=None, every_steps=10, stream=io.StringIO(),
+  by_steps = Progress(50, every_s=None, every_steps=10, stream=io.StringIO(),
                           start_step=20, clock=lambda: now[0])
   assert [by_steps.update(s) for s in range(21, 41)].count(True) == 2
   emitted = []
-  to_log = cli.Progress(3, every_s=None, every_steps=1, emit=emitted.append, clock=lambda: now[0])
+  to_log = Progress(3, every_s=None, every_steps=1, emit=emitted.append, clock=lambda: now[0])
   assert to_log.update(1) and to_log.update(3)
   assert emitted == [to_log.format(1, now[0], {}), to_log.last_line] and emitted[-1].startswith("step 3/3")
   with pytest.raises(ValueError, match="emit or stream"):
-    cli.Progress(3, emit=emitted.append, stream=io.StringIO())
+    Progress(3, emit=emitted.append, stream=io.StringIO())
 
 
 def test_list_flags_name_the_flag():

@@ -3,7 +3,7 @@
 import json
 import os
 
-from moespec_jax.analysis import kernel_report
+from moespec_jax.research import kernel_report
 from tests.cli_run import run_module
 
 

@@ -15,7 +15,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from moespec_jax.analysis import quality as quality_lib
+from moespec_jax.decoding import quality as quality_lib
 from moespec_jax.decoding import auto_draft
 from moespec_jax.decoding import drafters as drafters_lib
 from moespec_jax.decoding import rejection

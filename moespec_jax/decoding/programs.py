@@ -12,7 +12,6 @@ import logging
 from typing import Any
 
 import jax
-import numpy as np
 from flax import nnx
 
 from moespec_jax.decoding.params import SpecParams

@@ -41,6 +41,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from moespec_jax.config import ModelConfig
+from moespec_jax.model.block import Block
 from moespec_jax.model.cache import KVCache
 from moespec_jax.model.layers import RMSNorm, at_index, fan_in_init, packed_product, use_packed
 from pallas_kernels import cpu_ffi
@@ -50,7 +51,6 @@ class MTPModule(nnx.Module):
   """One MTP depth: norms, the [hidden; embedding] projection W_p, one transformer block."""
 
   def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
-    from moespec_jax.model.transformer import Block  # transformer imports this module
     d = config.d_model
     self.hidden_norm = RMSNorm(d, config.norm_eps)
     self.embed_norm = RMSNorm(d, config.norm_eps)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 
 import jax
 import jax.numpy as jnp
@@ -10,11 +9,11 @@ from flax import nnx, struct
 
 from moespec_jax.config import ModelConfig
 from moespec_jax.model.attention import Attention
+from moespec_jax.model.block import Block
 from moespec_jax.model.cache import KVCache
 from moespec_jax.model import mla
-from moespec_jax.model.layers import RMSNorm, SwiGLU, at_index, fan_in_init, rope_tables
-from moespec_jax.model.mla import MLAttention
-from moespec_jax.model.moe import MoE
+from moespec_jax.model.layers import RMSNorm, fan_in_init, rope_tables
+from moespec_jax.model.mtp import MTPModule
 from pallas_kernels import cpu_ffi
 
 
@@ -38,42 +37,6 @@ def _path_key(path) -> str:
   return "/".join(str(part) for part in path)
 
 
-class Block(nnx.Module):
-  """Pre-norm block: x + attn(norm(x)), then x + ffn(norm(x)); ffn is dense or MoE."""
-
-  def __init__(self, config: ModelConfig, layer: int, *, rngs: nnx.Rngs, dtype=jnp.float32):
-    out_scale = 1.0 / math.sqrt(2 * config.n_layers)
-    self.attn_norm = RMSNorm(config.d_model, config.norm_eps)
-    attention = MLAttention if config.attention_type == "mla" else Attention
-    self.attn = attention(config, out_scale=out_scale, rngs=rngs, dtype=dtype)
-    self.ffn_norm = RMSNorm(config.d_model, config.norm_eps)
-    self.is_moe = config.is_moe_layer(layer)
-    if self.is_moe:
-      self.ffn = MoE(config, out_scale=out_scale, rngs=rngs, dtype=dtype)
-    else:
-      self.ffn = SwiGLU(config.d_model, config.dense_hidden, out_scale=out_scale, rngs=rngs, dtype=dtype)
-
-  def __call__(self, x_BTD, positions_BT, rope, layer_cache, *, expert_method, expert_budget=None,
-               valid_BT=None, fresh_cache: bool = False, output_at_B=None):
-    """Returns (output, new layer cache, routing). `output_at_B`: the block's output at that one
-    index per row only, [B, 1, D] (a caller that reads it there only; [B, W]: at those W indices,
-    [B, W, D]): attention's queries and the FFN run there only, while every index writes its cache
-    entries."""
-    attn_out, new_cache = self.attn(self.attn_norm(x_BTD), positions_BT, rope, layer_cache,
-                                    fresh_cache=fresh_cache, query_at_B=output_at_B)
-    if output_at_B is not None:
-      x_BTD = at_index(x_BTD, output_at_B)
-      valid_BT = None if valid_BT is None else at_index(valid_BT, output_at_B)
-    x_BTD = x_BTD + attn_out
-    h = self.ffn_norm(x_BTD)
-    if self.is_moe:
-      ffn_out, routing = self.ffn(h, expert_method=expert_method, expert_budget=expert_budget,
-                                  valid_BT=valid_BT)
-    else:
-      ffn_out, routing = self.ffn(h), None
-    return x_BTD + ffn_out, new_cache, routing
-
-
 class Transformer(nnx.Module):
   """Embeddings, `n_layers` blocks, final norm, output head."""
 
@@ -92,7 +55,6 @@ class Transformer(nnx.Module):
     # MTP drafter heads (model/mtp.py): an optional sub-tree, created after the target so that
     # the target's parameters do not depend on num_mtp_modules.
     if config.num_mtp_modules:
-      from moespec_jax.model.mtp import MTPModule
       self.mtp = nnx.List([MTPModule(config, rngs=rngs, dtype=dtype) for _ in range(config.num_mtp_modules)])
     else:
       self.mtp = None

@@ -25,7 +25,6 @@ import numpy as np
 import optax
 from flax import nnx
 
-from moespec_jax import cli
 from moespec_jax.api import Model
 from moespec_jax.config import dataclass_from_dict
 from moespec_jax.data import batches as batches_lib
@@ -33,6 +32,7 @@ from moespec_jax.io import atomic, checkpoint
 from moespec_jax.model import Transformer
 from moespec_jax.model import mtp as mtp_lib
 from moespec_jax.training import losses
+from moespec_jax.io.progress import Progress
 
 LOSSES = ("ce", "distill")
 
@@ -192,7 +192,7 @@ def train(target: Model, tc: MTPTrainConfig, workdir, *, log=print) -> tuple[Mod
     log(f"resuming MTP training from step {start}")
 
   tokens_per_step = tc.batch_size * tc.seq_len
-  progress = cli.Progress(tc.steps, desc="mtp", unit="tokens", every_s=tc.log_every_seconds,
+  progress = Progress(tc.steps, desc="mtp", unit="tokens", every_s=tc.log_every_seconds,
                           start_step=start, emit=log)
   began = time.perf_counter()
   step = start

@@ -15,7 +15,6 @@ import numpy as np
 import optax
 from flax import nnx
 
-from moespec_jax import cli
 from moespec_jax.api import Model
 from moespec_jax.config import ModelConfig, dataclass_from_dict
 from moespec_jax.data import batches as batches_lib
@@ -24,6 +23,7 @@ from moespec_jax.io import atomic, checkpoint, plots
 from moespec_jax.model import Transformer
 from moespec_jax.model.moe import RouterBias
 from moespec_jax.training import losses
+from moespec_jax.io.progress import Progress
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,7 +187,7 @@ def train(config: ModelConfig, tc: TrainConfig, workdir, *, config_name: str = "
   train_step = make_train_step(graphdef, optimizer, tc, config)
   eval_step = make_eval_step(graphdef)
   tokens_per_step = tc.batch_size * tc.seq_len
-  progress = cli.Progress(tc.steps, desc="train", unit="tokens", every_s=tc.log_every_seconds,
+  progress = Progress(tc.steps, desc="train", unit="tokens", every_s=tc.log_every_seconds,
                           start_step=start, emit=log)
   step_times = []
   step = start

@@ -3,7 +3,8 @@
 import numpy as np
 import pytest
 
-from moespec_jax.analysis import ipf, routing, routing_report
+from moespec_jax.analysis import ipf, routing
+from moespec_jax.research import routing_report
 from moespec_jax.analysis.routing import RoutingTrace
 
 

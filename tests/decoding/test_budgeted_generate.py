@@ -58,7 +58,7 @@ def test_budget_below_top_k_is_refused(tiny_model, tiny_config):
 
 
 def test_compare_modes_budgets_and_table_keep_exact_and_approximate_apart():
-  from moespec_jax.decoding import compare_modes
+  from moespec_jax.research import compare_modes
   assert compare_modes.budgets_for(4, (1.0, 1.5, 2.0, 3.0, 4.0, None)) == [4, 6, 8, 12, 16, None]
   assert compare_modes.budgets_for(6, (1.0, 1.5)) == [6, 9]
   base = dict(num_draft=2, batch_size=1, temperature=0.0, tokens_per_second=10.0, top1_agreement=1.0,
@@ -73,7 +73,7 @@ def test_compare_modes_budgets_and_table_keep_exact_and_approximate_apart():
 def test_run_compare_modes_refuses_unknown_policies_before_any_run(tmp_path):
   """The library checks its budget policies first (no model is touched: None would fail) and
   names them as its argument; the CLI passes its flag's name."""
-  from moespec_jax.decoding import compare_modes
+  from moespec_jax.research import compare_modes
   with pytest.raises(ValueError, match=r"^policies must be among truncate, substitute; got \['drop'\]"):
     compare_modes.run_compare_modes(None, tmp_path / "out", policies=["drop"])
   with pytest.raises(ValueError, match=r"^policies must be among truncate, substitute; got \[\]"):

@@ -71,7 +71,7 @@ def test_layouts_qwen2_moe_cannot_express_are_refused(tiny_config, change, field
 def test_an_imported_qwen2_moe_exports_to_the_same_model(tmp_path):
   """The branches our own models do not take: a gated shared expert, q/k/v biases and tied
   embeddings (a random transformers Qwen2-MoE, imported, exported, loaded by transformers again)."""
-  from moespec_jax.hf import tiny_families
+  from moespec_jax.research import tiny_families
   ref = tiny_families.build("qwen2_moe", tmp_path / "original")
   model = msj.Model.load(tmp_path / "original")
   c = model.config

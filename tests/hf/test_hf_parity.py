@@ -14,7 +14,7 @@ import moespec_jax as msj  # noqa: E402
 from flax import nnx  # noqa: E402
 from moespec_jax.model import mtp as mtp_lib  # noqa: E402
 from moespec_jax import hf  # noqa: E402
-from moespec_jax.hf import tiny_families  # noqa: E402
+from moespec_jax.research import tiny_families  # noqa: E402
 
 SEQ = 24
 ATOL = 1e-4

@@ -14,12 +14,12 @@ import time
 from typing import Any, Sequence
 
 import moespec_jax as msj
-from moespec_jax import cli
 from moespec_jax.analysis import timing
 from moespec_jax.data import corpus
 from moespec_jax.decoding import loop
-from moespec_jax.hf import tokenizer as hf_tokenizer
+from moespec_jax.data import tokenizer as tokenizer_lib
 from moespec_jax.io import atomic, plots
+from moespec_jax.io.progress import Progress
 
 
 def bench_prompts(model, n: int, prompt_bytes: int, log=print) -> tuple[list, str]:
@@ -27,7 +27,7 @@ def bench_prompts(model, n: int, prompt_bytes: int, log=print) -> tuple[list, st
   checkpoint without one (a random Hugging Face import), the same text's UTF-8 bytes as token
   ids (`utf8_bytes`), as peer_bench prompts, which needs a vocabulary of at least 256."""
   prompts = corpus.held_out_prompts(n, prompt_bytes=prompt_bytes, seed=0)
-  if not isinstance(model.tokenizer, hf_tokenizer.MissingTokenizer):
+  if not isinstance(model.tokenizer, tokenizer_lib.MissingTokenizer):
     return prompts, "tokenizer"
   if model.config.vocab_size < 256:
     raise ValueError(f"the model at {model.tokenizer.source} has no tokenizer.json and a vocabulary of "
@@ -83,7 +83,7 @@ def run_spec_bench(model, workdir, *, batch_sizes: Sequence[int] = (1, 2, 4, 8),
     raise ValueError("drafter 'mtp' needs a model with MTP heads (num_mtp_modules > 0)")
   prompts, encoding = bench_prompts(model, max(batch_sizes), prompt_bytes, log=log)
   total = len(batch_sizes) * len(temperatures) * (1 + len(drafters) * len(num_drafts))
-  progress = cli.Progress(total, desc="spec_bench", unit="rows", every_s=15.0, emit=log)
+  progress = Progress(total, desc="spec_bench", unit="rows", every_s=15.0, emit=log)
   rows, plain_rows, done = [], [], 0
   began = time.perf_counter()
   for temperature in temperatures:

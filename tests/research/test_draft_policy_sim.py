@@ -3,7 +3,8 @@
 import numpy as np
 import pytest
 
-from moespec_jax.analysis import cost_model, draft_policy_sim as sim
+from moespec_jax.analysis import cost_model
+from moespec_jax.research import draft_policy_sim as sim
 from moespec_jax.decoding import auto_draft
 
 # Pass times of the default model on the development machine (ms, K = 0..8: plain, then K drafts

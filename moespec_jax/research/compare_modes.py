@@ -22,11 +22,12 @@ import numpy as np
 
 import moespec_jax as msj
 from moespec_jax import cli
-from moespec_jax.analysis import quality
+from moespec_jax.decoding import quality
 from moespec_jax.data import corpus
 from moespec_jax.decoding import loop
 from moespec_jax.io import atomic, plots
 from moespec_jax.model import budget as budget_lib
+from moespec_jax.io.progress import Progress
 
 BUDGET_MULTIPLIERS = (1.0, 1.5, 2.0, 3.0, 4.0, None)  # x top_k; None = no budget
 
@@ -54,7 +55,7 @@ def run_compare_modes(model, workdir, *, drafter: str = "mtp", num_drafts: Seque
   budgets = budgets_for(model.config.top_k, budget_multipliers)
   prompts = corpus.held_out_prompts(max(batch_sizes), prompt_bytes=192, seed=0)
   total = len(temperatures) * len(batch_sizes) * len(num_drafts) * (1 + len(policies) * len(budgets))
-  progress = cli.Progress(total, desc="compare_modes", unit="rows", every_s=15.0, emit=log)
+  progress = Progress(total, desc="compare_modes", unit="rows", every_s=15.0, emit=log)
   rows, began = [], time.perf_counter()
 
   def gen(batch_prompts, sampling, spec, seed):

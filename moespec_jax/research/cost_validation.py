@@ -59,11 +59,12 @@ import numpy as np
 
 import moespec_jax as msj
 import pallas_kernels
-from moespec_jax import cli
-from moespec_jax.analysis import cost_model, draft_policy_sim, rounds, routing_report, timing, traces
+from moespec_jax.analysis import cost_model, timing
+from moespec_jax.research import draft_policy_sim, rounds, routing_report, traces
 from moespec_jax.data import corpus
 from moespec_jax.decoding import loop
 from moespec_jax.io import atomic, plots, progress
+from moespec_jax.io.progress import Progress
 from pallas_kernels import bytes as kbytes
 
 FITTED_METHODS = ("dedup", "per_slot")
@@ -510,7 +511,7 @@ def _speedup_sweep(model, prompts, reference, cfg: CostValidationConfig, parts, 
       f"measured best K is unsettled)")
   speedups = {(a, 0): 1.0 for a in cfg.alphas}
   accepted_lengths, sweep_rows, prefills, best_k_shares, sweep_rounds = {}, [], [], {}, {}
-  bar = cli.Progress(len(cfg.alphas), desc="cost_model sweep", unit="rates", every_s=20.0, emit=log)
+  bar = Progress(len(cfg.alphas), desc="cost_model sweep", unit="rates", every_s=20.0, emit=log)
   for i, a in enumerate(cfg.alphas):
     part = parts.cached(f"sweep/{a}", lambda: _sweep_rate(model, prompts, reference, cfg, a))
     prefills += part["prefills"]

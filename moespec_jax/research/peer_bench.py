@@ -64,7 +64,8 @@ from typing import Sequence
 
 import numpy as np
 
-from moespec_jax.analysis import roofline, timing
+from moespec_jax.analysis import timing
+from moespec_jax.research import roofline
 from moespec_jax.io import atomic
 
 # How the rows were measured (a resumed run keeps only rows measured the same way): every
@@ -95,7 +96,7 @@ def bench_family(family: str, ckpt: pathlib.Path, size: dict, *, max_new: int, r
   import torch  # pylint: disable=g-import-not-at-top
   import transformers  # pylint: disable=g-import-not-at-top
   import moespec_jax as msj  # pylint: disable=g-import-not-at-top
-  from moespec_jax.hf import tiny_families  # pylint: disable=g-import-not-at-top
+  from moespec_jax.research import tiny_families  # pylint: disable=g-import-not-at-top
 
   if not (ckpt / "config.json").is_file():
     tiny_families.build(family, ckpt, **size)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from moespec_jax.analysis import pass_times
+from moespec_jax.research import pass_times
 
 
 def _trace(ms, ks=(0, 3, 3), experts=(4, 12, 16)):

@@ -25,7 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moespec_jax.analysis import cost_model, roofline
+from moespec_jax.analysis import cost_model
+from moespec_jax.research import roofline
 from moespec_jax.analysis import routing as routing_lib
 from moespec_jax.config import ModelConfig
 from moespec_jax.io import atomic, plots

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 import configs
-from moespec_jax.analysis import cost_model, projection, roofline, routing_report
+from moespec_jax.analysis import cost_model
+from moespec_jax.research import projection, roofline, routing_report
 from moespec_jax.analysis import routing as routing_lib
 from pallas_kernels import bytes as kbytes
 from tests.cli_run import run_module

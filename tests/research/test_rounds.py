@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import moespec_jax as msj
-from moespec_jax.analysis import rounds
+from moespec_jax.research import rounds
 
 
 def test_median_ratio_interval_brackets_the_median_and_narrows_with_rounds():

@@ -19,9 +19,10 @@ from typing import Any, Sequence
 import numpy as np
 
 import moespec_jax as msj
-from moespec_jax import cli
-from moespec_jax.analysis import roofline, timing
+from moespec_jax.analysis import timing
+from moespec_jax.research import roofline
 from moespec_jax.decoding import loop
+from moespec_jax.io.progress import Progress
 
 # Variant name -> the SpecParams kernel settings it decodes with ("cpp": the defaults).
 VARIANTS: dict[str, dict[str, str]] = {
@@ -51,7 +52,7 @@ def decode_kernels_ab(model, prompts: Sequence, *, batch_sizes: Sequence[int] = 
   if len(prompts) < max(batch_sizes):
     raise ValueError(f"{len(prompts)} prompts for batch sizes up to {max(batch_sizes)}")
   rows = []
-  progress = cli.Progress(len(batch_sizes) * rounds, desc="decode_kernels", unit="rounds", every_s=15.0,
+  progress = Progress(len(batch_sizes) * rounds, desc="decode_kernels", unit="rounds", every_s=15.0,
                           emit=log)
   for bi, batch in enumerate(batch_sizes):
     batch_prompts = list(prompts[:batch])

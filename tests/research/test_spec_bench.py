@@ -1,7 +1,7 @@
-"""decoding/bench.py: how paired plain / speculative runs are ordered and combined."""
+"""decoding/spec_bench.py: how paired plain / speculative runs are ordered and combined."""
 
 import moespec_jax as msj
-from moespec_jax.decoding import bench
+from moespec_jax.research import spec_bench
 
 
 def test_paired_reverses_the_order_within_each_pair(monkeypatch):
@@ -18,7 +18,7 @@ def test_paired_reverses_the_order_within_each_pair(monkeypatch):
 
   monkeypatch.setattr(msj, "generate", fake_generate)
   spec = msj.SpecParams(drafter="ngram", num_draft=2)
-  spec_tps, plain_tps, speedup, length, _ = bench.paired(None, ["x"], 8, msj.SamplingParams(), spec, repeats=3)
+  spec_tps, plain_tps, speedup, length, _ = spec_bench.paired(None, ["x"], 8, msj.SamplingParams(), spec, repeats=3)
   assert calls == [("none", 0), ("ngram", 0), ("ngram", 1), ("none", 1), ("none", 2), ("ngram", 2)]
   assert (spec_tps, plain_tps, length) == (150.0, 100.0, 2.0)
   assert speedup == 1.8  # ratios 1.5, 1.8, 2.0

@@ -5,7 +5,7 @@ import json
 import pytest
 
 import moespec_jax as msj
-from moespec_jax import demo
+from moespec_jax.research import demo
 
 
 @pytest.mark.slow

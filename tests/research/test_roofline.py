@@ -4,7 +4,7 @@ import jax
 import pytest
 
 import moespec_jax as msj
-from moespec_jax.analysis import roofline
+from moespec_jax.research import roofline
 
 
 def _target_param_bytes(model):

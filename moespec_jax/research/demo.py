@@ -11,10 +11,10 @@ from typing import Any
 import numpy as np
 
 import moespec_jax as msj
-from moespec_jax import cli
 from moespec_jax.data import corpus
-from moespec_jax.decoding import bench
+from moespec_jax.research import spec_bench
 from moespec_jax.io import atomic
+from moespec_jax.io.progress import Progress
 
 
 def _timed_generate(model, prompts, max_new_tokens, spec, repeats: int):
@@ -52,7 +52,7 @@ def run_demo(model, workdir, *, max_new_tokens: int = 128, batch_sizes=(1, 8), r
   has heads) and the n-gram drafter, each with `num_draft="auto"` (K chosen every pass by the
   cost model, up to `max_draft`; `num_draft` in a row is the K chosen most often), with the
   speedup over plain decoding measured by alternating plain and speculative runs
-  (`decoding.bench.paired`: `plain_tokens_per_second` is the plain side of those pairs), and one
+  (`decoding.spec_bench.paired`: `plain_tokens_per_second` is the plain side of those pairs), and one
   budgeted row (approximate: expert budget `budget_multiplier` x top_k, at the K auto chose).
   """
   from moespec_jax.training import pretrain
@@ -63,7 +63,7 @@ def run_demo(model, workdir, *, max_new_tokens: int = 128, batch_sizes=(1, 8), r
   budget = budget_multiplier * model.config.top_k
   budgeted = bool(model.config.n_moe_layers) and budget < model.config.n_routed_experts
   # A line per measured row (compilation and auto K's calibration included): minutes in all.
-  progress = cli.Progress(len(batch_sizes) * (1 + len(drafters) + budgeted), desc="demo", unit="rows",
+  progress = Progress(len(batch_sizes) * (1 + len(drafters) + budgeted), desc="demo", unit="rows",
                           every_s=None, every_steps=1, emit=log)
   steps = itertools.count(1)
 
@@ -82,7 +82,7 @@ def run_demo(model, workdir, *, max_new_tokens: int = 128, batch_sizes=(1, 8), r
     chosen = {}
     for drafter in drafters:
       spec = msj.SpecParams(drafter=drafter, num_draft="auto", max_draft=max_draft)
-      tps, paired_plain_tps, speedup, _, _ = bench.paired(model, prompts[:batch], max_new_tokens,
+      tps, paired_plain_tps, speedup, _, _ = spec_bench.paired(model, prompts[:batch], max_new_tokens,
                                                           msj.SamplingParams(), spec, repeats)
       out = msj.generate(model, prompts[:batch], max_new_tokens=max_new_tokens, spec=spec)
       chosen[drafter] = out.stats["chosen_num_draft"]
@@ -95,7 +95,7 @@ def run_demo(model, workdir, *, max_new_tokens: int = 128, batch_sizes=(1, 8), r
       drafter = drafters[0]
       k = max(1, chosen[drafter])
       spec = msj.SpecParams(drafter=drafter, num_draft=k, mode="budgeted", expert_budget=budget, kernel="dedup")
-      tps, paired_plain_tps, speedup, _, _ = bench.paired(model, prompts[:batch], max_new_tokens,
+      tps, paired_plain_tps, speedup, _, _ = spec_bench.paired(model, prompts[:batch], max_new_tokens,
                                                           msj.SamplingParams(), spec, repeats)
       with_quality = msj.generate(model, prompts[:batch], max_new_tokens=max_new_tokens,
                                   spec=dataclasses.replace(spec, measure_quality=True))

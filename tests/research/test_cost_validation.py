@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 import moespec_jax as msj
-from moespec_jax.analysis import cost_model, cost_validation
+from moespec_jax.analysis import cost_model
+from moespec_jax.research import cost_validation
 from pallas_kernels import bytes as kbytes
 from tests.cli_run import run_module
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from moespec_jax.decoding import kernel_ab
+from moespec_jax.research import decode_kernels
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -14,7 +14,7 @@ from moespec_jax.decoding import kernel_ab
 ])
 def test_bad_settings_are_refused(kwargs, match):
   with pytest.raises(ValueError, match=match):
-    kernel_ab.decode_kernels_ab(None, [[1, 2, 3]], **kwargs)
+    decode_kernels.decode_kernels_ab(None, [[1, 2, 3]], **kwargs)
 
 
 def test_table_marks_rows_without_a_figure():
@@ -22,5 +22,5 @@ def test_table_marks_rows_without_a_figure():
           {"batch_size": 1, "variant": "xla", "decode_ms_per_step": 0.6, "decode_time_over_cpp": 1.2,
            "decode_time_over_cpp_interval": (1.1, 1.3)},
           {"batch_size": 1, "variant": "xla_head", "decode_ms_per_step": None}]
-  table = kernel_ab.format_table(rows)
+  table = decode_kernels.format_table(rows)
   assert "| 1 | xla | 0.600 | 1.200 [1.100, 1.300] |" in table and "| 1 | xla_head | - | - |" in table

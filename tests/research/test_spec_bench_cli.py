@@ -32,15 +32,15 @@ def test_bad_flag_is_one_line_and_exit_2(tmp_path):
 
 def test_a_checkpoint_without_tokenizer_gets_byte_prompts(tiny_config):
   from moespec_jax.data import corpus  # pylint: disable=g-import-not-at-top
-  from moespec_jax.decoding import bench  # pylint: disable=g-import-not-at-top
-  from moespec_jax.hf.tokenizer import MissingTokenizer  # pylint: disable=g-import-not-at-top
+  from moespec_jax.research import spec_bench  # pylint: disable=g-import-not-at-top
+  from moespec_jax.data.tokenizer import MissingTokenizer  # pylint: disable=g-import-not-at-top
   model = msj.Model.init(tiny_config, seed=0)
-  text, encoding = bench.bench_prompts(model, 2, 64, log=lambda *_: None)
+  text, encoding = spec_bench.bench_prompts(model, 2, 64, log=lambda *_: None)
   assert encoding == "tokenizer" and text == corpus.held_out_prompts(2, prompt_bytes=64, seed=0)
   model.tokenizer = MissingTokenizer("a random checkpoint", vocab_size=264, eos_id=256, bos_id=257)
-  ids, encoding = bench.bench_prompts(model, 2, 64, log=lambda *_: None)
+  ids, encoding = spec_bench.bench_prompts(model, 2, 64, log=lambda *_: None)
   assert encoding == "utf8_bytes" and ids == [list(t.encode("utf-8")) for t in text]
   small = msj.Model.init(tiny_config.replace(vocab_size=200, eos_id=198, bos_id=199), seed=0)
   small.tokenizer = MissingTokenizer("a random checkpoint", vocab_size=200, eos_id=198, bos_id=199)
   with pytest.raises(ValueError, match="a random checkpoint has no tokenizer.json and a vocabulary of 200"):
-    bench.bench_prompts(small, 2, 64)
+    spec_bench.bench_prompts(small, 2, 64)

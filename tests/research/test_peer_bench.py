@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from moespec_jax.hf import peer_bench
+from moespec_jax.research import peer_bench
 
 
 def test_summary_ratios_are_medians_of_within_round_ratios():
