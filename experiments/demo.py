@@ -1,25 +1,34 @@
 """`make demo`: train (first run) or load the default model, then compare decoding modes.
 
-  python -m experiments.demo --workdir=runs/demo
+  python -m experiments.demo --workdir=runs/demo [--model=DIR] [--quick]
+
+Writes DIR/metrics.json (key `demo`) and DIR/speedup.png.
 """
 
 from absl import flags
 
 from moespec_jax import cli
 from moespec_jax.research import demo
-from moespec_jax.default_model import ensure_default_model
 
-_WORKDIR = flags.DEFINE_string("workdir", "runs/demo", "Where metrics.json goes.")
+_WORKDIR = flags.DEFINE_string("workdir", "runs/demo", "Where metrics.json and speedup.png go.")
+_MODEL = cli.define_model_flag()
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 128, "Tokens generated per prompt.", lower_bound=1)
 _REPEATS = flags.DEFINE_integer(
-    "repeats", 7, "Timed pairs of plain and speculative runs per row (medians reported).", lower_bound=1)
+    "repeats", 7, "Timed pairs of plain and speculative runs per row, after one untimed run of each (medians "
+    "reported).", lower_bound=1)
+_BATCHES = flags.DEFINE_list("batch_sizes", ["1", "8"], "Batch sizes.")
+_MAX_DRAFT = flags.DEFINE_integer("max_draft", 8, "Largest K of num_draft='auto'.", lower_bound=1, upper_bound=16)
+_QUICK = cli.define_quick_flag("batch 1, shorter outputs, fewer pairs",
+                               {"batch_sizes": ["1"], "max_new_tokens": 32, "repeats": 3})
 
 
 def main(argv):
   if len(argv) > 1:
     raise ValueError(f"unexpected arguments: {argv[1:]}")
-  model = ensure_default_model()
-  demo.run_demo(model, _WORKDIR.value, max_new_tokens=_MAX_NEW.value, repeats=_REPEATS.value)
+  batch_sizes = cli.int_list("batch_sizes", _BATCHES.value)
+  model = cli.load_model(_MODEL.value)
+  demo.run_demo(model, _WORKDIR.value, max_new_tokens=_MAX_NEW.value, batch_sizes=tuple(batch_sizes),
+                repeats=_REPEATS.value, max_draft=_MAX_DRAFT.value)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@
   python -m experiments.kernel_bench --workdir=DIR [--quick] [--shapes=...] [--n_list=...]
 
 Writes DIR/metrics.json (key `kernel_bench`) atomically and PNG plots of time and effective
-bandwidth (requested bytes / time, pallas_kernels.bytes) vs n per method, crossover marked. The
+bandwidth (requested bytes / time, pallas_kernels.bytes) vs n per method, crossover marked
+(DIR/kernel_bench_<shape>_<routing>.png). The
 methods are timed in alternation on the same input; the crossover is the first n from which
 dedup stays faster (analysis/kernel_report).
 The streaming read bandwidth (jnp.sum over 256 MB, f32) is measured in the same run, around
@@ -51,7 +52,8 @@ _OVERLAP = flags.DEFINE_float("overlap", 0.38, "Correlated routing: share of a t
                               "taken from the previous token.", lower_bound=0.0, upper_bound=1.0)
 _MAX_WEIGHT_GB = flags.DEFINE_float("max_weight_gb", 3.0, "Benchmark a subset of experts above this.")
 _BACKEND = flags.DEFINE_string("backend", "auto", "Kernel backend for dedup/per_slot.")
-_QUICK = flags.DEFINE_bool("quick", False, "Small run (tiny shape, n 1,2,4, 3 repeats) for tests.")
+_QUICK = cli.define_quick_flag("the tiny shape, three pass sizes",
+                               {"shapes": ["tiny"], "n_list": ["1", "2", "4"], "repeats": 3})
 _SEED = flags.DEFINE_integer("seed", 0, "Routing and weight seed.")
 
 
@@ -176,14 +178,10 @@ def run(workdir, shapes, n_list, routings, methods, repeats, overlap, max_weight
 
 
 def main(argv):
-  del argv
-  if _QUICK.value:
-    shapes, n_list, repeats = ["tiny"], [1, 2, 4], 3
-  else:
-    n_list = cli.int_list("n_list", _N_LIST.value)
-    shapes, repeats = _SHAPES.value, _REPEATS.value
-  run(_WORKDIR.value, shapes, n_list, _ROUTINGS.value, _METHODS.value, repeats, _OVERLAP.value,
-      _MAX_WEIGHT_GB.value, _BACKEND.value, _SEED.value)
+  if len(argv) > 1:
+    raise ValueError(f"unexpected arguments: {argv[1:]}")
+  run(_WORKDIR.value, _SHAPES.value, cli.int_list("n_list", _N_LIST.value), _ROUTINGS.value, _METHODS.value,
+      _REPEATS.value, _OVERLAP.value, _MAX_WEIGHT_GB.value, _BACKEND.value, _SEED.value)
 
 
 if __name__ == "__main__":

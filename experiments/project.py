@@ -2,8 +2,8 @@
 measurement): pass bytes and time per size for the dedup and per-slot kernels, the crossover,
 the routed experts' share of a pass, and the best draft length per acceptance rate.
 
-  python -m experiments.project --config=configs/deepseek_v2_lite.py --read_gbps=4000 \
-      [--fixed_ms=0.3] [--dedup_bandwidth_ratio=0.6] [--batch_size=1] [--context=2048] \
+  python -m experiments.project --config=configs/deepseek_v2_lite.py --read_gbps=4000
+      [--fixed_ms=0.3] [--dedup_bandwidth_ratio=0.6] [--batch_size=1] [--context=2048]
       [--dtype=bfloat16] [--draft_cost=0.04] [--max_k=8] [--workdir=runs/project]
       [--routing_stats=runs/routing_stats/metrics.json]
 

@@ -1,7 +1,7 @@
 """Routing statistics of the default trained model on held-out code.
 
   python -m experiments.routing_stats --workdir=runs/routing_stats [--model=DIR]
-      [--source=heldout|generated] [--n_segments=64] [--seq_len=256]
+      [--source=heldout|generated] [--n_segments=64] [--seq_len=256] [--quick]
 
 Writes DIR/metrics.json (key `routing_stats`), DIR/trace.npz and DIR/routing.png.
 """
@@ -27,6 +27,8 @@ _SEQ_LEN = flags.DEFINE_integer(
 _MAX_TOKENS = flags.DEFINE_integer("max_tokens", 16, "Largest pass size n.", lower_bound=2)
 _IPF_MAX = flags.DEFINE_integer("ipf_max_tokens", 9, "Largest n for the IPF model (2^n states; its error is over "
                                 "n = 2 and up).", lower_bound=2)
+_QUICK = cli.define_quick_flag("fewer and shorter windows, smaller passes",
+                               {"n_segments": 8, "seq_len": 32, "max_tokens": 8, "ipf_max_tokens": 5})
 
 
 def main(argv):
@@ -41,19 +43,21 @@ def main(argv):
   else:
     trace = traces.generated_trace(model, n_prompts=_SEGMENTS.value, max_new_tokens=_SEQ_LEN.value)
   workdir.mkdir(parents=True, exist_ok=True)
-  trace.save(workdir / "trace.npz")
+  written = [workdir / "trace.npz", workdir / "metrics.json", workdir / "routing.png"]
+  trace.save(written[0])
   stats = routing_report.routing_stats(trace, max_tokens=_MAX_TOKENS.value, ipf_max_tokens=_IPF_MAX.value)
-  atomic.write_json_atomic(workdir / "metrics.json", {"routing_stats": stats})
-  routing_report.plot_routing(stats, workdir / "routing.png")
+  atomic.write_json_atomic(written[1], {"routing_stats": stats})
+  routing_report.plot_routing(stats, written[2])
   print(f"{'n':>3}{'empirical':>11}{'IPF':>9}{'independent':>13}{'uniform':>9}")
   for r in stats["unique_experts"]:
     ipf_text = f"{r['ipf']:9.2f}" if r["ipf"] is not None else f"{'-':>9}"
     print(f"{r['n_tokens']:>3}{r['empirical']:>11.2f}{ipf_text}{r['independent']:>13.2f}{r['uniform']:>9.2f}")
-  print("overlap by distance:", ", ".join(f"d={o['distance']}: {o['overlap']:.3f}" for o in stats["overlap_by_distance"]),
-        f"(independent {stats['overlap_by_distance'][0]['independent']:.3f})")
+  overlap = stats["overlap_by_distance"]
+  print("overlap by distance:", ", ".join(f"d={o['distance']}: {o['overlap']:.3f}" for o in overlap),
+        f"(independent {overlap[0]['independent']:.3f})")
   print(f"mean abs relative error ({stats['error_range']}): IPF {stats['ipf_mean_abs_rel_error']:.2%}, "
         f"independent {stats['independent_mean_abs_rel_error']:.2%}")
-  print(f"wrote {workdir / 'metrics.json'}")
+  print("wrote " + ", ".join(str(p) for p in written))
 
 
 if __name__ == "__main__":

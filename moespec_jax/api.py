@@ -104,9 +104,11 @@ class Model:
     return path
 
   def save_hf(self, path) -> pathlib.Path:
-    """Writes a Hugging Face checkpoint in the Qwen2-MoE layout to `path` atomically (config.json
-    and model.safetensors; transformers loads it, as does `load`). ValueError for a layout
-    Qwen2-MoE cannot express; MTP heads are not written (`moespec_jax.hf.export`)."""
+    """Writes a Hugging Face checkpoint in the Qwen2-MoE layout to `path` atomically (config.json,
+    model.safetensors, the tokenizer and generation_config.json; transformers loads it, as does
+    `load`): `AutoTokenizer`'s `tokenizer(text)` gives `self.tokenizer.prompt_ids(text)`, and BOS
+    is the token those start with. ValueError for a layout Qwen2-MoE cannot express; MTP heads are
+    not written (`moespec_jax.hf.export`)."""
     from moespec_jax.hf import export  # pylint: disable=g-import-not-at-top
     return export.export_qwen2_moe(self, path)
 

@@ -10,19 +10,27 @@ Usage in `experiments/NAME.py`:
 
 A bad flag, a `ValueError`, an `OSError` (missing file...) or `app.UsageError` prints a
 single `error: <message>` line on stderr and exits with status 2, without a
-traceback or usage text. Other exceptions keep their traceback (they are bugs).
+traceback or usage text; a message that opens with one of the program's flag names names it
+as `--flag`, as the flag checks do. Other exceptions keep their traceback (they are bugs).
+Ctrl-C prints `interrupted` (with `resumable`: how to resume) and exits with status 130.
+
+`--help` lists the program's own flags and those defined here (`--model`, `--quick`).
+`define_quick_flag` gives an experiment its smoke run: defaults for some flags, applied before
+`main` to the flags the command line leaves unset (a flag given explicitly keeps its value).
 """
 
 from __future__ import annotations
 
 import math
+import re
 import sys
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from absl import app
 from absl import flags
 
 EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
 # OSError covers missing files and a --config file that ml_collections failed to load.
 _USER_ERRORS = (ValueError, OSError, app.UsageError)
 
@@ -84,13 +92,53 @@ def choice_list(flag: str, values: Sequence[str], known: Sequence[str]) -> list[
   return check_choices(f"--{flag}", values, known)
 
 
-def define_model_flag(unset: str = "the default trained model, trained and cached on first use") -> flags.FlagHolder:
-  """`--model=DIR` (alias `--checkpoint`), the model an experiment runs on: a directory of ours or
-  a Hugging Face one (`Model.load`); unset, the default trained model (`load_model`). `unset`: what
-  the help says an unset flag means."""
+def define_model_flag(unset: str = "the default trained model, trained and cached on first use",
+                      aliases: Sequence[str] = ("checkpoint",)) -> flags.FlagHolder:
+  """`--model=DIR` (alias `--checkpoint`, and any other `aliases`), the model an experiment runs on: a
+  directory of ours or a Hugging Face one (`Model.load`); unset, the default trained model (`load_model`).
+  `unset`: what the help says an unset flag means."""
   holder = flags.DEFINE_string("model", None, f"Model directory, ours or a Hugging Face one (default: {unset}).")
-  flags.DEFINE_alias("checkpoint", "model")
+  for alias in aliases:
+    flags.DEFINE_alias(alias, "model")
   return holder
+
+
+# --quick's defaults of this program: flag name (or `config.a.b` for a field of --config) -> value.
+_QUICK_DEFAULTS: dict[str, Any] = {}
+
+
+def _shown(value: Any) -> str:
+  if isinstance(value, (list, tuple)):
+    return ",".join(str(v) for v in value)
+  return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def define_quick_flag(what: str, defaults: dict[str, Any]) -> flags.FlagHolder:
+  """`--quick`: a smoke run (`what`), measured as the full run is, on the flag values `defaults`
+  (flag name -> value as the flag holds it, a list flag's strings; `config.a.b` names the field
+  `a.b` of --config). A flag given on the command line keeps its value."""
+  _QUICK_DEFAULTS.update(defaults)
+  settings = " ".join(f"--{name}={_shown(value)}" for name, value in _QUICK_DEFAULTS.items())
+  return flags.DEFINE_bool("quick", False, f"A smoke run ({what}): {settings}; a flag given explicitly keeps "
+                           "its value.")
+
+
+def apply_quick() -> None:
+  """With --quick, sets its defaults on the flags (and --config fields) the command line left unset."""
+  if not _QUICK_DEFAULTS or not flags.FLAGS["quick"].value:
+    return
+  for name, value in _QUICK_DEFAULTS.items():
+    if name.startswith("config."):
+      from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
+      path = name[len("config."):]
+      if path not in config_flags.get_override_values(flags.FLAGS["config"]):
+        *parents, field = path.split(".")
+        node = flags.FLAGS["config"].value
+        for parent in parents:
+          node = node[parent]
+        node[field] = value
+    elif not flags.FLAGS[name].present:
+      flags.FLAGS[name].value = value
 
 
 def load_model(path: str | None, *, train_heads: bool = True):
@@ -106,13 +154,33 @@ def load_model(path: str | None, *, train_heads: bool = True):
 def _message(error: BaseException) -> str:
   if isinstance(error, FileNotFoundError) and error.filename:
     return f"{error.strerror or 'file not found'}: {error.filename}"
-  return one_line(error) or type(error).__name__
+  text = one_line(error) or type(error).__name__
+  # A library argument named as a flag of this program: `top_p must ...` -> `--top_p must ...`.
+  match = re.match(r"(\w+)(?= must\b|=| \()", text)
+  if match and match.group(1) in _key_flag_names():
+    text = "--" + text
+  return text
+
+
+def _key_flag_names() -> set[str]:
+  """The names of the flags `--help` lists for the main program."""
+  return {f.name for f in flags.FLAGS.get_key_flags_for_module(sys.argv[0])}
+
+
+def _show_shared_flags_in_help() -> None:
+  """Makes the flags defined in this package (`--model`, `--quick`...) key flags of the main program,
+  so that `--help` lists them beside its own (absl shows other modules' flags under --helpfull only)."""
+  for module, module_flags in flags.FLAGS.flags_by_module_dict().items():
+    if module == __name__ or module.startswith("moespec_jax."):
+      for flag in module_flags:
+        flags.FLAGS.register_key_flag_for_module(sys.argv[0], flag)
 
 
 def run(main: Callable[[list[str]], object], argv: Sequence[str] | None = None, *,
-        verbosity: int = -1) -> None:
-  """`absl.app.run(main)` with one-line user errors and exit status 2, and the persistent cache of
-  compiled programs on (`io/compile_cache.enable`: a rerun loads what an earlier run compiled).
+        verbosity: int = -1, resumable: bool = False) -> None:
+  """`absl.app.run(main)` with one-line user errors and exit status 2, --quick's defaults applied
+  (`define_quick_flag`), and the persistent cache of compiled programs on (`io/compile_cache.enable`:
+  a rerun loads what an earlier run compiled).
 
   Args:
     main: the program; receives the arguments left after the flags.
@@ -120,26 +188,36 @@ def run(main: Callable[[list[str]], object], argv: Sequence[str] | None = None, 
     verbosity: default of absl's `--verbosity` (-1 WARNING, 0 INFO). WARNING
       keeps INFO logs of libraries (jax backend probing, orbax) off stderr, so
       an error is the only stderr line; `--verbosity=0` shows them.
+    resumable: the program resumes where an interrupted run stopped when rerun the same way;
+      Ctrl-C then says so.
   """
   verbosity_given = []
+  _show_shared_flags_in_help()
 
   def parser(args: list[str]) -> list[str]:
     rest = parse_flags(args)
     verbosity_given.append(not flags.FLAGS["verbosity"].using_default_value)
     return rest
 
+  def interrupted() -> None:
+    sys.stdout.flush()
+    sys.stderr.write("interrupted; resume with the same command\n" if resumable else "interrupted\n")
+    sys.stderr.flush()
+    sys.exit(EXIT_INTERRUPTED)
+
   def wrapped(args: list[str]) -> object:
     # absl raises an unset --verbosity to INFO after parsing; apply ours instead.
     if verbosity_given and not verbosity_given[-1]:
       flags.FLAGS.verbosity = verbosity
-    from moespec_jax.io import compile_cache  # pylint: disable=g-import-not-at-top
-    compile_cache.enable()  # a rerun loads its compiled programs
     try:
+      apply_quick()
+      from moespec_jax.io import compile_cache  # pylint: disable=g-import-not-at-top
+      compile_cache.enable()  # a rerun loads its compiled programs
       return main(args)
     except _USER_ERRORS as e:
       fail(_message(e))
     except KeyboardInterrupt:
-      fail("interrupted", status=130)
+      interrupted()
     return None
 
   app.run(wrapped, argv=None if argv is None else list(argv), flags_parser=parser)

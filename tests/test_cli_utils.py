@@ -2,6 +2,7 @@
 
 import io
 import pathlib
+import signal
 import subprocess
 import sys
 
@@ -131,3 +132,74 @@ def test_list_flags_name_the_flag():
   for bad in (["uniform", "zipf"], []):
     with pytest.raises(ValueError, match="--routings must be among uniform, correlated; got"):
       cli.choice_list("routings", bad, ("uniform", "correlated"))
+
+# An experiment-like program: the shared --model flag, a --quick smoke run, a resumable main.
+EXPERIMENT = f"""
+import importlib.util
+import sys
+import time
+from absl import flags
+spec = importlib.util.spec_from_file_location("cli_under_test", {str(CLI_PATH)!r})
+cli = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(cli)
+
+model = cli.define_model_flag()
+repeats = flags.DEFINE_integer("repeats", 7, "timed repeats")
+sizes = flags.DEFINE_list("sizes", ["1", "8"], "sizes")
+top_p = flags.DEFINE_float("top_p", 1.0, "top-p")
+wait = flags.DEFINE_bool("wait", False, "wait to be interrupted")
+quick = cli.define_quick_flag("small", {{"repeats": 3, "sizes": ["1"]}})
+
+def main(argv):
+  if top_p.value == 0:
+    raise ValueError("top_p must be in (0, 1], got 0.0")
+  if top_p.value == 2:
+    raise ValueError("prompt length (3) + max_new_tokens (9) exceeds the model's max_seq_len (8)")
+  if wait.value:
+    print("ready", flush=True)
+    time.sleep(60)
+  print(repeats.value, sizes.value, model.value)
+
+cli.run(main, resumable=sys.argv[0].endswith("resumable.py"))
+"""
+
+
+@pytest.fixture(scope="module")
+def experiment(tmp_path_factory):
+  folder = tmp_path_factory.mktemp("experiment")
+  for name in ("prog.py", "resumable.py"):
+    (folder / name).write_text(EXPERIMENT)
+  return folder
+
+
+def test_quick_sets_its_defaults_where_no_flag_was_given(experiment):
+  results = _run_many(experiment / "prog.py", [(), ("--quick",), ("--quick", "--repeats=5"),
+                                               ("--quick", "--sizes=2,4", "--checkpoint=m")])
+  assert [out for _, out, _ in results] == ["7 ['1', '8'] None\n", "3 ['1'] None\n", "5 ['1'] None\n",
+                                            "3 ['2', '4'] m\n"]
+
+
+def test_help_lists_the_shared_flags_and_quick_says_what_it_sets(experiment):
+  out = subprocess.run([sys.executable, str(experiment / "prog.py"), "--help"], capture_output=True, text=True,
+                       timeout=60).stdout
+  for flag in ("--model", "--checkpoint", "--repeats", "--sizes", "--[no]quick"):
+    assert f"  {flag}:" in out, out
+  assert "--repeats=3 --sizes=1; a flag given explicitly keeps its value" in " ".join(out.split())
+
+
+def test_a_library_argument_is_named_as_its_flag(experiment):
+  (rc, _, err), (rc2, _, err2) = _run_many(experiment / "prog.py", [("--top_p=0",), ("--top_p=2",)])
+  assert rc == rc2 == 2
+  assert err == "error: --top_p must be in (0, 1], got 0.0\n"
+  assert err2.startswith("error: prompt length (3)")  # not a flag of this program: as it was
+
+
+@pytest.mark.parametrize("name, message", [("resumable.py", "interrupted; resume with the same command\n"),
+                                           ("prog.py", "interrupted\n")])
+def test_ctrl_c_says_interrupted_not_error(experiment, name, message):
+  proc = subprocess.Popen([sys.executable, str(experiment / name), "--wait"], stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True)
+  assert proc.stdout.readline() == "ready\n"
+  proc.send_signal(signal.SIGINT)
+  _, err = proc.communicate(timeout=60)
+  assert proc.returncode == cli.EXIT_INTERRUPTED and err == message

@@ -38,6 +38,7 @@ def test_generate_cli_end_to_end_and_bad_values(tiny_model, tmp_path):
   assert proc.returncode == 0, proc.stderr
   assert "auto K: passes by K" in proc.stdout and "APPROXIMATE" not in proc.stdout
   assert "pass times calibrated on loops" in proc.stdout  # 6 tokens: too few passes per K for held runs
+  assert "\nacceptance by depth: 1: " in proc.stdout  # beside the mean accepted length
   proc = run_module("experiments.generate", f"--checkpoint={path}", "--max_new_tokens=4", "--drafter=ngram",
               "--mode=budgeted", "--expert_budget=3", "--measure_quality")
   assert proc.returncode == 0, proc.stderr
@@ -70,3 +71,26 @@ def test_decode_kernels_cli_end_to_end(tiny_model, tmp_path):
   assert [r["variant"] for r in metrics["rows"]] == ["cpp", "xla_head", "xla_dense", "xla_attention", "xla"]
   assert "| 1 | xla_attention |" in (tmp_path / "dk" / "table.md").read_text()
   assert_one_line_error(run_module("experiments.decode_kernels", f"--model={path}", "--batch_sizes=1,x"), "--batch_sizes")
+
+
+def test_generate_offers_the_drafters_it_can_run_and_names_flags_alike(tiny_model, tmp_path):
+  """--help, the refusal and the run agree on the drafters (the controlled one needs a plain run's tokens,
+  which no flag supplies); a library argument's error names its flag as the flag checks do; --workdir
+  keeps the generation."""
+  path = str(tiny_model.save(tmp_path / "model"))
+  helped = run_module("experiments.generate", "--help").stdout
+  assert "--drafter: <none|mtp|ngram>:" in helped and "controlled" not in helped
+  refused = run_module("experiments.generate", f"--model={path}", "--drafter=controlled")
+  assert_one_line_error(refused, "--drafter=controlled")
+  assert "<none|mtp|ngram>" in refused.stderr and "reference_tokens" not in refused.stderr
+  assert_one_line_error(run_module("experiments.generate", f"--model={path}", "--top_p=0"), "--top_p must be in (0, 1]")
+  assert_one_line_error(run_module("experiments.generate", f"--model={path}", "--num_draft=many"),
+                        "--num_draft must be a whole number or 'auto'")
+  proc = run_module("experiments.generate", f"--model={path}", "--prompt=def f(x):", "--prompt=import os",
+                    "--max_new_tokens=5", "--drafter=ngram", "--num_draft=2", f"--workdir={tmp_path / 'out'}")
+  assert proc.returncode == 0, proc.stderr
+  assert "acceptance by depth: 1: " in proc.stdout and ", 2: " in proc.stdout
+  saved = json.loads((tmp_path / "out" / "metrics.json").read_text())["generate"]
+  assert saved["prompts"] == ["def f(x):", "import os"] and len(saved["texts"]) == len(saved["tokens"]) == 2
+  assert len(saved["stats"]["acceptance_by_depth"]) == 2
+  assert proc.stdout.splitlines()[0].startswith("def f(x):" + saved["texts"][0].split("\n")[0])

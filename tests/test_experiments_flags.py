@@ -19,6 +19,10 @@ from tests.cli_run import assert_one_line_error, run_module
     ("experiments.compare_modes", ["--num_drafts=0,x"], "--num_drafts must be a list of integers"),
     ("experiments.compare_modes", ["--temperatures=-1"], "--temperatures values must be finite numbers >= 0"),
     ("experiments.compare_modes", ["--policies=drop"], "--policies must be among truncate, substitute"),
+    ("experiments.compare_modes", ["--budget_multipliers=2,0.5"], "--budget_multipliers values must be finite "
+     "numbers >= 1"),
+    ("experiments.compare_modes", ["--quick", "--num_drafts=x"], "--num_drafts must be a list of integers"),
+    ("experiments.kernel_bench", ["--quick", "--n_list=1,x"], "--n_list must be a list of integers"),
     ("experiments.spec_bench", ["--temperatures=hot"], "--temperatures must be a list of numbers"),
     ("experiments.spec_bench", ["--drafters=mtp,eagle"], "--drafters must be among mtp, ngram"),
     ("experiments.kernel_bench", ["--methods=dedup,triton"], "--methods must be among dedup, per_slot, xla"),

@@ -4,8 +4,10 @@ Both share one interface: `encode(text) -> list[int]`, `decode(ids) -> str`,
 `eos_id`, `bos_id`, `vocab_size` (padded to a multiple of 8), `name`,
 `save(dir)`, `encode_corpus(data_u8)` for the corpus layout of
 `moespec_jax.data.corpus` (documents separated by 0xFF -> EOS), and
-`token_byte_lengths()` for bits per byte. `load_tokenizer` builds one from a
-name ("byte", "bpe-1024", ...) or a directory written by `save`.
+`token_byte_lengths()` for bits per byte, and `hf_tokenizer()`: a `tokenizers.Tokenizer`
+that Hugging Face loads (`Model.save_hf`), encoding `tokenizer(text)` as `prompt_ids(text)` does
+(our models' prompts start with EOS, the document boundary they were trained on). `load_tokenizer`
+builds one from a name ("byte", "bpe-1024", ...) or a directory written by `save`.
 
 Bits per byte makes models with different tokenizers comparable: total
 negative log-likelihood in nats over the evaluated target tokens, divided by
@@ -24,7 +26,7 @@ from typing import Iterable, Protocol
 
 import numpy as np
 from tokenizers import Tokenizer as HfTokenizer
-from tokenizers import decoders, models, pre_tokenizers, trainers
+from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors, trainers
 
 from moespec_jax.data import corpus
 from moespec_jax.io import atomic, paths
@@ -39,6 +41,27 @@ PathLike = str | os.PathLike
 
 def _pad8(n: int) -> int:
   return (n + 7) // 8 * 8
+
+
+def byte_level_chars() -> list[str]:
+  """The character byte-level BPE writes for each byte 0..255 (GPT-2's table, which the `tokenizers`
+  ByteLevel pre-tokenizer and decoder use): printable bytes as themselves, the others from U+0100 on."""
+  printable = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)}
+  chars, extra = [], 0
+  for b in range(256):
+    if b in printable:
+      chars.append(chr(b))
+    else:
+      chars.append(chr(256 + extra))
+      extra += 1
+  return chars
+
+
+def _eos_first(tok, eos_id: int) -> None:
+  """Frames `tok`'s encodings with special tokens as our prompts are: EOS (the document boundary)
+  first, and between the two texts of a pair."""
+  tok.post_processor = processors.TemplateProcessing(
+      single=f"{EOS_TOKEN} $A", pair=f"{EOS_TOKEN} $A {EOS_TOKEN} $B", special_tokens=[(EOS_TOKEN, eos_id)])
 
 
 def bits_per_byte(total_nats: float, total_bytes: int) -> float:
@@ -62,6 +85,7 @@ class Tokenizer(Protocol):
   def save(self, directory: PathLike) -> pathlib.Path: ...
   def encode_corpus(self, data_u8: np.ndarray) -> np.ndarray: ...
   def token_byte_lengths(self) -> np.ndarray: ...
+  def hf_tokenizer(self) -> HfTokenizer | None: ...
 
 
 class ByteTokenizer:
@@ -102,6 +126,21 @@ class ByteTokenizer:
     lengths[:256] = 1
     lengths[self.eos_id] = 1
     return lengths
+
+  def hf_tokenizer(self) -> HfTokenizer:
+    """This tokenizer for Hugging Face: byte-level BPE without merges (one id per byte, the
+    byte's value), <eos> (256) and <bos> (257); `encode(text, add_special_tokens=True)` is
+    `prompt_ids(text)`, and special tokens' text in the input stays bytes
+    (`encode_special_tokens`, which tokenizer_config.json's `split_special_tokens` carries)."""
+    vocab = {c: b for b, c in enumerate(byte_level_chars())}
+    vocab.update({EOS_TOKEN: self.eos_id, BOS_TOKEN: self.bos_id})
+    tok = HfTokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(EOS_TOKEN, special=True), AddedToken(BOS_TOKEN, special=True)])
+    tok.encode_special_tokens = True
+    _eos_first(tok, self.eos_id)
+    return tok
 
   def save(self, directory: PathLike) -> pathlib.Path:
     """Writes `directory/tokenizer_meta.json`."""
@@ -201,6 +240,13 @@ class BpeTokenizer:
         lengths[i] = len(self._tok.id_to_token(i))
     lengths[self.eos_id] = 1
     return lengths
+
+  def hf_tokenizer(self) -> HfTokenizer:
+    """This tokenizer for Hugging Face: the same BPE, its `encode(text, add_special_tokens=True)`
+    `prompt_ids(text)` (EOS first)."""
+    tok = HfTokenizer.from_str(self._tok.to_str())
+    _eos_first(tok, self.eos_id)
+    return tok
 
   def save(self, directory: PathLike) -> pathlib.Path:
     """Writes `directory/tokenizer.json` and `directory/tokenizer_meta.json`."""
@@ -324,13 +370,19 @@ class PretrainedTokenizer(BpeTokenizer):
       raise ValueError(f"text must be a str, got {type(text).__name__}")
     return self._tok.encode(text, add_special_tokens=True).ids
 
+  def hf_tokenizer(self) -> HfTokenizer:
+    """The checkpoint's own tokenizer, as it came."""
+    return self._tok
+
   def save(self, directory) -> pathlib.Path:
     """Writes `directory/tokenizer.json` and `directory/tokenizer_meta.json`."""
     directory = pathlib.Path(directory)
     atomic.write_text_atomic(directory / BPE_FILE, self._tok.to_str())
     atomic.write_json_atomic(directory / META_FILE, {
         "type": KIND, "name": self.name, "vocab_size": self.vocab_size,
-        "eos_id": self.eos_id, "bos_id": self.bos_id})
+        "eos_id": self.eos_id, "bos_id": self.bos_id,
+        # Not in tokenizer.json: special tokens' text encoded as text (tokenizer_config's split_special_tokens).
+        "encode_special_tokens": bool(self._tok.encode_special_tokens)})
     return directory
 
   @classmethod
@@ -339,6 +391,7 @@ class PretrainedTokenizer(BpeTokenizer):
     directory = pathlib.Path(directory)
     meta = atomic.read_json(directory / META_FILE)
     tok = HfTokenizer.from_file(str(directory / BPE_FILE))
+    tok.encode_special_tokens = bool(meta.get("encode_special_tokens", False))
     return cls(tok, vocab_size=meta["vocab_size"], eos_id=meta["eos_id"], bos_id=meta["bos_id"],
                name=meta.get("name", KIND))
 
@@ -361,6 +414,10 @@ class MissingTokenizer:
                      "lists, or add the model's tokenizer.json to its directory")
 
   encode = prompt_ids = decode = encode_corpus = token_byte_lengths = _fail
+
+  def hf_tokenizer(self) -> None:
+    """None: there is no tokenizer to write."""
+    return None
 
   def save(self, directory) -> pathlib.Path:
     directory = pathlib.Path(directory)

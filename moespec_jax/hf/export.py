@@ -1,11 +1,16 @@
-"""A moespec-jax model as a Hugging Face Qwen2-MoE checkpoint (config.json + model.safetensors).
+"""A moespec-jax model as a Hugging Face Qwen2-MoE checkpoint (config.json, model.safetensors, its
+tokenizer and generation_config.json).
 
 Qwen2-MoE is the family that expresses the models trained here (grouped-query attention,
 softmax top-k routing, one shared expert, dense layers first): transformers loads the directory
 as `Qwen2MoeForCausalLM` and computes the same logits, and `Model.load` reads it back. Our
 shared expert has no gate; Qwen2-MoE's always has one (sigmoid(x . w)), so it is written with
 w = 0 and the shared down projection doubled: sigmoid(0) * 2 = 1, exactly. The MTP heads have
-no place in the layout and are not written. Nothing here needs torch or transformers.
+no place in the layout and are not written. The tokenizer (tokenizer.json, tokenizer_config.json,
+special_tokens_map.json) encodes as the model does: transformers' `tokenizer(text)` gives the ids
+of `model.tokenizer.prompt_ids(text)`, which for our models start with EOS, the document boundary
+the model was trained on; so BOS in the configs is that token. Nothing here needs torch or
+transformers.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import json
 import pathlib
 
 import numpy as np
+from absl import logging
 from flax import nnx
 from safetensors.numpy import save_file
 
@@ -47,8 +53,9 @@ def check_exportable(config: ModelConfig) -> None:
     _refuse("n_shared_experts", 0, "(Qwen2-MoE layers always have a shared expert)")
 
 
-def qwen2_moe_config(config: ModelConfig) -> dict:
-  """The transformers config.json of `config` in the Qwen2-MoE layout."""
+def qwen2_moe_config(config: ModelConfig, bos_id: int | None = None) -> dict:
+  """The transformers config.json of `config` in the Qwen2-MoE layout; `bos_id`: the id prompts
+  start with (`prompt_bos_id`; default `config.bos_id`)."""
   check_exportable(config)
   return {
       "architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe", "dtype": "float32",
@@ -65,7 +72,8 @@ def qwen2_moe_config(config: ModelConfig) -> dict:
       "mlp_only_layers": list(range(config.first_k_dense)), "decoder_sparse_step": 1,
       "intermediate_size": config.dense_hidden if config.first_k_dense else config.expert_hidden,
       "use_sliding_window": False, "sliding_window": None,
-      "bos_token_id": config.bos_id, "eos_token_id": config.eos_id, "pad_token_id": None,
+      "bos_token_id": config.bos_id if bos_id is None else bos_id, "eos_token_id": config.eos_id,
+      "pad_token_id": None,
   }
 
 
@@ -117,15 +125,52 @@ def qwen2_moe_tensors(config: ModelConfig, pure: dict) -> dict[str, np.ndarray]:
   return out
 
 
+def prompt_bos_id(tokenizer, default: int) -> int:
+  """The special token the tokenizer's prompts start with (`prompt_ids` against `encode`: EOS for
+  our tokenizers), or `default` where prompts start with the text."""
+  probe = "x = 1"
+  framed, plain = list(tokenizer.prompt_ids(probe)), list(tokenizer.encode(probe))
+  if len(framed) > len(plain) and framed[1:1 + len(plain)] == plain:
+    return int(framed[0])
+  return default
+
+
+def tokenizer_files(hf_tok, config: ModelConfig, bos_id: int) -> dict[str, str]:
+  """File name -> text: the tokenizer transformers loads (`AutoTokenizer.from_pretrained`) from
+  `hf_tok` (`tokenizer.hf_tokenizer()`), and the generation config; `bos_id`: `prompt_bos_id`."""
+  special = {name: hf_tok.id_to_token(i) for name, i in (("bos_token", bos_id), ("eos_token", config.eos_id))
+             if hf_tok.id_to_token(i) is not None}
+  tokenizer_config = {
+      "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": config.max_seq_len,
+      "clean_up_tokenization_spaces": False,
+      # Whether special tokens' text in the input is encoded as text (our byte tokenizer: yes).
+      "split_special_tokens": bool(hf_tok.encode_special_tokens), **special}
+  generation = {"bos_token_id": bos_id, "eos_token_id": config.eos_id, "pad_token_id": config.eos_id,
+                "do_sample": False}
+  return {"tokenizer.json": hf_tok.to_str(), "tokenizer_config.json": json.dumps(tokenizer_config, indent=2),
+          "special_tokens_map.json": json.dumps(special, indent=2),
+          "generation_config.json": json.dumps(generation, indent=2)}
+
+
 def export_qwen2_moe(model, path) -> pathlib.Path:
   """Writes `model` (a `moespec_jax.Model`) to `path` as a Qwen2-MoE checkpoint, atomically
-  (replacing `path`): config.json and model.safetensors, float32. No tokenizer is written;
-  the token ids are the model's own."""
+  (replacing `path`): config.json and model.safetensors (float32), the tokenizer and the
+  generation config (`tokenizer_files`; BOS is the token our prompts start with). A model without
+  a tokenizer (an import that had none) is written without one."""
   config = model.config
-  hf_config = qwen2_moe_config(config)
+  hf_tok = model.tokenizer.hf_tokenizer()
+  if hf_tok is None:
+    logging.warning("the model has no tokenizer: the export holds none (prompts are token ids)")
+    bos_id, files = config.bos_id, {}
+  else:
+    bos_id = prompt_bos_id(model.tokenizer, config.bos_id)
+    files = tokenizer_files(hf_tok, config, bos_id)
+  hf_config = qwen2_moe_config(config, bos_id=bos_id)
   tensors = qwen2_moe_tensors(config, nnx.to_pure_dict(model.state))
   path = pathlib.Path(path)
   with atomic.atomic_dir(path) as tmp:
     (tmp / "config.json").write_text(json.dumps(hf_config, indent=2))
     save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    for name, text in files.items():
+      (tmp / name).write_text(text)
   return path

@@ -478,11 +478,14 @@ def measured_best_k(speedups, a: float, max_k: int) -> int:
   return max(range(max_k + 1), key=lambda k: speedups[(a, k)])
 
 
-def _sweep_rate(model, prompts, reference, cfg: CostValidationConfig, a: float) -> dict:
+def _sweep_rate(model, prompts, reference, cfg: CostValidationConfig, a: float, warm_up: bool = False) -> dict:
   """One acceptance rate of the sweep as the run keeps it (progress): every round's prefill, each
-  K's per-round speedups (K = 1..max_k) and its row; rounds added until the best K is settled."""
+  K's per-round speedups (K = 1..max_k) and its row; rounds added until the best K is settled.
+  `warm_up`: run every program once, untimed, first (`rounds.warm_up`)."""
   drafted = list(range(1, cfg.max_k + 1))
   specs = {k: msj.SpecParams(drafter="controlled", num_draft=k, controlled_acceptance=a) for k in drafted}
+  if warm_up:
+    rounds.warm_up(model, prompts, cfg.max_new_tokens, specs, reference)
   runs = rounds.rounds_until_settled(
       lambda first, n: rounds.round_robin_runs(model, prompts, cfg.max_new_tokens, specs, n, reference,
                                         check_tokens=reference, first_round=first),
@@ -512,8 +515,15 @@ def _speedup_sweep(model, prompts, reference, cfg: CostValidationConfig, parts, 
   speedups = {(a, 0): 1.0 for a in cfg.alphas}
   accepted_lengths, sweep_rows, prefills, best_k_shares, sweep_rounds = {}, [], [], {}, {}
   bar = Progress(len(cfg.alphas), desc="cost_model sweep", unit="rates", every_s=20.0, emit=log)
+  warmed = []  # the rates share their programs (the acceptance is an argument): warmed at the first one measured
+
+  def measure(a: float) -> dict:
+    part = _sweep_rate(model, prompts, reference, cfg, a, warm_up=not warmed)
+    warmed.append(a)
+    return part
+
   for i, a in enumerate(cfg.alphas):
-    part = parts.cached(f"sweep/{a}", lambda: _sweep_rate(model, prompts, reference, cfg, a))
+    part = parts.cached(f"sweep/{a}", lambda: measure(a))
     prefills += part["prefills"]
     per_round_KR = part["round_speedups"]
     best_k_shares[a] = rounds.best_k_bootstrap([[1.0] * len(per_round_KR[0])] + per_round_KR, seed=cfg.seed).tolist()
@@ -667,6 +677,7 @@ def _real_drafter_part(model, prompt_sets: rounds.PromptSets, cfg: CostValidatio
   Rounds take the prompts of `prompt_sets` in turn."""
   ks = list(range(cfg.max_k + 1))
   specs = {k: msj.SpecParams(drafter=drafter, num_draft=k) for k in ks[1:]}
+  rounds.warm_up(model, prompt_sets, cfg.max_new_tokens, specs)
   fixed_speedups, _, _, drafter_prefills, _ = rounds.round_robin_speedups(
       model, prompt_sets, cfg.max_new_tokens, specs, prompt_sets.rounds_for(cfg.repeats))
   fixed_speedups[0] = 1.0

@@ -22,6 +22,7 @@ import moespec_jax as msj
 from moespec_jax.analysis import timing
 from moespec_jax.research import roofline
 from moespec_jax.decoding import loop
+from moespec_jax.io import plots
 from moespec_jax.io.progress import Progress
 
 # Variant name -> the SpecParams kernel settings it decodes with ("cpp": the defaults).
@@ -108,3 +109,24 @@ def format_table(rows: Sequence[dict]) -> str:
       ratio = f"{row['decode_time_over_cpp']:.3f} [{lo:.3f}, {hi:.3f}]"
     lines.append(f"| {row['batch_size']} | {row['variant']} | {_ms(row['decode_ms_per_step'])} | {ratio} |")
   return "\n".join(lines) + "\n"
+
+
+def plot(rows: Sequence[dict], path):
+  """Each variant's decode time over the C++ kernels' (90% intervals), one group of bars per batch size."""
+  plt = plots.pyplot()
+  fig, ax = plt.subplots(figsize=(8, 4))
+  batches = sorted({r["batch_size"] for r in rows})
+  variants = [v for v in dict.fromkeys(r["variant"] for r in rows) if v != "cpp"]
+  width = 0.8 / max(len(batches), 1)
+  for i, batch in enumerate(batches):
+    by = {r["variant"]: r for r in rows if r["batch_size"] == batch and "decode_time_over_cpp" in r}
+    xs = [j + i * width for j, v in enumerate(variants) if v in by]
+    ys = [by[v]["decode_time_over_cpp"] for v in variants if v in by]
+    spans = [by[v]["decode_time_over_cpp_interval"] for v in variants if v in by]
+    ax.bar(xs, ys, width, yerr=[[y - lo for y, (lo, _) in zip(ys, spans)], [hi - y for y, (_, hi) in zip(ys, spans)]],
+           capsize=3, label=f"batch {batch}")
+  ax.set_xticks([j + 0.4 - width / 2 for j in range(len(variants))], variants)
+  ax.axhline(1.0, color="k", lw=0.8, ls="--", label="C++ kernels")
+  plots.finish_axes(ax, "kernels replaced by XLA's ops", "decode time / C++ kernels' (90% interval)",
+                    "what the CPU decoding kernels buy", legend_fontsize=8)
+  return plots.save(fig, path)

@@ -13,12 +13,14 @@ import numpy as np
 import moespec_jax as msj
 from moespec_jax.data import corpus
 from moespec_jax.research import spec_bench
-from moespec_jax.io import atomic
+from moespec_jax.io import atomic, plots
 from moespec_jax.io.progress import Progress
 
 
 def _timed_generate(model, prompts, max_new_tokens, spec, repeats: int):
-  """Median tokens/s over `repeats` runs (compilation excluded); returns (median, last output)."""
+  """Median tokens/s over `repeats` runs after an untimed one (compilation and a program's slower
+  first run excluded); returns (median, last output)."""
+  spec_bench.warm_up(model, prompts, max_new_tokens, msj.SamplingParams(), spec)
   rates, out = [], None
   for r in range(repeats):
     out = msj.generate(model, prompts, max_new_tokens=max_new_tokens, spec=spec, seed=r)
@@ -51,9 +53,10 @@ def run_demo(model, workdir, *, max_new_tokens: int = 128, batch_sizes=(1, 8), r
   Rows: plain decoding, then exact speculative decoding with the MTP drafter (when the model
   has heads) and the n-gram drafter, each with `num_draft="auto"` (K chosen every pass by the
   cost model, up to `max_draft`; `num_draft` in a row is the K chosen most often), with the
-  speedup over plain decoding measured by alternating plain and speculative runs
-  (`decoding.spec_bench.paired`: `plain_tokens_per_second` is the plain side of those pairs), and one
-  budgeted row (approximate: expert budget `budget_multiplier` x top_k, at the K auto chose).
+  speedup over plain decoding measured by alternating plain and speculative runs, after one
+  untimed run of each (`research.spec_bench.paired`: `plain_tokens_per_second` is the plain side
+  of those pairs), and one budgeted row (approximate: expert budget `budget_multiplier` x top_k,
+  at the K auto chose). Also writes `workdir/speedup.png`.
   """
   from moespec_jax.training import pretrain
   workdir = pathlib.Path(workdir)
@@ -82,6 +85,7 @@ def run_demo(model, workdir, *, max_new_tokens: int = 128, batch_sizes=(1, 8), r
     chosen = {}
     for drafter in drafters:
       spec = msj.SpecParams(drafter=drafter, num_draft="auto", max_draft=max_draft)
+      spec_bench.warm_up(model, prompts[:batch], max_new_tokens, msj.SamplingParams(), spec)
       tps, paired_plain_tps, speedup, _, _ = spec_bench.paired(model, prompts[:batch], max_new_tokens,
                                                           msj.SamplingParams(), spec, repeats)
       out = msj.generate(model, prompts[:batch], max_new_tokens=max_new_tokens, spec=spec)
@@ -95,6 +99,7 @@ def run_demo(model, workdir, *, max_new_tokens: int = 128, batch_sizes=(1, 8), r
       drafter = drafters[0]
       k = max(1, chosen[drafter])
       spec = msj.SpecParams(drafter=drafter, num_draft=k, mode="budgeted", expert_budget=budget, kernel="dedup")
+      spec_bench.warm_up(model, prompts[:batch], max_new_tokens, msj.SamplingParams(), spec)
       tps, paired_plain_tps, speedup, _, _ = spec_bench.paired(model, prompts[:batch], max_new_tokens,
                                                           msj.SamplingParams(), spec, repeats)
       with_quality = msj.generate(model, prompts[:batch], max_new_tokens=max_new_tokens,
@@ -108,6 +113,7 @@ def run_demo(model, workdir, *, max_new_tokens: int = 128, batch_sizes=(1, 8), r
                      "params_active": params["active"], "max_new_tokens": max_new_tokens,
                      "sample": sample_text}}
   atomic.write_json_atomic(workdir / "metrics.json", result)
+  plot_speedups(rows, workdir / "speedup.png")
 
   log(f"default model: {params['total'] / 1e6:.1f}M parameters, {params['active'] / 1e6:.1f}M active per token; "
       f"validation {bpb:.3f} bits/byte")
@@ -129,5 +135,29 @@ def run_demo(model, workdir, *, max_new_tokens: int = 128, batch_sizes=(1, 8), r
           f"{r['mean_accepted_length']:>8.2f}{r['top1_agreement_vs_exact']:>7.3f}")
   log("speedup: median over runs alternating plain and speculative decoding (plain: their plain side).")
   log(f"K auto:N: num_draft='auto' (cost model, K = 0..{max_draft} each pass); N is the K it chose most often.")
-  log(f"\nmetrics written to {workdir / 'metrics.json'}")
+  log(f"\nwrote {workdir / 'metrics.json'} and {workdir / 'speedup.png'}")
   return result
+
+
+def row_label(r) -> str:
+  """A row's name in the plot: drafter, K (auto:K where auto chose it) and the budget if any."""
+  k = f"auto:{r['num_draft']}" if r["auto_num_draft"] else str(r["num_draft"])
+  name = "plain" if r["drafter"] == "none" else f"{r['drafter']} K={k}"
+  return name + (f" B={r['expert_budget']} (approx.)" if r["approximate"] else "")
+
+
+def plot_speedups(rows, path) -> pathlib.Path:
+  """Speedup over plain decoding per row, one group of bars per batch size; approximate rows hatched."""
+  plt = plots.pyplot()
+  batches = sorted({r["batch_size"] for r in rows})
+  fig, axes = plt.subplots(1, len(batches), figsize=(5 * len(batches), 4), squeeze=False)
+  for ax, batch in zip(axes[0], batches):
+    part = [r for r in rows if r["batch_size"] == batch]
+    bars = ax.bar(range(len(part)), [r["speedup_vs_plain"] for r in part])
+    for bar, r in zip(bars, part):
+      if r["approximate"]:
+        bar.set_hatch("//")
+    ax.set_xticks(range(len(part)), [row_label(r) for r in part], rotation=30, ha="right", fontsize=8)
+    ax.axhline(1.0, color="k", lw=0.8, ls="--", label="plain")
+    plots.finish_axes(ax, "", "speedup over plain", f"batch {batch}", legend_fontsize=8)
+  return plots.save(fig, path)

@@ -49,7 +49,7 @@ the bandwidth), `prefill_floor_ms_b*` and its share of our first token; and
 cost only that floor and one decode step, within rounds, and over transformers' speedup. Where it
 stays below transformers', no faster prefill on this machine closes the whole-run gap (to within
 the matmul rate's drift: the floor is approximate). Writes
-DIR/metrics.json and DIR/table.md, after each family (an interrupted run resumes with the families
+DIR/metrics.json, DIR/table.md and DIR/peer_bench.png, after each family (an interrupted run resumes with the families
 it finished, where its settings are the same).
 """
 
@@ -66,7 +66,7 @@ import numpy as np
 
 from moespec_jax.analysis import timing
 from moespec_jax.research import roofline
-from moespec_jax.io import atomic
+from moespec_jax.io import atomic, plots
 
 # How the rows were measured (a resumed run keeps only rows measured the same way): every
 # measurement of one batch size in the same rounds, ratios taken within a round.
@@ -401,6 +401,10 @@ def earlier_samples(path: pathlib.Path, key: str = "stream_read_gbps_samples") -
 # whole number of timing.round_order's balanced cycles for both batch sizes' calls (6 at batch 1,
 # 4 at batch 8): every call follows every other equally often.
 DEFAULT_REPEATS = 12
+# What --quick runs on its tiny checkpoints, where a setting is not given: a smoke run, timed as a
+# full run is (warm-up excluded, a few rounds).
+QUICK_DEFAULTS = {"max_new_tokens": 16, "repeats": 3, "prompt_len": 64}
+FULL_DEFAULTS = {"max_new_tokens": 64, "repeats": DEFAULT_REPEATS, "prompt_len": 192}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -422,10 +426,11 @@ class PeerBenchConfig:
 
 
 def make_config(families: Sequence[str] = (), *, trained: bool = True, quick: bool = False,
-                max_new_tokens: int = 64, repeats: int = DEFAULT_REPEATS, num_draft: int = 4, prompt_len: int = 192,
-                auto_draft: bool = True) -> PeerBenchConfig:
+                max_new_tokens: int | None = None, repeats: int | None = None, num_draft: int = 4,
+                prompt_len: int | None = None, auto_draft: bool = True) -> PeerBenchConfig:
   """The run the command line asks for: every family (and the trained model unless `trained` is
-  False or `quick`) where `families` is empty; `quick` caps tokens, rounds and prompt length.
+  False or `quick`) where `families` is empty; tokens, rounds and prompt length as given, else
+  `QUICK_DEFAULTS` with `quick` (tiny checkpoints) and `FULL_DEFAULTS` without.
   ValueError (naming the flag) for an unknown family, the trained model with `quick`, or prompts
   and outputs beyond the checkpoints' positions."""
   from moespec_jax.hf.config import FAMILIES  # pylint: disable=g-import-not-at-top
@@ -435,10 +440,10 @@ def make_config(families: Sequence[str] = (), *, trained: bool = True, quick: bo
     raise ValueError(f"--families: unknown {unknown}; choose from {list(FAMILIES) + [TRAINED]}")
   if TRAINED in chosen and quick:
     raise ValueError(f"--families: {TRAINED} does not run with --quick (it needs the default trained model)")
-  cfg = PeerBenchConfig(families=tuple(chosen), quick=quick,
-                        max_new_tokens=min(max_new_tokens, 16) if quick else max_new_tokens,
-                        repeats=1 if quick else repeats, num_draft=num_draft,
-                        prompt_len=min(prompt_len, 64) if quick else prompt_len, auto_draft=auto_draft)
+  given = {"max_new_tokens": max_new_tokens, "repeats": repeats, "prompt_len": prompt_len}
+  defaults = QUICK_DEFAULTS if quick else FULL_DEFAULTS
+  cfg = PeerBenchConfig(families=tuple(chosen), quick=quick, num_draft=num_draft, auto_draft=auto_draft,
+                        **{name: defaults[name] if value is None else value for name, value in given.items()})
   positions = cfg.size["max_len"]
   if TRAINED in chosen:
     from moespec_jax.default_model import default_config  # pylint: disable=g-import-not-at-top
@@ -453,7 +458,7 @@ def make_config(families: Sequence[str] = (), *, trained: bool = True, quick: bo
 
 def run_peer_bench(workdir, cfg: PeerBenchConfig, log=print) -> dict:
   """Measures every family of `cfg` not already in `workdir/metrics.json` from an interrupted run
-  with the same settings; writes metrics.json and table.md after each family; returns the metrics
+  with the same settings; writes metrics.json, table.md and peer_bench.png after each family; returns the metrics
   (a finished run's as written, where nothing is left to measure)."""
   try:
     import torch  # pylint: disable=g-import-not-at-top,unused-import
@@ -494,7 +499,7 @@ def run_peer_bench(workdir, cfg: PeerBenchConfig, log=print) -> dict:
 
 def _write(workdir: pathlib.Path, cfg: PeerBenchConfig, rows: list[dict], streams: list[float],
            rates: list[float]) -> dict:
-  """metrics.json and table.md for the rows so far (a long run leaves its finished part)."""
+  """metrics.json, table.md and peer_bench.png for the rows so far (a long run leaves its finished part)."""
   summary = summarize(rows, statistics.median(streams), statistics.median(rates))
   metrics = {"experiment": "peer_bench", "protocol": PROTOCOL, "quick": cfg.quick, "size": cfg.size,
              "repeats": cfg.repeats, "stream_read_gbps": statistics.median(streams),
@@ -503,4 +508,27 @@ def _write(workdir: pathlib.Path, cfg: PeerBenchConfig, rows: list[dict], stream
              "families_done": sorted({r["family"] for r in rows}), "rows": rows, "summary": summary}
   atomic.write_json_atomic(workdir / "metrics.json", metrics)
   atomic.write_text_atomic(workdir / "table.md", table(rows, summary))
+  plot(summary, workdir / "peer_bench.png")
   return metrics
+
+
+def plot(summary: list[dict], path) -> pathlib.Path:
+  """Per family: our plain decoding's speed over transformers' (batch 1 and 8), and each side's
+  n-gram speedup over its own plain decoding (batch 1, 90% intervals)."""
+  plt = plots.pyplot()
+  fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(summary)), 4))
+  bars = (("plain_ratio_b1", "plain, ours / transformers, batch 1"),
+          ("plain_ratio_b8", "plain, ours / transformers, batch 8"),
+          ("ngram_speedup_ours", "n-gram over plain, ours"),
+          ("ngram_speedup_transformers", "n-gram over plain, transformers"))
+  width = 0.8 / len(bars)
+  for i, (key, label) in enumerate(bars):
+    ys = [s[key] for s in summary]
+    spans = [s.get(f"{key}_interval") or (y, y) for s, y in zip(summary, ys)]
+    ax.bar([j + i * width for j in range(len(summary))], ys, width, label=label, capsize=3,
+           yerr=[[y - lo for y, (lo, _) in zip(ys, spans)], [hi - y for y, (_, hi) in zip(ys, spans)]])
+  ax.set_xticks([j + 0.4 - width / 2 for j in range(len(summary))], [s["family"] for s in summary])
+  ax.axhline(1.0, color="k", lw=0.8, ls="--")
+  plots.finish_axes(ax, "checkpoint", "ratio (medians over rounds)", "moespec-jax and transformers",
+                    legend_fontsize=7)
+  return plots.save(fig, path)

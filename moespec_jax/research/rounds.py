@@ -66,6 +66,17 @@ class PromptSets:
     return -(-rounds // len(self)) * len(self)
 
 
+def warm_up(model, prompts, max_new_tokens: int, specs: dict, reference=None) -> None:
+  """Runs plain decoding and each spec of `specs` once, untimed (on the first batch of a
+  `PromptSets`): a program's first run after compilation is slower than its later ones, and
+  a first round that ran it cold would set a cold run against warm ones."""
+  if isinstance(prompts, PromptSets):
+    prompts, reference = prompts.batches[0], prompts.references[0]
+  for spec in [msj.SpecParams(), *specs.values()]:
+    msj.generate(model, prompts, max_new_tokens=max_new_tokens, spec=spec,
+                 reference_tokens=reference if spec.drafter == "controlled" else None)
+
+
 def round_robin_runs(model, prompts, max_new_tokens: int, specs: dict, rounds: int, reference=None,
                      check_tokens=None, first_round: int = 0) -> RoundRobin:
   """Decode-phase seconds of plain decoding (label None) and of each spec in `specs` (key: its

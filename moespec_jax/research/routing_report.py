@@ -69,6 +69,8 @@ def routing_stats(trace: RoutingTrace, *, max_tokens: int = 16, ipf_max_tokens: 
       reuse_by_n.append({"n_tokens": n, "reuse": 1 - emp[0]["empirical"] / (n * k)})
   return {
       "n_experts": e, "top_k": k, "n_layers": n_layers,
+      # The model layer of each traced (MoE) layer (None where the trace does not say).
+      "model_layers": trace.meta.get("model_layers"),
       "tokens_fit": int(sum(s.shape[1] for s in fit.segments)),
       "tokens_eval": int(sum(s.shape[1] for s in held.segments)),
       "unique_experts": rows,
@@ -81,7 +83,16 @@ def routing_stats(trace: RoutingTrace, *, max_tokens: int = 16, ipf_max_tokens: 
   }
 
 
+def layer_label(stats: dict[str, Any], l: int) -> str:
+  """The legend name of traced layer `l`: the model layer it is (from 0), e.g. 'layer 1 (MoE)';
+  for a trace that does not say, its place among the MoE layers."""
+  if stats.get("model_layers") is None:
+    return f"MoE layer {l} (of the MoE layers)"
+  return f"layer {stats['model_layers'][l]} (MoE)"
+
+
 def plot_routing(stats: dict[str, Any], path) -> None:
+  """unique experts per pass under the four models; overlap by token distance per model layer."""
   plt = plots.pyplot()
   fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
   rows = stats["unique_experts"]
@@ -97,7 +108,7 @@ def plot_routing(stats: dict[str, Any], path) -> None:
   per_layer = np.array([o["per_layer"] for o in ov]).T
   ind_layer = ov[0]["independent_per_layer"]
   for l, curve in enumerate(per_layer):
-    line, = ax2.plot(ds, curve, "-o", ms=3, alpha=0.8, label=f"MoE layer {l}")
+    line, = ax2.plot(ds, curve, "-o", ms=3, alpha=0.8, label=layer_label(stats, l))
     ax2.axhline(ind_layer[l], color=line.get_color(), ls="--", alpha=0.6)
   ax2.plot([], [], "k--", label="independent (per layer)")
   ax2.plot(ds, [o["uniform"] for o in ov], "k:", label="uniform")

@@ -2,8 +2,9 @@
 
 For each batch size and temperature, plain decoding and every (drafter, K) run on the same
 prompts. Each row alternates `repeats` plain and speculative runs with the same seeds
-(compilation excluded: `generate` compiles ahead of time), so that both see the same load on
-a shared machine, and reports the medians of tokens/s and of the per-pair speedups.
+(compilation excluded: `generate` compiles ahead of time; and each program runs once, untimed,
+before it is timed: its first run is slower than the later ones), so that both see the same
+load on a shared machine, and reports the medians of tokens/s and of the per-pair speedups.
 """
 
 from __future__ import annotations
@@ -34,6 +35,13 @@ def bench_prompts(model, n: int, prompt_bytes: int, log=print) -> tuple[list, st
                      f"{model.config.vocab_size} < 256: no prompts to give it (add its tokenizer.json)")
   log("the model has no tokenizer.json: prompts are the held-out code's UTF-8 bytes as token ids")
   return [list(p.encode("utf-8")) for p in prompts], "utf8_bytes"
+
+
+def warm_up(model, prompts, max_new_tokens: int, sampling, *specs) -> None:
+  """Runs each spec's program once, untimed: compiled then, and its first run, slower than the
+  later ones, kept out of the timed runs."""
+  for spec in specs:
+    msj.generate(model, prompts, max_new_tokens=max_new_tokens, sampling=sampling, spec=spec, seed=0)
 
 
 def timed(model, prompts, max_new_tokens: int, sampling, spec, repeats: int):
@@ -90,6 +98,7 @@ def run_spec_bench(model, workdir, *, batch_sizes: Sequence[int] = (1, 2, 4, 8),
     sampling = msj.SamplingParams(temperature=float(temperature))
     for batch in batch_sizes:
       batch_prompts = prompts[:batch]
+      warm_up(model, batch_prompts, max_new_tokens, sampling, msj.SpecParams(drafter="none"))
       plain_tps, _, _ = timed(model, batch_prompts, max_new_tokens, sampling,
                               msj.SpecParams(drafter="none"), repeats)
       plain_rows.append({"batch_size": batch, "temperature": float(temperature),
@@ -99,9 +108,10 @@ def run_spec_bench(model, workdir, *, batch_sizes: Sequence[int] = (1, 2, 4, 8),
       plain_programs = loop.compiled_signatures()
       for drafter in drafters:
         for k in num_drafts:
+          spec = msj.SpecParams(drafter=drafter, num_draft=k)
+          warm_up(model, batch_prompts, max_new_tokens, sampling, spec)
           tps, row_plain_tps, speedup, acc_len, stats = paired(
-              model, batch_prompts, max_new_tokens, sampling, msj.SpecParams(drafter=drafter, num_draft=k),
-              repeats)
+              model, batch_prompts, max_new_tokens, sampling, spec, repeats)
           rows.append({
               "drafter": drafter, "num_draft": k, "batch_size": batch, "temperature": float(temperature),
               "tokens_per_second": tps, "plain_tokens_per_second": row_plain_tps,

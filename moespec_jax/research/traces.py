@@ -10,6 +10,11 @@ from moespec_jax.data import batches as batches_lib
 from moespec_jax.data import corpus
 
 
+def moe_layers(model) -> list[int]:
+  """The model layers (from 0) whose routing a trace holds, in its order: the MoE layers."""
+  return [i for i in range(model.config.n_layers) if model.config.is_moe_layer(i)]
+
+
 def heldout_trace(model, *, n_segments: int = 64, seq_len: int = 256, batch_size: int = 8) -> RoutingTrace:
   """Routing of `n_segments` contiguous validation windows (the routing decoding would see)."""
   if model.config.n_moe_layers == 0:
@@ -25,7 +30,8 @@ def heldout_trace(model, *, n_segments: int = 64, seq_len: int = 256, batch_size
   if not segments:
     raise ValueError("the validation split is too small for one window")
   return RoutingTrace(segments, model.config.n_routed_experts,
-                      {"source": "heldout", "seq_len": seq_len, "n_segments": len(segments)})
+                      {"source": "heldout", "seq_len": seq_len, "n_segments": len(segments),
+                       "model_layers": moe_layers(model)})
 
 
 def generated_trace(model, *, n_prompts: int = 16, max_new_tokens: int = 128, seed: int = 0) -> RoutingTrace:
@@ -40,4 +46,5 @@ def generated_trace(model, *, n_prompts: int = 16, max_new_tokens: int = 128, se
     routing = np.asarray(model.forward_full(full).routing.expert_ids)[:, 0]
     segments.append(routing[:, len(ids):])
   return RoutingTrace(segments, model.config.n_routed_experts,
-                      {"source": "generated", "max_new_tokens": max_new_tokens, "n_segments": len(segments)})
+                      {"source": "generated", "max_new_tokens": max_new_tokens, "n_segments": len(segments),
+                       "model_layers": moe_layers(model)})

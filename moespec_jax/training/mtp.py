@@ -28,7 +28,7 @@ from flax import nnx
 from moespec_jax.api import Model
 from moespec_jax.config import dataclass_from_dict
 from moespec_jax.data import batches as batches_lib
-from moespec_jax.io import atomic, checkpoint
+from moespec_jax.io import atomic, checkpoint, plots
 from moespec_jax.model import Transformer
 from moespec_jax.model import mtp as mtp_lib
 from moespec_jax.training import losses
@@ -235,3 +235,23 @@ def decoding_acceptance(model: Model, *, num_draft: int = 4, n_prompts: int = 8,
     out[name] = {"acceptance_by_depth": res.stats["acceptance_by_depth"],
                  "mean_accepted_length": res.stats["mean_accepted_length"]}
   return out
+
+
+def plot_mtp(metrics: dict[str, Any], path) -> pathlib.Path:
+  """The training loss over steps, and the acceptance by depth: teacher-forced on held-out text
+  (greedy; expected at T = 1) and, where measured, by speculative decoding (`decoding_acceptance`)."""
+  plt = plots.pyplot()
+  fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+  curve = metrics["train_curve"]
+  ax1.plot([r["step"] for r in curve], [r["loss"] for r in curve], "-", label=f"{metrics['train_config']['loss']} loss")
+  plots.finish_axes(ax1, "step", "loss (nats)", "MTP heads on the frozen target")
+  tf = metrics.get("teacher_forced", [])
+  depths = [r["depth"] for r in tf]
+  ax2.plot(depths, [r["greedy_acceptance"] for r in tf], "o-", label="teacher-forced, greedy")
+  ax2.plot(depths, [r["expected_acceptance_t1"] for r in tf], "s--", label="teacher-forced, expected at T=1")
+  for name, d in metrics.get("decoding", {}).items():
+    acc = d["acceptance_by_depth"]
+    ax2.plot(range(1, len(acc) + 1), acc, "^:", label=f"decoding ({name})")
+  ax2.set_ylim(0.0, 1.05)
+  plots.finish_axes(ax2, "draft depth", "acceptance", "acceptance by depth", legend_fontsize=8)
+  return plots.save(fig, path)

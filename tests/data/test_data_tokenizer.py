@@ -108,3 +108,24 @@ def test_bytes_per_token(bpe, tmp_path):
     (tmp_path / f"m{i}.py").write_text(TEXT * 3, encoding="utf-8")
   assert tok_lib.bytes_per_token(tok_lib.ByteTokenizer(), "train", tmp_path) == 1.0
   assert tok_lib.bytes_per_token(bpe, "train", tmp_path) > 1.3
+
+
+def test_byte_tokenizer_for_hugging_face_is_one_id_per_byte():
+  """hf_tokenizer(): every byte its own id (GPT-2's byte characters), EOS first as in prompt_ids,
+  special tokens' text kept as bytes, decoding back to the text."""
+  from tokenizers import pre_tokenizers
+  chars = tok_lib.byte_level_chars()
+  assert len(set(chars)) == 256 and set(chars) == set(pre_tokenizers.ByteLevel.alphabet())
+  byte = tok_lib.ByteTokenizer()
+  hf = byte.hf_tokenizer()
+  text = "".join(chr(c) for c in range(1, 0x800)) + " 😀 <eos><bos>\n"
+  assert hf.encode(text).ids == byte.prompt_ids(text)
+  assert hf.encode(text, add_special_tokens=False).ids == byte.encode(text)
+  assert hf.decode(hf.encode(text).ids) == text
+
+
+def test_bpe_for_hugging_face_frames_prompts_with_eos(bpe):
+  hf = bpe.hf_tokenizer()
+  text = "def f(x):\n    return x\n"
+  assert hf.encode(text).ids == bpe.prompt_ids(text)
+  assert hf.encode(text, add_special_tokens=False).ids == bpe.encode(text)

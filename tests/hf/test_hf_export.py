@@ -82,3 +82,66 @@ def test_an_imported_qwen2_moe_exports_to_the_same_model(tmp_path):
   with torch.no_grad():
     diff = (ref(tokens).logits - again(tokens).logits).abs().max().item()
   assert diff <= 1e-5, f"max |logit diff| {diff}"
+
+
+TEXTS = ["abc", "def f(x):\n    return x  # é, 😀", "a<eos>b<bos>", " , . 's  \t", "x"]
+
+
+def test_transformers_tokenizer_encodes_prompts_as_the_model_frames_them(exported, tmp_path):
+  """AutoTokenizer on the export: tokenizer(text) is model.tokenizer.prompt_ids(text) (EOS, the document
+  boundary, first), decoding returns the text, and BOS in every config is that first token."""
+  import json
+  model, path, _ = exported
+  tok = transformers.AutoTokenizer.from_pretrained(path)
+  for text in TEXTS:
+    ids = tok(text).input_ids
+    assert ids == model.tokenizer.prompt_ids(text), text
+    assert tok.encode(text, add_special_tokens=False) == model.tokenizer.encode(text), text
+    assert tok.decode(ids, skip_special_tokens=True) == text
+  framing = model.tokenizer.prompt_ids("abc")[0]
+  assert framing == model.config.eos_id == 256
+  assert tok.bos_token_id == tok.eos_token_id == framing
+  generation = transformers.GenerationConfig.from_pretrained(path)
+  assert generation.bos_token_id == generation.eos_token_id == framing
+  assert json.loads((path / "config.json").read_text())["bos_token_id"] == framing
+  # Read back by Model.load, the export frames and decodes prompts as the original does.
+  back = msj.Model.load(path)
+  again = msj.Model.load(back.save(tmp_path / "ours"))  # and saved in our format, loaded again
+  for text in TEXTS:
+    assert back.tokenizer.prompt_ids(text) == again.tokenizer.prompt_ids(text) == model.tokenizer.prompt_ids(text)
+    ids = model.tokenizer.encode(text)
+    assert back.tokenizer.decode(ids) == model.tokenizer.decode(ids) == text
+
+
+def test_a_transformers_user_gets_our_greedy_continuations_of_text(exported):
+  """Text through the exported tokenizer into transformers' generate: the tokens msj.generate gives
+  for the same string prompt."""
+  model, path, ref = exported
+  tok = transformers.AutoTokenizer.from_pretrained(path)
+  for text in ("def fib(n):", "import os\n", "x = [1, 2"):
+    ours = msj.generate(model, [text], max_new_tokens=12).tokens[0]
+    enc = tok(text, return_tensors="pt")
+    with torch.no_grad():
+      theirs = ref.generate(**enc, max_new_tokens=12, do_sample=False)[0, enc.input_ids.shape[1]:].numpy()
+    n = int(np.sum(ours >= 0))
+    np.testing.assert_array_equal(ours[:n], theirs[:n])
+
+
+def test_a_bpe_tokenizer_exports_and_round_trips(tiny_config, tmp_path):
+  from moespec_jax.data.tokenizer import BpeTokenizer
+  docs = ["def add(a, b):\n    return a + b\n", "import os\nprint(os.getcwd())\n", "class A:\n    pass\n"] * 20
+  bpe = BpeTokenizer.train(docs, vocab_size=300, min_frequency=1)
+  config = tiny_config.replace(vocab_size=bpe.vocab_size, eos_id=bpe.eos_id, bos_id=bpe.bos_id)
+  model = msj.Model.init(config, seed=0, tokenizer=bpe)
+  path = model.save_hf(tmp_path / "bpe")
+  tok = transformers.AutoTokenizer.from_pretrained(path)
+  back = msj.Model.load(path)
+  for text in TEXTS + docs[:3]:
+    assert tok(text).input_ids == bpe.prompt_ids(text) == back.tokenizer.prompt_ids(text), text
+    assert tok.encode(text, add_special_tokens=False) == bpe.encode(text), text
+    # Our BPE reads special tokens' text as those tokens (and decoding drops them): so does the export.
+    assert tok.decode(tok(text).input_ids, skip_special_tokens=True) == bpe.decode(bpe.encode(text))
+    if "<" not in text:
+      assert bpe.decode(bpe.encode(text)) == text
+  assert tok.bos_token_id == tok.eos_token_id == bpe.eos_id
+  assert transformers.GenerationConfig.from_pretrained(path).bos_token_id == bpe.eos_id

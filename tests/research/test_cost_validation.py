@@ -74,6 +74,8 @@ def test_quick_run_writes_the_documented_metrics(tiny_config, tmp_path):
                    "--quick", env=env, timeout=600)
   assert res.returncode == 0, res.stderr
   assert "resuming: 1 finished part(s)" in res.stdout + res.stderr
+  # One round per comparison: the run says its figures are a pipeline check, not results.
+  assert "--quick: a check of the pipeline (1 round(s) per comparison)" in res.stdout
   assert not (tmp_path / "out" / "progress.json").exists()  # removed once the run is complete
   cm = json.loads((tmp_path / "out" / "metrics.json").read_text())["cost_model"]
   assert [r["speedup"] for r in cm["speedups"] if r["alpha"] == 0.5] == [1.2345, 1.2345]

@@ -39,3 +39,18 @@ def test_demo_rows(tiny_config, tmp_path, capsys):
       f"demo step {i}/8 ({100 * i / 8:.1f}%)" for i in range(1, 9)]
   assert "row batch 1 plain" in progress[0] and "row batch 2 budgeted mtp K=" in progress[-1]
   assert "eta" in progress[0] and "eta" not in progress[-1]
+  assert (tmp_path / "speedup.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_quick_demo_on_a_model_given(tiny_config, tmp_path):
+  """`experiments.demo --quick --model=DIR`: batch 1 only (--quick), the flags given kept, a plot."""
+  from tests.cli_run import run_module  # pylint: disable=g-import-not-at-top
+  msj.Model.init(tiny_config.replace(max_seq_len=512), seed=0).save(tmp_path / "m")
+  proc = run_module("experiments.demo", f"--workdir={tmp_path / 'out'}", f"--model={tmp_path / 'm'}", "--quick",
+                    "--max_draft=2", "--repeats=2", timeout=900)
+  assert proc.returncode == 0, proc.stderr
+  demo_metrics = json.loads((tmp_path / "out" / "metrics.json").read_text())["demo"]
+  assert {r["batch_size"] for r in demo_metrics["rows"]} == {1} and demo_metrics["max_new_tokens"] == 32
+  assert demo_metrics["max_draft"] == 2
+  assert (tmp_path / "out" / "speedup.png").stat().st_size > 0

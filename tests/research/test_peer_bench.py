@@ -175,14 +175,19 @@ def test_ngram_decode_speedups_pair_only_rounds_both_sides_timed():
   assert s["ngram_decode_speedup_ours_over_transformers"] == pytest.approx(1.6)
 
 
-def test_make_config_defaults_quick_caps_and_errors():
+def test_make_config_defaults_quick_defaults_and_errors():
   from moespec_jax.hf import FAMILIES
   cfg = peer_bench.make_config()
   assert cfg.families == (*FAMILIES, peer_bench.TRAINED) and cfg.size == peer_bench.BENCH_SIZE
   assert peer_bench.make_config(trained=False).families == tuple(FAMILIES)
-  quick = peer_bench.make_config(quick=True, max_new_tokens=64, repeats=5, prompt_len=192)
+  assert (cfg.max_new_tokens, cfg.repeats, cfg.prompt_len) == (64, peer_bench.DEFAULT_REPEATS, 192)
+  quick = peer_bench.make_config(quick=True)
   assert quick.families == tuple(FAMILIES)  # the trained model needs the full run
-  assert (quick.max_new_tokens, quick.repeats, quick.prompt_len, quick.size) == (16, 1, 64, peer_bench.QUICK_SIZE)
+  # A smoke run timed as a full run is: a few rounds, not one.
+  assert (quick.max_new_tokens, quick.repeats, quick.prompt_len, quick.size) == (16, 3, 64, peer_bench.QUICK_SIZE)
+  # Settings given explicitly win over --quick's.
+  given = peer_bench.make_config(quick=True, max_new_tokens=32, repeats=5, prompt_len=48)
+  assert (given.max_new_tokens, given.repeats, given.prompt_len, given.size) == (32, 5, 48, peer_bench.QUICK_SIZE)
   with pytest.raises(ValueError, match=r"unknown \['nope'\]"):
     peer_bench.make_config(["mixtral", "nope"])
   with pytest.raises(ValueError, match="does not run with --quick"):

@@ -146,3 +146,18 @@ def test_prompt_sets_are_taken_in_turn_and_each_checked_against_its_own_referenc
     rounds.round_robin_runs(None, sets, 4, specs, rounds=1, check_tokens=sets.references[0])
   with pytest.raises(ValueError, match="one reference per prompt batch"):
     rounds.PromptSets((["a"],), ())
+
+
+def test_warm_up_runs_plain_and_each_spec_once_on_the_first_batch(monkeypatch):
+  """Before timed rounds: every program compiled and run once, untimed (a first run is slower than
+  the later ones); a controlled drafter reads that batch's reference."""
+  calls = []
+
+  def fake_generate(model, prompts, max_new_tokens, spec=None, seed=0, reference_tokens=None):
+    calls.append((spec.drafter, spec.num_draft, prompts, None if reference_tokens is None else reference_tokens[0]))
+
+  monkeypatch.setattr(msj, "generate", fake_generate)
+  specs = {1: msj.SpecParams(drafter="controlled", num_draft=1), 2: msj.SpecParams(drafter="ngram", num_draft=2)}
+  sets = rounds.PromptSets(([[1]], [[2]]), ([7], [8]))
+  rounds.warm_up(None, sets, 4, specs)
+  assert calls == [("none", 3, [[1]], None), ("controlled", 1, [[1]], 7), ("ngram", 2, [[1]], None)]

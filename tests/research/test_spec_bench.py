@@ -22,3 +22,29 @@ def test_paired_reverses_the_order_within_each_pair(monkeypatch):
   assert calls == [("none", 0), ("ngram", 0), ("ngram", 1), ("none", 1), ("none", 2), ("ngram", 2)]
   assert (spec_tps, plain_tps, length) == (150.0, 100.0, 2.0)
   assert speedup == 1.8  # ratios 1.5, 1.8, 2.0
+
+
+def test_every_program_runs_once_untimed_before_it_is_timed(monkeypatch, tmp_path, tiny_config):
+  """A program's first run (slower than its later ones) never enters a row: plain and each K are run
+  once before their timed runs, whatever the repeats (--quick's were one)."""
+  import types
+  from moespec_jax.data.tokenizer import ByteTokenizer
+  seen = set()
+
+  def fake_generate(model, prompts, *, max_new_tokens, sampling, spec, seed):
+    rate = 100.0 if spec.drafter == "none" else 150.0
+    if (spec.drafter, spec.num_draft) not in seen:
+      seen.add((spec.drafter, spec.num_draft))
+      rate /= 10.0
+    return msj.GenerateOutput(tokens=None, stats={"tokens_per_second": rate, "mean_accepted_length": 1.5,
+                                                  "acceptance_by_depth": [0.5], "unique_experts_per_pass": [2.0]})
+
+  monkeypatch.setattr(msj, "generate", fake_generate)
+  model = types.SimpleNamespace(config=tiny_config, tokenizer=ByteTokenizer())
+  result = spec_bench.run_spec_bench(model, tmp_path, batch_sizes=(1,), temperatures=(0.0,), drafters=("ngram",),
+                                     num_drafts=(1, 2), max_new_tokens=8, repeats=1, prompt_bytes=32,
+                                     log=lambda *_: None)
+  bench = result["spec_bench"]
+  assert bench["plain"][0]["tokens_per_second"] == 100.0
+  assert [(r["tokens_per_second"], r["plain_tokens_per_second"], r["speedup"]) for r in bench["rows"]] == [
+      (150.0, 100.0, 1.5), (150.0, 100.0, 1.5)]

@@ -43,3 +43,22 @@ def test_bad_mtp_config_names_the_field():
     mtp.MTPTrainConfig(loss="mse")
   with pytest.raises(ValueError, match="unknown mtp config fields"):
     mtp.MTPTrainConfig.from_dict({"stepz": 3})
+
+
+@pytest.mark.slow
+def test_quick_train_mtp_writes_its_plot_and_keeps_the_flags_given(tiny_config, tmp_path):
+  """`experiments.train_mtp --quick --model=DIR`: a few short steps (--quick's), a --config field given
+  kept, the loss and acceptance plot written; --save_default refused with --quick."""
+  from tests.cli_run import assert_one_line_error, run_module  # pylint: disable=g-import-not-at-top
+  msj.Model.init(tiny_config.replace(max_seq_len=512), seed=0).save(tmp_path / "m")
+  out = tmp_path / "out"
+  proc = run_module("experiments.train_mtp", f"--workdir={out}", f"--target={tmp_path / 'm'}", "--quick",
+                    "--config.mtp.steps=6", timeout=900)
+  assert proc.returncode == 0, proc.stderr
+  metrics = json.loads((out / "metrics.json").read_text())["train_mtp"]
+  assert metrics["steps_done"] == 6 and metrics["train_config"]["seq_len"] == 64
+  assert set(metrics["decoding"]) == {"greedy", "t1"}
+  assert (out / "mtp.png").stat().st_size > 0 and (out / "model" / "config.json").exists()
+  assert f"wrote {out / 'metrics.json'}, {out / 'mtp.png'}" in proc.stdout
+  assert_one_line_error(run_module("experiments.train_mtp", f"--workdir={tmp_path / 'x'}", "--quick", "--save_default"),
+                        "--save_default does not go with --quick")
