@@ -14,7 +14,7 @@ from absl import flags
 
 import moespec_jax as msj
 from moespec_jax import cli
-from moespec_jax.decoding import loop
+from moespec_jax.decoding import report
 from moespec_jax.io import paths
 
 _PROMPT = flags.DEFINE_multi_string("prompt", ["def fib(n):"], "Prompt(s); repeat the flag for a batch.")
@@ -51,10 +51,10 @@ def _num_draft(text: str):
 def main(argv):
   if len(argv) > 1:
     raise ValueError(f"unexpected arguments: {argv[1:]}")
+  research = msj.ResearchOptions(mtp_prompt_window=_MTP_WINDOW.value or None, measure_quality=_QUALITY.value,
+                                 pass_trace=_PASS_TRACE.value)
   spec = msj.SpecParams(drafter=_DRAFTER.value, num_draft=_num_draft(_NUM_DRAFT.value), max_draft=_MAX_DRAFT.value,
-                        mtp_prompt_window=_MTP_WINDOW.value or None, mode=_MODE.value,
-                        expert_budget=_BUDGET.value, measure_quality=_QUALITY.value, kernel=_KERNEL.value,
-                        pass_trace=_PASS_TRACE.value)
+                        mode=_MODE.value, expert_budget=_BUDGET.value, kernel=_KERNEL.value, research=research)
   sampling = msj.SamplingParams(temperature=_TEMPERATURE.value, top_k=_TOP_K.value, top_p=_TOP_P.value)
   if _MODEL.value is None and not (paths.default_model_dir() / "config.json").exists():
     # Generating is quick; training the default model is not: say so rather than start it.
@@ -73,7 +73,7 @@ def main(argv):
           + f"; acceptance estimate {s['acceptance_estimate']:.2f}"
           + f"; pass times calibrated on {s['calibration'].replace('_', ' ')}")
   if "pass_trace" in s:
-    print(loop.describe_pass_trace(s["pass_trace"]))
+    print(report.describe_pass_trace(s["pass_trace"]))
   if s["approximate"]:
     quality = (f"; top-1 agreement with exact {s['top1_agreement']:.3f}, mean KL {s['mean_kl']:.4f}"
                if "top1_agreement" in s else "; --measure_quality reports its cost")

@@ -24,7 +24,7 @@ import moespec_jax as msj
 from moespec_jax import cli
 from moespec_jax.decoding import quality
 from moespec_jax.data import corpus
-from moespec_jax.decoding import loop
+from moespec_jax.decoding import programs
 from moespec_jax.io import atomic, plots
 from moespec_jax.model import budget as budget_lib
 from moespec_jax.io.progress import Progress
@@ -83,7 +83,8 @@ def run_compare_modes(model, workdir, *, drafter: str = "mtp", num_drafts: Seque
               continue  # the exact row above
             spec = msj.SpecParams(drafter=drafter, num_draft=k, mode="budgeted", expert_budget=budget,
                                   budget_policy=policy, budget_scope=scope, kernel=kernel)
-            measured = gen(batch_prompts, sampling, dataclasses.replace(spec, measure_quality=True), 0)
+            with_quality = dataclasses.replace(spec.research, measure_quality=True)
+            measured = gen(batch_prompts, sampling, dataclasses.replace(spec, research=with_quality), 0)
             ratios, rates, lengths = [], [], []
             for r in range(repeats):
               e = gen(batch_prompts, sampling, exact_spec, r).stats["tokens_per_second"]
@@ -106,7 +107,7 @@ def run_compare_modes(model, workdir, *, drafter: str = "mtp", num_drafts: Seque
                          "first_divergence": divergence})
             progress.update(len(rows), speedup=rows[-1]["speedup_vs_exact"])
             _write(workdir, rows, began, complete=False)
-        loop.forget_compiled()  # ~300 programs in a full sweep do not fit in memory together
+        programs.PROGRAMS.forget()  # ~300 programs in a full sweep do not fit in memory together
   result = _write(workdir, rows, began, complete=True)
   plot_pareto(rows, workdir / "pareto.png")
   log(format_table(rows))

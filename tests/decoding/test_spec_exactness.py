@@ -128,7 +128,7 @@ def test_speculative_sampling_matches_the_target_distribution(stat_model, prefix
 def planted_residual_bug(monkeypatch):
   """Replaces the residual by p for one test; traces are dropped before and after."""
   monkeypatch.setattr(rejection, "residual_probs", lambda p, q: p)
-  monkeypatch.setattr(programs, "_COMPILED", {})
+  monkeypatch.setattr(programs, "PROGRAMS", programs.ProgramCache())
   jax.clear_caches()
   yield
   jax.clear_caches()
