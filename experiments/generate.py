@@ -7,8 +7,12 @@
 
 Without --model it uses the default trained model (`make demo` creates it). Exact mode
 (the default) samples the target's distribution whatever the drafter; --mode=budgeted caps the
-experts of each verification pass and is APPROXIMATE (its output says so).
+experts of each verification pass and is APPROXIMATE (its output says so). With --num_draft=auto
+the first call calibrates its pass times (seconds): a line on stderr as it starts and ends, and
+its time printed beside the decode's (tokens/s counts the decode alone).
 """
+
+import sys
 
 from absl import flags
 
@@ -60,18 +64,21 @@ def main(argv):
     # Generating is quick; training the default model is not: say so rather than start it.
     raise FileNotFoundError(f"no default model at {paths.default_model_dir()}: run `make demo` first or pass --model")
   model = cli.load_model(_MODEL.value)
-  out = msj.generate(
-      model, list(_PROMPT.value), max_new_tokens=_MAX_NEW.value, sampling=sampling, spec=spec, seed=_SEED.value)
+  out = msj.generate(model, list(_PROMPT.value), max_new_tokens=_MAX_NEW.value, sampling=sampling, spec=spec,
+                     seed=_SEED.value, progress=lambda line: print(line, file=sys.stderr, flush=True))
   for prompt, row in zip(_PROMPT.value, out.tokens):
     print(prompt + model.tokenizer.decode([int(t) for t in row if t >= 0]))
     print("-" * 40)
   s = out.stats
-  print(f"{s['generated_tokens']} tokens in {s['seconds']:.3f} s ({s['tokens_per_second']:.1f} tokens/s), "
+  # The decode's time, and apart from it the calibration num_draft='auto' ran first (once per program).
+  calibrated = f"; calibration before it {s['calibration_seconds']:.1f} s" if s.get("calibration_seconds") else ""
+  print(f"{s['generated_tokens']} tokens in {s['seconds']:.3f} s ({s['tokens_per_second']:.1f} tokens/s{calibrated}), "
         f"{s['passes']} passes, mean accepted length {s['mean_accepted_length']:.2f}")
   if s.get("passes_by_num_draft") is not None:
     print("auto K: passes by K " + " ".join(f"{k}:{n}" for k, n in enumerate(s["passes_by_num_draft"]) if n)
           + f"; acceptance estimate {s['acceptance_estimate']:.2f}"
-          + f"; pass times calibrated on {s['calibration'].replace('_', ' ')}")
+          + f"; pass times calibrated on {s['calibration'].replace('_', ' ')}"
+          + ("" if s["calibration_seconds"] else " (kept from an earlier call)"))
   if "pass_trace" in s:
     print(report.describe_pass_trace(s["pass_trace"]))
   if s["approximate"]:

@@ -199,16 +199,19 @@ def measure_held_step_ms(max_k: int, run: HeldRun, repeats: int = 7) -> np.ndarr
 
 
 class Calibration(NamedTuple):
-  """auto K's per-K pass times (ms, [K + 1]) and how they were measured: "held_runs"
-  (`measure_held_step_ms`) or "loops" (`measure_step_ms`)."""
+  """auto K's per-K pass times (ms, [K + 1]), how they were measured: "held_runs"
+  (`measure_held_step_ms`) or "loops" (`measure_step_ms`), and the seconds the measurement took
+  in this call (0.0 where a kept calibration was reused)."""
   step_ms_K: np.ndarray
   method: str
+  seconds: float = 0.0
 
 
-def calibrate_step_ms(ls: LoopSpec, args, run: HeldRun) -> Calibration:
+def calibrate_step_ms(ls: LoopSpec, args, run: HeldRun, progress: Callable[[str], None] | None = None) -> Calibration:
   """Per-K pass times, once per program (kept in `programs.PROGRAMS`, like compilation):
   `measure_held_step_ms` on the program `run` calls (else, logged, `measure_step_ms`), smoothed and
-  made non-decreasing in K (`auto_draft.smooth_step_times`).
+  made non-decreasing in K (`auto_draft.smooth_step_times`). `progress` gets a line as a
+  measurement starts and one as it ends (nothing where a kept calibration is reused).
 
   A drafter whose passes cost more or less with its inputs (`Drafter.calibration_key`: the
   controlled drafter's acceptance rate) is calibrated once per key.
@@ -219,12 +222,21 @@ def calibrate_step_ms(ls: LoopSpec, args, run: HeldRun) -> Calibration:
          ls.drafter.calibration_key(args[-1]))
   kept = cache.calibration(key)
   if kept is not None:
-    return kept
+    return kept._replace(seconds=0.0)
+  batch = args[2].shape[0]
+  if progress is not None:
+    progress(f"calibrating num_draft='auto': pass times at K = 0..{ls.max_k}, batch {batch}, "
+             f"{ls.max_new_tokens} tokens (once per program and batch shape)")
+  start = time.perf_counter()
   raw_K, method = measure_held_step_ms(ls.max_k, run, CALIBRATION_ROUNDS), "held_runs"
   if raw_K is None:
     logging.info("auto K (%s, max_draft=%d, %d new tokens): too few passes at some K in whole runs; "
                  "pass times measured in loops of passes", type(ls.drafter).__name__, ls.max_k, ls.max_new_tokens)
     raw_K, method = measure_step_ms(ls, args, CALIBRATION_ROUNDS), "loops"
-  calibration = Calibration(auto_draft.smooth_step_times(raw_K, ls.routing).astype(np.float32), method)
+  step_ms_K = auto_draft.smooth_step_times(raw_K, ls.routing).astype(np.float32)
+  calibration = Calibration(step_ms_K, method, time.perf_counter() - start)
   cache.set_calibration(key, calibration)
+  if progress is not None:
+    progress(f"calibrated in {calibration.seconds:.1f} s ({method.replace('_', ' ')}): pass times (ms) "
+             + " ".join(f"K={k} {t:.3f}" for k, t in enumerate(step_ms_K)))
   return calibration

@@ -23,7 +23,7 @@ import dataclasses
 import functools
 import logging
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -184,7 +184,8 @@ def _warn_no_clock(reason: str) -> None:
 
 
 def generate(model, prompts, max_new_tokens: int = 64, sampling: SamplingParams | None = None,
-             spec: SpecParams | None = None, seed: int = 0, reference_tokens=None) -> GenerateOutput:
+             spec: SpecParams | None = None, seed: int = 0, reference_tokens=None,
+             progress: Callable[[str], None] | None = None) -> GenerateOutput:
   """Generates `max_new_tokens` tokens per prompt (fewer where a row emits EOS: -1 after it).
 
   `seed`: the PRNG seed of sampling (its low 32 bits, as `jax.random.key` takes it); each row
@@ -192,9 +193,13 @@ def generate(model, prompts, max_new_tokens: int = 64, sampling: SamplingParams 
   `reference_tokens` (drafter='controlled' only): the plain greedy output for these prompts,
   which the controlled drafter proposes with probability `research.controlled_acceptance`.
   With num_draft='auto', the first call for a program also measures its per-K pass times
-  (`calibrate_step_ms`; seconds, like compilation, and excluded from the timing; stats
-  "calibration": "held_runs", or "loops" where held runs pass too rarely at some K).
+  (`calibrate_step_ms`; seconds, like compilation, and excluded from stats "seconds"; stats
+  "calibration": "held_runs", or "loops" where held runs pass too rarely at some K;
+  "calibration_seconds": its wall time, 0.0 where a kept calibration was reused).
+  `progress`: called with a line as a calibration starts and as it ends.
   """
+  if progress is not None and not callable(progress):
+    raise ValueError(f"progress must be a callable taking a line of text, got {progress!r}")
   spec, ls, args = _prepare(model, prompts, max_new_tokens, sampling, spec, seed, reference_tokens)
   batch, n_moe_layers = args[2].shape[0], model.config.n_moe_layers
   step_ms_K, calibration = np.zeros((ls.max_k + 1,), np.float32), None
@@ -205,7 +210,7 @@ def generate(model, prompts, max_new_tokens: int = 64, sampling: SamplingParams 
       raw = jax.block_until_ready(fn(*args[1:], held_ms_K, np.bool_(prefill_only))[1])
       seconds = time.perf_counter() - start
       return seconds, Stats.unpack(raw, ls, batch, n_moe_layers).passes_by_K
-    calibration = calibrate_step_ms(ls, args, held_run)
+    calibration = calibrate_step_ms(ls, args, held_run, progress)
     step_ms_K = np.asarray(calibration.step_ms_K, np.float32)
   start = time.perf_counter()
   tokens_BN, raw = fn(*args[1:], step_ms_K, _FULL_RUN)

@@ -52,6 +52,7 @@ def public_stats(raw: Stats, tokens_BN, seconds: float, spec: SpecParams, ls: Lo
     step_ms_K = calibration.step_ms_K
     stats["calibrated_step_ms"] = [float(t) for t in step_ms_K]
     stats["calibration"] = calibration.method  # "held_runs" or "loops"
+    stats["calibration_seconds"] = float(calibration.seconds)  # 0.0: a kept calibration was reused
     stats["auto_timing"] = ls.timed
     if ls.timed:  # the pass times auto chose with at the end: calibration corrected by the loop's clock
       stats["corrected_step_ms"] = [float(t) for t in auto_draft.corrected_step_ms(

@@ -33,7 +33,7 @@ def _controlled(acceptance: float, **options) -> msj.ResearchOptions:
 
 def _pinned(step_ms_K):
   """A stand-in for `calibrate_step_ms` that returns these pass times (no timing)."""
-  return lambda ls, args, run: calibration.Calibration(np.asarray(step_ms_K, np.float32), "held_runs")
+  return lambda ls, args, run, progress: calibration.Calibration(np.asarray(step_ms_K, np.float32), "held_runs")
 
 
 def _choice(accepted, tried, step_ms, shadow=False):

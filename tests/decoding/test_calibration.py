@@ -1,9 +1,11 @@
 """auto K's calibration: per-K pass times from held runs of the program itself (solved by least
-squares) or from loops of passes."""
+squares) or from loops of passes; kept once per program, with its wall time and progress lines."""
 
 import numpy as np
+import pytest
 
-from moespec_jax.decoding import calibration
+import moespec_jax as msj
+from moespec_jax.decoding import calibration, programs
 
 
 def test_calibration_loops_span_the_generation():
@@ -67,3 +69,37 @@ def test_held_calibration_solves_each_round_with_its_own_passes():
 
   np.testing.assert_allclose(calibration.measure_held_step_ms(2, run, repeats=3), step_ms_K, rtol=1e-6)
 
+
+@pytest.fixture
+def fresh_programs(monkeypatch):
+  """An empty program cache for the test (the default one is the process's)."""
+  cache = programs.ProgramCache()
+  monkeypatch.setattr(programs, "PROGRAMS", cache)
+  return cache
+
+
+def test_calibration_reports_its_progress_and_time_once_per_program(tiny_model, fresh_programs, monkeypatch):
+  """The first auto call for a program calibrates: a progress line as it starts and one as it ends,
+  its wall time in stats["calibration_seconds"]; the next call reuses it (no line, 0.0 seconds)."""
+  step_ms_K = np.array([1.0, 1.2, 1.4], np.float32)
+
+  def held(max_k, run, rounds):
+    run(calibration.held_step_ms(max_k, 1), False)  # the program really runs while it measures
+    return step_ms_K
+
+  monkeypatch.setattr(calibration, "measure_held_step_ms", held)
+  spec = msj.SpecParams(drafter="ngram", num_draft="auto", max_draft=2)
+  lines = []
+  first = msj.generate(tiny_model, [[3, 3, 3, 3]], max_new_tokens=8, spec=spec, progress=lines.append)
+  assert len(lines) == 2 and lines[0].startswith("calibrating num_draft='auto'") and "K = 0..2" in lines[0]
+  assert lines[1].startswith("calibrated in ") and "held runs" in lines[1] and "K=2 1.400" in lines[1]
+  assert first.stats["calibration"] == "held_runs" and first.stats["calibration_seconds"] > 0
+  np.testing.assert_allclose(first.stats["calibrated_step_ms"], step_ms_K)
+  again = msj.generate(tiny_model, [[3, 3, 3, 3]], max_new_tokens=8, spec=spec, progress=lines.append)
+  assert len(lines) == 2 and again.stats["calibration_seconds"] == 0.0
+  assert again.stats["calibrated_step_ms"] == first.stats["calibrated_step_ms"]
+  assert len(fresh_programs.calibration_keys()) == 1
+  plain = msj.generate(tiny_model, [[3, 3, 3, 3]], max_new_tokens=8, progress=lines.append)
+  assert len(lines) == 2 and "calibration_seconds" not in plain.stats
+  with pytest.raises(ValueError, match="progress"):
+    msj.generate(tiny_model, [[3, 3, 3, 3]], max_new_tokens=8, progress="stderr")

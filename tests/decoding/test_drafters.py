@@ -76,7 +76,7 @@ def test_a_drafter_registered_in_one_place_runs_through_the_loop(tiny_model, reg
   assert fixed.stats["mean_accepted_length"] > 2.5
   with pytest.raises(ValueError, match="reference_tokens is used by drafter='controlled' or drafter='replay'"):
     msj.generate(tiny_model, PROMPTS, max_new_tokens=12, reference_tokens=plain.tokens)
-  monkeypatch.setattr(loop, "calibrate_step_ms", lambda ls, args, run: Calibration(
+  monkeypatch.setattr(loop, "calibrate_step_ms", lambda ls, args, run, progress: Calibration(
       np.array([1.0, 1.2, 1.4], np.float32), "held_runs"))
   auto = msj.generate(tiny_model, PROMPTS, max_new_tokens=12, reference_tokens=plain.tokens,
                       spec=msj.SpecParams(drafter="replay", num_draft="auto", max_draft=2))

@@ -69,12 +69,12 @@ BASE_KEYS = {"passes", "verify_passes", "generated_tokens", "mean_accepted_lengt
              "tokens_per_second", "seconds", "unique_experts_per_pass", "drafter", "num_draft", "expert_method",
              "mode", "approximate", "expert_budget"}
 AUTO_KEYS = {"max_draft", "passes_by_num_draft", "chosen_num_draft", "mean_num_draft", "calibrated_step_ms",
-             "calibration", "auto_timing", "acceptance_estimate"}
+             "calibration", "calibration_seconds", "auto_timing", "acceptance_estimate"}
 
 
 def test_out_stats_keys_are_the_documented_ones(tiny_model, monkeypatch):
-  monkeypatch.setattr(loop, "calibrate_step_ms", lambda ls, args, run: calibration.Calibration(
-      np.array([1.0, 1.2, 1.4], np.float32), "held_runs"))
+  monkeypatch.setattr(loop, "calibrate_step_ms", lambda ls, args, run, progress: calibration.Calibration(
+      np.array([1.0, 1.2, 1.4], np.float32), "held_runs", 0.25))
   prompts = [[3, 3, 3, 3], [5, 6, 7]]
   plain = msj.generate(tiny_model, prompts, max_new_tokens=6)
   assert set(plain.stats) == BASE_KEYS
@@ -82,7 +82,7 @@ def test_out_stats_keys_are_the_documented_ones(tiny_model, monkeypatch):
   assert set(fixed.stats) == BASE_KEYS
   auto = msj.generate(tiny_model, prompts, max_new_tokens=6,
                       spec=msj.SpecParams(drafter="ngram", num_draft="auto", max_draft=2))
-  assert set(auto.stats) == BASE_KEYS | AUTO_KEYS
+  assert set(auto.stats) == BASE_KEYS | AUTO_KEYS and auto.stats["calibration_seconds"] == 0.25
   budgeted = msj.generate(tiny_model, prompts, max_new_tokens=6, spec=msj.SpecParams(
       drafter="ngram", num_draft=2, mode="budgeted", expert_budget=tiny_model.config.top_k,
       research=msj.ResearchOptions(measure_quality=True)))
