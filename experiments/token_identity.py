@@ -2,9 +2,12 @@
 
   python -m experiments.token_identity --record=runs/identity/before.json
   python -m experiments.token_identity --check=runs/identity/before.json
+  python -m experiments.token_identity --record=runs/identity/default.json --models= (the default model only)
 
-Plain, MTP, n-gram, auto K (greedy only: its K per pass follows timed calibrations) and the
-budgeted mode; greedy and sampled with a seed; batch 1 and a ragged batch of 4; on two random
+Plain, MTP, n-gram, auto K (greedy only: its K per pass follows timed calibrations), the budgeted
+mode and the controlled drafter (greedy, proposing the plain greedy tokens with probability 0.8,
+so that long accepted runs, rollbacks and EOS paths are exercised on random models too); greedy
+and sampled with a seed; batch 1 and a ragged batch of 4; on two random
 models (GQA and MLA, each with an MTP module) and, with --default_model, the cached trained
 model. Deterministic calls also record their statistics (accepted lengths, acceptance by depth,
 experts per pass). --check prints every call that differs and exits 1 if any does.
@@ -24,6 +27,7 @@ from moespec_jax import cli
 _RECORD = flags.DEFINE_string("record", None, "Write the calls' tokens to this JSON file.")
 _CHECK = flags.DEFINE_string("check", None, "Compare the calls' tokens with this recorded JSON file.")
 _DEFAULT = flags.DEFINE_bool("default_model", True, "Also run the cached default trained model (when present).")
+_MODEL_NAMES = flags.DEFINE_list("models", ["gqa", "mla"], "The random models to run (gqa, mla; none: '').")
 _NEW_TOKENS = flags.DEFINE_integer("max_new_tokens", 40, "Tokens per call.", lower_bound=2)
 
 _MODELS = {
@@ -73,10 +77,30 @@ def _calls(model):
                msj.SpecParams(**spec), not auto)
 
 
+def _controlled_spec(num_draft, auto: bool):
+  """The controlled drafter at acceptance 0.8 (its settings moved into a research group later)."""
+  k = dict(num_draft="auto", max_draft=num_draft) if auto else dict(num_draft=num_draft)
+  if hasattr(msj, "ResearchOptions"):
+    return msj.SpecParams(drafter="controlled", research=msj.ResearchOptions(controlled_acceptance=0.8), **k)
+  return msj.SpecParams(drafter="controlled", controlled_acceptance=0.8, **k)
+
+
+def _controlled_calls():
+  """(name, spec) of the controlled-drafter calls: greedy only, against the plain greedy tokens."""
+  yield "controlled4", _controlled_spec(4, auto=False), True
+  yield "controlled_auto", _controlled_spec(6, auto=True), False
+
+
 def _run_model(label: str, model, max_new_tokens: int) -> dict:
   out = {}
-  for name, prompts, sampling, spec, deterministic in _calls(model):
-    result = msj.generate(model, prompts, max_new_tokens=max_new_tokens, sampling=sampling, spec=spec, seed=7)
+  calls = list(_calls(model))
+  for batch, prompts in _PROMPTS.items():
+    plain = msj.generate(model, prompts, max_new_tokens=max_new_tokens, seed=7).tokens
+    for name, spec, deterministic in _controlled_calls():
+      calls.append((f"b{batch}/greedy/{name}", prompts, msj.SamplingParams(), spec, deterministic, plain))
+  for name, prompts, sampling, spec, deterministic, *reference in calls:
+    result = msj.generate(model, prompts, max_new_tokens=max_new_tokens, sampling=sampling, spec=spec, seed=7,
+                          reference_tokens=reference[0] if reference else None)
     entry = {"tokens": result.tokens.tolist()}
     if deterministic:
       entry["stats"] = {k: result.stats[k] for k in _STAT_KEYS}
@@ -87,8 +111,8 @@ def _run_model(label: str, model, max_new_tokens: int) -> dict:
 
 
 def _models():
-  for label, fields in _MODELS.items():
-    yield label, msj.Model.init(msj.ModelConfig(**fields), seed=3)
+  for label in cli.choice_list("models", _MODEL_NAMES.value, list(_MODELS)) if _MODEL_NAMES.value else []:
+    yield label, msj.Model.init(msj.ModelConfig(**_MODELS[label]), seed=3)
   if _DEFAULT.value:
     from moespec_jax.io import paths
     if (paths.default_model_dir() / "config.json").exists():
