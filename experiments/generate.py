@@ -11,16 +11,19 @@ Without --model it uses the default trained model (`make demo` creates it). Exac
 experts of each verification pass and is APPROXIMATE (its output says so). Prints the text,
 tokens/s and, with a drafter, the mean accepted length and the acceptance at each draft depth;
 with --workdir also writes DIR/metrics.json (key `generate`: prompts, texts, tokens, statistics).
-One generation: no --quick, and no plot.
+One generation: no --quick, and no plot. With --num_draft=auto the first call calibrates its pass
+times (seconds): a line on stderr as it starts and ends, and its time printed beside the decode's
+(tokens/s counts the decode alone).
 """
 
 import pathlib
+import sys
 
 from absl import flags
 
 import moespec_jax as msj
 from moespec_jax import cli
-from moespec_jax.decoding import loop
+from moespec_jax.decoding import report
 from moespec_jax.io import atomic, paths
 
 _PROMPT = flags.DEFINE_multi_string("prompt", ["def fib(n):"], "Prompt(s); repeat the flag for a batch.")
@@ -64,32 +67,35 @@ def describe_acceptance(by_depth) -> str:
 def main(argv):
   if len(argv) > 1:
     raise ValueError(f"unexpected arguments: {argv[1:]}")
+  research = msj.ResearchOptions(mtp_prompt_window=_MTP_WINDOW.value or None, measure_quality=_QUALITY.value,
+                                 pass_trace=_PASS_TRACE.value)
   spec = msj.SpecParams(drafter=_DRAFTER.value, num_draft=_num_draft(_NUM_DRAFT.value), max_draft=_MAX_DRAFT.value,
-                        mtp_prompt_window=_MTP_WINDOW.value or None, mode=_MODE.value,
-                        expert_budget=_BUDGET.value, measure_quality=_QUALITY.value, kernel=_KERNEL.value,
-                        pass_trace=_PASS_TRACE.value)
+                        mode=_MODE.value, expert_budget=_BUDGET.value, kernel=_KERNEL.value, research=research)
   sampling = msj.SamplingParams(temperature=_TEMPERATURE.value, top_k=_TOP_K.value, top_p=_TOP_P.value)
   if _MODEL.value is None and not (paths.default_model_dir() / "config.json").exists():
     # Generating is quick; training the default model is not: say so rather than start it.
     raise FileNotFoundError(f"no default model at {paths.default_model_dir()}: run `make demo` first or pass --model")
   model = cli.load_model(_MODEL.value)
-  out = msj.generate(
-      model, list(_PROMPT.value), max_new_tokens=_MAX_NEW.value, sampling=sampling, spec=spec, seed=_SEED.value)
+  out = msj.generate(model, list(_PROMPT.value), max_new_tokens=_MAX_NEW.value, sampling=sampling, spec=spec,
+                     seed=_SEED.value, progress=lambda line: print(line, file=sys.stderr, flush=True))
   texts = [model.tokenizer.decode([int(t) for t in row if t >= 0]) for row in out.tokens]
   for prompt, text in zip(_PROMPT.value, texts):
     print(prompt + text)
     print("-" * 40)
   s = out.stats
-  print(f"{s['generated_tokens']} tokens in {s['seconds']:.3f} s ({s['tokens_per_second']:.1f} tokens/s), "
+  # The decode's time, and apart from it the calibration num_draft='auto' ran first (once per program).
+  calibrated = f"; calibration before it {s['calibration_seconds']:.1f} s" if s.get("calibration_seconds") else ""
+  print(f"{s['generated_tokens']} tokens in {s['seconds']:.3f} s ({s['tokens_per_second']:.1f} tokens/s{calibrated}), "
         f"{s['passes']} passes, mean accepted length {s['mean_accepted_length']:.2f}")
   if _DRAFTER.value != "none":
     print("acceptance by depth: " + describe_acceptance(s["acceptance_by_depth"]))
   if s.get("passes_by_num_draft") is not None:
     print("auto K: passes by K " + " ".join(f"{k}:{n}" for k, n in enumerate(s["passes_by_num_draft"]) if n)
           + f"; acceptance estimate {s['acceptance_estimate']:.2f}"
-          + f"; pass times calibrated on {s['calibration'].replace('_', ' ')}")
+          + f"; pass times calibrated on {s['calibration'].replace('_', ' ')}"
+          + ("" if s["calibration_seconds"] else " (kept from an earlier call)"))
   if "pass_trace" in s:
-    print(loop.describe_pass_trace(s["pass_trace"]))
+    print(report.describe_pass_trace(s["pass_trace"]))
   if s["approximate"]:
     quality = (f"; top-1 agreement with exact {s['top1_agreement']:.3f}, mean KL {s['mean_kl']:.4f}"
                if "top1_agreement" in s else "; --measure_quality reports its cost")

@@ -54,8 +54,8 @@ _SPECS = {
     "budget_subst_row": dict(drafter="ngram", num_draft=3, mode="budgeted", expert_budget="top_k+1",
                              budget_policy="substitute", budget_scope="row"),
     "per_slot": dict(drafter="mtp", num_draft=2, kernel="per_slot"),
-    "xla_kernels": dict(drafter="ngram", num_draft=2, kernel="xla", head_kernel="xla", attention_kernel="xla",
-                        dense_kernel="xla"),
+    "xla_kernels": dict(drafter="ngram", num_draft=2, kernel="xla",
+                        research=msj.ResearchOptions(head_kernel="xla", attention_kernel="xla", dense_kernel="xla")),
 }
 _STAT_KEYS = ("passes", "mean_accepted_length", "acceptance_by_depth", "unique_experts_per_pass", "generated_tokens")
 

@@ -3,6 +3,6 @@
 from moespec_jax.api import Model
 from moespec_jax.config import ModelConfig
 from moespec_jax.decoding.loop import GenerateOutput, generate
-from moespec_jax.decoding.params import SamplingParams, SpecParams
+from moespec_jax.decoding.params import ResearchOptions, SamplingParams, SpecParams
 
-__all__ = ["GenerateOutput", "Model", "ModelConfig", "SamplingParams", "SpecParams", "generate"]
+__all__ = ["GenerateOutput", "Model", "ModelConfig", "ResearchOptions", "SamplingParams", "SpecParams", "generate"]

@@ -39,6 +39,9 @@ def test_generate_cli_end_to_end_and_bad_values(tiny_model, tmp_path):
   assert "auto K: passes by K" in proc.stdout and "APPROXIMATE" not in proc.stdout
   assert "pass times calibrated on loops" in proc.stdout  # 6 tokens: too few passes per K for held runs
   assert "\nacceptance by depth: 1: " in proc.stdout  # beside the mean accepted length
+  # The calibration says when it starts and ends (stderr), and its time stands beside the decode's.
+  assert "calibrating num_draft='auto'" in proc.stderr and "calibrated in " in proc.stderr
+  assert "calibration before it" in proc.stdout
   proc = run_module("experiments.generate", f"--checkpoint={path}", "--max_new_tokens=4", "--drafter=ngram",
               "--mode=budgeted", "--expert_budget=3", "--measure_quality")
   assert proc.returncode == 0, proc.stderr

@@ -14,11 +14,11 @@ Each row's a is estimated from its decayed counts of accepted and tried drafts, 
 weak prior, and read optimistically (plus OPTIMISM standard errors). The tokens a pass commits
 follow each draft depth's own conditional acceptance, from per-depth counts each shrunk towards
 the depth before it, depth 0 towards that pooled rate (`depth_acceptance`), for prompt lookup
-(DEPTH_DRAFTERS), whose drafts are wrong at once or right for a long run: it gets the K its runs
-pay for. Drafters whose proposals
-cost next to nothing (n-gram lookup, the controlled drafter) keep the evidence flowing at
-K = 0: each plain pass checks the one draft they would have proposed against the token the
-target produced ("shadow" drafts: greedy, whether it matches; sampled, its acceptance
+(drafters with `Drafter.per_depth`), whose drafts are wrong at once or right for a long run: it
+gets the K its runs pay for. Drafters whose proposals
+cost next to nothing (n-gram lookup, the controlled drafter: `Drafter.shadows`) keep the evidence
+flowing at K = 0: each plain pass checks the one draft they would have proposed against the token
+the target produced ("shadow" drafts: greedy, whether it matches; sampled, its acceptance
 probability), so auto leaves K = 0 as soon as drafting pays again. The MTP heads skip their
 upkeep at K = 0 (their state goes stale), so with them K = 0 is final: it is chosen only after
 MIN_EVIDENCE tried drafts and only where drafting would not pay even at a high bound on the
@@ -71,17 +71,7 @@ PLAIN_SEGMENT_PASSES = 16  # the same at K = 0
 SETTLED_EVIDENCE = 16.0  # tried drafts before segments grow from 1 pass to SEGMENT_PASSES
 YOUNG_PLAIN_PASSES = 4  # passes per K = 0 choice while the estimate is young (shadow drafts)
 NO_MATCH_PASSES = 4  # plain passes when no row has an n-gram match (each choice costs a little)
-SHADOW_DRAFTERS = ("ngram", "controlled")  # proposals cheap enough to check on plain passes
 MAX_ACCEPTANCE = 0.999
-# Drafters whose acceptance is read per depth (`depth_acceptance`): prompt lookup, whose drafts
-# are wrong at once or right for a long run. The others are read geometrically: the controlled
-# drafter is geometric by construction, and the MTP heads' acceptance on the default model is
-# about flat in depth (0.84-0.98 over depths 0-7), where the depth model's optimism about rarely
-# reached depths chose longer drafts at batch 8 than the geometric model and cost 3-4% there.
-# Simulated at batch 1 (analysis/draft_policy_sim, two MTP calibrations, 127 tokens, 100 runs),
-# the per-depth reading gained 0.2-2.5% of the best fixed K on the heads' measured depth profiles
-# (0.97, 0.84-0.88, 0.88-0.93, then 0.92-1.0) and lost 1-3% on flat or falling ones.
-DEPTH_DRAFTERS = ("ngram",)
 # Reached drafts at which a depth's own acceptance weighs as much as the depth before it; standard
 # errors added to a depth's estimate while it has no evidence of its own (fading with it). In
 # simulation (analysis/draft_policy_sim, the default model's pass times, 127 tokens, 100 runs)

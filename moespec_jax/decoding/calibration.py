@@ -16,35 +16,36 @@ import jax.numpy as jnp
 import numpy as np
 
 from moespec_jax.analysis import timing
-from moespec_jax.decoding import auto_draft, programs
-from moespec_jax.decoding.passes import LoopSpec, init_carry, speculative_pass
+from moespec_jax.decoding import auto_draft, passes, programs
+from moespec_jax.decoding.state import LoopSpec, LoopState
 
 
-def init_program(definition, params, tokens_BT, lengths_B, seed, draft_inputs, *, ls: LoopSpec):
-  """The carry after the prefill and first token: where every timed loop starts."""
-  return init_carry(programs.merge(definition, params, ls), tokens_BT, lengths_B, seed, draft_inputs, ls)
+def init_program(definition, params, tokens_BT, lengths_B, seed, inputs, *, ls: LoopSpec) -> LoopState:
+  """The state after the prefill and first token: where every timed loop starts."""
+  return passes.init_state(programs.merge(definition, params, ls), tokens_BT, lengths_B, seed, inputs, ls)
 
 
-def passes_program(definition, params, carry, k, n_passes, *, ls: LoopSpec):
-  """`n_passes` passes of real decoding with K = k from `carry`; a row that would reach its end
-  (or EOS) starts over from its position in `carry`, so that no row ever stops.
+def passes_program(definition, params, state: LoopState, k, n_passes, *, ls: LoopSpec) -> LoopState:
+  """`n_passes` passes of real decoding with K = k from `state`; a row that would reach its end
+  (or EOS) starts over from its position in `state`, so that no row ever stops.
 
   Passes must verify what decoding verifies: replaying the same tokens from the same position
   every pass keeps their experts' weights in the processor's caches, which made drafting passes
   look 25-45% cheaper than in decoding (default model, batch 1 and 8).
   """
   model = programs.merge(definition, params, ls)
-  start = {name: carry[name] for name in ("pos", "pending", "gen", "done")}
+  start = state
 
-  def one_pass(c, kk):
-    c = speculative_pass(model, c, kk, ls)
-    over_B = c["done"] | (c["gen"] + kk + 1 > ls.max_new_tokens)
-    rewound = {name: jnp.where(over_B, start[name], c[name]) for name in ("pos", "pending", "gen")}
-    return dict(c, done=start["done"], **rewound)
+  def one_pass(s: LoopState, kk: int) -> LoopState:
+    s = passes.speculative_pass(model, s, kk, ls)
+    over_B = s.done_B | (s.generated_B + kk + 1 > ls.max_new_tokens)
+    return s.replace(done_B=start.done_B, pos_B=jnp.where(over_B, start.pos_B, s.pos_B),
+                     pending_B=jnp.where(over_B, start.pending_B, s.pending_B),
+                     generated_B=jnp.where(over_B, start.generated_B, s.generated_B))
 
-  for kk in range(ls.num_draft + 1):
-    carry = jax.lax.fori_loop(0, jnp.where(k == kk, n_passes, 0), lambda _, c, kk=kk: one_pass(c, kk), carry)
-  return carry
+  for kk in range(ls.max_k + 1):
+    state = jax.lax.fori_loop(0, jnp.where(k == kk, n_passes, 0), lambda _, s, kk=kk: one_pass(s, kk), state)
+  return state
 
 
 # Passes per timed loop: the per-pass time is the difference of the two loops' times over the
@@ -83,7 +84,7 @@ CALIBRATION_ROUNDS = 7
 
 
 def measure_step_ms(ls: LoopSpec, args, repeats: int = 7) -> np.ndarray:
-  """Median time (ms) of one pass for each K in 0..ls.num_draft.
+  """Median time (ms) of one pass for each K in 0..ls.max_k.
 
   One pass is what the loop runs per iteration (draft K, verify K + 1, drafter upkeep),
   timed in compiled loops of `calibration_passes(ls.max_new_tokens)` passes (the per-pass time is
@@ -105,23 +106,24 @@ def measure_step_variants_ms(lss: Sequence[LoopSpec], args, repeats: int = 7) ->
   ls = lss[0]
   definition, params = args[0], args[1]
   short, long = calibration_passes(ls.max_new_tokens)
-  carry0 = jax.block_until_ready(programs.compiled(init_program, ls, *args)(*args[1:]))
-  runs = [programs.compiled(passes_program, variant, definition, params, carry0, jnp.int32(0), jnp.int32(0),
-                            donate_argnums=(2,)) for variant in lss]
+  cache = programs.PROGRAMS
+  state0 = jax.block_until_ready(cache.compiled(init_program, ls, *args)(*args[1:]))
+  runs = [cache.compiled(passes_program, variant, definition, params, state0, jnp.int32(0), jnp.int32(0),
+                         donate_argnums=(2,)) for variant in lss]
 
   def timed(run, k: int, n: int) -> float:
-    carry = jax.block_until_ready(jax.tree.map(jnp.copy, carry0))
+    state = jax.block_until_ready(jax.tree.map(jnp.copy, state0))
     k_arr, n_arr = jnp.int32(k), jnp.int32(n)
     start = time.perf_counter()
-    jax.block_until_ready(run(params, carry, k_arr, n_arr))
+    jax.block_until_ready(run(params, state, k_arr, n_arr))
     return time.perf_counter() - start
 
   for run in runs:  # warm-up: one program per variant, whatever the loop's length
-    for k in range(ls.num_draft + 1):
+    for k in range(ls.max_k + 1):
       timed(run, k, short)
-  times_VKR = np.zeros((len(runs), ls.num_draft + 1, repeats))
+  times_VKR = np.zeros((len(runs), ls.max_k + 1, repeats))
   for r in range(repeats):
-    for k in range(ls.num_draft + 1):
+    for k in range(ls.max_k + 1):
       for v in timing.round_order(range(len(runs)), r + k):
         times_VKR[v, k, r] = (timed(runs[v], k, long) - timed(runs[v], k, short)) * 1e3 / (long - short)
   return _scaled_ratio_medians(times_VKR)
@@ -146,16 +148,16 @@ CALIBRATION_MIN_PASSES = 8
 HeldRun = Callable[[np.ndarray, bool], tuple[float, np.ndarray]]
 
 
-def held_step_ms(num_draft: int, k: int) -> np.ndarray:
+def held_step_ms(max_k: int, k: int) -> np.ndarray:
   """Step times under which auto K chooses K = k in every segment (where the cache and the rows'
   remaining tokens allow k drafts; the MTP heads draft before K = 0 may be chosen)."""
-  step_ms_K = np.full((num_draft + 1,), HELD_OTHER_MS, np.float32)
+  step_ms_K = np.full((max_k + 1,), HELD_OTHER_MS, np.float32)
   step_ms_K[k] = 1.0
   return step_ms_K
 
 
-def measure_held_step_ms(num_draft: int, run: HeldRun, repeats: int = 7) -> np.ndarray | None:
-  """Median time (ms) of one pass for each K in 0..num_draft, from whole runs of the generation
+def measure_held_step_ms(max_k: int, run: HeldRun, repeats: int = 7) -> np.ndarray | None:
+  """Median time (ms) of one pass for each K in 0..max_k, from whole runs of the generation
   program itself: each round runs it held at every K (`held_step_ms`) and once stopped after its
   first token (the prefill, and the MTP heads' fill), in the balanced order of
   `timing.round_order`. A held run's time less the prefill's is the sum over K of the passes it
@@ -169,59 +171,72 @@ def measure_held_step_ms(num_draft: int, run: HeldRun, repeats: int = 7) -> np.n
   tokens decoding verifies, and auto's own upkeep. Loops of passes put drafting passes up to 22%
   below their cost in decoding (`measure_step_ms`, CALIBRATION_LONG_PASSES).
   """
-  labels = ["prefill"] + list(range(num_draft + 1))
-  steps = {k: held_step_ms(num_draft, k) for k in range(num_draft + 1)}
+  labels = ["prefill"] + list(range(max_k + 1))
+  steps = {k: held_step_ms(max_k, k) for k in range(max_k + 1)}
 
   def call(label):
     return run(steps[0], True) if label == "prefill" else run(steps[label], False)
 
   def solvable(passes_KK):
     return (np.min(passes_KK.sum(axis=0)) >= CALIBRATION_MIN_PASSES
-            and np.linalg.matrix_rank(passes_KK) == num_draft + 1)
+            and np.linalg.matrix_rank(passes_KK) == max_k + 1)
 
   for label in labels:  # warm-up
     call(label)
-  times_RK = np.zeros((repeats, num_draft + 1))
+  times_RK = np.zeros((repeats, max_k + 1))
   for r in range(repeats):
     seconds, passes = {}, {}
     for label in timing.round_order(labels, r):
       seconds[label], passes[label] = call(label)
     # The same seed gives the same passes; each round solves with its own, should a backend's
     # nondeterministic sums ever change a token.
-    passes_KK = np.stack([passes[k] for k in range(num_draft + 1)]).astype(float)
+    passes_KK = np.stack([passes[k] for k in range(max_k + 1)]).astype(float)
     if not solvable(passes_KK):
       return None
-    decode_ms_K = np.array([seconds[k] - seconds["prefill"] for k in range(num_draft + 1)]) * 1e3
+    decode_ms_K = np.array([seconds[k] - seconds["prefill"] for k in range(max_k + 1)]) * 1e3
     times_RK[r] = np.linalg.lstsq(passes_KK, decode_ms_K, rcond=None)[0]
   return _scaled_ratio_medians(times_RK.T[None])[0]
 
 
 class Calibration(NamedTuple):
-  """auto K's per-K pass times (ms, [K + 1]) and how they were measured: "held_runs"
-  (`measure_held_step_ms`) or "loops" (`measure_step_ms`)."""
+  """auto K's per-K pass times (ms, [K + 1]), how they were measured: "held_runs"
+  (`measure_held_step_ms`) or "loops" (`measure_step_ms`), and the seconds the measurement took
+  in this call (0.0 where a kept calibration was reused)."""
   step_ms_K: np.ndarray
   method: str
+  seconds: float = 0.0
 
 
-def calibrate_step_ms(ls: LoopSpec, args, run: HeldRun) -> Calibration:
-  """Per-K pass times, once per program (cached, like compilation): `measure_held_step_ms` on the
-  program `run` calls (else, logged, `measure_step_ms`), smoothed and made non-decreasing in K
-  (`auto_draft.smooth_step_times`).
+def calibrate_step_ms(ls: LoopSpec, args, run: HeldRun, progress: Callable[[str], None] | None = None) -> Calibration:
+  """Per-K pass times, once per program (kept in `programs.PROGRAMS`, like compilation):
+  `measure_held_step_ms` on the program `run` calls (else, logged, `measure_step_ms`), smoothed and
+  made non-decreasing in K (`auto_draft.smooth_step_times`). `progress` gets a line as a
+  measurement starts and one as it ends (nothing where a kept calibration is reused).
 
-  The controlled drafter's programs are calibrated once per acceptance rate: a pass costs more
-  when its drafts are wrong (random tokens route to more distinct experts than the model's
-  own continuation), so the pass times at one rate misjudge another.
+  A drafter whose passes cost more or less with its inputs (`Drafter.calibration_key`: the
+  controlled drafter's acceptance rate) is calibrated once per key.
   """
+  cache = programs.PROGRAMS
   # Timed and untimed programs pass alike: they share one calibration.
-  sig = programs.signature(calibrate_step_ms, dataclasses.replace(ls, timed=False), *args)
-  if ls.drafter == "controlled":
-    draft_inputs = args[-1]  # as loop._prepare builds them
-    sig = (sig, float(draft_inputs["acceptance"]))
-  if sig not in programs.CALIBRATED:
-    raw_K, method = measure_held_step_ms(ls.num_draft, run, CALIBRATION_ROUNDS), "held_runs"
-    if raw_K is None:
-      logging.info("auto K (%s drafter, max_draft=%d, %d new tokens): too few passes at some K in whole runs; "
-                   "pass times measured in loops of passes", ls.drafter, ls.num_draft, ls.max_new_tokens)
-      raw_K, method = measure_step_ms(ls, args, CALIBRATION_ROUNDS), "loops"
-    programs.CALIBRATED[sig] = Calibration(auto_draft.smooth_step_times(raw_K, ls.routing).astype(np.float32), method)
-  return programs.CALIBRATED[sig]
+  key = (programs.signature(calibrate_step_ms, dataclasses.replace(ls, timed=False), *args),
+         ls.drafter.calibration_key(args[-1]))
+  kept = cache.calibration(key)
+  if kept is not None:
+    return kept._replace(seconds=0.0)
+  batch = args[2].shape[0]
+  if progress is not None:
+    progress(f"calibrating num_draft='auto': pass times at K = 0..{ls.max_k}, batch {batch}, "
+             f"{ls.max_new_tokens} tokens (once per program and batch shape)")
+  start = time.perf_counter()
+  raw_K, method = measure_held_step_ms(ls.max_k, run, CALIBRATION_ROUNDS), "held_runs"
+  if raw_K is None:
+    logging.info("auto K (%s, max_draft=%d, %d new tokens): too few passes at some K in whole runs; "
+                 "pass times measured in loops of passes", type(ls.drafter).__name__, ls.max_k, ls.max_new_tokens)
+    raw_K, method = measure_step_ms(ls, args, CALIBRATION_ROUNDS), "loops"
+  step_ms_K = auto_draft.smooth_step_times(raw_K, ls.routing).astype(np.float32)
+  calibration = Calibration(step_ms_K, method, time.perf_counter() - start)
+  cache.set_calibration(key, calibration)
+  if progress is not None:
+    progress(f"calibrated in {calibration.seconds:.1f} s ({method.replace('_', ' ')}): pass times (ms) "
+             + " ".join(f"K={k} {t:.3f}" for k, t in enumerate(step_ms_K)))
+  return calibration

@@ -1,7 +1,7 @@
 """Compiled generation programs: the model's static definition, its state merged back inside a
-program (with the CPU kernels' packed weights), and the caches of ahead-of-time compiled programs
-and of auto K's calibrations, one per program signature. The programs' cache drops its least
-recently used programs where the process runs short of memory mappings (`drop_least_recent`).
+program (with the CPU kernels' packed weights), and `ProgramCache`: the ahead-of-time compiled
+programs and auto K's calibrations of them, one per program signature, dropping its least recently
+used programs where the process runs short of memory mappings. `PROGRAMS` is the one generate() uses.
 """
 
 from __future__ import annotations
@@ -9,13 +9,13 @@ from __future__ import annotations
 import gc
 import itertools
 import logging
-from typing import Any
+from typing import Any, Callable
 
 import jax
 from flax import nnx
 
 from moespec_jax.decoding.params import SpecParams
-from moespec_jax.decoding.passes import LoopSpec
+from moespec_jax.decoding.state import LoopSpec
 from pallas_kernels import cpu_ffi
 
 
@@ -41,18 +41,6 @@ class ModelDefinition:
         self._hash == other._hash and self.graphdef == other.graphdef and self.state_treedef == other.state_treedef))
 
 
-# id(graphdef) -> its definition, whose graphdef field keeps the id from being reused.
-_DEFINITIONS: dict[int, ModelDefinition] = {}
-
-
-def model_definition(graphdef, state_treedef) -> ModelDefinition:
-  """The one definition object per (graphdef object, state structure), hashed once."""
-  found = _DEFINITIONS.get(id(graphdef))
-  if found is None or found.graphdef is not graphdef or found.state_treedef != state_treedef:
-    found = _DEFINITIONS[id(graphdef)] = ModelDefinition(graphdef, state_treedef)
-  return found
-
-
 def merge(definition: ModelDefinition, params, ls: LoopSpec):
   """The module inside a program. `params`: (the state's leaves, the packed output head or
   None, the packed dense projections or None: see `decode_params`); `ls.cpu_attention`:
@@ -76,8 +64,8 @@ def decode_params(model, spec: SpecParams, leaves):
   (dense_kernel='auto') packed for `cpu_ffi.packed_matmul`, once per model: a decode step reads
   them from memory, and XLA's dot read the head at a third of the streaming rate and re-packs
   the projections on every multi-row product."""
-  return (leaves, model.packed_head() if cpu_kernels(spec.head_kernel) else None,
-          model.packed_dense(leaves) if cpu_kernels(spec.dense_kernel) else None)
+  return (leaves, model.packed_head() if cpu_kernels(spec.research.head_kernel) else None,
+          model.packed_dense(leaves) if cpu_kernels(spec.research.dense_kernel) else None)
 
 
 def cpu_kernels(choice: str) -> bool:
@@ -85,60 +73,9 @@ def cpu_kernels(choice: str) -> bool:
   return choice == "auto" and jax.default_backend() == "cpu" and cpu_ffi.available()
 
 
-_COMPILED: dict[Any, Any] = {}
-# When each program was last asked for (`compiled`), for `drop_least_recent`.
-_LAST_USE: dict[Any, int] = {}
-_USES = itertools.count()
-# Calibrated pass times of auto K (`calibration.calibrate_step_ms`), per program signature (the
-# controlled drafter's: per (signature, acceptance rate)); dropped with the programs.
-CALIBRATED: dict[Any, Any] = {}  # calibration.Calibration values
-
-
-def forget_compiled(keep=frozenset()) -> None:
-  """Drops the compiled programs whose signatures are not in `keep` (a set of earlier
-  `compiled_signatures()`): a sweep over dozens of programs does not fit in memory otherwise.
-  Models that no remaining program or calibration refers to are forgotten too (their
-  definitions hold their graphdefs)."""
-  for sig in set(_COMPILED) - set(keep):
-    del _COMPILED[sig]
-  for sig in set(_LAST_USE) - set(_COMPILED):
-    del _LAST_USE[sig]
-  live = {id(_signature_definition(sig)) for sig in (*_COMPILED, *CALIBRATED)}
-  for graphdef_id in [i for i, definition in _DEFINITIONS.items() if id(definition) not in live]:
-    del _DEFINITIONS[graphdef_id]
-  jax.clear_caches()
-
-
-def _signature_definition(sig) -> ModelDefinition:
-  """The model definition of a program signature, or of a calibration's ((signature,
-  acceptance) for the controlled drafter: `calibrate_step_ms`)."""
-  return sig[2] if isinstance(sig[0], str) else sig[0][2]
-
-
-def compiled_signatures() -> frozenset:
-  return frozenset(_COMPILED)
-
-
-def compiled_signatures_by_use() -> tuple:
-  """The cached programs' signatures, least recently used first."""
-  return tuple(sorted(_COMPILED, key=lambda sig: _LAST_USE.get(sig, -1)))
-
-
 def signature(fn, ls: LoopSpec, definition, *args):
+  """A program's key: its function, static settings, model definition and argument shapes."""
   return (fn.__name__, ls, definition, tuple((a.shape, a.dtype) for a in jax.tree.leaves(args)))
-
-
-def compiled(fn, ls: LoopSpec, *args, donate_argnums=()):
-  """AOT-compiles `fn` once per (LoopSpec, argument shapes) so timing excludes compilation; the
-  cache keeps its programs in order of last use (`drop_least_recent` after each compilation)."""
-  sig = signature(fn, ls, *args)
-  _LAST_USE[sig] = next(_USES)
-  program = _COMPILED.get(sig)
-  if program is None:
-    jitted = jax.jit(fn, static_argnums=(0,), static_argnames=("ls",), donate_argnums=donate_argnums)
-    program = _COMPILED[sig] = jitted.lower(*args, ls=ls).compile()
-    drop_least_recent()
-  return program
 
 
 # XLA:CPU maps each kernel of a compiled program into memory apart: on the default model a plain
@@ -165,23 +102,111 @@ def memory_mappings() -> tuple[int, int] | None:
   return held, limit
 
 
-def drop_least_recent() -> int:
-  """Where the process holds more than MAP_HIGH_WATER of its memory mappings, drops the older half
-  of the cached programs (least recently used first; never the newest), then JAX's caches, which
-  hold them too (`forget_compiled`), until it holds less than MAP_LOW_WATER or one program is
-  left. A dropped program is compiled again when next asked for; one a caller still holds keeps
-  working. Returns the number dropped."""
-  counts = memory_mappings()
-  if counts is None or counts[0] <= MAP_HIGH_WATER * counts[1]:
-    return 0
-  (before, limit), held, dropped = counts, counts[0], 0
-  while held > MAP_LOW_WATER * limit and len(_COMPILED) > 1:
-    older = compiled_signatures_by_use()[:-1]
-    oldest = older[:max(1, len(older) // 2)]
-    forget_compiled(keep=frozenset(_COMPILED) - frozenset(oldest))
-    gc.collect()
-    dropped += len(oldest)
-    held = (memory_mappings() or (0, limit))[0]
-  logging.info("dropped the %d least recently used compiled programs: the process held %d memory mappings, "
-               "now %d, of at most %d", dropped, before, held, limit)
-  return dropped
+class ProgramCache:
+  """The compiled generation programs of a process, one per signature (function, LoopSpec, model
+  definition, argument shapes; `signature`), auto K's calibrations of them, and the model
+  definitions they refer to (`definition`: one per graphdef object, hashed once).
+
+  It holds its programs until `forget` drops them (a sweep over dozens of programs does not fit in
+  memory otherwise) and, after each compilation, drops the least recently used ones where the
+  process holds more than `high_water` of its memory mappings (`drop_least_recent`). A dropped
+  program is compiled again when next asked for; one a caller still holds keeps working. The
+  module's `PROGRAMS` lives as long as the process and is the one generate() uses.
+  """
+
+  def __init__(self, *, mappings: Callable[[], tuple[int, int] | None] = memory_mappings,
+               high_water: float = MAP_HIGH_WATER, low_water: float = MAP_LOW_WATER):
+    self.mappings, self.high_water, self.low_water = mappings, high_water, low_water
+    self._programs: dict[Any, Any] = {}
+    self._last_use: dict[Any, int] = {}  # when each program was last asked for
+    self._uses = itertools.count()
+    # (signature, what else it depends on: `Drafter.calibration_key`) -> calibration.Calibration
+    self._calibrations: dict[Any, Any] = {}
+    # id(graphdef) -> its definition, whose graphdef field keeps the id from being reused.
+    self._definitions: dict[int, ModelDefinition] = {}
+
+  def __len__(self) -> int:
+    return len(self._programs)
+
+  def definition(self, graphdef, state_treedef) -> ModelDefinition:
+    """The one definition object per (graphdef object, state structure), hashed once."""
+    found = self._definitions.get(id(graphdef))
+    if found is None or found.graphdef is not graphdef or found.state_treedef != state_treedef:
+      found = self._definitions[id(graphdef)] = ModelDefinition(graphdef, state_treedef)
+    return found
+
+  def definitions(self) -> tuple[ModelDefinition, ...]:
+    return tuple(self._definitions.values())
+
+  def compiled(self, fn, ls: LoopSpec, *args, donate_argnums=()):
+    """`fn` AOT-compiled once per (LoopSpec, argument shapes), so that timing excludes compilation."""
+    sig = signature(fn, ls, *args)
+    self._last_use[sig] = next(self._uses)
+    program = self._programs.get(sig)
+    if program is None:
+      jitted = jax.jit(fn, static_argnums=(0,), static_argnames=("ls",), donate_argnums=donate_argnums)
+      program = self._programs[sig] = jitted.lower(*args, ls=ls).compile()
+      self.drop_least_recent()
+    return program
+
+  def program(self, sig):
+    """The compiled program of a signature, or None."""
+    return self._programs.get(sig)
+
+  def signatures(self) -> frozenset:
+    return frozenset(self._programs)
+
+  def signatures_by_use(self) -> tuple:
+    """The programs' signatures, least recently used first."""
+    return tuple(sorted(self._programs, key=lambda sig: self._last_use.get(sig, -1)))
+
+  def calibration(self, key):
+    """The calibration kept under `key` ((signature, calibration key)), or None."""
+    return self._calibrations.get(key)
+
+  def set_calibration(self, key, value) -> None:
+    self._calibrations[key] = value
+
+  def calibration_keys(self) -> frozenset:
+    return frozenset(self._calibrations)
+
+  def forget(self, keep=frozenset()) -> None:
+    """Drops the programs whose signatures are not in `keep` (a set of earlier `signatures()`),
+    and the models that no remaining program or calibration refers to (their definitions hold
+    their graphdefs). Calibrations stay: they are cheap and slow to measure again."""
+    for sig in set(self._programs) - set(keep):
+      del self._programs[sig]
+    for sig in set(self._last_use) - set(self._programs):
+      del self._last_use[sig]
+    live = {id(sig[2]) for sig in self._programs} | {id(key[0][2]) for key in self._calibrations}
+    for graphdef_id in [i for i, definition in self._definitions.items() if id(definition) not in live]:
+      del self._definitions[graphdef_id]
+    jax.clear_caches()
+
+  def clear(self) -> None:
+    """Drops every program and calibration."""
+    self._calibrations.clear()
+    self.forget()
+
+  def drop_least_recent(self) -> int:
+    """Where the process holds more than `high_water` of its memory mappings, drops the older half
+    of the programs (least recently used first; never the newest), then JAX's caches, which hold
+    them too (`forget`), until it holds less than `low_water` or one program is left. Returns the
+    number dropped."""
+    counts = self.mappings()
+    if counts is None or counts[0] <= self.high_water * counts[1]:
+      return 0
+    (before, limit), held, dropped = counts, counts[0], 0
+    while held > self.low_water * limit and len(self._programs) > 1:
+      older = self.signatures_by_use()[:-1]
+      oldest = older[:max(1, len(older) // 2)]
+      self.forget(keep=frozenset(self._programs) - frozenset(oldest))
+      gc.collect()
+      dropped += len(oldest)
+      held = (self.mappings() or (0, limit))[0]
+    logging.info("dropped the %d least recently used compiled programs: the process held %d memory mappings, "
+                 "now %d, of at most %d", dropped, before, held, limit)
+    return dropped
+
+
+PROGRAMS = ProgramCache()

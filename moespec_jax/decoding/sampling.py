@@ -10,7 +10,7 @@ the result does not depend on the order of equal tokens.
 import jax
 import jax.numpy as jnp
 
-from moespec_jax.decoding.params import SamplingParams
+from moespec_jax.decoding.sampling_params import SamplingParams
 
 
 def filtered_logprobs(logits_BV, params: SamplingParams):

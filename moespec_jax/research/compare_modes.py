@@ -28,7 +28,7 @@ from moespec_jax import cli
 from moespec_jax.analysis import timing
 from moespec_jax.decoding import quality
 from moespec_jax.data import corpus
-from moespec_jax.decoding import loop
+from moespec_jax.decoding import programs
 from moespec_jax.io import atomic, plots
 from moespec_jax.model import budget as budget_lib
 from moespec_jax.io.progress import Progress
@@ -99,7 +99,8 @@ def run_compare_modes(model, workdir, *, drafter: str = "mtp", num_drafts: Seque
               continue  # the exact row above
             spec = msj.SpecParams(drafter=drafter, num_draft=k, mode="budgeted", expert_budget=budget,
                                   budget_policy=policy, budget_scope=scope, kernel=kernel)
-            measured = gen(batch_prompts, sampling, dataclasses.replace(spec, measure_quality=True), 0)
+            with_quality = dataclasses.replace(spec.research, measure_quality=True)
+            measured = gen(batch_prompts, sampling, dataclasses.replace(spec, research=with_quality), 0)
             gen(batch_prompts, sampling, spec, 0)  # compiled and run once, untimed
             ratios, rates, lengths = [], [], []
             for r in range(repeats):
@@ -122,7 +123,7 @@ def run_compare_modes(model, workdir, *, drafter: str = "mtp", num_drafts: Seque
             rows.append(row)
             progress.update(len(rows), speedup=rows[-1]["speedup_vs_exact"])
             _write(workdir, rows, began, settings, complete=False)
-        loop.forget_compiled()  # ~300 programs in a full sweep do not fit in memory together
+        programs.PROGRAMS.forget()  # ~300 programs in a full sweep do not fit in memory together
   result = _write(workdir, rows, began, settings, complete=True)
   plot_pareto(rows, workdir / "pareto.png")
   log(format_table(rows))

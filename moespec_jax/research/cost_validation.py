@@ -62,7 +62,7 @@ import pallas_kernels
 from moespec_jax.analysis import cost_model, timing
 from moespec_jax.research import draft_policy_sim, rounds, routing_report, traces
 from moespec_jax.data import corpus
-from moespec_jax.decoding import loop
+from moespec_jax.decoding import loop, programs
 from moespec_jax.io import atomic, plots, progress
 from moespec_jax.io.progress import Progress
 from pallas_kernels import bytes as kbytes
@@ -108,7 +108,7 @@ class CostValidationConfig:
   # fixed K over five runs; on each of eight held-out prompts apart (K = 2, 4, 6, 8 and auto, 5
   # rounds each) at 0.90-1.08 of that prompt's best.
   drafter_prompts: int = 8
-  # The auto rows with SpecParams(auto_timing=True) (experimental): the calibration corrected by
+  # The auto rows with ResearchOptions(auto_timing=True) (experimental): the calibration corrected by
   # the loop's own clock as it decodes.
   auto_timing: bool = False
   prompt_bytes: int = 192
@@ -260,8 +260,8 @@ def run_cost_model(model, workdir, cfg: CostValidationConfig = CostValidationCon
   kernels = _kernel_stage(model.config, cfg, routing, log)
   passes = _pass_time_stage(model, prompts, cfg, kernels.fits, routing.unique_by_n, log)
   # What is compiled by now (plain decoding, the pass-time programs) stays compiled; everything else
-  # is dropped (`loop.forget_compiled(keep)`) after the sweep and after each model drafter's runs.
-  keep = loop.compiled_signatures()
+  # is dropped (`programs.PROGRAMS.forget(keep)`) after the sweep and after each model drafter's runs.
+  keep = programs.PROGRAMS.signatures()
   sweep = _speedup_sweep(model, prompts, passes.reference, cfg, parts, keep, log)
   best_k = best_k_comparison(cfg.alphas, cfg.max_k, sweep, passes)
   _log_best_k(best_k, log)
@@ -429,7 +429,7 @@ def _pass_time_stage(model, prompts, cfg: CostValidationConfig, fits, unique_by_
   bytes model predicts for them."""
   log(f"[3/6] measured pass times, K = 0..{cfg.max_k} (controlled drafter, batch 1)")
   reference = msj.generate(model, prompts, max_new_tokens=cfg.max_new_tokens).tokens
-  step_spec = msj.SpecParams(drafter="controlled", num_draft=cfg.max_k, controlled_acceptance=0.5)
+  step_spec = msj.SpecParams(drafter="controlled", num_draft=cfg.max_k, research=_controlled(0.5))
   # The same passes without their routed experts, timed side by side with them: how the rest of a
   # pass grows with n, and the experts' part as decoding pays it.
   step_ms_K, nonexpert_ms_K = loop.step_times_with_and_without_experts_ms(
@@ -440,7 +440,7 @@ def _pass_time_stage(model, prompts, cfg: CostValidationConfig, fits, unique_by_
   # drafts are right, so a pass costs about (1 - a) T0[K] + a T1[K].
   step_by_end = {end: loop.step_times_ms(
       model, prompts, cfg.max_new_tokens, reference_tokens=reference, repeats=cfg.kernel_repeats,
-      spec=msj.SpecParams(drafter="controlled", num_draft=cfg.max_k, controlled_acceptance=end))
+      spec=msj.SpecParams(drafter="controlled", num_draft=cfg.max_k, research=_controlled(end)))
       for end in (0.0, 1.0)}
   log(f"  pass times K = 0..{cfg.max_k} (ms): every draft wrong "
       f"{np.round(step_by_end[0.0], 2).tolist()}, every draft right {np.round(step_by_end[1.0], 2).tolist()}")
@@ -483,7 +483,7 @@ def _sweep_rate(model, prompts, reference, cfg: CostValidationConfig, a: float, 
   K's per-round speedups (K = 1..max_k) and its row; rounds added until the best K is settled.
   `warm_up`: run every program once, untimed, first (`rounds.warm_up`)."""
   drafted = list(range(1, cfg.max_k + 1))
-  specs = {k: msj.SpecParams(drafter="controlled", num_draft=k, controlled_acceptance=a) for k in drafted}
+  specs = {k: msj.SpecParams(drafter="controlled", num_draft=k, research=_controlled(a)) for k in drafted}
   if warm_up:
     rounds.warm_up(model, prompts, cfg.max_new_tokens, specs, reference)
   runs = rounds.rounds_until_settled(
@@ -533,7 +533,7 @@ def _speedup_sweep(model, prompts, reference, cfg: CostValidationConfig, parts, 
       accepted_lengths[(a, r["num_draft"])] = r["mean_accepted_length"]
       sweep_rows.append(dict(r, alpha=a, predicted_accepted_length=float(cost_model.tokens_per_pass(a, r["num_draft"]))))
     bar.update(i + 1, best_k=measured_best_k(speedups, a, cfg.max_k), rounds=sweep_rounds[a])
-  loop.forget_compiled(keep)
+  programs.PROGRAMS.forget(keep)
   log(f"  prefill, timed in every round and subtracted from its runs: median {np.median(prefills) * 1e3:.1f} ms "
       f"(range {min(prefills) * 1e3:.1f}-{max(prefills) * 1e3:.1f})")
   return SpeedupSweep(speedups, accepted_lengths, sweep_rows, prefills, best_k_shares, sweep_rounds)
@@ -632,9 +632,13 @@ def auto_simulations(a: float, calibrated_step_ms, n_tokens: int, paid_K=None) -
 
 def auto_spec(cfg: CostValidationConfig, drafter: str, acceptance: float | None = None) -> msj.SpecParams:
   """num_draft='auto' up to max_k drafts, as the validation's auto rows run it."""
-  controlled = {} if acceptance is None else {"controlled_acceptance": acceptance}
-  return msj.SpecParams(drafter=drafter, num_draft="auto", max_draft=cfg.max_k, auto_timing=cfg.auto_timing,
-                        **controlled)
+  research = msj.ResearchOptions(controlled_acceptance=acceptance, auto_timing=cfg.auto_timing)
+  return msj.SpecParams(drafter=drafter, num_draft="auto", max_draft=cfg.max_k, research=research)
+
+
+def _controlled(acceptance: float) -> msj.ResearchOptions:
+  """The research options of the controlled drafter at one acceptance rate."""
+  return msj.ResearchOptions(controlled_acceptance=acceptance)
 
 
 def _auto_controlled_rows(model, prompts, cfg: CostValidationConfig, passes: PassTimes, sweep: SpeedupSweep,
@@ -650,7 +654,7 @@ def _auto_controlled_rows(model, prompts, cfg: CostValidationConfig, passes: Pas
     best_k = (measured_best_k(sweep.speedups, a, cfg.max_k) if a in cfg.alphas
               else _best_k_on(a, cfg.max_k, passes.measured_ms)[0])
     spec = auto_spec(cfg, "controlled", a)
-    fixed = msj.SpecParams(drafter="controlled", num_draft=best_k, controlled_acceptance=a)
+    fixed = msj.SpecParams(drafter="controlled", num_draft=best_k, research=_controlled(a))
     row = parts.cached(f"auto/controlled/{a}", lambda: auto_against_fixed(
         model, prompts, cfg.max_new_tokens, spec, fixed, cfg.auto_repeats, passes.reference))
     paid_K = (pass_costs_from_sweep([sweep.speedups[(a, k)] for k in drafted],
@@ -681,13 +685,13 @@ def _real_drafter_part(model, prompt_sets: rounds.PromptSets, cfg: CostValidatio
   fixed_speedups, _, _, drafter_prefills, _ = rounds.round_robin_speedups(
       model, prompt_sets, cfg.max_new_tokens, specs, prompt_sets.rounds_for(cfg.repeats))
   fixed_speedups[0] = 1.0
-  loop.forget_compiled(keep)
+  programs.PROGRAMS.forget(keep)
   best = max(ks, key=lambda k: fixed_speedups[k])
   spec = auto_spec(cfg, drafter)
   fixed = msj.SpecParams(drafter=drafter if best else "none", num_draft=best)
   row = auto_against_fixed(model, prompt_sets, cfg.max_new_tokens, spec, fixed,
                            prompt_sets.rounds_for(cfg.auto_repeats))
-  loop.forget_compiled(keep)
+  programs.PROGRAMS.forget(keep)
   return {"row": dict(row, drafter=drafter, alpha=None, fixed_speedups=[fixed_speedups[k] for k in ks],
                       prompts=len(prompt_sets)),
           "prefills": drafter_prefills}

@@ -2,7 +2,7 @@
 
 On CPU, decoding runs the output head, the dense projections and the attention against the KV
 cache (GQA, and MLA's passes against its compressed cache) on C++ kernels by default
-(`SpecParams(head_kernel=, dense_kernel=, attention_kernel=)`). This measures what each one buys
+(`ResearchOptions(head_kernel=, dense_kernel=, attention_kernel=)`). This measures what each one buys
 on a given model: plain greedy decoding with all of them, with each one in turn replaced by
 XLA's ops, and with none, every variant once per round (in a balanced order, `timing.round_order`,
 the processor's caches emptied before every call), each run beside a first-token-only run of the
@@ -21,11 +21,11 @@ import numpy as np
 import moespec_jax as msj
 from moespec_jax.analysis import timing
 from moespec_jax.research import roofline
-from moespec_jax.decoding import loop
+from moespec_jax.decoding import programs
 from moespec_jax.io import plots
 from moespec_jax.io.progress import Progress
 
-# Variant name -> the SpecParams kernel settings it decodes with ("cpp": the defaults).
+# Variant name -> the ResearchOptions kernel settings it decodes with ("cpp": the defaults).
 VARIANTS: dict[str, dict[str, str]] = {
     "cpp": {},
     "xla_head": {"head_kernel": "xla"},
@@ -59,7 +59,7 @@ def decode_kernels_ab(model, prompts: Sequence, *, batch_sizes: Sequence[int] = 
     batch_prompts = list(prompts[:batch])
     calls = {}
     for name in variants:
-      spec = msj.SpecParams(drafter="none", **VARIANTS[name])
+      spec = msj.SpecParams(drafter="none", research=msj.ResearchOptions(**VARIANTS[name]))
       for n in (1, max_new_tokens):
         calls[(name, n)] = (lambda spec=spec, n=n: msj.generate(model, batch_prompts, max_new_tokens=n, spec=spec))
     outputs = {key: fn() for key, fn in calls.items()}  # compiles; the tokens every variant must emit
@@ -84,7 +84,7 @@ def decode_kernels_ab(model, prompts: Sequence, *, batch_sizes: Sequence[int] = 
           row["decode_time_over_cpp_interval"] = timing.median_interval(ratios)
       rows.append(row)
       log(format_row(row))
-    loop.forget_compiled()
+    programs.PROGRAMS.forget()
   return rows
 
 

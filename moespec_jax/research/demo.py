@@ -102,8 +102,9 @@ def run_demo(model, workdir, *, max_new_tokens: int = 128, batch_sizes=(1, 8), r
       spec_bench.warm_up(model, prompts[:batch], max_new_tokens, msj.SamplingParams(), spec)
       tps, paired_plain_tps, speedup, _, _ = spec_bench.paired(model, prompts[:batch], max_new_tokens,
                                                           msj.SamplingParams(), spec, repeats)
+      quality = dataclasses.replace(spec.research, measure_quality=True)
       with_quality = msj.generate(model, prompts[:batch], max_new_tokens=max_new_tokens,
-                                  spec=dataclasses.replace(spec, measure_quality=True))
+                                  spec=dataclasses.replace(spec, research=quality))
       rows.append(_row(drafter, k, batch, tps, paired_plain_tps, speedup, with_quality, plain_out,
                        budget=budget, top1=with_quality.stats["top1_agreement"]))
       row_done(f"batch {batch} budgeted {drafter} K={k}", speedup=speedup,

@@ -61,7 +61,7 @@ def simulate(acceptance: float | Sequence[float] | Callable[[int], float], step_
   `acceptance`: one rate for every draft (geometric), or one per depth (draft j accepted with
   probability acceptance[j] given drafts 0..j-1 were; len(step_ms_K) - 1 of them), or a function
   of the tokens generated so far returning either (text whose acceptance changes: a weak start).
-  `by_depth`: the policy reads acceptance per depth, as for prompt lookup (auto_draft.DEPTH_DRAFTERS);
+  `by_depth`: the policy reads acceptance per depth, as for prompt lookup (Drafter.per_depth);
   otherwise geometrically, as for the controlled drafter. `calibrated_ms_K`: the pass times the
   policy chooses with, where they differ from the times the passes take (`step_ms_K`): a noisy or
   drifted calibration (default: step_ms_K)."""

@@ -1,4 +1,4 @@
-"""Pass times from SpecParams(pass_trace=True) (`stats["pass_trace"]`), over repeated runs:
+"""Pass times from ResearchOptions(pass_trace=True) (`stats["pass_trace"]`), over repeated runs:
 a median per pass, and a line in the distinct experts each pass reads.
 
 One run's times carry this machine's noise (and a process's first run, its first execution);

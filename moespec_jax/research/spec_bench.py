@@ -17,7 +17,7 @@ from typing import Any, Sequence
 import moespec_jax as msj
 from moespec_jax.analysis import timing
 from moespec_jax.data import corpus
-from moespec_jax.decoding import loop
+from moespec_jax.decoding import programs
 from moespec_jax.data import tokenizer as tokenizer_lib
 from moespec_jax.io import atomic, plots
 from moespec_jax.io.progress import Progress
@@ -105,7 +105,7 @@ def run_spec_bench(model, workdir, *, batch_sizes: Sequence[int] = (1, 2, 4, 8),
                          "tokens_per_second": plain_tps})
       done += 1
       progress.update(done)
-      plain_programs = loop.compiled_signatures()
+      plain_programs = programs.PROGRAMS.signatures()
       for drafter in drafters:
         for k in num_drafts:
           spec = msj.SpecParams(drafter=drafter, num_draft=k)
@@ -124,8 +124,8 @@ def run_spec_bench(model, workdir, *, batch_sizes: Sequence[int] = (1, 2, 4, 8),
           _write(workdir, rows, plain_rows, max_new_tokens, repeats, batch_sizes, prompt_bytes, model,
                  began, complete=False, encoding=encoding)
           # ~100 compiled loops do not fit in memory together: keep only the plain program.
-          loop.forget_compiled(plain_programs)
-      loop.forget_compiled()
+          programs.PROGRAMS.forget(plain_programs)
+      programs.PROGRAMS.forget()
   result = _write(workdir, rows, plain_rows, max_new_tokens, repeats, batch_sizes, prompt_bytes, model,
                   began, complete=True, encoding=encoding)
   plot_speedup(rows, workdir / "speedup_vs_k.png")

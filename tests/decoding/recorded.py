@@ -70,7 +70,7 @@ def instrumented_verification(faults_: tuple[str, ...]):
   persistent = jax.config.jax_enable_compilation_cache
   with pytest.MonkeyPatch.context() as patch:
     patch.setattr(rejection, "verify_sampled", instrumented)
-    patch.setattr(programs, "_COMPILED", {})
+    patch.setattr(programs, "PROGRAMS", programs.ProgramCache())
     jax.clear_caches()
     jax.config.update("jax_enable_compilation_cache", False)
     try:

@@ -11,7 +11,7 @@ import pytest
 import moespec_jax as msj
 from moespec_jax.analysis import cost_model
 from moespec_jax.analysis import routing as routing_lib
-from moespec_jax.decoding import auto_draft, calibration, drafters, loop, passes, programs
+from moespec_jax.decoding import auto_draft, calibration, loop, passes, programs
 
 RAGGED = [[5, 9, 30, 41], [7], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [10, 20, 30, 10, 20, 30, 10]]
 
@@ -24,6 +24,16 @@ def auto_model(tiny_config):
 @pytest.fixture(scope="session")
 def auto_plain(auto_model):
   return msj.generate(auto_model, RAGGED, max_new_tokens=20).tokens
+
+
+def _controlled(acceptance: float, **options) -> msj.ResearchOptions:
+  """The research options of the controlled drafter at one acceptance rate."""
+  return msj.ResearchOptions(controlled_acceptance=acceptance, **options)
+
+
+def _pinned(step_ms_K):
+  """A stand-in for `calibrate_step_ms` that returns these pass times (no timing)."""
+  return lambda ls, args, run, progress: calibration.Calibration(np.asarray(step_ms_K, np.float32), "held_runs")
 
 
 def _choice(accepted, tried, step_ms, shadow=False):
@@ -185,7 +195,7 @@ def test_nonnegative_lstsq_meets_the_optimality_conditions():
 
 @pytest.mark.parametrize("drafter", ["ngram", "mtp", "controlled"])
 def test_auto_greedy_tokens_equal_plain_greedy(auto_model, auto_plain, drafter):
-  spec = msj.SpecParams(drafter=drafter, num_draft="auto", max_draft=3, controlled_acceptance=0.8)
+  spec = msj.SpecParams(drafter=drafter, num_draft="auto", max_draft=3, research=_controlled(0.8))
   out = msj.generate(auto_model, RAGGED, max_new_tokens=20, spec=spec,
                      reference_tokens=auto_plain if drafter == "controlled" else None)
   np.testing.assert_array_equal(out.tokens, auto_plain)
@@ -201,9 +211,8 @@ def test_auto_drafts_where_it_pays(auto_model, auto_plain, acceptance, monkeypat
   """With pass times where a K = 3 pass costs 1.6 plain passes: at acceptance 0.8 auto drafts
   (mean accepted length well above 1); at 0 it stays plain after its first evidence. (Fixed
   pass times: what auto chooses must not depend on the timings of a loaded test machine.)"""
-  monkeypatch.setattr(loop, "calibrate_step_ms", lambda ls, args, run: calibration.Calibration(
-      np.array([1.0, 1.2, 1.4, 1.6], np.float32), "held_runs"))
-  spec = msj.SpecParams(drafter="controlled", num_draft="auto", max_draft=3, controlled_acceptance=acceptance)
+  monkeypatch.setattr(loop, "calibrate_step_ms", _pinned([1.0, 1.2, 1.4, 1.6]))
+  spec = msj.SpecParams(drafter="controlled", num_draft="auto", max_draft=3, research=_controlled(acceptance))
   out = msj.generate(auto_model, RAGGED, max_new_tokens=20, spec=spec, reference_tokens=auto_plain)
   np.testing.assert_array_equal(out.tokens, auto_plain)
   passes_K = out.stats["passes_by_num_draft"]
@@ -219,11 +228,10 @@ def test_auto_drafts_only_as_far_as_the_cache_has_room(auto_model, monkeypatch):
   by the cache's room here depends on the rows' progress: `test_cache_room` checks the room.)
   Pass times are pinned (drafting pays at a = 0.9): a calibration taken while the other test
   worker loads the machine could make it choose K = 0 throughout."""
-  monkeypatch.setattr(loop, "calibrate_step_ms", lambda ls, args, run: calibration.Calibration(
-      np.array([1.0, 1.2, 1.4, 1.6], np.float32), "held_runs"))
+  monkeypatch.setattr(loop, "calibrate_step_ms", _pinned([1.0, 1.2, 1.4, 1.6]))
   prompts = [[(7 * i) % 50 + 1 for i in range(18)], [3, 4, 5, 6, 7]]
   plain = msj.generate(auto_model, prompts, max_new_tokens=46).tokens
-  spec = msj.SpecParams(drafter="controlled", num_draft="auto", max_draft=3, controlled_acceptance=0.9)
+  spec = msj.SpecParams(drafter="controlled", num_draft="auto", max_draft=3, research=_controlled(0.9))
   _, ls, _ = loop._prepare(auto_model, prompts, 46, None, spec, 0, plain)
   assert ls.cache_len == 64
   out = msj.generate(auto_model, prompts, max_new_tokens=46, spec=spec, reference_tokens=plain)
@@ -233,9 +241,9 @@ def test_auto_drafts_only_as_far_as_the_cache_has_room(auto_model, monkeypatch):
 
 def test_cache_room():
   """Room for drafts after the furthest active row's pending token; done rows do not count."""
-  carry = {"pos": jnp.asarray([60, 62, 63]), "done": jnp.asarray([False, False, True])}
-  assert int(passes.cache_room(carry, 64)) == 1
-  assert int(passes.cache_room(dict(carry, done=jnp.asarray([False, True, True])), 64)) == 3
+  pos = jnp.asarray([60, 62, 63])
+  assert int(passes.cache_room(pos, jnp.asarray([False, False, True]), 64)) == 1
+  assert int(passes.cache_room(pos, jnp.asarray([False, True, True]), 64)) == 3
 
 
 @pytest.mark.slow
@@ -262,11 +270,11 @@ def test_plain_passes_bring_shadow_evidence(auto_model, auto_plain, monkeypatch)
   monkeypatch.setattr(auto_draft, "PRIOR_ACCEPTANCE", 0.0)
   monkeypatch.setattr(calibration, "measure_held_step_ms",
                       lambda num_draft, run, rounds: np.array([1.0, 1.2, 1.4, 1.6], np.float32))
-  loop.forget_compiled()  # the prior is read when the loop is traced
-  calibrated = len(programs.CALIBRATED)
+  programs.PROGRAMS.forget()  # the prior is read when the loop is traced
+  calibrated = len(programs.PROGRAMS.calibration_keys())
   try:
     for a in (1.0, 0.0):
-      spec = msj.SpecParams(drafter="controlled", num_draft="auto", max_draft=3, controlled_acceptance=a)
+      spec = msj.SpecParams(drafter="controlled", num_draft="auto", max_draft=3, research=_controlled(a))
       out = msj.generate(auto_model, RAGGED, max_new_tokens=20, spec=spec, reference_tokens=auto_plain)
       np.testing.assert_array_equal(out.tokens, auto_plain)
       by_k = out.stats["passes_by_num_draft"]
@@ -276,9 +284,9 @@ def test_plain_passes_bring_shadow_evidence(auto_model, auto_plain, monkeypatch)
       else:
         assert by_k[1:] == [0, 0, 0] and out.stats["acceptance_estimate"] == 0.0
     # Pass times depend on what is verified: one calibration per controlled acceptance rate.
-    assert len(programs.CALIBRATED) == calibrated + 2
+    assert len(programs.PROGRAMS.calibration_keys()) == calibrated + 2
   finally:
-    loop.forget_compiled()
+    programs.PROGRAMS.forget()
 
 
 def test_controlled_acceptance_is_geometric(auto_model, auto_plain):
@@ -288,48 +296,18 @@ def test_controlled_acceptance_is_geometric(auto_model, auto_plain):
   prompts = [RAGGED[i % 4] for i in range(32)]
   plain = msj.generate(auto_model, prompts, max_new_tokens=20).tokens
   out = msj.generate(auto_model, prompts, max_new_tokens=20, reference_tokens=plain,
-                     spec=msj.SpecParams(drafter="controlled", num_draft=k, controlled_acceptance=a))
+                     spec=msj.SpecParams(drafter="controlled", num_draft=k, research=_controlled(a)))
   np.testing.assert_array_equal(out.tokens, plain)
   depth = out.stats["acceptance_by_depth"]
   # ~190 first-depth trials: 4 standard deviations is about 0.14.
   assert abs(depth[0] - a) < 0.14 and abs(np.mean(depth) - a) < 0.14
   for alpha, expected in ((0.0, 1.0), (1.0, k + 1.0)):
     out = msj.generate(auto_model, prompts, max_new_tokens=20, reference_tokens=plain,
-                       spec=msj.SpecParams(drafter="controlled", num_draft=k, controlled_acceptance=alpha))
+                       spec=msj.SpecParams(drafter="controlled", num_draft=k, research=_controlled(alpha)))
     if alpha == 0.0:
       assert out.stats["mean_accepted_length"] == expected
     else:  # every draft accepted, except where a row's remaining tokens cut the pass short
       assert out.stats["acceptance_by_depth"] == [1.0] * k
-
-
-def test_controlled_table_wrong_tokens_differ_from_the_reference():
-  import jax
-  ref = jnp.asarray([[5, 6, 7, 8, 9, 10], [1, 1, 1, 1, 1, 1]], jnp.int32)
-  keys = jax.random.split(jax.random.key(0), 2)
-  table = drafters.controlled_table(ref, keys, 0.0, 264)
-  assert table.shape == (2, 6) and np.all(np.asarray(table) != np.asarray(ref))
-  assert np.all((np.asarray(table) >= 0) & (np.asarray(table) < 264))
-  np.testing.assert_array_equal(drafters.controlled_table(ref, keys, 1.0, 264), ref)
-  d = drafters.controlled_propose(ref, jnp.asarray([1, 4]), 4)  # clipped at the table's end
-  np.testing.assert_array_equal(d, [[6, 7, 8, 9], [1, 1, 1, 1]])
-
-
-def test_controlled_draft_table_is_drawn_from_each_rows_key_before_the_program():
-  """generate's table (drawn before its program): each row's proposals from that row's key's
-  table stream, the reference padded with zeros (or cut) to the program's length; the same seed
-  gives the same table, another seed another one."""
-  ref = np.asarray([[5, 6, 7, 8], [9, 9, 9, 9]], np.int32)
-  seed = np.uint32(3)
-  table = np.asarray(passes.controlled_draft_table(ref, seed, np.float32(0.5), length=7, vocab_size=264))
-  keys = jax.vmap(lambda k: jax.random.fold_in(k, passes.CONTROLLED_TABLE_STREAM))(passes.row_keys(seed, 2))
-  padded = np.pad(ref, ((0, 0), (0, 3)))
-  np.testing.assert_array_equal(table, drafters.controlled_table(jnp.asarray(padded), keys, 0.5, 264))
-  np.testing.assert_array_equal(
-      passes.controlled_draft_table(ref, seed, np.float32(0.5), length=7, vocab_size=264), table)
-  assert not np.array_equal(
-      passes.controlled_draft_table(ref, np.uint32(4), np.float32(0.5), length=7, vocab_size=264), table)
-  np.testing.assert_array_equal(
-      passes.controlled_draft_table(ref, seed, np.float32(1.0), length=3, vocab_size=264), ref[:, :3])
 
 
 def test_step_times_grow_with_pass_size(auto_model):
@@ -346,16 +324,17 @@ def test_passes_without_routed_experts_read_none(auto_model):
   verification pass skips every routed expert (none counted, and the tokens change)."""
   _, ls, args = loop._prepare(auto_model, RAGGED, 8, msj.SamplingParams(), msj.SpecParams(drafter="ngram", num_draft=2),
                               0, None)
-  carry0 = programs.compiled(calibration.init_program, ls, *args)(*args[1:])
+  state0 = programs.PROGRAMS.compiled(calibration.init_program, ls, *args)(*args[1:])
   out = {}
   for experts in (True, False):
     run_ls = dataclasses.replace(ls, routed_experts=experts)
-    run = programs.compiled(calibration.passes_program, run_ls, args[0], args[1], carry0, jnp.int32(0), jnp.int32(0))
-    # (The program may be step_times_ms's own, compiled to take over its carry: pass a copy.)
-    out[experts] = run(args[1], jax.tree.map(jnp.copy, carry0), jnp.int32(2), jnp.int32(3))
-  assert float(jnp.sum(out[True]["stats"]["unique_L"])) > 0
-  assert float(jnp.sum(out[False]["stats"]["unique_L"])) == 0
-  assert not np.array_equal(out[True]["out"], out[False]["out"])
+    run = programs.PROGRAMS.compiled(calibration.passes_program, run_ls, args[0], args[1], state0, jnp.int32(0),
+                                     jnp.int32(0))
+    # (The program may be step_times_ms's own, compiled to take over its state: pass a copy.)
+    out[experts] = run(args[1], jax.tree.map(jnp.copy, state0), jnp.int32(2), jnp.int32(3))
+  assert float(jnp.sum(out[True].stats.unique_L)) > 0
+  assert float(jnp.sum(out[False].stats.unique_L)) == 0
+  assert not np.array_equal(out[True].out_BN, out[False].out_BN)
 
 
 def test_bad_auto_and_controlled_arguments(auto_model, auto_plain):
@@ -364,15 +343,17 @@ def test_bad_auto_and_controlled_arguments(auto_model, auto_plain):
   with pytest.raises(ValueError, match="max_draft"):
     msj.SpecParams(drafter="ngram", num_draft="auto", max_draft=0)
   with pytest.raises(ValueError, match="controlled_acceptance"):
-    msj.SpecParams(drafter="controlled", controlled_acceptance=1.5)
+    msj.SpecParams(drafter="controlled", research=_controlled(1.5))
+  with pytest.raises(ValueError, match="controlled_acceptance"):
+    msj.SpecParams(drafter="controlled")  # the research drafter needs its research option
+  controlled = msj.SpecParams(drafter="controlled", research=_controlled(0.5))
   with pytest.raises(ValueError, match="reference_tokens"):
-    msj.generate(auto_model, RAGGED, max_new_tokens=4, spec=msj.SpecParams(drafter="controlled"))
+    msj.generate(auto_model, RAGGED, max_new_tokens=4, spec=controlled)
   with pytest.raises(ValueError, match="greedy"):
     msj.generate(auto_model, RAGGED, max_new_tokens=4, sampling=msj.SamplingParams(temperature=1.0),
-                 spec=msj.SpecParams(drafter="controlled"), reference_tokens=auto_plain)
+                 spec=controlled, reference_tokens=auto_plain)
   with pytest.raises(ValueError, match=r"reference_tokens must be an int array \[4, >= 30\]"):
-    msj.generate(auto_model, RAGGED, max_new_tokens=30, spec=msj.SpecParams(drafter="controlled"),
-                 reference_tokens=auto_plain)
+    msj.generate(auto_model, RAGGED, max_new_tokens=30, spec=controlled, reference_tokens=auto_plain)
   with pytest.raises(ValueError, match="drafter='controlled' only"):
     msj.generate(auto_model, RAGGED, max_new_tokens=4, reference_tokens=auto_plain)
 
@@ -498,10 +479,9 @@ def test_auto_timing_measures_passes_in_the_loop(auto_model, auto_plain, calibra
   """Calibrations far too fast (1 us a pass) or far too slow (1 s) against the real passes of
   the tiny model: every K the loop ran (and, pooled, every other) is corrected by the clipped
   factor, so the clock inside the program measured something between those bounds."""
-  monkeypatch.setattr(loop, "calibrate_step_ms", lambda ls, args, run: calibration.Calibration(
-      np.full((4,), calibrated_ms, np.float32), "held_runs"))
-  spec = msj.SpecParams(drafter="controlled", num_draft="auto", max_draft=3, controlled_acceptance=0.8,
-                        auto_timing=True)
+  monkeypatch.setattr(loop, "calibrate_step_ms", _pinned(np.full((4,), calibrated_ms)))
+  spec = msj.SpecParams(drafter="controlled", num_draft="auto", max_draft=3,
+                        research=_controlled(0.8, auto_timing=True))
   out = msj.generate(auto_model, RAGGED, max_new_tokens=20, spec=spec, reference_tokens=auto_plain)
   np.testing.assert_array_equal(out.tokens, auto_plain)
   assert out.stats["auto_timing"] is True
@@ -509,98 +489,35 @@ def test_auto_timing_measures_passes_in_the_loop(auto_model, auto_plain, calibra
   np.testing.assert_allclose(out.stats["corrected_step_ms"], np.full(4, calibrated_ms * factor), rtol=1e-4)
   untimed = msj.generate(auto_model, RAGGED, max_new_tokens=20, reference_tokens=auto_plain,
                          spec=msj.SpecParams(drafter="controlled", num_draft="auto", max_draft=3,
-                                             controlled_acceptance=0.8))
+                                             research=_controlled(0.8)))
   assert untimed.stats["auto_timing"] is False and "corrected_step_ms" not in untimed.stats
 
 
 def test_pass_trace_records_the_k_auto_chose_each_pass(auto_model, auto_plain, monkeypatch):
-  monkeypatch.setattr(loop, "calibrate_step_ms", lambda ls, args, run: calibration.Calibration(
-      np.asarray([1.0, 1.2, 1.4, 1.6], np.float32), "held_runs"))
-  spec = msj.SpecParams(drafter="controlled", num_draft="auto", max_draft=3, controlled_acceptance=0.9,
-                        pass_trace=True)
+  monkeypatch.setattr(loop, "calibrate_step_ms", _pinned([1.0, 1.2, 1.4, 1.6]))
+  spec = msj.SpecParams(drafter="controlled", num_draft="auto", max_draft=3,
+                        research=_controlled(0.9, pass_trace=True))
   out = msj.generate(auto_model, RAGGED, max_new_tokens=20, spec=spec, reference_tokens=auto_plain)
   np.testing.assert_array_equal(out.tokens, auto_plain)
   ks = out.stats["pass_trace"]["num_draft"]
   assert np.bincount(ks, minlength=4).tolist() == out.stats["passes_by_num_draft"] and max(ks) > 0
 
 
-def test_calibration_loops_span_the_generation():
-  """The long timed loop covers a generation's passes (its first ones are not typical of the
-  rest), within bounds: short generations still get a slope over 20 passes, long ones a bounded
-  calibration time."""
-  short, long = calibration.calibration_passes(128)
-  assert (short, long) == (4, 127)
-  assert calibration.calibration_passes(64) == (4, 63)
-  assert calibration.calibration_passes(8) == (4, 24)
-  assert calibration.calibration_passes(4096) == (4, 127)
-
-
-def _fake_held_run(passes_KK, step_ms_K, prefill_ms, noise=0.0, seed=0):
-  """A held run's (seconds, passes by K) as `calibration.measure_held_step_ms` calls it: held at
-  the K whose step time is smallest, its passes `passes_KK[k]` at each K's pass time."""
-  rng = np.random.default_rng(seed)
-
-  def run(held_ms_K, prefill_only):
-    if prefill_only:
-      return prefill_ms * 1e-3, np.zeros(len(step_ms_K))
-    passes_K = passes_KK[int(np.argmin(held_ms_K))]
-    return (prefill_ms + passes_K @ step_ms_K) * 1e-3 * (1.0 + noise * rng.standard_normal()), passes_K
-
-  return run
-
-
-def test_held_calibration_solves_for_pass_times():
-  """Held runs that pass at other K's too (MTP drafts before plain may be final, prompt lookup
-  passes plainly without a match, the last passes shrink K) still give each K's own pass time:
-  exactly without noise, within 5% at 1% of noise; the prefill is not counted."""
-  step_ms_K = np.array([0.3, 0.55, 0.8, 1.0])
-  passes_KK = np.array([[120, 1, 0, 0], [4, 60, 0, 0], [4, 1, 40, 0], [4, 0, 1, 30]], float)
-  held = calibration.held_step_ms(3, 2)
-  assert held[2] == 1.0 and np.all(np.delete(held, 2) == calibration.HELD_OTHER_MS)
-  exact = calibration.measure_held_step_ms(3, _fake_held_run(passes_KK, step_ms_K, prefill_ms=12.0), repeats=3)
-  np.testing.assert_allclose(exact, step_ms_K, rtol=1e-6)
-  noisy = calibration.measure_held_step_ms(3, _fake_held_run(passes_KK, step_ms_K, 12.0, noise=0.01), repeats=7)
-  np.testing.assert_allclose(noisy, step_ms_K, rtol=0.05)
-
-
-def test_held_calibration_needs_passes_at_every_k():
-  step_ms_K = np.array([0.3, 0.55, 0.8])
-  few = np.array([[60, 0, 0], [20, 10, 0], [20, 0, calibration.CALIBRATION_MIN_PASSES - 1]], float)
-  assert calibration.measure_held_step_ms(2, _fake_held_run(few, step_ms_K, 10.0), repeats=2) is None
-
-
-def test_held_calibration_solves_each_round_with_its_own_passes():
-  """Were a held run's passes to change between rounds (a nondeterministic backend changing a
-  token), each round solves with the passes it made."""
-  step_ms_K = np.array([0.3, 0.55, 0.8])
-  calls = iter(range(10_000))
-
-  def run(held_ms_K, prefill_only):
-    if prefill_only:
-      return 0.01, np.zeros(3)
-    k = int(np.argmin(held_ms_K))
-    passes_K = np.zeros(3)
-    passes_K[0], passes_K[k] = 2 + next(calls) % 3, 20 + 10 * k + next(calls) % 5  # K = 0: 2-4 more
-    return 0.01 + passes_K @ step_ms_K * 1e-3, passes_K
-
-  np.testing.assert_allclose(calibration.measure_held_step_ms(2, run, repeats=3), step_ms_K, rtol=1e-6)
-
-
 def test_auto_calibrates_on_its_own_program(auto_model, auto_plain, monkeypatch):
   """generate's calibration times the auto program itself, held at each K, where its runs pass
   often enough at every K (no loops of passes timed), and in loops where they do not."""
-  loop.forget_compiled()
+  programs.PROGRAMS.forget()
   loops = []
   monkeypatch.setattr(calibration, "measure_step_ms",
                       lambda ls, args, rounds: loops.append(ls.max_new_tokens) or np.array([1.0, 1.2, 1.4]))
   monkeypatch.setattr(calibration, "CALIBRATION_ROUNDS", 2)
   try:
     for max_new in (20, 3):
-      spec = msj.SpecParams(drafter="controlled", num_draft="auto", max_draft=2, controlled_acceptance=0.8)
+      spec = msj.SpecParams(drafter="controlled", num_draft="auto", max_draft=2, research=_controlled(0.8))
       out = msj.generate(auto_model, RAGGED, max_new_tokens=max_new, spec=spec, reference_tokens=auto_plain)
       np.testing.assert_array_equal(out.tokens, auto_plain[:, :max_new])
       assert len(out.stats["calibrated_step_ms"]) == 3 and min(out.stats["calibrated_step_ms"]) > 0
       assert out.stats["calibration"] == ("held_runs" if max_new == 20 else "loops")
     assert loops == [3]  # 3 tokens: too few passes at every K
   finally:
-    loop.forget_compiled()
+    programs.PROGRAMS.forget()

@@ -6,6 +6,9 @@ import pytest
 import moespec_jax as msj
 
 
+QUALITY = msj.ResearchOptions(measure_quality=True)
+
+
 def _gen(model, spec, prompts=([5, 9, 30, 41], [7, 8, 9])):
   return msj.generate(model, list(prompts), max_new_tokens=10, spec=spec)
 
@@ -17,7 +20,7 @@ def test_budget_covering_the_pass_is_bit_identical_to_exact(tiny_model, tiny_con
   n_k = 2 * tiny_config.top_k
   assert n_k < tiny_config.n_routed_experts
   budgeted = _gen(tiny_model, msj.SpecParams(drafter="ngram", num_draft=1, mode="budgeted",
-                                             expert_budget=n_k, budget_scope="row", measure_quality=True))
+                                             expert_budget=n_k, budget_scope="row", research=QUALITY))
   np.testing.assert_array_equal(budgeted.tokens, exact.tokens)
   assert budgeted.stats["approximate"] and budgeted.stats["top1_agreement"] == 1.0
   assert budgeted.stats["mean_kl"] == pytest.approx(0.0, abs=1e-6)
@@ -25,7 +28,7 @@ def test_budget_covering_the_pass_is_bit_identical_to_exact(tiny_model, tiny_con
 
 def test_tight_budget_caps_unique_experts_and_reports_quality(tiny_model, tiny_config):
   spec = msj.SpecParams(drafter="ngram", num_draft=3, mode="budgeted", expert_budget=tiny_config.top_k,
-                        measure_quality=True)
+                        research=QUALITY)
   out = _gen(tiny_model, spec)
   assert out.stats["approximate"] and out.stats["expert_budget"] == tiny_config.top_k
   assert all(u <= tiny_config.top_k + 1e-6 for u in out.stats["unique_experts_per_pass"])
@@ -45,7 +48,7 @@ def test_budget_at_or_above_the_expert_count_is_exact_mode(tiny_model, tiny_conf
     (dict(mode="budgeted", expert_budget=-1), "expert_budget"),
     (dict(expert_budget=4), "budgeted"),
     (dict(mode="budgeted", expert_budget=4, budget_policy="drop"), "budget_policy"),
-    (dict(measure_quality=True), "measure_quality"),
+    (dict(research=QUALITY), "measure_quality"),
 ])
 def test_bad_budget_params(kwargs, match):
   with pytest.raises(ValueError, match=match):

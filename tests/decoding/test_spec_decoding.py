@@ -10,7 +10,9 @@ import pytest
 from flax import nnx
 
 import moespec_jax as msj
-from moespec_jax.decoding import calibration, drafters, loop, passes, programs, rejection
+from moespec_jax.decoding import loop, passes, programs, rejection
+from moespec_jax.decoding import state as state_lib
+from moespec_jax.decoding.drafters.none import NoDrafter
 from moespec_jax.model import layers
 from moespec_jax.model import mtp as mtp_lib
 
@@ -62,17 +64,18 @@ def test_cpu_decode_kernels_decode_like_xla(two_module_model, plain_greedy):
   cache run on the C++ kernels by default (what plain_greedy ran); XLA's ops (head_kernel /
   attention_kernel / dense_kernel 'xla') emit the same tokens."""
   leaves = jax.tree.leaves(two_module_model.state)
+  xla = lambda **kernels: msj.SpecParams(research=msj.ResearchOptions(**kernels))  # noqa: E731
   _, packed_head, packed_dense = programs.decode_params(two_module_model, msj.SpecParams(), leaves)
   assert packed_head is not None and packed_dense is not None
-  assert programs.decode_params(two_module_model, msj.SpecParams(head_kernel="xla"), leaves)[1] is None
-  assert programs.decode_params(two_module_model, msj.SpecParams(dense_kernel="xla"), leaves)[2] is None
+  assert programs.decode_params(two_module_model, xla(head_kernel="xla"), leaves)[1] is None
+  assert programs.decode_params(two_module_model, xla(dense_kernel="xla"), leaves)[2] is None
   assert programs.cpu_kernels("auto") and not programs.cpu_kernels("xla")
-  spec = msj.SpecParams(head_kernel="xla", attention_kernel="xla", dense_kernel="xla")
+  spec = xla(head_kernel="xla", attention_kernel="xla", dense_kernel="xla")
   out = msj.generate(two_module_model, RAGGED + REPEATS, max_new_tokens=24, spec=spec)
   np.testing.assert_array_equal(out.tokens, plain_greedy)
   for name in ("head_kernel", "attention_kernel", "dense_kernel"):
     with pytest.raises(ValueError, match=f"{name} must be one of"):
-      msj.SpecParams(**{name: "pallas"})
+      msj.ResearchOptions(**{name: "pallas"})
 
 
 @pytest.mark.parametrize("batch", [1, 8])
@@ -91,7 +94,7 @@ def test_cpu_decoding_pass_gives_a_token_the_bits_of_a_plain_step(tiny_config, a
   model = msj.Model.init(config, seed=3)
   spec = msj.SpecParams()
   leaves = jax.tree.leaves(model.state)
-  definition = programs.model_definition(model.graphdef, jax.tree.structure(model.state))
+  definition = programs.ProgramCache().definition(model.graphdef, jax.tree.structure(model.state))
   params = programs.decode_params(model, spec, leaves)
   rng = np.random.default_rng(0)
   prompt_len, steps = 12, 5
@@ -99,8 +102,8 @@ def test_cpu_decoding_pass_gives_a_token_the_bits_of_a_plain_step(tiny_config, a
   next_BT = jnp.asarray(rng.integers(0, config.vocab_size, (batch, steps)), jnp.int32)
   positions_BT = jnp.broadcast_to(jnp.arange(prompt_len, prompt_len + steps, dtype=jnp.int32), (batch, steps))
 
-  ls = passes.LoopSpec(max_new_tokens=steps, cache_len=32, sampling=msj.SamplingParams(), expert_method="dedup",
-                       drafter="none", num_draft=0, cpu_attention=True)
+  ls = state_lib.LoopSpec(max_new_tokens=steps, cache_len=32, sampling=msj.SamplingParams(), expert_method="dedup",
+                          drafter=NoDrafter(), max_k=0, cpu_attention=True)
 
   @jax.jit
   def pass_and_steps(params):
@@ -130,10 +133,11 @@ def test_mla_greedy_speculative_tokens_equal_plain_greedy(tiny_config):
                                v_head_dim=8, num_mtp_modules=1)
   model = msj.Model.init(config, seed=2)
   plain = msj.generate(model, RAGGED + REPEATS, max_new_tokens=16).tokens
-  xla = msj.generate(model, RAGGED + REPEATS, max_new_tokens=16, spec=msj.SpecParams(attention_kernel="xla"))
+  xla = msj.generate(model, RAGGED + REPEATS, max_new_tokens=16,
+                     spec=msj.SpecParams(research=msj.ResearchOptions(attention_kernel="xla")))
   np.testing.assert_array_equal(xla.tokens, plain)
   for spec in (msj.SpecParams(drafter="mtp", num_draft=3),
-               msj.SpecParams(drafter="mtp", num_draft=2, mtp_prompt_window=3),
+               msj.SpecParams(drafter="mtp", num_draft=2, research=msj.ResearchOptions(mtp_prompt_window=3)),
                msj.SpecParams(drafter="ngram", num_draft=2)):
     out = msj.generate(model, RAGGED + REPEATS, max_new_tokens=16, spec=spec)
     np.testing.assert_array_equal(out.tokens, plain)
@@ -186,7 +190,7 @@ def test_commit_cuts_at_eos_and_max_new_tokens():
   n_acc = jnp.asarray([3, 3, 1, 3])
   active = jnp.asarray([True, True, True, False])
   gen = jnp.asarray([0, 8, 0, 0])
-  n, eos = passes._commit(cand, n_acc, active, gen, eos_id=9, max_new_tokens=10)
+  n, eos = passes.commit_counts(cand, n_acc, active, gen, eos_id=9, max_new_tokens=10)
   assert n.tolist() == [2, 2, 2, 0] and eos.tolist() == [True, False, False, False]
 
 
@@ -198,20 +202,6 @@ def test_padded_lengths_waste_at_most_a_quarter():
     assert b >= n and b % 16 == 0 and b - n < max(16, n / 4), (n, b)
   assert loop._bucket(192) == 192 and loop._bucket(257, 64) == 320 and loop._bucket(30, 64) == 64
   assert loop._bucket(1000, 64) == 1024
-
-
-def test_ngram_proposes_what_followed_the_longest_earlier_match():
-  seq = jnp.asarray([[1, 2, 3, 9, 2, 3, 7, 8, 1, 2, 3, 0, 0, 0],
-                     [5, 6, 7, 8, 5, 6, 0, 0, 0, 0, 0, 0, 0, 0],
-                     [1, 2, 3, 4, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]])
-  n = jnp.asarray([11, 6, 4])
-  d, valid = drafters.ngram_propose(seq, n, 3)
-  # Row 0: suffix [1, 2, 3] occurred at 0..2 (longest), followed by 9, 2, 3.
-  assert d[0].tolist() == [9, 2, 3] and valid[0].all()
-  # Row 1: suffix [5, 6] occurred at 0..1, followed by 7, 8, then the suffix itself (5).
-  assert d[1].tolist() == [7, 8, 5] and valid[1].all()
-  # Row 2: no earlier occurrence of 4: nothing proposed.
-  assert not valid[2].any()
 
 
 def test_empty_draft_slots_read_no_experts(tiny_model):
@@ -321,20 +311,20 @@ def test_prefill_computes_hidden_states_where_they_are_read(two_module_model, mo
     return call(self, *args, **kwargs)
 
   monkeypatch.setattr(type(two_module_model.module()), "__call__", recording_call)
-  spec = msj.SpecParams() if drafter == "none" else msj.SpecParams(drafter=drafter, num_draft=2,
-                                                                     mtp_prompt_window=window)
-  _, ls, (definition, params, tokens, lengths, seed, draft_inputs) = loop._prepare(
+  spec = msj.SpecParams() if drafter == "none" else msj.SpecParams(
+      drafter=drafter, num_draft=2, research=msj.ResearchOptions(mtp_prompt_window=window))
+  _, ls, (definition, params, tokens, lengths, seed, inputs) = loop._prepare(
       two_module_model, RAGGED, 8, None, spec, 0, None)
-  jax.eval_shape(lambda p: passes.init_carry(programs.merge(definition, p, ls), tokens, lengths, seed,
-                                             draft_inputs, ls)["out"], params)
+  jax.eval_shape(lambda p: passes.init_state(programs.merge(definition, p, ls), tokens, lengths, seed,
+                                             inputs, ls).out_BN, params)
   assert asked == [not reads_every_index]
 
 
 def test_mtp_prompt_window_keeps_greedy_tokens(two_module_model, plain_greedy):
   """A window shorter than the longest prompt (two modules: module 2 reads the window's next
   tokens one further) changes drafts only: the tokens are plain greedy's."""
-  spec = msj.SpecParams(drafter="mtp", num_draft=3, mtp_prompt_window=3)
-  assert loop._prepare(two_module_model, RAGGED + REPEATS, 24, None, spec, 0, None)[1].mtp_prompt_window == 3
+  spec = msj.SpecParams(drafter="mtp", num_draft=3, research=msj.ResearchOptions(mtp_prompt_window=3))
+  assert loop._prepare(two_module_model, RAGGED + REPEATS, 24, None, spec, 0, None)[1].drafter.prompt_window == 3
   out = msj.generate(two_module_model, RAGGED + REPEATS, max_new_tokens=24, spec=spec)
   np.testing.assert_array_equal(out.tokens, plain_greedy)
 
@@ -347,21 +337,21 @@ def test_mtp_prompt_window_drafts_from_the_window_stream(mtp_model):
   committed sequence)."""
   window, k = 5, 2
   prompts = [[4, 8, 15, 16, 23, 42, 7, 9, 11, 13, 17, 19], [3, 1, 4]]
-  spec = msj.SpecParams(drafter="mtp", num_draft=k, mtp_prompt_window=window)
-  _, ls, (definition, params, tokens, lengths, seed, draft_inputs) = loop._prepare(
+  spec = msj.SpecParams(drafter="mtp", num_draft=k, research=msj.ResearchOptions(mtp_prompt_window=window))
+  _, ls, (definition, params, tokens, lengths, seed, inputs) = loop._prepare(
       mtp_model, prompts, 8, None, spec, 0, None)
-  assert ls.mtp_prompt_window == window
+  assert ls.drafter.prompt_window == window
 
   @jax.jit
   def prefill_and_pass(params):
     model = programs.merge(definition, params, ls)
-    carry = passes.init_carry(model, tokens, lengths, seed, draft_inputs, ls)
-    return carry, passes.speculative_pass(model, carry, k, ls)
+    state = passes.init_state(model, tokens, lengths, seed, inputs, ls)
+    return state, passes.speculative_pass(model, state, k, ls)
 
   @jax.jit
-  def drafts(params, carry):
+  def drafts(params, state):
     model = programs.merge(definition, params, ls)
-    return passes._draft(model, carry, k, carry["row_keys"], ls)[0]
+    return passes.draft(model, state, k, state.row_keys_B, ls)[1].tokens_BN
 
   @functools.partial(jax.jit, static_argnums=2)
   def fresh_stream(state, committed, offset):
@@ -378,16 +368,16 @@ def test_mtp_prompt_window_drafts_from_the_window_stream(mtp_model):
                                        None, expert_method="xla")
     return logits[0, -1], jnp.stack([draft1, jnp.argmax(logits2[0, -1]).astype(jnp.int32)])
 
-  carries = prefill_and_pass(params)
-  np.testing.assert_array_equal(carries[0]["dstate"]["offset"], [len(prompts[0]) - window, 0])
-  for carry in carries:
-    got_drafts = drafts(params, carry)
+  states = prefill_and_pass(params)
+  np.testing.assert_array_equal(states[0].draft_state.offset_B, [len(prompts[0]) - window, 0])
+  for state in states:
+    got_drafts = drafts(params, state)
     for row, prompt in enumerate(prompts):
-      gen = int(carry["gen"][row])
-      committed = jnp.asarray(prompt + list(np.asarray(carry["out"][row, :gen])), jnp.int32)
-      assert int(carry["pos"][row]) == len(committed) - 1  # the pending token's position
+      gen = int(state.generated_B[row])
+      committed = jnp.asarray(prompt + list(np.asarray(state.out_BN[row, :gen])), jnp.int32)
+      assert int(state.pos_B[row]) == len(committed) - 1  # the pending token's position
       logits1, want_drafts = fresh_stream(mtp_model.state, committed, max(len(prompt) - window, 0))
-      np.testing.assert_allclose(carry["dstate"]["logits1"][row], logits1, rtol=1e-4, atol=1e-4)
+      np.testing.assert_allclose(state.draft_state.logits1_BV[row], logits1, rtol=1e-4, atol=1e-4)
       np.testing.assert_array_equal(got_drafts[row], want_drafts)
 
 
@@ -404,7 +394,7 @@ def test_uniforms_are_strictly_inside_the_unit_interval():
 def test_mtp_prompt_window_must_be_a_positive_int():
   for bad in (0, -1, 2.5, True):
     with pytest.raises(ValueError, match="mtp_prompt_window"):
-      msj.SpecParams(drafter="mtp", mtp_prompt_window=bad)
+      msj.ResearchOptions(mtp_prompt_window=bad)
 
 
 @pytest.mark.parametrize("kwargs,match", [
@@ -414,61 +404,6 @@ def test_mtp_prompt_window_must_be_a_positive_int():
 def test_spec_validation_errors(tiny_model, kwargs, match):
   with pytest.raises(ValueError, match=match):
     msj.generate(tiny_model, [[1, 2, 3]], **kwargs)
-
-
-def test_ngram_in_a_run_of_equal_tokens_proposes_num_draft_tokens():
-  seq = jnp.asarray([[4, 7, 7, 7, 7, 7, 7, 7, 0, 0]])
-  d, valid = drafters.ngram_propose(seq, jnp.asarray([8]), 3)
-  assert d[0].tolist() == [7, 7, 7] and valid[0].all()
-
-
-def test_program_cache_key_hashes_a_graphdef_once(tiny_model, mtp_model, monkeypatch):
-  """generate() finds its compiled program without re-hashing the model's GraphDef (a walk of
-  the whole module tree): one hash per graphdef object; equal graphdefs share programs."""
-  graphdef = tiny_model.graphdef
-  calls = []
-  original = type(graphdef).__hash__
-  monkeypatch.setattr(type(graphdef), "__hash__", lambda self: calls.append(1) or original(self))
-  monkeypatch.setattr(programs, "_DEFINITIONS", {})
-  definition = lambda model: programs.model_definition(model.graphdef, jax.tree.structure(model.state))  # noqa: E731
-  first = definition(tiny_model)
-  assert definition(tiny_model) is first and len(calls) == 1
-  twin = msj.Model.init(tiny_model.config, seed=1)  # other weights, same structure
-  assert twin.graphdef is not graphdef and definition(twin) == first
-  assert definition(mtp_model) != first  # MTP heads: another structure
-  ls = passes.LoopSpec(max_new_tokens=4, cache_len=64, sampling=msj.SamplingParams(), expert_method="xla",
-                       drafter="none", num_draft=0)
-  x = jnp.zeros((1, 8), jnp.int32)
-  hashed = len(calls)  # one per graphdef object so far
-  assert hashed == 3
-  assert (programs.signature(loop._generate_spec, ls, definition(tiny_model), x)
-          == programs.signature(loop._generate_spec, ls, definition(twin), x))
-  assert len(calls) == hashed
-
-
-def test_statistics_leave_the_program_as_one_vector_in_their_shapes(tiny_model):
-  """The program's statistics come back packed in one float32 vector (one copy to the host per
-  call); unpacked, each has the shape `passes.init_carry` gives it, for every statistic a program reports."""
-  ls = passes.LoopSpec(max_new_tokens=4, cache_len=64, sampling=msj.SamplingParams(), expert_method="xla",
-                       drafter="ngram", num_draft=3, auto=True, timed=True, measure_quality=True,
-                       trace_passes=True)
-  _, _, args = loop._prepare(tiny_model, [[1, 2, 3], [4, 5]], 4, None, msj.SpecParams(), 0, None)
-  definition, params, tokens, lengths, seed, draft_inputs = args
-  stats = jax.eval_shape(lambda *a: calibration.init_program(definition, *a, ls=ls), params, tokens, lengths, seed,
-                         draft_inputs)["stats"]
-  keys = loop._reported_keys(ls)
-  assert {"passes_by_K", "acceptance_evidence", "pass_timing", "quality", "pass_trace", "trace_end_ms"} <= set(keys)
-  values = {k: np.arange(np.prod(stats[k].shape), dtype=np.float32).reshape(stats[k].shape) + i
-            for i, k in enumerate(keys)}
-  packed = jax.jit(lambda v: loop._reported_stats(v, ls))(values)
-  assert packed.ndim == 1 and packed.dtype == jnp.float32
-  unpacked = loop._unpack_stats(packed, ls, batch=2, n_moe_layers=tiny_model.config.n_moe_layers)
-  assert list(unpacked) == keys
-  for k in keys:
-    np.testing.assert_array_equal(unpacked[k], values[k])
-  with pytest.raises(AssertionError, match="layout"):
-    loop._unpack_stats(np.zeros(packed.size + 1, np.float32), ls, batch=2,
-                       n_moe_layers=tiny_model.config.n_moe_layers)
 
 
 def test_programs_take_the_state_flat_and_the_seed_as_jax_random_key_does(tiny_model):
@@ -488,79 +423,11 @@ def test_programs_take_the_state_flat_and_the_seed_as_jax_random_key_does(tiny_m
   np.testing.assert_array_equal(a, b)
 
 
-def test_forget_compiled_forgets_models_no_program_refers_to(tiny_config, monkeypatch):
-  """A sweep that builds many models and drops their programs does not keep their graphdefs."""
-  for table in ("_COMPILED", "CALIBRATED", "_DEFINITIONS"):
-    monkeypatch.setattr(programs, table, {})
-  kept, other = (msj.Model.init(tiny_config, seed=s) for s in (0, 1))
-  assert kept.graphdef is not other.graphdef
-  msj.generate(kept, [[1, 2, 3]], max_new_tokens=2)
-  keep = loop.compiled_signatures()
-  msj.generate(other, [[1, 2, 3]], max_new_tokens=2)  # an equal graphdef: the same program
-  assert loop.compiled_signatures() == keep
-  assert len(programs._DEFINITIONS) == 2
-  loop.forget_compiled(keep)
-  assert loop.compiled_signatures() == keep
-  assert [d.graphdef for d in programs._DEFINITIONS.values()] == [kept.graphdef]
-  assert msj.generate(other, [[1, 2, 3]], max_new_tokens=2).tokens.shape == (1, 2)
-  # A calibration (the controlled drafter's form: (signature, acceptance)) keeps its model.
-  programs.CALIBRATED[(next(iter(keep)), 0.5)] = calibration.Calibration(np.ones(1, np.float32), "held_runs")
-  loop.forget_compiled()
-  assert not programs._COMPILED and [d.graphdef for d in programs._DEFINITIONS.values()] == [kept.graphdef]
-  programs.CALIBRATED.clear()
-  loop.forget_compiled()
-  assert not programs._DEFINITIONS
-
-
-def test_compiled_programs_drop_the_least_recently_used_where_memory_mappings_run_short(tiny_model, monkeypatch):
-  """Every compiled program holds memory mappings (hundreds, on CPU); past the process's limit the
-  next compilation crashes it, so the cache drops its least recently used programs first."""
-  for table in ("_COMPILED", "CALIBRATED", "_DEFINITIONS", "_LAST_USE"):
-    monkeypatch.setattr(programs, table, {})
-  # Each program holds 12 of the process's 100 mappings: dropping starts above 50, stops below 25.
-  monkeypatch.setattr(programs, "memory_mappings", lambda: (12 * len(programs._COMPILED), 100))
-  tokens = {n: msj.generate(tiny_model, [[1, 2, 3]], max_new_tokens=n).tokens for n in (1, 2, 3, 4)}
-  first, _, _, _ = order = list(programs.compiled_signatures_by_use())
-  msj.generate(tiny_model, [[1, 2, 3]], max_new_tokens=1)  # the first is now the most recently used
-  assert list(programs.compiled_signatures_by_use()) == order[1:] + [first]
-  msj.generate(tiny_model, [[1, 2, 3]], max_new_tokens=5)  # 5 programs, 60 mappings: 2, then 1 dropped
-  newest = list(programs.compiled_signatures_by_use())
-  assert len(newest) == 2 and newest[0] == first and newest[1] not in order
-  np.testing.assert_array_equal(msj.generate(tiny_model, [[1, 2, 3]], max_new_tokens=2).tokens, tokens[2])
-  assert len(programs.compiled_signatures_by_use()) == 3
-  assert programs.drop_least_recent() == 0  # 36 of 100 mappings: below the high-water mark
-  monkeypatch.setattr(programs, "memory_mappings", lambda: None)  # a system that does not say
-  assert programs.drop_least_recent() == 0
-
-
-@pytest.mark.skipif(programs.memory_mappings() is None, reason="the system does not report memory mappings")
-def test_dropping_compiled_programs_returns_their_memory_mappings(tiny_model, monkeypatch):
-  for table in ("_COMPILED", "CALIBRATED", "_DEFINITIONS", "_LAST_USE"):
-    monkeypatch.setattr(programs, table, {})
-  tokens = msj.generate(tiny_model, [[1, 2, 3]], max_new_tokens=5).tokens
-  (oldest_program,) = programs._COMPILED.values()
-  msj.generate(tiny_model, [[1, 2, 3]], max_new_tokens=6)
-  held, limit = programs.memory_mappings()
-  assert 0 < held <= limit
-  seen, measure = [], programs.memory_mappings
-  monkeypatch.setattr(programs, "memory_mappings", lambda: seen.append(measure()) or seen[-1])
-  monkeypatch.setattr(programs, "MAP_HIGH_WATER", held / limit)  # the next compilation crosses it
-  monkeypatch.setattr(programs, "MAP_LOW_WATER", (held - 1) / limit)
-  msj.generate(tiny_model, [[1, 2, 3]], max_new_tokens=7)
-  assert seen[0][0] > held and len(seen) >= 2
-  assert seen[-1][0] < seen[0][0], seen  # the dropped programs' mappings were returned
-  assert len(programs._COMPILED) in (1, 2) and oldest_program not in programs._COMPILED.values()
-  # A dropped program that a caller still holds keeps working.
-  _, _, args = loop._prepare(tiny_model, [[1, 2, 3]], 5, None, None, 0, None)
-  out_BN, _ = oldest_program(*args[1:], np.zeros(1, np.float32), loop._FULL_RUN)
-  np.testing.assert_array_equal(np.asarray(out_BN), tokens)
-
-
 def test_pass_trace_times_every_pass_and_keeps_the_tokens(two_module_model, plain_greedy):
   """One record per pass: its K, the tokens it committed over the rows (with the prefill's first
   tokens, every generated token), the distinct experts it read (over the passes, the statistics'
   per-pass mean) and a positive time; together less than the whole call."""
-  spec = msj.SpecParams(drafter="ngram", num_draft=3, pass_trace=True)
+  spec = msj.SpecParams(drafter="ngram", num_draft=3, research=msj.ResearchOptions(pass_trace=True))
   out = msj.generate(two_module_model, RAGGED + REPEATS, max_new_tokens=24, spec=spec)
   np.testing.assert_array_equal(out.tokens, plain_greedy)
   trace, stats = out.stats["pass_trace"], out.stats
@@ -578,19 +445,8 @@ def test_pass_trace_times_every_pass_and_keeps_the_tokens(two_module_model, plai
 
 def test_pass_trace_needs_the_clock_of_the_cpu_library(tiny_model, monkeypatch):
   with pytest.raises(ValueError, match="pass_trace must be a bool"):
-    msj.SpecParams(pass_trace=1)
+    msj.ResearchOptions(pass_trace=1)
   monkeypatch.setattr(loop.cpu_ffi, "available", lambda: False)
   with pytest.raises(ValueError, match="pass_trace reads a clock inside the compiled program"):
-    msj.generate(tiny_model, [[1, 2, 3]], max_new_tokens=4, spec=msj.SpecParams(pass_trace=True))
-
-
-def test_describe_pass_trace():
-  trace = {"ms": [0.6, 0.3, 0.2, 0.25, 0.5, 0.52], "num_draft": [1, 0, 0, 0, 3, 3], "tokens": [2, 1, 1, 1, 4, 4]}
-  line = loop.describe_pass_trace(trace, first=2)
-  assert line == ("pass times (ms): the first 2: 0.60 0.30; later, median at each K (passes): K=0 0.225 (2), "
-                  "K=3 0.510 (2); 2.37 ms over 6 passes")
-  assert loop.describe_pass_trace({"ms": [], "num_draft": [], "tokens": []}) == (
-      "pass times: no passes (every token came from the prefill)")
-  assert loop.describe_pass_trace(trace, first=8).endswith(
-      "the first 6: 0.60 0.30 0.20 0.25 0.50 0.52; 2.37 ms over 6 passes")
-
+    msj.generate(tiny_model, [[1, 2, 3]], max_new_tokens=4,
+                 spec=msj.SpecParams(research=msj.ResearchOptions(pass_trace=True)))

@@ -152,9 +152,10 @@ def test_pass_costs_from_sweep_invert_the_speedup():
 
 def test_auto_rows_run_auto_k_up_to_max_k_with_the_configured_timing():
   spec = cost_validation.auto_spec(cost_validation.CostValidationConfig(max_k=5), "controlled", 0.7)
-  assert (spec.num_draft, spec.max_draft, spec.controlled_acceptance, spec.auto_timing) == ("auto", 5, 0.7, False)
+  assert (spec.num_draft, spec.max_draft, spec.research.controlled_acceptance, spec.research.auto_timing) == (
+      "auto", 5, 0.7, False)
   timed = cost_validation.auto_spec(cost_validation.CostValidationConfig(auto_timing=True), "mtp")
-  assert (timed.drafter, timed.max_draft, timed.auto_timing) == ("mtp", 8, True)
+  assert (timed.drafter, timed.max_draft, timed.research.auto_timing) == ("mtp", 8, True)
 
 
 def test_accepted_lengths_are_pooled_over_every_round():

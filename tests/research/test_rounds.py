@@ -133,7 +133,8 @@ def test_prompt_sets_are_taken_in_turn_and_each_checked_against_its_own_referenc
     assert sorted(eight.index(r) for r in range(8 * turn, 8 * turn + 8)) == list(range(8))
   # Against an order of runs that cycles every 4 rounds, each batch meets all four over 4 turns.
   assert all(sorted(r % 4 for r in range(32) if eight.index(r) == b) == [0, 1, 2, 3] for b in range(8))
-  specs = {"c": msj.SpecParams(drafter="controlled", num_draft=1, controlled_acceptance=0.5)}
+  specs = {"c": msj.SpecParams(drafter="controlled", num_draft=1,
+                               research=msj.ResearchOptions(controlled_acceptance=0.5))}
   runs = rounds.round_robin_runs(None, sets, 4, specs, rounds=4, first_round=2)
   assert len(runs.prefill_s) == 4
   assert sorted((s, p) for s, p, d, _ in seen if d == "none") == [(2, "ccc"), (3, "bb"), (4, "ccc"), (5, "a")]

@@ -1,0 +1,126 @@
+"""The research drafter with controllable acceptance (cost-model validation, greedy only): it
+proposes the target's own greedy token with probability a, else another token.
+
+Its proposals for every output index are drawn before the generation's program (`draw_table`),
+from a plain greedy run's tokens (generate's `reference_tokens`): the table stands in for a drafter
+whose proposals cost nothing, so decoding pays a lookup per pass and its random draws are not timed
+as part of decoding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from moespec_jax.decoding.drafters.base import Drafter, DraftTree
+from moespec_jax.decoding.state import LoopSpec, LoopState, row_keys, stream_keys
+
+# The table draws from this stream of each row's key (passes use 0, 1, ...).
+TABLE_STREAM = 0x7FFFFFFF
+
+
+def controlled_table(reference_BN, key_B, acceptance, vocab_size: int):
+  """The proposal for every output index, drawn once per generation.
+
+  The proposal at index g of a row is the reference (the target's plain greedy output) at g with
+  probability `acceptance`, else a uniformly chosen different token, independently per index. A
+  draft at index g is verified at most once (then the output moves past g), so under greedy
+  verification the accepted length is exactly geometric in `acceptance`.
+  """
+  n = reference_BN.shape[1]
+
+  def one_row(key, ref_N):
+    k_hit, k_other = jax.random.split(key)
+    hit_N = jax.random.uniform(k_hit, (n,)) < acceptance
+    offset_N = jax.random.randint(k_other, (n,), 1, vocab_size)
+    return jnp.where(hit_N, ref_N, (ref_N + offset_N) % vocab_size).astype(jnp.int32)
+
+  return jax.vmap(one_row)(key_B, reference_BN)
+
+
+@functools.partial(jax.jit, static_argnames=("length", "vocab_size"))
+def draw_table(reference_BN, seed, acceptance, *, length: int, vocab_size: int):
+  """`controlled_table` for output indices 0..length-1 of every row (the reference padded with
+  zeros or cut to `length`), from each row's key's TABLE_STREAM."""
+  ref_BN = jnp.maximum(reference_BN, 0)
+  ref_BN = jnp.pad(ref_BN, ((0, 0), (0, max(length - ref_BN.shape[1], 0))))[:, :length]
+  keys_B = stream_keys(row_keys(seed, ref_BN.shape[0]), TABLE_STREAM)
+  return controlled_table(ref_BN, keys_B, acceptance, vocab_size)
+
+
+def controlled_propose(table_BN, gen_B, num_draft: int):
+  """K drafts per row: the table (`controlled_table`) from index gen."""
+  n = table_BN.shape[1]
+  idx_BK = jnp.clip(gen_B[:, None] + jnp.arange(num_draft, dtype=jnp.int32)[None], 0, n - 1)
+  return jnp.take_along_axis(table_BN, idx_BK, axis=1)
+
+
+@struct.dataclass(kw_only=True)
+class ControlledInputs:
+  """What generate() draws before the program."""
+  table_BN: np.ndarray
+  """int32 [B, max_new_tokens + max_k + 1]: the proposal at every output index."""
+  acceptance: np.ndarray
+  """float32 []: the acceptance rate the table was drawn at (the calibration's key; unread inside)."""
+
+
+@struct.dataclass(kw_only=True)
+class ControlledState:
+  table_BN: jax.Array
+  """int32 [B, max_new_tokens + max_k + 1]: the proposals (`ControlledInputs.table_BN`)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ControlledDrafter(Drafter):
+  """Needs `ResearchOptions(controlled_acceptance=a)`, greedy sampling and `reference_tokens`."""
+  shadows: ClassVar[bool] = True
+  takes_reference: ClassVar[bool] = True
+
+  @classmethod
+  def check_spec(cls, spec) -> None:
+    if spec.research.controlled_acceptance is None:
+      raise ValueError("drafter='controlled' needs research=ResearchOptions(controlled_acceptance=a), "
+                       "a in [0, 1]: the probability that it proposes the target's greedy token")
+
+  @classmethod
+  def for_call(cls, spec, *, config, sampling, prompt_len: int) -> ControlledDrafter:
+    if not sampling.greedy:
+      raise ValueError("drafter='controlled' needs greedy sampling (temperature 0): its acceptance is "
+                       "geometric in controlled_acceptance only against the target's greedy tokens")
+    return cls()
+
+  def host_inputs(self, spec, *, reference_tokens, seed_u32, n_rows: int, max_new_tokens: int, length: int,
+                  vocab_size: int) -> ControlledInputs:
+    """The table, drawn and fetched to the host (dispatch is asynchronous: a table still being
+    drawn would be timed with the program)."""
+    if reference_tokens is None:
+      raise ValueError("drafter='controlled' needs reference_tokens: the plain greedy output "
+                       "(generate(...).tokens) for the same prompts")
+    ref = np.asarray(reference_tokens)
+    if (ref.ndim != 2 or ref.shape[0] != n_rows or ref.shape[1] < max_new_tokens
+        or not np.issubdtype(ref.dtype, np.integer)):
+      raise ValueError(f"reference_tokens must be an int array [{n_rows}, >= {max_new_tokens}], got "
+                       f"shape {ref.shape} and dtype {ref.dtype}")
+    # The rate is an input, not a static setting: every rate runs one program.
+    acceptance = np.float32(spec.research.controlled_acceptance)
+    table = draw_table(ref[:, :max_new_tokens].astype(np.int32), seed_u32, acceptance, length=length,
+                       vocab_size=vocab_size)
+    return ControlledInputs(table_BN=np.asarray(table), acceptance=acceptance)
+
+  def calibration_key(self, inputs: ControlledInputs) -> float:
+    """A pass costs more when its drafts are wrong (random tokens route to more distinct experts
+    than the model's own continuation): one calibration per acceptance rate."""
+    return float(inputs.acceptance)
+
+  def start(self, model, tokens_BT, lengths_B, prompt_BT, prefilled, note, first_B, inputs, ls: LoopSpec):
+    return ControlledState(table_BN=inputs.table_BN)
+
+  def propose(self, model, state: LoopState, k: int, keys_B, ls: LoopSpec):
+    drafts_BK = controlled_propose(state.draft_state.table_BN, state.generated_B, k)
+    return DraftTree.chain(drafts_BK), state.draft_state

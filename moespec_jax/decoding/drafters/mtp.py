@@ -1,0 +1,163 @@
+"""MTP heads (DeepSeek-V3 style) as a drafter: depth 1 from the heads' last fill, deeper depths
+one module step each; the heads' own KV cache is filled from the target's hidden states after
+every verification pass (the accepted positions only)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from moespec_jax.decoding import sampling as sampling_lib
+from moespec_jax.decoding.drafters.base import Drafter, DraftTree, Verified
+from moespec_jax.decoding.sampling_params import SamplingParams
+from moespec_jax.decoding.state import LoopSpec, LoopState
+from moespec_jax.model import mtp as mtp_lib
+from moespec_jax.model.cache import KVCache
+from moespec_jax.model.layers import at_index
+
+
+def choose(key_B, logits_BV, sampling: SamplingParams):
+  """A draft token per row and the distribution q it was drawn from (None when greedy)."""
+  if sampling.greedy:
+    return sampling_lib.argmax(logits_BV), None
+  logq_BV = sampling_lib.filtered_logprobs(logits_BV, sampling)
+  tok_B = jax.vmap(sampling_lib.categorical)(key_B, logq_BV)
+  return tok_B, jnp.exp(logq_BV)
+
+
+def mtp_propose(model, cache, h1_BD, logits1_BV, index_B, keys_BK, num_draft: int,
+                sampling: SamplingParams, *, expert_method: str, active_B=None):
+  """K drafts from the MTP heads: depth 1 from the last fill, deeper depths one step each.
+
+  `index_B` is the stream index of depth 1 (the position before the pending token). Depths
+  2..M run modules 2..M; the recursive depths beyond M share module M in one `lax.scan`
+  (compiled once whatever K). Rows outside `active_B` (finished) read no routed expert.
+  Returns (drafts_BK, q_BKV or None, cache).
+  """
+  m_total = model.config.num_mtp_modules
+  tok_B, q_BV = choose(keys_BK[:, 0], logits1_BV, sampling)
+  drafts, qs, hidden_BD = [tok_B], [q_BV], h1_BD
+
+  def step(m, offset, hidden_BD, prev_B, key_B, cache):
+    pos_B1 = (index_B + offset)[:, None]
+    h_B1D, logits_B1V, cache = mtp_lib.run_module(
+        model, m, hidden_BD[:, None], prev_B[:, None], pos_B1, cache, expert_method=expert_method,
+        valid_BT=None if active_B is None else active_B[:, None])
+    tok_B, q_BV = choose(key_B, logits_B1V[:, 0], sampling)
+    return h_B1D[:, 0], tok_B, q_BV, cache
+
+  for depth in range(2, min(num_draft, m_total) + 1):
+    m, offset = mtp_lib.module_for_depth(depth, m_total)
+    hidden_BD, tok_B, q_BV, cache = step(m, offset, hidden_BD, drafts[-1], keys_BK[:, depth - 1], cache)
+    drafts.append(tok_B)
+    qs.append(q_BV)
+  first_recursive = max(2, m_total + 1)
+  if num_draft >= first_recursive:
+    def scan_body(carry, xs):
+      hidden_BD, prev_B, cache = carry
+      offset, key_B = xs
+      hidden_BD, tok_B, q_BV, cache = step(m_total - 1, offset, hidden_BD, prev_B, key_B, cache)
+      return (hidden_BD, tok_B, cache), (tok_B, q_BV)
+
+    offsets = jnp.arange(first_recursive, num_draft + 1, dtype=jnp.int32) - m_total
+    keys_KB = jnp.moveaxis(keys_BK[:, first_recursive - 1:], 1, 0)
+    (_, _, cache), (toks_KB, qs_KBV) = jax.lax.scan(scan_body, (hidden_BD, drafts[-1], cache),
+                                                    (offsets, keys_KB))
+    drafts.extend(list(toks_KB))
+    if qs_KBV is not None:
+      qs.extend(list(qs_KBV))
+  q_BKV = None if sampling.greedy else jnp.stack(qs, axis=1)
+  return jnp.stack(drafts, axis=1), q_BKV, cache
+
+
+@struct.dataclass(kw_only=True)
+class MtpState:
+  cache: KVCache
+  """The heads' KV cache, over each row's stream (its prompt window, then every generated position)."""
+  h1_BD: jax.Array
+  """[B, D]: module 1's hidden state at the stream's last index (what depth 2 continues)."""
+  logits1_BV: jax.Array
+  """[B, V]: module 1's logits there: the depth-1 draft's distribution."""
+  offset_B: jax.Array
+  """int32 [B]: the prompt position at stream index 0 (the window's start; 0: every position)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MtpDrafter(Drafter):
+  """The model's MTP heads. They are not run on plain passes (their state goes stale there), so
+  they bring auto K no evidence at K = 0: no shadow drafts. Auto K reads their acceptance
+  geometrically, not per depth: on the default model it is about flat in depth, where the depth
+  model's optimism about rarely reached depths chose longer drafts than paid at batch 8.
+
+  prompt_window: the heads' cache starts from each prompt's last this many positions (0: all of
+  them), shifted to stream index 0 (RoPE is relative, so shifting a row's positions by a constant
+  leaves its attention unchanged); the prefill computes the target's hidden states there only.
+  """
+  prompt_window: int = 0
+
+  @classmethod
+  def for_call(cls, spec, *, config, sampling, prompt_len: int) -> MtpDrafter:
+    if config.num_mtp_modules == 0:
+      raise ValueError("drafter 'mtp' needs MTP heads, but the model has num_mtp_modules=0 "
+                       "(train them with experiments.train_mtp, or use drafter='ngram' or 'none')")
+    # 0: every prompt position (a window as long as the padded prompt is all of it).
+    window = spec.research.mtp_prompt_window or 0
+    return cls(prompt_window=window if window < prompt_len else 0)
+
+  def prefill(self, model, tokens_BT, lengths_B, prompt_BT, cache, ls: LoopSpec):
+    """The fill reads the hidden state at the window's prompt positions."""
+    window = self.prompt_window or tokens_BT.shape[1]
+    offset_B = jnp.maximum(lengths_B - window, 0)
+    window_BW = offset_B[:, None] + jnp.arange(window, dtype=jnp.int32)[None]
+    out = model(tokens_BT, None, cache, expert_method=ls.expert_method, valid_BT=prompt_BT, compute_logits=False,
+                fresh_cache=True, hidden_at_B=window_BW if self.prompt_window else None)
+    last_logits_BV = model.head(at_index(out.hidden, lengths_B - 1 - offset_B))[:, 0]
+    return out, last_logits_BV, (window, offset_B, window_BW)
+
+  def start(self, model, tokens_BT, lengths_B, prompt_BT, prefilled, note, first_B, inputs, ls: LoopSpec):
+    """The heads' stream over the window: index j holds prompt position offset + j."""
+    window, offset_B, window_BW = note
+    config = model.config
+    batch, prompt_len = tokens_BT.shape
+    m_total = config.num_mtp_modules
+    j_P = jnp.arange(prompt_len + m_total - 1, dtype=jnp.int32)
+    shifted_BP = jnp.concatenate([tokens_BT[:, 1:], jnp.zeros((batch, m_total), jnp.int32)], axis=1)
+    next_BP = jnp.where(j_P[None] < (lengths_B - 1)[:, None], shifted_BP, first_B[:, None])
+    next_BW = at_index(next_BP, offset_B[:, None] + jnp.arange(window + m_total - 1, dtype=jnp.int32)[None])
+    positions_BW = jnp.broadcast_to(jnp.arange(window, dtype=jnp.int32), (batch, window))
+    h1_BD, logits1_BV, mcache = mtp_lib.fill(model, prefilled.hidden, next_BW, positions_BW,
+                                             mtp_lib.new_cache(config, batch, ls.cache_len),
+                                             expert_method=ls.expert_method, at_B=lengths_B - 1 - offset_B,
+                                             valid_BT=at_index(prompt_BT, window_BW), fresh_cache=True)
+    return MtpState(cache=mcache, h1_BD=h1_BD, logits1_BV=logits1_BV, offset_B=offset_B)
+
+  def propose(self, model, state: LoopState, k: int, keys_B, ls: LoopSpec):
+    mtp = state.draft_state
+    keys_BK = jax.vmap(lambda key: jax.random.split(key, k))(keys_B)
+    drafts_BK, q_BKV, mcache = mtp_propose(
+        model, mtp.cache, mtp.h1_BD, mtp.logits1_BV, state.pos_B - 1 - mtp.offset_B, keys_BK, k,
+        ls.sampling, expert_method=ls.expert_method, active_B=state.active_B)
+    return DraftTree.chain(drafts_BK, q_BKV), mtp.replace(cache=mcache)
+
+  def update(self, model, draft_state, verified: Verified, ls: LoopSpec):
+    """The heads' fill over the accepted positions. After a plain pass (possible only under auto
+    K) the heads are skipped: their state goes stale and auto K does not draft with them again."""
+    k = verified.tree.num_nodes
+    if not k:
+      return draft_state
+    batch, m_total = verified.pos_B.shape[0], model.config.num_mtp_modules
+    n_acc_B = verified.n_accepted_B
+    j_T = jnp.arange(k + m_total, dtype=jnp.int32)
+    base_BT = jnp.concatenate([verified.tree.tokens_BN, jnp.zeros((batch, m_total), jnp.int32)], axis=1)
+    next_BT = jnp.where(j_T[None] < n_acc_B[:, None], base_BT, verified.next_B[:, None])
+    # Indices past the accepted ones are rolled back: they read no experts.
+    j_S = jnp.arange(k + 1, dtype=jnp.int32)
+    kept_BS = verified.active_B[:, None] & (j_S[None] <= n_acc_B[:, None])
+    h1_BD, logits1_BV, mcache = mtp_lib.fill(model, verified.output.hidden, next_BT,
+                                             verified.positions_BS - draft_state.offset_B[:, None],
+                                             draft_state.cache, expert_method=ls.expert_method, at_B=n_acc_B,
+                                             valid_BT=kept_BS)
+    return draft_state.replace(cache=mcache, h1_BD=h1_BD, logits1_BV=logits1_BV)

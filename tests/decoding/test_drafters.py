@@ -1,0 +1,150 @@
+"""The drafters: the registry from a user's name to an implementation (a drafter defined here and
+registered in one place runs through the loop), the draft tree, and the drafters' own functions
+(n-gram prompt lookup, the controlled drafter's table)."""
+
+import dataclasses
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import moespec_jax as msj
+from moespec_jax.decoding import drafters, loop
+from moespec_jax.decoding import state as state_lib
+from moespec_jax.decoding.calibration import Calibration
+from moespec_jax.decoding.drafters import controlled, ngram
+
+PROMPTS = [[3, 3, 3, 3, 3], [7, 8, 7, 8, 7, 8], [5, 9, 30, 41]]
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplayDrafter(drafters.Drafter):
+  """A drafter defined outside the package: it proposes a given continuation (generate's
+  `reference_tokens`, drawn into its state before the program) as a chain. Its proposals cost
+  nothing, so it also shadow-drafts on auto K's plain passes."""
+  shadows: ClassVar[bool] = True
+  takes_reference: ClassVar[bool] = True
+
+  def host_inputs(self, spec, *, reference_tokens, seed_u32, n_rows, max_new_tokens, length, vocab_size):
+    table_BN = np.zeros((n_rows, length), np.int32)
+    table_BN[:, :max_new_tokens] = np.maximum(np.asarray(reference_tokens)[:, :max_new_tokens], 0)
+    return table_BN
+
+  def start(self, model, tokens_BT, lengths_B, prompt_BT, prefilled, note, first_B, inputs, ls):
+    return inputs
+
+  def propose(self, model, state, k, keys_B, ls):
+    index_BK = jnp.minimum(state.generated_B[:, None] + jnp.arange(k)[None], state.draft_state.shape[1] - 1)
+    return drafters.DraftTree.chain(jnp.take_along_axis(state.draft_state, index_BK, axis=1)), state.draft_state
+
+
+@dataclasses.dataclass(frozen=True)
+class ForkDrafter(ReplayDrafter):
+  """Proposes a tree: every node a child of the pending token."""
+
+  def propose(self, model, state, k, keys_B, ls):
+    chain, _ = super().propose(model, state, k, keys_B, ls)
+    return dataclasses.replace(chain, parent_BN=jnp.full_like(chain.parent_BN, -1), is_chain=False), None
+
+
+@pytest.fixture
+def registered(monkeypatch):
+  """The test drafters, registered by their one entry each in the registry."""
+  monkeypatch.setitem(drafters.REGISTRY, "replay", ReplayDrafter)
+  monkeypatch.setitem(drafters.REGISTRY, "fork", ForkDrafter)
+
+
+def test_registry_maps_the_users_names_to_drafters():
+  assert drafters.names() == ("none", "mtp", "ngram", "controlled")
+  assert all(issubclass(drafters.lookup(name), drafters.Drafter) for name in drafters.names())
+  with pytest.raises(ValueError, match=r"drafter must be one of \('none', 'mtp', 'ngram', 'controlled'\), "
+                                       r"got 'replay'"):
+    msj.SpecParams(drafter="replay")
+
+
+def test_a_drafter_registered_in_one_place_runs_through_the_loop(tiny_model, registered, monkeypatch):
+  """Fixed K and auto K (with shadow drafts on plain passes) with a drafter the package does not
+  know: greedy output equals plain decoding's, and its drafts (plain decoding's own tokens) are all
+  accepted."""
+  plain = msj.generate(tiny_model, PROMPTS, max_new_tokens=12)
+  spec = msj.SpecParams(drafter="replay", num_draft=2)
+  fixed = msj.generate(tiny_model, PROMPTS, max_new_tokens=12, spec=spec, reference_tokens=plain.tokens)
+  np.testing.assert_array_equal(fixed.tokens, plain.tokens)
+  assert fixed.stats["drafter"] == "replay" and fixed.stats["acceptance_by_depth"] == [1.0, 1.0]
+  assert fixed.stats["mean_accepted_length"] > 2.5
+  with pytest.raises(ValueError, match="reference_tokens is used by drafter='controlled' or drafter='replay'"):
+    msj.generate(tiny_model, PROMPTS, max_new_tokens=12, reference_tokens=plain.tokens)
+  monkeypatch.setattr(loop, "calibrate_step_ms", lambda ls, args, run, progress: Calibration(
+      np.array([1.0, 1.2, 1.4], np.float32), "held_runs"))
+  auto = msj.generate(tiny_model, PROMPTS, max_new_tokens=12, reference_tokens=plain.tokens,
+                      spec=msj.SpecParams(drafter="replay", num_draft="auto", max_draft=2))
+  np.testing.assert_array_equal(auto.tokens, plain.tokens)
+  assert sum(auto.stats["passes_by_num_draft"]) == auto.stats["verify_passes"]
+  assert auto.stats["passes_by_num_draft"][2] > 0 and auto.stats["acceptance_estimate"] > 0.5
+
+
+def test_verification_refuses_a_draft_tree_that_is_not_a_chain(tiny_model, registered):
+  with pytest.raises(NotImplementedError, match="chains of K drafts only"):
+    msj.generate(tiny_model, PROMPTS, max_new_tokens=4, spec=msj.SpecParams(drafter="fork", num_draft=2),
+                 reference_tokens=np.zeros((len(PROMPTS), 4), np.int32))
+
+
+def test_a_chain_is_the_tree_whose_nodes_follow_the_one_before():
+  tokens = jnp.asarray([[4, 5, 6], [7, 8, 9]], jnp.int32)
+  chain = drafters.DraftTree.chain(tokens)
+  assert chain.is_chain and chain.num_nodes == 3 and chain.q_BNV is None
+  np.testing.assert_array_equal(chain.parent_BN, [[-1, 0, 1], [-1, 0, 1]])
+  assert np.asarray(chain.valid_BN).all()
+  empty = drafters.DraftTree.empty(2)
+  assert empty.num_nodes == 0 and empty.tokens_BN.shape == empty.valid_BN.shape == (2, 0)
+
+
+def test_ngram_proposes_what_followed_the_longest_earlier_match():
+  seq = jnp.asarray([[1, 2, 3, 9, 2, 3, 7, 8, 1, 2, 3, 0, 0, 0],
+                     [5, 6, 7, 8, 5, 6, 0, 0, 0, 0, 0, 0, 0, 0],
+                     [1, 2, 3, 4, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]])
+  n = jnp.asarray([11, 6, 4])
+  d, valid = ngram.prompt_lookup(seq, n, 3)
+  # Row 0: suffix [1, 2, 3] occurred at 0..2 (longest), followed by 9, 2, 3.
+  assert d[0].tolist() == [9, 2, 3] and valid[0].all()
+  # Row 1: suffix [5, 6] occurred at 0..1, followed by 7, 8, then the suffix itself (5).
+  assert d[1].tolist() == [7, 8, 5] and valid[1].all()
+  # Row 2: no earlier occurrence of 4: nothing proposed.
+  assert not valid[2].any()
+
+
+def test_ngram_in_a_run_of_equal_tokens_proposes_num_draft_tokens():
+  seq = jnp.asarray([[4, 7, 7, 7, 7, 7, 7, 7, 0, 0]])
+  d, valid = ngram.prompt_lookup(seq, jnp.asarray([8]), 3)
+  assert d[0].tolist() == [7, 7, 7] and valid[0].all()
+
+
+def test_controlled_table_wrong_tokens_differ_from_the_reference():
+  ref = jnp.asarray([[5, 6, 7, 8, 9, 10], [1, 1, 1, 1, 1, 1]], jnp.int32)
+  keys = jax.random.split(jax.random.key(0), 2)
+  table = controlled.controlled_table(ref, keys, 0.0, 264)
+  assert table.shape == (2, 6) and np.all(np.asarray(table) != np.asarray(ref))
+  assert np.all((np.asarray(table) >= 0) & (np.asarray(table) < 264))
+  np.testing.assert_array_equal(controlled.controlled_table(ref, keys, 1.0, 264), ref)
+  d = controlled.controlled_propose(ref, jnp.asarray([1, 4]), 4)  # clipped at the table's end
+  np.testing.assert_array_equal(d, [[6, 7, 8, 9], [1, 1, 1, 1]])
+
+
+def test_controlled_draft_table_is_drawn_from_each_rows_key_before_the_program():
+  """generate's table (drawn before its program): each row's proposals from that row's key's
+  table stream, the reference padded with zeros (or cut) to the program's length; the same seed
+  gives the same table, another seed another one."""
+  ref = np.asarray([[5, 6, 7, 8], [9, 9, 9, 9]], np.int32)
+  seed = np.uint32(3)
+  table = np.asarray(controlled.draw_table(ref, seed, np.float32(0.5), length=7, vocab_size=264))
+  keys = jax.vmap(lambda k: jax.random.fold_in(k, controlled.TABLE_STREAM))(state_lib.row_keys(seed, 2))
+  padded = np.pad(ref, ((0, 0), (0, 3)))
+  np.testing.assert_array_equal(table, controlled.controlled_table(jnp.asarray(padded), keys, 0.5, 264))
+  np.testing.assert_array_equal(
+      controlled.draw_table(ref, seed, np.float32(0.5), length=7, vocab_size=264), table)
+  assert not np.array_equal(
+      controlled.draw_table(ref, np.uint32(4), np.float32(0.5), length=7, vocab_size=264), table)
+  np.testing.assert_array_equal(
+      controlled.draw_table(ref, seed, np.float32(1.0), length=3, vocab_size=264), ref[:, :3])
