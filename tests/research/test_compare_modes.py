@@ -21,8 +21,8 @@ def _fake_generate(calls):
   seen = set()
 
   def generate(model, prompts, *, max_new_tokens, sampling, spec, seed):
-    calls.append((spec.mode, spec.expert_budget, spec.measure_quality, seed))
-    key = (spec.mode, spec.expert_budget, spec.measure_quality)
+    calls.append((spec.mode, spec.expert_budget, spec.research.measure_quality, seed))
+    key = (spec.mode, spec.expert_budget, spec.research.measure_quality)
     rate = 1000.0 if spec.mode == "exact" else 1100.0
     if key not in seen:
       seen.add(key)

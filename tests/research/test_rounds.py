@@ -158,7 +158,9 @@ def test_warm_up_runs_plain_and_each_spec_once_on_the_first_batch(monkeypatch):
     calls.append((spec.drafter, spec.num_draft, prompts, None if reference_tokens is None else reference_tokens[0]))
 
   monkeypatch.setattr(msj, "generate", fake_generate)
-  specs = {1: msj.SpecParams(drafter="controlled", num_draft=1), 2: msj.SpecParams(drafter="ngram", num_draft=2)}
+  controlled = msj.ResearchOptions(controlled_acceptance=0.5)
+  specs = {1: msj.SpecParams(drafter="controlled", num_draft=1, research=controlled),
+           2: msj.SpecParams(drafter="ngram", num_draft=2)}
   sets = rounds.PromptSets(([[1]], [[2]]), ([7], [8]))
   rounds.warm_up(None, sets, 4, specs)
   assert calls == [("none", 3, [[1]], None), ("controlled", 1, [[1]], 7), ("ngram", 2, [[1]], None)]
