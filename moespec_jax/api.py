@@ -16,7 +16,7 @@ from moespec_jax.config import ModelConfig
 from moespec_jax.data import tokenizer as tokenizer_lib
 from moespec_jax.io import atomic, checkpoint
 from moespec_jax.model import ForwardOutput, Transformer
-from pallas_kernels import cpu_ffi
+from pallas_kernels import cpu
 
 FORMAT = "moespec_jax"
 FORMAT_VERSION = 1
@@ -29,7 +29,7 @@ def _forward(graphdef, state, tokens_BT, *, expert_method):
 
 @functools.partial(jax.jit, static_argnums=(1,))
 def _pack_head(weight, tied: bool):
-  return cpu_ffi.pack_columns(weight.T if tied else weight)
+  return cpu.pack_columns(weight.T if tied else weight)
 
 
 @functools.partial(jax.jit, static_argnums=(0,))
@@ -70,7 +70,7 @@ class Model:
     return cls(module.config, graphdef, state, tokenizer)
 
   def packed_head(self):
-    """The output head as `pallas_kernels.cpu_ffi.pack_columns` blocks, what decoding on CPU
+    """The output head as `pallas_kernels.cpu.pack_columns` blocks, what decoding on CPU
     reads (computed once per head array, then reused by every generate call)."""
     source = self.state["embed_VD" if self.config.tie_embeddings else "lm_head_DV"][...]
     if self._packed_head is None or self._packed_head[0] is not source:

@@ -38,7 +38,7 @@ from moespec_jax.decoding.programs import compiled, cpu_kernels, decode_params, 
 # Re-exported: experiments drop programs between sweeps through the loop's API.
 from moespec_jax.decoding.programs import compiled_signatures, forget_compiled  # noqa: F401
 from moespec_jax.model.budget import ExpertBudget
-from pallas_kernels import cpu_ffi
+from pallas_kernels import cpu as cpu_ffi
 
 
 @dataclasses.dataclass

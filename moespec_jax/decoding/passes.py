@@ -25,7 +25,7 @@ from moespec_jax.model import cache as cache_lib
 from moespec_jax.model import mtp as mtp_lib
 from moespec_jax.model.budget import ExpertBudget
 from moespec_jax.model.layers import at_index
-from pallas_kernels import cpu_ffi
+from pallas_kernels import cpu as cpu_ffi
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,7 +16,7 @@ from flax import nnx
 
 from moespec_jax.decoding.params import SpecParams
 from moespec_jax.decoding.passes import LoopSpec
-from pallas_kernels import cpu_ffi
+from pallas_kernels import cpu as cpu_ffi
 
 
 class ModelDefinition:

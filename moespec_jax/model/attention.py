@@ -11,7 +11,7 @@ from flax import nnx
 from moespec_jax.config import ModelConfig
 from moespec_jax.model import cache as cache_lib
 from moespec_jax.model.layers import RMSNorm, apply_rope, at_index, fan_in_init, packed_product, use_packed
-from pallas_kernels import cpu_ffi
+from pallas_kernels import cpu
 
 
 class Attention(nnx.Module):
@@ -32,7 +32,7 @@ class Attention(nnx.Module):
     else:
       self.b_q_HK = self.b_k_GK = self.b_v_GK = None
     self.qk_norm = config.qk_norm
-    # Passes against the cache on the C++ kernel (cpu_ffi.cached_attention), set by the decoding
+    # Passes against the cache on the C++ kernel (cpu.cached_attention), set by the decoding
     # loop's programs on CPU; False: XLA's products (and always without a cache).
     self.cpu_cached_attention = False
     # [Wq | Wk | Wv] and Wo packed for decoding programs on CPU (`set_packed`; not parameters).
@@ -45,13 +45,13 @@ class Attention(nnx.Module):
       self.k_norm = RMSNorm(k_dim, config.norm_eps, dtype=dtype)
 
   def pack(self) -> dict:
-    """The projections as `cpu_ffi.pack_columns` blocks, for `set_packed`: queries, keys and
+    """The projections as `cpu.pack_columns` blocks, for `set_packed`: queries, keys and
     values side by side (one product per pass), and the output projection."""
     d = self.w_q_DHK.shape[0]
     qkv_DN = jnp.concatenate([w[...].reshape(d, -1) for w in (self.w_q_DHK, self.w_k_DHK, self.w_v_DHK)], axis=1)
     o_ND = self.w_o_HKD[...].reshape(self.n_heads * self.head_dim, d)
-    return {"qkv": cpu_ffi.pack_columns(qkv_DN),
-            "o": cpu_ffi.pack_columns(o_ND)}
+    return {"qkv": cpu.pack_columns(qkv_DN),
+            "o": cpu.pack_columns(o_ND)}
 
   def set_packed(self, packed: dict) -> None:
     self.packed_qkv_NDC = nnx.data(packed["qkv"])
@@ -119,7 +119,7 @@ class Attention(nnx.Module):
       # 192-token prefill of the default model and 11% off a 440-token one).
       keys_NKS, values_NSK = new_cache
       limit_NQ = jnp.broadcast_to(query_positions_BT[:, None, :, None], (b, g, t, r)).reshape(b * g, t * r)
-      out_NQK = cpu_ffi.cached_attention(q_NQK * scale, keys_NKS, values_NSK, limit_NQ).astype(q_NQK.dtype)
+      out_NQK = cpu.cached_attention(q_NQK * scale, keys_NKS, values_NSK, limit_NQ).astype(q_NQK.dtype)
       return self._output(out_NQK, b, t), new_cache
     if new_cache is None or fresh_cache:  # S: the pass's own positions
       keys_NSK, values_NSK = (x.swapaxes(1, 2).reshape(b * g, s, k) for x in (k_BTGK, v_BTGK))

@@ -7,10 +7,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from pallas_kernels import cpu_ffi
+from pallas_kernels import cpu
 
 # Decoding programs on CPU read the dense projections (attention, dense and shared SwiGLUs,
-# routers) as column blocks packed once per model (`pallas_kernels.cpu_ffi.pack_columns`), with a
+# routers) as column blocks packed once per model (`pallas_kernels.cpu.pack_columns`), with a
 # C++ product that streams each block once for all the rows of a pass. XLA's dot re-packs a weight
 # on every call of a multi-row product: 2-9 rows against [256, 768] weights ran 1.5-2.5x slower
 # than the packed product here, 1 row about as fast. Passes of more rows than this (prefills) keep
@@ -24,9 +24,9 @@ def use_packed(packed_NDC, x_BTD) -> bool:
 
 
 def packed_product(x_BTD, packed_NDC, n_cols: int):
-  """x [B, T, D] @ W for W packed by `cpu_ffi.pack_columns`: float32 [B, T, n_cols]."""
+  """x [B, T, D] @ W for W packed by `cpu.pack_columns`: float32 [B, T, n_cols]."""
   b, t, d = x_BTD.shape
-  return cpu_ffi.packed_matmul(x_BTD.reshape(b * t, d), packed_NDC, n_cols).reshape(b, t, n_cols)
+  return cpu.packed_matmul(x_BTD.reshape(b * t, d), packed_NDC, n_cols).reshape(b, t, n_cols)
 
 
 def at_index(x_BT, at_B):
@@ -128,10 +128,10 @@ class SwiGLU(nnx.Module):
     self.packed_gate_up_NDC = self.packed_down_NDC = None
 
   def pack(self) -> dict:
-    """This FFN's weights as `cpu_ffi.pack_columns` blocks, for `set_packed`."""
+    """This FFN's weights as `cpu.pack_columns` blocks, for `set_packed`."""
     gate_up_DG = jnp.concatenate([self.w_gate_DF[...], self.w_up_DF[...]], axis=1)
-    return {"gate_up": cpu_ffi.pack_columns(gate_up_DG),
-            "down": cpu_ffi.pack_columns(self.w_down_FD[...])}
+    return {"gate_up": cpu.pack_columns(gate_up_DG),
+            "down": cpu.pack_columns(self.w_down_FD[...])}
 
   def set_packed(self, packed: dict) -> None:
     self.packed_gate_up_NDC = nnx.data(packed["gate_up"])

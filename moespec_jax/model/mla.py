@@ -27,7 +27,7 @@ from moespec_jax.config import ModelConfig
 from moespec_jax.model import cache as cache_lib
 from moespec_jax.model import layers
 from moespec_jax.model.layers import RMSNorm, apply_rope, at_index, fan_in_init, packed_product, use_packed
-from pallas_kernels import cpu_ffi
+from pallas_kernels import cpu
 
 # DeepSeek's q/kv latent norms use their own epsilon, not the config's rms_norm_eps.
 LATENT_NORM_EPS = 1e-6
@@ -80,10 +80,10 @@ def softmax_scale(config: ModelConfig) -> float:
 
 def _per_head_product(x_BTHI, packed_HNIC, n_cols: int):
   """x [B, T, H, I] times head h's packed [I, n_cols] weight, for every h: [B, T, H, n_cols]
-  (float32; the C++ product of `cpu_ffi.packed_matmul`, G = H)."""
+  (float32; the C++ product of `cpu.packed_matmul`, G = H)."""
   b, t, h, i = x_BTHI.shape
   x_HMI = jnp.transpose(x_BTHI.reshape(b * t, h, i), (1, 0, 2))
-  y_HMC = cpu_ffi.packed_matmul(x_HMI, packed_HNIC, n_cols)
+  y_HMC = cpu.packed_matmul(x_HMI, packed_HNIC, n_cols)
   return jnp.transpose(y_HMC, (1, 0, 2)).reshape(b, t, h, n_cols).astype(x_BTHI.dtype)
 
 
@@ -120,24 +120,24 @@ class MLAttention(nnx.Module):
     # ([blocks, input, block columns]) per head.
     self.w_uk_HNC = self.w_uv_HCV = None
     self.packed_uk_H_NDC = self.packed_uv_H_NDC = None
-    # Passes against the cache on the C++ kernel (cpu_ffi.mla_attention), set by the decoding
+    # Passes against the cache on the C++ kernel (cpu.mla_attention), set by the decoding
     # loop's programs on CPU; False: XLA's products (and always for prefills into a fresh cache).
     self.cpu_cached_attention = False
 
   def pack(self) -> dict:
-    """The dense projections as `cpu_ffi.pack_columns` blocks, for `set_packed`; the per-head
+    """The dense projections as `cpu.pack_columns` blocks, for `set_packed`; the per-head
     up-projections W_uk and W_uv head-major (XLA's batched products, passes of many rows) and as
     blocks per head (the C++ product, passes of few rows)."""
     d = self.w_kv_DC.shape[0]
     w_q = self.w_q_DHK[...].reshape(d, -1) if self.w_q_DHK is not None else self.w_qa_DQ[...]
-    packed = {"x": cpu_ffi.pack_columns(jnp.concatenate([w_q, self.w_kv_DC[...], self.w_kr_DR[...]], axis=1)),
-              "o": cpu_ffi.pack_columns(self.w_o_HVD[...].reshape(-1, d))}
+    packed = {"x": cpu.pack_columns(jnp.concatenate([w_q, self.w_kv_DC[...], self.w_kr_DR[...]], axis=1)),
+              "o": cpu.pack_columns(self.w_o_HVD[...].reshape(-1, d))}
     if self.w_qb_QHK is not None:
-      packed["qb"] = cpu_ffi.pack_columns(self.w_qb_QHK[...].reshape(self.w_qb_QHK.shape[0], -1))
+      packed["qb"] = cpu.pack_columns(self.w_qb_QHK[...].reshape(self.w_qb_QHK.shape[0], -1))
     packed["uk"] = jnp.transpose(self.w_uk_CHN[...], (1, 2, 0))
     packed["uv"] = jnp.transpose(self.w_uv_CHV[...], (1, 0, 2))
-    packed["uk_blocks"] = jax.vmap(cpu_ffi.pack_columns)(packed["uk"])
-    packed["uv_blocks"] = jax.vmap(cpu_ffi.pack_columns)(packed["uv"])
+    packed["uk_blocks"] = jax.vmap(cpu.pack_columns)(packed["uk"])
+    packed["uv_blocks"] = jax.vmap(cpu.pack_columns)(packed["uv"])
     return packed
 
   def set_packed(self, packed: dict) -> None:
@@ -235,7 +235,7 @@ class MLAttention(nnx.Module):
       b, t, h = q_lat_BTHC.shape[:3]
       latent_BSC, k_rope_BSR = new_cache
       limit_BQ = jnp.repeat(query_positions_BT, h, axis=1)
-      out_lat_BQC = cpu_ffi.mla_attention((q_lat_BTHC * scale).reshape(b, t * h, -1),
+      out_lat_BQC = cpu.mla_attention((q_lat_BTHC * scale).reshape(b, t * h, -1),
                                           (q_rope_BTHR * scale).reshape(b, t * h, -1), latent_BSC, k_rope_BSR,
                                           limit_BQ)
       out_BTHV = self._up_values(out_lat_BQC.reshape(b, t, h, -1).astype(q_lat_BTHC.dtype))

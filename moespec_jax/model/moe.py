@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 import pallas_kernels
-from pallas_kernels import cpu_ffi
+from pallas_kernels import cpu
 from moespec_jax.config import ModelConfig
 from moespec_jax.model import budget as budget_lib
 from moespec_jax.model.layers import SwiGLU, fan_in_init, use_packed
@@ -105,7 +105,7 @@ class MoE(nnx.Module):
     self.packed_router_NDC = None
 
   def pack(self) -> dict:
-    """The router's columns, then the shared-expert gate's, as `cpu_ffi.pack_columns` blocks.
+    """The router's columns, then the shared-expert gate's, as `cpu.pack_columns` blocks.
     A decoding pass on CPU routes with the C++ product, whose rows do not depend on the other
     rows of the pass (XLA's dot gave a row different last bits alone and among 5 or 8 rows): a
     token is routed, and its expert output computed (the C++ expert kernel), with the same bits
@@ -113,7 +113,7 @@ class MoE(nnx.Module):
     w_DC = self.w_router_DE[...]
     if self.w_shared_gate_D is not None:
       w_DC = jnp.concatenate([w_DC, self.w_shared_gate_D[...].astype(w_DC.dtype)[:, None]], axis=1)
-    return {"router": cpu_ffi.pack_columns(w_DC)}
+    return {"router": cpu.pack_columns(w_DC)}
 
   def set_packed(self, packed: dict) -> None:
     self.packed_router_NDC = nnx.data(packed["router"])
@@ -130,7 +130,7 @@ class MoE(nnx.Module):
     shared_logit_BT = None
     if use_packed(self.packed_router_NDC, x_BTD):
       gated = self.w_shared_gate_D is not None
-      scores_NC = cpu_ffi.packed_matmul(x_ND.astype(jnp.float32), self.packed_router_NDC, n_experts + gated)
+      scores_NC = cpu.packed_matmul(x_ND.astype(jnp.float32), self.packed_router_NDC, n_experts + gated)
       logits_NE = scores_NC[:, :n_experts]
       if gated:
         shared_logit_BT = scores_NC[:, n_experts].reshape(b, t)

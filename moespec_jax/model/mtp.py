@@ -44,7 +44,7 @@ from moespec_jax.config import ModelConfig
 from moespec_jax.model.block import Block
 from moespec_jax.model.cache import KVCache
 from moespec_jax.model.layers import RMSNorm, at_index, fan_in_init, packed_product, use_packed
-from pallas_kernels import cpu_ffi
+from pallas_kernels import cpu
 
 
 class MTPModule(nnx.Module):
@@ -66,10 +66,10 @@ class MTPModule(nnx.Module):
     self.packed_proj_NDC = self.packed_head_NDC = None
 
   def pack(self) -> dict:
-    """W_p (and an own head) as `cpu_ffi.pack_columns` blocks, for `set_packed`."""
-    packed = {"proj": cpu_ffi.pack_columns(self.w_proj_CD[...])}
+    """W_p (and an own head) as `cpu.pack_columns` blocks, for `set_packed`."""
+    packed = {"proj": cpu.pack_columns(self.w_proj_CD[...])}
     if self.head_DV is not None:
-      packed["head"] = cpu_ffi.pack_columns(self.head_DV[...])
+      packed["head"] = cpu.pack_columns(self.head_DV[...])
     return packed
 
   def set_packed(self, packed: dict) -> None:

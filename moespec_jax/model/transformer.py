@@ -14,7 +14,7 @@ from moespec_jax.model.cache import KVCache
 from moespec_jax.model import mla
 from moespec_jax.model.layers import RMSNorm, fan_in_init, rope_tables
 from moespec_jax.model.mtp import MTPModule
-from pallas_kernels import cpu_ffi
+from pallas_kernels import cpu
 
 
 @struct.dataclass
@@ -102,10 +102,10 @@ class Transformer(nnx.Module):
   def head(self, hidden_BTD):
     """Output logits (f32) from final hidden states. In decoding programs on CPU the head is
     read as packed column blocks (`packed_head_NDC`, set by decoding.loop: a C++ product that
-    streams it, `pallas_kernels.cpu_ffi.packed_matmul`)."""
+    streams it, `pallas_kernels.cpu.packed_matmul`)."""
     if self.packed_head_NDC is not None:
       b, t, d = hidden_BTD.shape
-      logits_MV = cpu_ffi.packed_matmul(hidden_BTD.reshape(b * t, d), self.packed_head_NDC, self.config.vocab_size)
+      logits_MV = cpu.packed_matmul(hidden_BTD.reshape(b * t, d), self.packed_head_NDC, self.config.vocab_size)
       return logits_MV.reshape(b, t, -1)
     if self.lm_head_DV is None:  # tied: the embedding read as it lies (a .T was copied every pass)
       return jnp.einsum("btd,vd->btv", hidden_BTD, self.embed_VD[...]).astype(jnp.float32)

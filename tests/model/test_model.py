@@ -130,7 +130,7 @@ def test_hidden_at_one_index_gives_the_full_pass_there(tiny_config, monkeypatch,
 
   monkeypatch.setattr(type(module.layers[0]), "__call__", recording_block)
   for name in ("cached_attention", "mla_attention"):
-    monkeypatch.setattr(attention_lib.cpu_ffi, name, recording(getattr(attention_lib.cpu_ffi, name)))
+    monkeypatch.setattr(attention_lib.cpu, name, recording(getattr(attention_lib.cpu, name)))
   rng = np.random.default_rng(3)
   tokens = jnp.asarray(rng.integers(0, 256, size=(batch, 8)).astype(np.int32))
   valid = (jnp.arange(8)[None] < jnp.asarray([[8], [5]]))[:batch]
@@ -253,7 +253,7 @@ def test_packed_dense_projections_give_the_xla_pass(tiny_config, change):
   """Decoding programs on CPU read the attention projections and the dense / shared SwiGLUs
   packed (`Transformer.use_packed_dense`): prefill and cached pass give XLA's logits, with
   q/k/v biases, q/k norms and MLA (queries projected directly or through a latent) too. (A row's
-  products do not depend on the other rows of the pass: tests/test_kernels.py.)"""
+  products do not depend on the other rows of the pass: tests/kernels/cpu/test_cpu_ffi.py.)"""
   import moespec_jax as msj  # pylint: disable=g-import-not-at-top
   config = tiny_config.replace(n_shared_experts=1, **change)
   model = msj.Model.init(config, seed=4)
