@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from moespec_jax.decoding import sampling as sampling_lib
 from moespec_jax.decoding.params import SamplingParams
 from moespec_jax.model import mtp as mtp_lib
+from moespec_jax.model.kernels import Kernels
 
 # Longest suffix the n-gram drafter tries to match (bytes or tokens).
 NGRAM_MAX = 8
@@ -66,12 +67,13 @@ def choose(key_B, logits_BV, sampling: SamplingParams):
 
 
 def mtp_propose(model, cache, h1_BD, logits1_BV, index_B, keys_BK, num_draft: int,
-                sampling: SamplingParams, *, expert_method: str, active_B=None):
+                sampling: SamplingParams, *, kernels: Kernels, active_B=None):
   """K drafts from the MTP heads: depth 1 from the last fill, deeper depths one step each.
 
   `index_B` is the stream index of depth 1 (the position before the pending token). Depths
   2..M run modules 2..M; the recursive depths beyond M share module M in one `lax.scan`
-  (compiled once whatever K). Rows outside `active_B` (finished) read no routed expert.
+  (compiled once whatever K). Rows outside `active_B` (finished) read no routed expert. `kernels`:
+  the target's (`mtp.run_module`).
   Returns (drafts_BK, q_BKV or None, cache).
   """
   m_total = model.config.num_mtp_modules
@@ -81,7 +83,7 @@ def mtp_propose(model, cache, h1_BD, logits1_BV, index_B, keys_BK, num_draft: in
   def step(m, offset, hidden_BD, prev_B, key_B, cache):
     pos_B1 = (index_B + offset)[:, None]
     h_B1D, logits_B1V, cache = mtp_lib.run_module(
-        model, m, hidden_BD[:, None], prev_B[:, None], pos_B1, cache, expert_method=expert_method,
+        model, m, hidden_BD[:, None], prev_B[:, None], pos_B1, cache, kernels=kernels,
         valid_BT=None if active_B is None else active_B[:, None])
     tok_B, q_BV = choose(key_B, logits_B1V[:, 0], sampling)
     return h_B1D[:, 0], tok_B, q_BV, cache

@@ -34,7 +34,7 @@ from moespec_jax.decoding.calibration import calibrate_step_ms, measure_step_ms,
 from moespec_jax.decoding.params import SamplingParams, SpecParams
 from moespec_jax.decoding.passes import (LoopSpec, auto_segment, controlled_draft_table, end_trace, init_carry,
                                          speculative_pass, start_trace, statistic_shapes)
-from moespec_jax.decoding.programs import compiled, cpu_kernels, decode_params, merge, model_definition
+from moespec_jax.decoding.programs import compiled, decode_params, kernel_policy, merge, model_definition
 # Re-exported: experiments drop programs between sweeps through the loop's API.
 from moespec_jax.decoding.programs import compiled_signatures, forget_compiled  # noqa: F401
 from moespec_jax.model.budget import ExpertBudget
@@ -202,12 +202,11 @@ def _prepare(model, prompts, max_new_tokens, sampling, spec, seed, reference_tok
   window = spec.mtp_prompt_window if spec.drafter == "mtp" and spec.mtp_prompt_window else 0
   window = window if window < padded_len else 0
   ls = LoopSpec(max_new_tokens=int(max_new_tokens), cache_len=cache_len, sampling=sampling,
-                expert_method=model.expert_method(spec.kernel), drafter=spec.drafter if k_draft else "none",
+                kernels=kernel_policy(model, spec), drafter=spec.drafter if k_draft else "none",
                 num_draft=k_draft, auto=auto, timed=auto and spec.auto_timing and loop_clock_available(),
                 trace_passes=spec.pass_trace,
                 expert_budget=budget,
                 measure_quality=bool(spec.measure_quality and budget is not None),
-                cpu_attention=cpu_kernels(spec.attention_kernel),
                 routing=(config.n_routed_experts, config.top_k) if config.n_moe_layers else (0, 0),
                 mtp_prompt_window=window)
   # Host arrays and a uint32 seed go to the compiled program as they are (an eager jnp.asarray
@@ -223,7 +222,7 @@ def _prepare(model, prompts, max_new_tokens, sampling, spec, seed, reference_tok
                                    length=int(max_new_tokens) + k_draft + 1, vocab_size=config.vocab_size)
     draft_inputs = {"table": np.asarray(table), "acceptance": acceptance}
   leaves, state_treedef = jax.tree.flatten(model.state)
-  args = (model_definition(model.graphdef, state_treedef), decode_params(model, spec, leaves), tokens, lengths,
+  args = (model_definition(model.graphdef, state_treedef), decode_params(model, ls.kernels, leaves), tokens, lengths,
           seed_u32, draft_inputs)
   return spec, ls, args
 
@@ -331,7 +330,7 @@ def _stats(raw, tokens_BN, seconds: float, spec: SpecParams, ls: LoopSpec, calib
       "unique_experts_per_pass": (raw["unique_L"] / max(verify_passes, 1)).tolist(),
       "drafter": spec.drafter,
       "num_draft": "auto" if ls.auto else ls.num_draft,
-      "expert_method": ls.expert_method,
+      "expert_method": ls.kernels.expert_method,
       "mode": spec.mode,
       "approximate": budget is not None,
       "expert_budget": None if budget is None else budget.budget,

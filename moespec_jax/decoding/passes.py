@@ -26,6 +26,7 @@ from moespec_jax.model import mtp as mtp_lib
 from moespec_jax.model.budget import ExpertBudget
 from moespec_jax.model.layers import at_index
 from pallas_kernels import cpu as cpu_ffi
+from pallas_kernels.policy import KernelPolicy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,7 +35,7 @@ class LoopSpec:
   max_new_tokens: int
   cache_len: int
   sampling: SamplingParams
-  expert_method: str
+  kernels: KernelPolicy  # the experts' method; C++ or XLA head, dense projections, attention (`programs.merge`)
   drafter: str  # none | mtp | ngram | controlled
   num_draft: int  # K; with `auto`, the largest K a pass may choose
   auto: bool = False
@@ -42,7 +43,6 @@ class LoopSpec:
   trace_passes: bool = False  # every pass timed by a clock read as it starts (CPU): SpecParams.pass_trace
   expert_budget: ExpertBudget | None = None
   measure_quality: bool = False
-  cpu_attention: bool = False  # attention against the cache on the C++ kernel, row-invariant norms (`programs.merge`)
   # (routed experts, top-k), (0, 0) for a dense model: the shape of the experts' part of the
   # pass times that auto K's calibration fits (auto_draft.smooth_step_times)
   routing: tuple[int, int] = (0, 0)
@@ -156,11 +156,11 @@ def init_carry(model, tokens_BT, lengths_B, seed, draft_inputs, ls: LoopSpec):
     window = ls.mtp_prompt_window or prompt_len
     offset_B = jnp.maximum(lengths_B - window, 0)
     window_BW = offset_B[:, None] + jnp.arange(window, dtype=jnp.int32)[None]
-    out = model(tokens_BT, None, cache, expert_method=ls.expert_method, valid_BT=prompt_BT, compute_logits=False,
+    out = model(tokens_BT, None, cache, kernels=model.kernels, valid_BT=prompt_BT, compute_logits=False,
                 fresh_cache=True, hidden_at_B=window_BW if ls.mtp_prompt_window else None)
-    last_logits_BV = model.head(at_index(out.hidden, lengths_B - 1 - offset_B))[:, 0]
+    last_logits_BV = model.head(at_index(out.hidden, lengths_B - 1 - offset_B), model.kernels)[:, 0]
   else:
-    out = model(tokens_BT, None, cache, expert_method=ls.expert_method, valid_BT=prompt_BT, fresh_cache=True,
+    out = model(tokens_BT, None, cache, kernels=model.kernels, valid_BT=prompt_BT, fresh_cache=True,
                 hidden_at_B=lengths_B - 1)
     last_logits_BV = out.logits[:, 0]
   first_B = sampling_lib.sample(_stream_keys(row_keys_B, 0), last_logits_BV, ls.sampling)
@@ -182,7 +182,7 @@ def init_carry(model, tokens_BT, lengths_B, seed, draft_inputs, ls: LoopSpec):
     positions_BW = jnp.broadcast_to(jnp.arange(window, dtype=jnp.int32), (batch, window))
     h1_BD, logits1_BV, mcache = mtp_lib.fill(model, out.hidden, next_BW, positions_BW,
                                              mtp_lib.new_cache(config, batch, ls.cache_len),
-                                             expert_method=ls.expert_method, at_B=lengths_B - 1 - offset_B,
+                                             kernels=model.kernels, at_B=lengths_B - 1 - offset_B,
                                              valid_BT=at_index(prompt_BT, window_BW), fresh_cache=True)
     dstate = {"cache": mcache, "h1": h1_BD, "logits1": logits1_BV, "offset": offset_B}
   elif ls.drafter == "controlled":
@@ -212,7 +212,7 @@ def _draft(model, carry, k: int, draft_keys_B, ls: LoopSpec):
   keys_BK = jax.vmap(lambda key: jax.random.split(key, k))(draft_keys_B)
   drafts_BK, q_BKV, mcache = drafters_lib.mtp_propose(
       model, dstate["cache"], dstate["h1"], dstate["logits1"], carry["pos"] - 1 - dstate["offset"], keys_BK, k,
-      ls.sampling, expert_method=ls.expert_method, active_B=~carry["done"])
+      ls.sampling, kernels=model.kernels, active_B=~carry["done"])
   return drafts_BK, jnp.ones((batch, k), jnp.bool_), q_BKV, dict(dstate, cache=mcache)
 
 
@@ -242,7 +242,7 @@ def speculative_pass(model, carry, k: int, ls: LoopSpec):
   positions_BS = pos_B[:, None] + jnp.arange(k + 1, dtype=jnp.int32)[None]
   active_BS = active_B[:, None] & jnp.concatenate([jnp.ones((batch, 1), jnp.bool_), valid_BK], axis=1)
   experts_BS = active_BS if ls.routed_experts else jnp.zeros_like(active_BS)
-  vout = model(inputs_BS, positions_BS, carry["cache"], expert_method=ls.expert_method,
+  vout = model(inputs_BS, positions_BS, carry["cache"], kernels=model.kernels,
                expert_budget=ls.expert_budget, valid_BT=experts_BS)
   if ls.sampling.greedy:
     accept_BK, n_acc_B, next_B = rejection.verify_greedy(vout.logits, drafts_BK, valid_BK)
@@ -282,7 +282,7 @@ def speculative_pass(model, carry, k: int, ls: LoopSpec):
     # Indices past the accepted ones are rolled back: they read no experts.
     kept_BS = active_B[:, None] & (j_S[None] <= n_acc_B[:, None])
     h1_BD, logits1_BV, mcache = mtp_lib.fill(model, vout.hidden, next_BT, positions_BS - dstate["offset"][:, None],
-                                             dstate["cache"], expert_method=ls.expert_method, at_B=n_acc_B,
+                                             dstate["cache"], kernels=model.kernels, at_B=n_acc_B,
                                              valid_BT=kept_BS)
     dstate = dict(dstate, cache=mcache, h1=h1_BD, logits1=logits1_BV)
 
@@ -322,7 +322,7 @@ def speculative_pass(model, carry, k: int, ls: LoopSpec):
           brings_B[:, None, None], auto_draft.EVIDENCE_DECAY * depth_evidence_BK2 + depth_BK2, depth_evidence_BK2)
   if ls.measure_quality:
     # The exact pass over the same cache: how far the budget moved the verified logits.
-    exact_logits_BSV = model(inputs_BS, positions_BS, carry["cache"], expert_method=ls.expert_method).logits
+    exact_logits_BSV = model(inputs_BS, positions_BS, carry["cache"], kernels=model.kernels).logits
     used_BS = active_BS & (j_S[None] <= n_acc_B[:, None])
     agree, kl, count = quality_lib.logit_agreement(exact_logits_BSV.reshape(-1, vocab),
                                                    vout.logits.reshape(-1, vocab), used_BS.reshape(-1))
