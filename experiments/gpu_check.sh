@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU check (one run, under 8 minutes): both Pallas GPU kernels (Triton lowering) against the XLA
+# GPU check (one run, under 8 minutes): both Pallas GPU kernels (pallas_kernels/gpu, Triton lowering) against the XLA
 # reference on the GPU in f32 and bf16, then the kernel benchmark on the GPU.
 #   bash experiments/gpu_check.sh [OUT_DIR]      (default: $OUT, else runs/gpu_check)
 set -euo pipefail
@@ -12,7 +12,7 @@ PY="${PYTHON:-python}"
 timeout 180 "$PY" - "$OUT_DIR" <<'PYEOF'
 import json, os, sys, time
 import jax, jax.numpy as jnp, numpy as np
-from pallas_kernels import pallas_gpu
+from pallas_kernels import gpu
 from pallas_kernels.reference import expert_ffn_reference
 out_dir = sys.argv[1]
 assert jax.default_backend() == "gpu", f"no GPU visible to JAX (backend {jax.default_backend()})"
@@ -36,7 +36,7 @@ for (n, e, k, d, f, routing) in cases:
     args = [x.astype(dtype), ids, g.astype(dtype)] + [a.astype(dtype) for a in w]
     for method in ("dedup", "per_slot"):
       t0 = time.perf_counter()
-      y = jax.block_until_ready(pallas_gpu.expert_ffn_gpu(*args, method=method))
+      y = jax.block_until_ready(gpu.expert_ffn_gpu(*args, method=method))
       err = float(jnp.max(jnp.abs(y.astype(jnp.float32) - ref)))
       ok = err <= tol
       results.append(dict(n=n, experts=e, top_k=k, d_model=d, hidden=f, routing=routing, dtype=jnp.dtype(dtype).name,

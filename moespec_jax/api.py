@@ -15,26 +15,21 @@ from flax import nnx
 from moespec_jax.config import ModelConfig
 from moespec_jax.data import tokenizer as tokenizer_lib
 from moespec_jax.io import atomic, checkpoint
-from moespec_jax.model import ForwardOutput, Transformer
-from pallas_kernels import cpu_ffi
+from moespec_jax.model import ForwardOutput, Kernels, PackedWeights, Transformer, pack_weights
+from pallas_kernels.policy import KernelPolicy
 
 FORMAT = "moespec_jax"
 FORMAT_VERSION = 1
 
 
-@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("expert_method",))
-def _forward(graphdef, state, tokens_BT, *, expert_method):
-  return nnx.merge(graphdef, state)(tokens_BT, expert_method=expert_method)
+@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("policy",))
+def _forward(graphdef, state, tokens_BT, *, policy: KernelPolicy):
+  return nnx.merge(graphdef, state)(tokens_BT, kernels=Kernels(policy))
 
 
-@functools.partial(jax.jit, static_argnums=(1,))
-def _pack_head(weight, tied: bool):
-  return cpu_ffi.pack_columns(weight.T if tied else weight)
-
-
-@functools.partial(jax.jit, static_argnums=(0,))
-def _pack_dense(graphdef, state):
-  return nnx.merge(graphdef, state).pack_dense()
+@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("head", "dense"))
+def _pack(graphdef, state, *, head: bool, dense: bool) -> PackedWeights:
+  return pack_weights(nnx.merge(graphdef, state), head=head, dense=dense)
 
 
 class Model:
@@ -51,8 +46,8 @@ class Model:
     self.tokenizer = tokenizer
     # Hugging Face import only: {"spec": ImportSpec}.
     self.hf_extras: dict[str, Any] = {}
-    self._packed_head = None  # (the head weight it was packed from, the packed blocks)
-    self._packed_dense = None  # (the parameter arrays they were packed from, the packed blocks)
+    # (the parameter arrays they were packed from, {(head, dense): PackedWeights}): `packed_weights`.
+    self._packed = None
 
   # Construction -----------------------------------------------------------------------
   @classmethod
@@ -69,24 +64,28 @@ class Model:
     graphdef, state = nnx.split(module)
     return cls(module.config, graphdef, state, tokenizer)
 
-  def packed_head(self):
-    """The output head as `pallas_kernels.cpu_ffi.pack_columns` blocks, what decoding on CPU
-    reads (computed once per head array, then reused by every generate call)."""
-    source = self.state["embed_VD" if self.config.tie_embeddings else "lm_head_DV"][...]
-    if self._packed_head is None or self._packed_head[0] is not source:
-      self._packed_head = (source, _pack_head(source, self.config.tie_embeddings))
-    return self._packed_head[1]
-
-  def packed_dense(self, leaves=None) -> dict[str, dict[str, jax.Array]]:
-    """The dense projections (attention, dense and shared SwiGLUs, routers) packed for the C++
-    product of decoding on CPU (`Transformer.pack_dense`; computed once per parameter set, then
-    reused).
-    `leaves`: `jax.tree.leaves(self.state)`, where the caller has it already."""
+  def packed_weights(self, *, head: bool = True, dense: bool = True, leaves=None) -> PackedWeights:
+    """The weights the C++ CPU products of decoding read (`model.pack_weights`: the output head
+    where `head`, the dense projections where `dense`), packed once per parameter set and reused by
+    every generate call until the parameters change. `leaves`: `jax.tree.leaves(self.state)`, where
+    the caller has it already."""
     leaves = jax.tree.leaves(self.state) if leaves is None else leaves
-    cached = self._packed_dense
+    cached = self._packed
     if cached is None or len(cached[0]) != len(leaves) or any(a is not b for a, b in zip(cached[0], leaves)):
-      self._packed_dense = (leaves, _pack_dense(self.graphdef, self.state))
-    return self._packed_dense[1]
+      cached = self._packed = (leaves, {})
+    parts = cached[1]
+    found = parts.get((head, dense))
+    if found is None:
+      if head and dense:  # each part packed once, whatever the order the parts are asked for in
+        head_part = self.packed_weights(dense=False, leaves=leaves)
+        dense_part = self.packed_weights(head=False, leaves=leaves)
+        found = PackedWeights(head_NDC=head_part.head_NDC, layers=dense_part.layers, mtp=dense_part.mtp)
+      elif head or dense:
+        found = _pack(self.graphdef, self.state, head=head, dense=dense)
+      else:
+        found = PackedWeights()
+      parts[(head, dense)] = found
+    return found
 
   def module(self) -> Transformer:
     """A fresh NNX module holding this model's parameters."""
@@ -162,7 +161,8 @@ class Model:
   def forward_full(self, tokens, *, kernel: str = "auto") -> ForwardOutput:
     """Full-sequence forward without cache: logits, final hidden states and routing."""
     tokens = self.validate_tokens(tokens)
-    return _forward(self.graphdef, self.state, jnp.asarray(tokens), expert_method=self.expert_method(kernel))
+    policy = KernelPolicy(expert_method=self.expert_method(kernel))
+    return _forward(self.graphdef, self.state, jnp.asarray(tokens), policy=policy)
 
   def forward(self, tokens, *, kernel: str = "auto") -> jax.Array:
     """tokens int [B, T] -> float32 logits [B, T, V]."""

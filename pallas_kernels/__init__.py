@@ -11,13 +11,16 @@ method:
   auto      on the CPU backend with the C++ kernel built: dedup from the measured crossover on
             (tuning.py), at every T (the fastest forward measured, prefill included); on TPU/GPU:
             grouped XLA for large T, otherwise dedup or per_slot from the crossover.
-backend (dedup/per_slot): auto (by jax.default_backend()), cpu (the C++ kernel of cpu_ffi.py,
-  falling back to XLA with a logged warning when it cannot be built), tpu, gpu (Pallas kernels),
-  interpret (the Pallas TPU kernels in interpret mode, for tests on CPU; with interpret=True the
-  tpu/gpu backends also run in interpret mode).
+backend (dedup/per_slot): auto (by jax.default_backend()), cpu (the C++ kernel of cpu/, falling
+  back to XLA with a logged warning when it cannot be built), tpu (tpu/: Pallas Mosaic), gpu (gpu/:
+  Pallas Triton), interpret (the Pallas TPU kernels in interpret mode, for tests on CPU; with
+  interpret=True the tpu/gpu backends also run in interpret mode).
 dedup/per_slot are differentiable: under differentiation the forward and the VJP are the
 grouped XLA path's (one traced computation, no second forward); the kernel runs when not
 differentiated.
+
+What a whole program runs (this method, and the C++ or XLA head, dense projections and attention)
+is one frozen `KernelPolicy` (policy.py), resolved once per program for a platform.
 """
 
 import functools
@@ -27,12 +30,13 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 
-from pallas_kernels import cpu_ffi, tuning
+from pallas_kernels import cpu, tuning
 from pallas_kernels.grouped import expert_ffn_grouped
+from pallas_kernels.policy import BACKENDS, METHODS, KernelPolicy, resolve_backend
 from pallas_kernels.reference import expert_ffn_dense, expert_ffn_reference
 
-METHODS = ("xla", "dedup", "per_slot", "auto")
-BACKENDS = ("auto", "cpu", "tpu", "gpu", "interpret")
+__all__ = ["BACKENDS", "GROUPED_MIN_ROWS", "METHODS", "KernelPolicy", "choose_method", "expert_ffn",
+           "expert_ffn_dense", "expert_ffn_grouped", "expert_ffn_reference", "expert_ffn_xla", "resolve_backend"]
 
 # At or above this many (token, slot) rows (more than any decode pass: 16 tokens x top-8 = 128)
 # the XLA path uses the sort-based grouped matmul (the training path: fastest measured fwd+bwd
@@ -82,20 +86,6 @@ def expert_ffn_xla(x_TD, expert_ids_TK, gates_TK, w_gate_EDF, w_up_EDF, w_down_E
                             block_rows=block_rows)
 
 
-def resolve_backend(backend):
-  """'auto' -> the kernel family for jax.default_backend()."""
-  if backend not in BACKENDS:
-    raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-  if backend != "auto":
-    return backend
-  platform = jax.default_backend()
-  if platform == "tpu":
-    return "tpu"
-  if platform in ("gpu", "cuda", "rocm"):
-    return "gpu"
-  return "cpu"
-
-
 _warned = set()
 
 
@@ -103,19 +93,19 @@ def _forward(method, backend, interpret):
   """The (non-differentiable) forward of a kernel method on a resolved backend."""
   if backend == "cpu":
     try:
-      cpu_ffi.ensure_built()
-      return functools.partial(cpu_ffi.expert_ffn_cpu, method=method)
-    except cpu_ffi.CpuKernelUnavailable as e:
+      cpu.ensure_built()
+      return functools.partial(cpu.expert_ffn_cpu, method=method)
+    except cpu.CpuKernelUnavailable as e:
       if str(e) not in _warned:
         _warned.add(str(e))
         logging.warning("expert_ffn(method=%r, backend='cpu'): %s; falling back to the XLA path", method, e)
       return expert_ffn_xla
   if backend in ("tpu", "interpret"):
-    from pallas_kernels import pallas_tpu  # pylint: disable=g-import-not-at-top
-    return functools.partial(pallas_tpu.expert_ffn_tpu, method=method,
+    from pallas_kernels import tpu  # pylint: disable=g-import-not-at-top
+    return functools.partial(tpu.expert_ffn_tpu, method=method,
                              interpret=bool(interpret) or backend == "interpret")
-  from pallas_kernels import pallas_gpu  # pylint: disable=g-import-not-at-top
-  return functools.partial(pallas_gpu.expert_ffn_gpu, method=method, interpret=bool(interpret))
+  from pallas_kernels import gpu  # pylint: disable=g-import-not-at-top
+  return functools.partial(gpu.expert_ffn_gpu, method=method, interpret=bool(interpret))
 
 
 @functools.lru_cache(maxsize=None)
@@ -145,7 +135,7 @@ def _with_grouped_vjp(method, backend, interpret):
 def choose_method(n_tokens, top_k, backend="auto"):
   """What `auto` runs for a pass of n_tokens: 'xla' (grouped, large T), 'dedup' or 'per_slot'."""
   resolved = resolve_backend(backend)
-  cpu_kernel = resolved == "cpu" and cpu_ffi.available()
+  cpu_kernel = resolved == "cpu" and cpu.available()
   if n_tokens * top_k >= GROUPED_MIN_ROWS and not cpu_kernel:
     return "xla"
   return "dedup" if n_tokens >= tuning.dedup_min_tokens(resolved) else "per_slot"

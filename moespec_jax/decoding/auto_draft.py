@@ -33,7 +33,7 @@ plainly without a match).
 The calibrated pass times are a snapshot, and on a shared machine the ratios between K's pass
 times drift by 10-20% within minutes (memory bandwidth taken by others slows long passes more
 than short ones). So with SpecParams(auto_timing=True), on CPU, the loop also times its own
-segments (a clock read inside the program, pallas_kernels.cpu_ffi.clock_after, no host round
+segments (a clock read inside the program, pallas_kernels.cpu.clock_after, no host round
 trip): `record_pass_time` keeps, per K, decayed evidence of the log ratio of measured to
 calibrated time per pass, and `corrected_step_ms` scales each K's calibrated time by it (K's
 not yet run take the level of all K's run so far): a K chosen on a wrong calibration is thus

@@ -34,10 +34,10 @@ from moespec_jax.decoding import passes, programs, report
 from moespec_jax.decoding.calibration import calibrate_step_ms, measure_step_ms, measure_step_variants_ms
 from moespec_jax.decoding.drafters.none import NoDrafter
 from moespec_jax.decoding.params import SamplingParams, SpecParams
-from moespec_jax.decoding.programs import cpu_kernels, decode_params, merge
+from moespec_jax.decoding.programs import decode_params, kernel_policy, merge
 from moespec_jax.decoding.state import LoopSpec, Stats
 from moespec_jax.model.budget import ExpertBudget
-from pallas_kernels import cpu_ffi
+from pallas_kernels import cpu as cpu_ffi
 
 
 @dataclasses.dataclass
@@ -148,12 +148,11 @@ def _prepare(model, prompts, max_new_tokens, sampling, spec, seed, reference_tok
     raise ValueError(f"pass_trace reads a clock inside the compiled program, which needs the CPU backend "
                      f"and the C++ library; not available here ({where})")
   ls = LoopSpec(max_new_tokens=int(max_new_tokens), cache_len=cache_len, sampling=sampling,
-                expert_method=model.expert_method(spec.kernel), drafter=drafter if k_draft else NoDrafter(),
+                kernels=kernel_policy(model, spec), drafter=drafter if k_draft else NoDrafter(),
                 max_k=k_draft, auto=auto, timed=auto and research.auto_timing and loop_clock_available(),
                 trace_passes=research.pass_trace,
                 expert_budget=budget,
                 measure_quality=bool(research.measure_quality and budget is not None),
-                cpu_attention=cpu_kernels(research.attention_kernel),
                 routing=(config.n_routed_experts, config.top_k) if config.n_moe_layers else (0, 0))
   # Host arrays and a uint32 seed go to the compiled program as they are (an eager jnp.asarray
   # or jax.random.key costs a dispatch each); the seed's low 32 bits, as jax.random.key takes them.
@@ -162,7 +161,7 @@ def _prepare(model, prompts, max_new_tokens, sampling, spec, seed, reference_tok
                                max_new_tokens=int(max_new_tokens), length=int(max_new_tokens) + k_draft + 1,
                                vocab_size=config.vocab_size)
   leaves, state_treedef = jax.tree.flatten(model.state)
-  args = (programs.PROGRAMS.definition(model.graphdef, state_treedef), decode_params(model, spec, leaves), tokens,
+  args = (programs.PROGRAMS.definition(model.graphdef, state_treedef), decode_params(model, ls.kernels, leaves), tokens,
           lengths, seed_u32, inputs if k_draft else None)
   return spec, ls, args
 

@@ -18,7 +18,7 @@ MODES = ("exact", "budgeted")
 KERNELS = ("auto", "dedup", "per_slot", "xla")
 # The output head's product, the attention against the KV cache and the dense projections
 # (attention, dense and shared SwiGLUs) in decoding: "auto" is the C++ kernel on the CPU backend
-# (pallas_kernels.cpu_ffi.packed_matmul / cached_attention; XLA where the library cannot be
+# (pallas_kernels.cpu.packed_matmul / cached_attention; XLA where the library cannot be
 # built, or on TPU/GPU); "xla" keeps XLA's ops.
 HEAD_KERNELS = ATTENTION_KERNELS = DENSE_KERNELS = ("auto", "xla")
 

@@ -20,7 +20,7 @@ from moespec_jax.decoding import sampling as sampling_lib
 from moespec_jax.decoding.drafters import DraftTree, Verified
 from moespec_jax.decoding.state import LoopSpec, LoopState, Stats, row_keys, stream_keys
 from moespec_jax.model import cache as cache_lib
-from pallas_kernels import cpu_ffi
+from pallas_kernels import cpu as cpu_ffi
 
 
 def init_state(model, tokens_BT, lengths_B, seed, inputs, ls: LoopSpec) -> LoopState:
@@ -77,7 +77,7 @@ def verify(model, state: LoopState, tree: DraftTree, shadow, keys_B, ls: LoopSpe
   positions_BS = pos_B[:, None] + jnp.arange(k + 1, dtype=jnp.int32)[None]
   active_BS = active_B[:, None] & jnp.concatenate([jnp.ones((batch, 1), jnp.bool_), tree.valid_BN], axis=1)
   experts_BS = active_BS if ls.routed_experts else jnp.zeros_like(active_BS)
-  vout = model(inputs_BS, positions_BS, state.cache, expert_method=ls.expert_method,
+  vout = model(inputs_BS, positions_BS, state.cache, kernels=model.kernels,
                expert_budget=ls.expert_budget, valid_BT=experts_BS)
   shadow_valid_B = shadow_accept_B = None
   if ls.sampling.greedy:
@@ -101,7 +101,7 @@ def verify(model, state: LoopState, tree: DraftTree, shadow, keys_B, ls: LoopSpe
   cand_BS = jnp.where(j_S[None] < n_acc_B[:, None], drafts_pad_BS, next_B[:, None])
   quality_3 = None
   if ls.measure_quality:  # how far the budget moved the verified logits
-    exact_logits_BSV = model(inputs_BS, positions_BS, state.cache, expert_method=ls.expert_method).logits
+    exact_logits_BSV = model(inputs_BS, positions_BS, state.cache, kernels=model.kernels).logits
     used_BS = active_BS & (j_S[None] <= n_acc_B[:, None])
     agree, kl, count = quality_lib.logit_agreement(exact_logits_BSV.reshape(-1, vocab),
                                                    vout.logits.reshape(-1, vocab), used_BS.reshape(-1))

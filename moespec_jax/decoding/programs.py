@@ -1,5 +1,5 @@
 """Compiled generation programs: the model's static definition, its state merged back inside a
-program (with the CPU kernels' packed weights), and `ProgramCache`: the ahead-of-time compiled
+program beside its kernels (policy and packed weights), and `ProgramCache`: the ahead-of-time compiled
 programs and auto K's calibrations of them, one per program signature, dropping its least recently
 used programs where the process runs short of memory mappings. `PROGRAMS` is the one generate() uses.
 """
@@ -16,7 +16,8 @@ from flax import nnx
 
 from moespec_jax.decoding.params import SpecParams
 from moespec_jax.decoding.state import LoopSpec
-from pallas_kernels import cpu_ffi
+from moespec_jax.model import Kernels, PackedWeights
+from pallas_kernels.policy import KernelPolicy
 
 
 class ModelDefinition:
@@ -41,36 +42,49 @@ class ModelDefinition:
         self._hash == other._hash and self.graphdef == other.graphdef and self.state_treedef == other.state_treedef))
 
 
-def merge(definition: ModelDefinition, params, ls: LoopSpec):
-  """The module inside a program. `params`: (the state's leaves, the packed output head or
-  None, the packed dense projections or None: see `decode_params`); `ls.cpu_attention`:
-  passes against the cache on the C++ kernel, and norms whose rows do not depend on each other."""
-  leaves, packed_head_NDC, packed_dense = params
-  model = nnx.merge(definition.graphdef, jax.tree.unflatten(definition.state_treedef, leaves))
-  if packed_head_NDC is not None:
-    model.packed_head_NDC = nnx.data(packed_head_NDC)
-  if packed_dense is not None:
-    model.use_packed_dense(packed_dense)
-  if ls.cpu_attention:
-    model.use_cpu_cached_attention()
-    model.use_row_invariant_norms()
-  return model
+class ProgramModel:
+  """The target inside a program: its module (the mathematics; any attribute not defined here is the
+  module's) and the program's `kernels` (`LoopSpec.kernels` and the packed weights), which every model
+  call is handed explicitly: `model(tokens, ..., kernels=model.kernels)`."""
+
+  __slots__ = ("module", "kernels")
+
+  def __init__(self, module, kernels: Kernels):
+    self.module, self.kernels = module, kernels
+
+  def __call__(self, *args, **kwargs):
+    return self.module(*args, **kwargs)
+
+  def __getattr__(self, name):
+    return getattr(self.module, name)
 
 
-def decode_params(model, spec: SpecParams, leaves):
+def merge(definition: ModelDefinition, params, ls: LoopSpec) -> ProgramModel:
+  """The model inside a program. `params`: (the state's leaves, the packed weights: see
+  `decode_params`); `ls.kernels`: the program's kernel policy."""
+  leaves, packed = params
+  module = nnx.merge(definition.graphdef, jax.tree.unflatten(definition.state_treedef, leaves))
+  return ProgramModel(module, Kernels(ls.kernels, packed))
+
+
+def kernel_policy(model, spec: SpecParams, platform: str | None = None) -> KernelPolicy:
+  """The kernel policy of `spec`'s programs for `model` on `platform` (None: this process's default
+  backend; 'tpu', 'gpu' or 'cuda' build a program for another platform): the expert method
+  (`SpecParams.kernel`, 'auto' meaning the model config's), and where the output head, the dense
+  projections and attention against the cache run the C++ kernels (`ResearchOptions`' kernel choices)."""
+  research = spec.research
+  return KernelPolicy.resolve(kernel=model.expert_method(spec.kernel), head=research.head_kernel,
+                              dense=research.dense_kernel, attention=research.attention_kernel, platform=platform)
+
+
+def decode_params(model, policy: KernelPolicy, leaves) -> tuple[list, PackedWeights]:
   """What the programs take as parameters: the leaves of the model's state (`leaves`:
-  `jax.tree.leaves(model.state)`, flattened once per call by the caller) and, on the CPU backend
-  with the C++ library, its output head (head_kernel='auto') and its dense projections
-  (dense_kernel='auto') packed for `cpu_ffi.packed_matmul`, once per model: a decode step reads
-  them from memory, and XLA's dot read the head at a third of the streaming rate and re-packs
-  the projections on every multi-row product."""
-  return (leaves, model.packed_head() if cpu_kernels(spec.research.head_kernel) else None,
-          model.packed_dense(leaves) if cpu_kernels(spec.research.dense_kernel) else None)
-
-
-def cpu_kernels(choice: str) -> bool:
-  """Whether a head_kernel / attention_kernel / dense_kernel choice runs the C++ kernel here."""
-  return choice == "auto" and jax.default_backend() == "cpu" and cpu_ffi.available()
+  `jax.tree.leaves(model.state)`, flattened once per call by the caller) and the weights the C++
+  products of `policy` read (its output head where `policy.head` is 'cpu', its dense projections
+  where `policy.dense` is), packed once per model (`Model.packed_weights`): a decode step reads
+  them from memory, and XLA's dot reads the head slower and re-packs the projections on every
+  multi-row product."""
+  return leaves, model.packed_weights(head=policy.head == "cpu", dense=policy.dense == "cpu", leaves=leaves)
 
 
 def signature(fn, ls: LoopSpec, definition, *args):

@@ -37,7 +37,7 @@ def public_stats(raw: Stats, tokens_BN, seconds: float, spec: SpecParams, ls: Lo
       "unique_experts_per_pass": (raw.unique_L / max(verify_passes, 1)).tolist(),
       "drafter": spec.drafter,
       "num_draft": "auto" if ls.auto else ls.max_k,
-      "expert_method": ls.expert_method,
+      "expert_method": ls.kernels.expert_method,
       "mode": spec.mode,
       "approximate": budget is not None,
       "expert_budget": None if budget is None else budget.budget,

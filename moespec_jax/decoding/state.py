@@ -17,6 +17,7 @@ from flax import struct
 
 from moespec_jax.decoding.sampling_params import SamplingParams
 from moespec_jax.model.budget import ExpertBudget
+from pallas_kernels.policy import KernelPolicy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,7 +26,8 @@ class LoopSpec:
   max_new_tokens: int
   cache_len: int
   sampling: SamplingParams
-  expert_method: str
+  # The experts' method, and C++ or XLA head, dense projections and attention (`programs.merge`).
+  kernels: KernelPolicy
   # The drafter (a `drafters.base.Drafter`: frozen, with its own static settings); the none
   # drafter for plain decoding.
   drafter: Any
@@ -37,7 +39,6 @@ class LoopSpec:
   trace_passes: bool = False  # every pass timed by a clock read as it starts (CPU): ResearchOptions.pass_trace
   expert_budget: ExpertBudget | None = None
   measure_quality: bool = False
-  cpu_attention: bool = False  # attention against the cache on the C++ kernel, row-invariant norms (`programs.merge`)
   # (routed experts, top-k), (0, 0) for a dense model: the shape of the experts' part of the
   # pass times that auto K's calibration fits (auto_draft.smooth_step_times)
   routing: tuple[int, int] = (0, 0)

@@ -10,8 +10,9 @@ from flax import nnx
 
 from moespec_jax.config import ModelConfig
 from moespec_jax.model import cache as cache_lib
-from moespec_jax.model.layers import RMSNorm, apply_rope, at_index, fan_in_init, packed_product, use_packed
-from pallas_kernels import cpu_ffi
+from moespec_jax.model.kernels import PLAIN, Kernels, packed_product, use_packed
+from moespec_jax.model.layers import RMSNorm, apply_rope, at_index, fan_in_init
+from pallas_kernels import cpu
 
 
 class Attention(nnx.Module):
@@ -32,11 +33,6 @@ class Attention(nnx.Module):
     else:
       self.b_q_HK = self.b_k_GK = self.b_v_GK = None
     self.qk_norm = config.qk_norm
-    # Passes against the cache on the C++ kernel (cpu_ffi.cached_attention), set by the decoding
-    # loop's programs on CPU; False: XLA's products (and always without a cache).
-    self.cpu_cached_attention = False
-    # [Wq | Wk | Wv] and Wo packed for decoding programs on CPU (`set_packed`; not parameters).
-    self.packed_qkv_NDC = self.packed_o_NDC = None
     if config.qk_norm == "none":
       self.q_norm = self.k_norm = None
     else:
@@ -44,24 +40,11 @@ class Attention(nnx.Module):
       self.q_norm = RMSNorm(q_dim, config.norm_eps, dtype=dtype)
       self.k_norm = RMSNorm(k_dim, config.norm_eps, dtype=dtype)
 
-  def pack(self) -> dict:
-    """The projections as `cpu_ffi.pack_columns` blocks, for `set_packed`: queries, keys and
-    values side by side (one product per pass), and the output projection."""
-    d = self.w_q_DHK.shape[0]
-    qkv_DN = jnp.concatenate([w[...].reshape(d, -1) for w in (self.w_q_DHK, self.w_k_DHK, self.w_v_DHK)], axis=1)
-    o_ND = self.w_o_HKD[...].reshape(self.n_heads * self.head_dim, d)
-    return {"qkv": cpu_ffi.pack_columns(qkv_DN),
-            "o": cpu_ffi.pack_columns(o_ND)}
-
-  def set_packed(self, packed: dict) -> None:
-    self.packed_qkv_NDC = nnx.data(packed["qkv"])
-    self.packed_o_NDC = nnx.data(packed["o"])
-
-  def _qkv(self, x_BTD):
+  def _qkv(self, x_BTD, packed):
     """The three projections, without biases: [B, T, H, K], [B, T, G, K], [B, T, G, K]."""
-    if use_packed(self.packed_qkv_NDC, x_BTD):
+    if packed is not None and use_packed(packed.qkv_NDC, x_BTD):
       h, g, k = self.n_heads, self.n_kv_heads, self.head_dim
-      qkv_BTN = packed_product(x_BTD, self.packed_qkv_NDC, (h + 2 * g) * k).astype(x_BTD.dtype)
+      qkv_BTN = packed_product(x_BTD, packed.qkv_NDC, (h + 2 * g) * k).astype(x_BTD.dtype)
       q_BTN, k_BTN, v_BTN = jnp.split(qkv_BTN, [h * k, (h + g) * k], axis=-1)
       return (q_BTN.reshape(*x_BTD.shape[:2], h, k), k_BTN.reshape(*x_BTD.shape[:2], g, k),
               v_BTN.reshape(*x_BTD.shape[:2], g, k))
@@ -69,22 +52,22 @@ class Attention(nnx.Module):
             jnp.einsum("btd,dgk->btgk", x_BTD, self.w_k_DHK[...]),
             jnp.einsum("btd,dgk->btgk", x_BTD, self.w_v_DHK[...]))
 
-  def _project(self, x_BTD):
+  def _project(self, x_BTD, kernels: Kernels):
     """Queries, keys and values before RoPE: [B, T, H, K], [B, T, G, K], [B, T, G, K]."""
-    q_BTHK, k_BTGK, v_BTGK = self._qkv(x_BTD)
+    q_BTHK, k_BTGK, v_BTGK = self._qkv(x_BTD, kernels.dense)
     if self.b_q_HK is not None:
       q_BTHK = q_BTHK + self.b_q_HK[...]
       k_BTGK = k_BTGK + self.b_k_GK[...]
       v_BTGK = v_BTGK + self.b_v_GK[...]
     if self.qk_norm == "head":
-      q_BTHK, k_BTGK = self.q_norm(q_BTHK), self.k_norm(k_BTGK)
+      q_BTHK, k_BTGK = self.q_norm(q_BTHK, kernels), self.k_norm(k_BTGK, kernels)
     elif self.qk_norm == "full":
-      q_BTHK = self.q_norm(q_BTHK.reshape(*q_BTHK.shape[:2], -1)).reshape(q_BTHK.shape)
-      k_BTGK = self.k_norm(k_BTGK.reshape(*k_BTGK.shape[:2], -1)).reshape(k_BTGK.shape)
+      q_BTHK = self.q_norm(q_BTHK.reshape(*q_BTHK.shape[:2], -1), kernels).reshape(q_BTHK.shape)
+      k_BTGK = self.k_norm(k_BTGK.reshape(*k_BTGK.shape[:2], -1), kernels).reshape(k_BTGK.shape)
     return q_BTHK, k_BTGK, v_BTGK
 
-  def __call__(self, x_BTD, positions_BT, rope, layer_cache=None, *, fresh_cache: bool = False,
-               query_at_B=None):
+  def __call__(self, x_BTD, positions_BT, rope, layer_cache=None, *, kernels: Kernels = PLAIN,
+               fresh_cache: bool = False, query_at_B=None):
     """Returns (out_BTD, (keys_NKS, values_NSK) or None), N = B * n_kv_heads (keys key-major:
     `cache.KVCache`).
 
@@ -93,10 +76,11 @@ class Attention(nnx.Module):
     their own). `fresh_cache`: the cache holds nothing yet (a prefill), so queries attend to
     the pass's own keys only (not to the empty entries). `query_at_B` [B]: queries (and the
     output, [B, 1, D]) at that one index per row only ([B, W]: at those W, [B, W, D]); every index
-    still writes its keys/values.
+    still writes its keys/values. `kernels`: the policy (attention against the cache on the C++
+    kernel, the prefill included) and a `PackedAttention` or None.
     """
     cos, sin = rope
-    q_BTHK, k_BTGK, v_BTGK = self._project(x_BTD)
+    q_BTHK, k_BTGK, v_BTGK = self._project(x_BTD, kernels)
     q_BTHK, k_BTGK = apply_rope(q_BTHK, cos, sin), apply_rope(k_BTGK, cos, sin)
     query_positions_BT = positions_BT
     if query_at_B is not None:
@@ -111,16 +95,14 @@ class Attention(nnx.Module):
     new_cache = None if layer_cache is None else (
         cache_lib.write_positions(layer_cache[0], k_BTGK, positions_BT[:, 0], key_major=True),
         cache_lib.write_positions(layer_cache[1], v_BTGK, positions_BT[:, 0]))
-    if new_cache is not None and self.cpu_cached_attention:
+    if new_cache is not None and kernels.policy.attention == "cpu":
       # Prefills too: the kernel scores each block of about 32 positions' queries against the
       # keys up to the block's last position only, so it skips most masked pairs and never reads
-      # empty entries (a 256-token prefill at batch 8: 0.48x XLA's time on a Mixtral-layout layer,
-      # 0.87x on the default model's, before the blocks; the blocks took a further 2% off a
-      # 192-token prefill of the default model and 11% off a 440-token one).
+      # empty entries.
       keys_NKS, values_NSK = new_cache
       limit_NQ = jnp.broadcast_to(query_positions_BT[:, None, :, None], (b, g, t, r)).reshape(b * g, t * r)
-      out_NQK = cpu_ffi.cached_attention(q_NQK * scale, keys_NKS, values_NSK, limit_NQ).astype(q_NQK.dtype)
-      return self._output(out_NQK, b, t), new_cache
+      out_NQK = cpu.cached_attention(q_NQK * scale, keys_NKS, values_NSK, limit_NQ).astype(q_NQK.dtype)
+      return self._output(out_NQK, b, t, kernels.dense), new_cache
     if new_cache is None or fresh_cache:  # S: the pass's own positions
       keys_NSK, values_NSK = (x.swapaxes(1, 2).reshape(b * g, s, k) for x in (k_BTGK, v_BTGK))
       key_pos_BS = positions_BT
@@ -134,13 +116,13 @@ class Attention(nnx.Module):
     probs_BGQS = jax.nn.softmax(jnp.where(visible_BQS[:, None], scores_BGQS * scale, -1e30), axis=-1)
     probs_NQS = probs_BGQS.reshape(b * g, t * r, -1).astype(values_NSK.dtype)
     out_NQK = jnp.einsum("nqs,nsk->nqk", probs_NQS, values_NSK)
-    return self._output(out_NQK, b, t), new_cache
+    return self._output(out_NQK, b, t, kernels.dense), new_cache
 
-  def _output(self, out_NQK, b, t):
+  def _output(self, out_NQK, b, t, packed):
     """The heads' outputs [B * G, T * R, K] projected back to the model: [B, T, D]."""
     g, r, k = self.n_kv_heads, self.n_heads // self.n_kv_heads, self.head_dim
     out_BTHK = out_NQK.reshape(b, g, t, r, k).transpose(0, 2, 1, 3, 4).reshape(b, t, self.n_heads, k)
-    if use_packed(self.packed_o_NDC, out_BTHK):
+    if packed is not None and use_packed(packed.o_NDC, out_BTHK):
       d = self.w_o_HKD.shape[2]
-      return packed_product(out_BTHK.reshape(b, t, -1), self.packed_o_NDC, d).astype(out_BTHK.dtype)
+      return packed_product(out_BTHK.reshape(b, t, -1), packed.o_NDC, d).astype(out_BTHK.dtype)
     return jnp.einsum("bthk,hkd->btd", out_BTHK, self.w_o_HKD[...])

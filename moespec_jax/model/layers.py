@@ -1,5 +1,4 @@
-"""Small building blocks: RMSNorm, rotary embeddings, SwiGLU, initialisers, and the packed dense
-products of decoding programs on CPU."""
+"""Small building blocks: RMSNorm, rotary embeddings, SwiGLU, initialisers."""
 
 import math
 
@@ -7,26 +6,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from pallas_kernels import cpu_ffi
-
-# Decoding programs on CPU read the dense projections (attention, dense and shared SwiGLUs,
-# routers) as column blocks packed once per model (`pallas_kernels.cpu_ffi.pack_columns`), with a
-# C++ product that streams each block once for all the rows of a pass. XLA's dot re-packs a weight
-# on every call of a multi-row product: 2-9 rows against [256, 768] weights ran 1.5-2.5x slower
-# than the packed product here, 1 row about as fast. Passes of more rows than this (prefills) keep
-# XLA's dot.
-PACKED_MAX_ROWS = 128
-
-
-def use_packed(packed_NDC, x_BTD) -> bool:
-  """Whether a product of `x_BTD` reads the packed weight `packed_NDC` (None: not packed)."""
-  return packed_NDC is not None and x_BTD.shape[0] * x_BTD.shape[1] <= PACKED_MAX_ROWS
-
-
-def packed_product(x_BTD, packed_NDC, n_cols: int):
-  """x [B, T, D] @ W for W packed by `cpu_ffi.pack_columns`: float32 [B, T, n_cols]."""
-  b, t, d = x_BTD.shape
-  return cpu_ffi.packed_matmul(x_BTD.reshape(b * t, d), packed_NDC, n_cols).reshape(b, t, n_cols)
+from moespec_jax.model.kernels import PLAIN, Kernels, packed_product, use_packed
 
 
 def at_index(x_BT, at_B):
@@ -60,20 +40,18 @@ def halving_sum(x):
 
 
 class RMSNorm(nnx.Module):
-  """y = x / rms(x) * weight, computed in float32. With `row_invariant` (decoding programs on
-  CPU: `Transformer.use_row_invariant_norms`) the mean square is a `halving_sum`, so a row's
-  result does not depend on the other rows of the pass (slower to differentiate: training keeps
-  XLA's reduction)."""
+  """y = x / rms(x) * weight, computed in float32. Where the policy asks for row-invariant norms
+  (decoding programs on CPU) the mean square is a `halving_sum`, so a row's result does not depend
+  on the other rows of the pass (slower to differentiate: training keeps XLA's reduction)."""
 
   def __init__(self, dim: int, eps: float, *, dtype=jnp.float32):
     self.weight = nnx.Param(jnp.ones((dim,), dtype))
     self.eps = eps
-    self.row_invariant = False
 
-  def __call__(self, x):
+  def __call__(self, x, kernels: Kernels = PLAIN):
     x32 = x.astype(jnp.float32)
     squares = x32 * x32
-    if self.row_invariant:
+    if kernels.policy.row_invariant_norms:
       mean_square = halving_sum(squares) / x32.shape[-1]
     else:
       mean_square = jnp.mean(squares, axis=-1, keepdims=True)
@@ -81,15 +59,21 @@ class RMSNorm(nnx.Module):
     return (y * self.weight[...].astype(jnp.float32)).astype(x.dtype)
 
 
-def rope_tables(positions_BT, head_dim: int, theta: float, *, inv_freq_F=None, scale: float = 1.0):
+def rope_tables(positions_BT, head_dim: int, theta: float, *, inv_freq_F=None, scale: float = 1.0,
+                on_cpu: bool | None = None):
   """cos/sin tables [B, T, head_dim / 2] for integer positions (`inv_freq_F`: the rotary
   frequencies, default theta^(-2i / head_dim); `scale` multiplies both, as YaRN's attention
-  factor). Computed once per pass for every layer (`_materialized`)."""
+  factor). Computed once per pass for every layer on the CPU platform (`_materialized`; `on_cpu`
+  None: the platform of jax.default_backend())."""
   if inv_freq_F is None:
     inv_freq_F = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
   angles_BTF = positions_BT.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq_F, jnp.float32)
   f = angles_BTF.shape[-1]
-  cos_sin_BTG = _materialized(jnp.concatenate([jnp.cos(angles_BTF), jnp.sin(angles_BTF)], axis=-1) * scale)
+  cos_sin_BTG = jnp.concatenate([jnp.cos(angles_BTF), jnp.sin(angles_BTF)], axis=-1) * scale
+  if on_cpu is None:
+    on_cpu = jax.default_backend() == "cpu"
+  if on_cpu:
+    cos_sin_BTG = _materialized(cos_sin_BTG)
   return cos_sin_BTG[..., :f], cos_sin_BTG[..., f:]
 
 
@@ -98,11 +82,7 @@ def _materialized(x_BTG):
 
   XLA:CPU fused the rotary tables' cos and sin into each layer's rotation of queries and keys and
   evaluated them once per head there (their optimization barrier is dropped before fusion); a
-  product with the identity (exact: x * 1 plus zeros) is not fused into its consumers. A
-  Qwen3-MoE-layout checkpoint's batch-8 prefill of 192 tokens ran 1.087x faster, a whole 64-token
-  call 1.071x (interleaved rounds, same tokens). Other backends compute x as it is."""
-  if jax.default_backend() != "cpu":
-    return x_BTG
+  product with the identity (exact: x * 1 plus zeros) is not fused into its consumers."""
   eye_GG = jnp.eye(x_BTG.shape[-1], dtype=x_BTG.dtype)
   return jnp.einsum("btg,gh->bth", x_BTG, eye_GG, precision=jax.lax.Precision.HIGHEST)
 
@@ -124,25 +104,15 @@ class SwiGLU(nnx.Module):
     self.w_gate_DF = nnx.Param(fan_in_init(d_model)(rngs.params(), (d_model, hidden), dtype))
     self.w_up_DF = nnx.Param(fan_in_init(d_model)(rngs.params(), (d_model, hidden), dtype))
     self.w_down_FD = nnx.Param(fan_in_init(hidden, out_scale)(rngs.params(), (hidden, d_model), dtype))
-    # [Wg | Wu] and Wd packed for decoding programs on CPU (`set_packed`; not parameters).
-    self.packed_gate_up_NDC = self.packed_down_NDC = None
 
-  def pack(self) -> dict:
-    """This FFN's weights as `cpu_ffi.pack_columns` blocks, for `set_packed`."""
-    gate_up_DG = jnp.concatenate([self.w_gate_DF[...], self.w_up_DF[...]], axis=1)
-    return {"gate_up": cpu_ffi.pack_columns(gate_up_DG),
-            "down": cpu_ffi.pack_columns(self.w_down_FD[...])}
-
-  def set_packed(self, packed: dict) -> None:
-    self.packed_gate_up_NDC = nnx.data(packed["gate_up"])
-    self.packed_down_NDC = nnx.data(packed["down"])
-
-  def __call__(self, x_BTD):
-    if use_packed(self.packed_gate_up_NDC, x_BTD):
+  def __call__(self, x_BTD, kernels: Kernels = PLAIN):
+    """`kernels.dense`: a `PackedSwiGLU` (passes of few rows read it with the C++ product) or None."""
+    packed = kernels.dense
+    if packed is not None and use_packed(packed.gate_up_NDC, x_BTD):
       hidden, d = self.w_gate_DF.shape[1], x_BTD.shape[-1]
-      gate_up_BTG = packed_product(x_BTD, self.packed_gate_up_NDC, 2 * hidden)
+      gate_up_BTG = packed_product(x_BTD, packed.gate_up_NDC, 2 * hidden)
       h_BTF = jax.nn.silu(gate_up_BTG[..., :hidden]) * gate_up_BTG[..., hidden:]
-      return packed_product(h_BTF, self.packed_down_NDC, d).astype(x_BTD.dtype)
+      return packed_product(h_BTF, packed.down_NDC, d).astype(x_BTD.dtype)
     gate = jnp.einsum("btd,df->btf", x_BTD, self.w_gate_DF[...])
     up = jnp.einsum("btd,df->btf", x_BTD, self.w_up_DF[...])
     return jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, self.w_down_FD[...])

@@ -26,8 +26,9 @@ from flax import nnx
 from moespec_jax.config import ModelConfig
 from moespec_jax.model import cache as cache_lib
 from moespec_jax.model import layers
-from moespec_jax.model.layers import RMSNorm, apply_rope, at_index, fan_in_init, packed_product, use_packed
-from pallas_kernels import cpu_ffi
+from moespec_jax.model.kernels import PLAIN, Kernels, packed_product, use_packed
+from moespec_jax.model.layers import RMSNorm, apply_rope, at_index, fan_in_init
+from pallas_kernels import cpu
 
 # DeepSeek's q/kv latent norms use their own epsilon, not the config's rms_norm_eps.
 LATENT_NORM_EPS = 1e-6
@@ -62,11 +63,12 @@ def rope_inv_freq(config: ModelConfig) -> tuple[np.ndarray, float]:
   return inv_freq.astype(np.float32), float(attn_factor)
 
 
-def rope_tables(positions_BT, config: ModelConfig):
-  """cos/sin tables [B, T, qk_rope_head_dim / 2] of MLA's rotary key dims (YaRN included)."""
+def rope_tables(positions_BT, config: ModelConfig, *, on_cpu: bool | None = None):
+  """cos/sin tables [B, T, qk_rope_head_dim / 2] of MLA's rotary key dims (YaRN included);
+  `on_cpu`: see `layers.rope_tables`."""
   inv_freq_F, attn_factor = rope_inv_freq(config)
   return layers.rope_tables(positions_BT, config.qk_rope_head_dim, config.rope_theta, inv_freq_F=inv_freq_F,
-                            scale=attn_factor)
+                            scale=attn_factor, on_cpu=on_cpu)
 
 
 def softmax_scale(config: ModelConfig) -> float:
@@ -80,10 +82,10 @@ def softmax_scale(config: ModelConfig) -> float:
 
 def _per_head_product(x_BTHI, packed_HNIC, n_cols: int):
   """x [B, T, H, I] times head h's packed [I, n_cols] weight, for every h: [B, T, H, n_cols]
-  (float32; the C++ product of `cpu_ffi.packed_matmul`, G = H)."""
+  (float32; the C++ product of `pallas_kernels.cpu.packed_matmul`, G = H)."""
   b, t, h, i = x_BTHI.shape
   x_HMI = jnp.transpose(x_BTHI.reshape(b * t, h, i), (1, 0, 2))
-  y_HMC = cpu_ffi.packed_matmul(x_HMI, packed_HNIC, n_cols)
+  y_HMC = cpu.packed_matmul(x_HMI, packed_HNIC, n_cols)
   return jnp.transpose(y_HMC, (1, 0, 2)).reshape(b, t, h, n_cols).astype(x_BTHI.dtype)
 
 
@@ -110,110 +112,78 @@ class MLAttention(nnx.Module):
     self.w_uk_CHN = nnx.Param(fan_in_init(c)(rngs.params(), (c, h, n), dtype))
     self.w_uv_CHV = nnx.Param(fan_in_init(c)(rngs.params(), (c, h, v), dtype))
     self.w_o_HVD = nnx.Param(fan_in_init(h * v, out_scale)(rngs.params(), (h, v, d), dtype))
-    # Packed for decoding programs on CPU (`set_packed`; not parameters): the products of x
-    # side by side ([Wq or Wqa | Wkv | Wkr]), Wqb and Wo.
-    self.packed_x_NDC = self.packed_qb_NDC = self.packed_o_NDC = None
-    # W_uk and W_uv head-major for the absorbed passes against the cache (`set_packed`): in their
-    # [C, H, *] layout XLA:CPU transposed each of them on every pass, ~23 us a layer at batch 8;
-    # and packed per head for the C++ product of passes of few rows (whose rows, unlike those of
-    # XLA's batched dot, do not depend on the other rows): `_H_NDC`, one `pack_columns` layout
-    # ([blocks, input, block columns]) per head.
-    self.w_uk_HNC = self.w_uv_HCV = None
-    self.packed_uk_H_NDC = self.packed_uv_H_NDC = None
-    # Passes against the cache on the C++ kernel (cpu_ffi.mla_attention), set by the decoding
-    # loop's programs on CPU; False: XLA's products (and always for prefills into a fresh cache).
-    self.cpu_cached_attention = False
 
-  def pack(self) -> dict:
-    """The dense projections as `cpu_ffi.pack_columns` blocks, for `set_packed`; the per-head
-    up-projections W_uk and W_uv head-major (XLA's batched products, passes of many rows) and as
-    blocks per head (the C++ product, passes of few rows)."""
-    d = self.w_kv_DC.shape[0]
-    w_q = self.w_q_DHK[...].reshape(d, -1) if self.w_q_DHK is not None else self.w_qa_DQ[...]
-    packed = {"x": cpu_ffi.pack_columns(jnp.concatenate([w_q, self.w_kv_DC[...], self.w_kr_DR[...]], axis=1)),
-              "o": cpu_ffi.pack_columns(self.w_o_HVD[...].reshape(-1, d))}
-    if self.w_qb_QHK is not None:
-      packed["qb"] = cpu_ffi.pack_columns(self.w_qb_QHK[...].reshape(self.w_qb_QHK.shape[0], -1))
-    packed["uk"] = jnp.transpose(self.w_uk_CHN[...], (1, 2, 0))
-    packed["uv"] = jnp.transpose(self.w_uv_CHV[...], (1, 0, 2))
-    packed["uk_blocks"] = jax.vmap(cpu_ffi.pack_columns)(packed["uk"])
-    packed["uv_blocks"] = jax.vmap(cpu_ffi.pack_columns)(packed["uv"])
-    return packed
-
-  def set_packed(self, packed: dict) -> None:
-    self.packed_x_NDC = nnx.data(packed["x"])
-    self.packed_o_NDC = nnx.data(packed["o"])
-    if "qb" in packed:
-      self.packed_qb_NDC = nnx.data(packed["qb"])
-    self.w_uk_HNC = nnx.data(packed["uk"])
-    self.w_uv_HCV = nnx.data(packed["uv"])
-    self.packed_uk_H_NDC = nnx.data(packed["uk_blocks"])
-    self.packed_uv_H_NDC = nnx.data(packed["uv_blocks"])
-
-  def _absorb_queries(self, q_nope_BTHN):
-    """The queries' no-rope part through W_uk: scores against the latent itself."""
-    if use_packed(self.packed_uk_H_NDC, q_nope_BTHN):
-      return _per_head_product(q_nope_BTHN, self.packed_uk_H_NDC, self.config.kv_lora_rank)
-    if self.w_uk_HNC is not None:
-      return jnp.einsum("bthn,hnc->bthc", q_nope_BTHN, self.w_uk_HNC)
+  def _absorb_queries(self, q_nope_BTHN, packed):
+    """The queries' no-rope part through W_uk: scores against the latent itself. With packed
+    weights, W_uk head-major (in its [C, H, N] layout XLA:CPU transposed it on every pass), or per
+    head for the C++ product of passes of few rows (whose rows, unlike those of XLA's batched dot,
+    do not depend on the other rows)."""
+    if packed is not None and use_packed(packed.uk_HNDC, q_nope_BTHN):
+      return _per_head_product(q_nope_BTHN, packed.uk_HNDC, self.config.kv_lora_rank)
+    if packed is not None:
+      return jnp.einsum("bthn,hnc->bthc", q_nope_BTHN, packed.uk_HNC)
     return jnp.einsum("bthn,chn->bthc", q_nope_BTHN, self.w_uk_CHN[...])
 
-  def _up_values(self, out_lat_BTHC):
-    """Attention outputs in the latent through W_uv: [B, T, H, V]."""
-    if use_packed(self.packed_uv_H_NDC, out_lat_BTHC):
-      return _per_head_product(out_lat_BTHC, self.packed_uv_H_NDC, self.config.v_head_dim)
-    if self.w_uv_HCV is not None:
-      return jnp.einsum("bthc,hcv->bthv", out_lat_BTHC, self.w_uv_HCV)
+  def _up_values(self, out_lat_BTHC, packed):
+    """Attention outputs in the latent through W_uv: [B, T, H, V] (packed as W_uk is)."""
+    if packed is not None and use_packed(packed.uv_HNDC, out_lat_BTHC):
+      return _per_head_product(out_lat_BTHC, packed.uv_HNDC, self.config.v_head_dim)
+    if packed is not None:
+      return jnp.einsum("bthc,hcv->bthv", out_lat_BTHC, packed.uv_HCV)
     return jnp.einsum("bthc,chv->bthv", out_lat_BTHC, self.w_uv_CHV[...])
 
-  def _project(self, x_BTD):
+  def _project(self, x_BTD, kernels: Kernels):
     """Queries [B, T, H, N + R], the latent before its norm [B, T, C] and the rotary key before
     RoPE [B, T, R]."""
     cfg = self.config
     h, qk = cfg.n_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
     b, t = x_BTD.shape[:2]
-    if use_packed(self.packed_x_NDC, x_BTD):
+    packed = kernels.dense
+    if packed is not None and use_packed(packed.x_NDC, x_BTD):
       q_cols = h * qk if self.w_q_DHK is not None else cfg.q_lora_rank
       n_cols = q_cols + cfg.kv_lora_rank + cfg.qk_rope_head_dim
-      xs_BTN = packed_product(x_BTD, self.packed_x_NDC, n_cols).astype(x_BTD.dtype)
+      xs_BTN = packed_product(x_BTD, packed.x_NDC, n_cols).astype(x_BTD.dtype)
       q_BTQ, latent_BTC, k_rope_BTR = jnp.split(xs_BTN, [q_cols, q_cols + cfg.kv_lora_rank], axis=-1)
       if self.w_q_DHK is not None:
         return q_BTQ.reshape(b, t, h, qk), latent_BTC, k_rope_BTR
-      q_BTQ = self.q_norm(q_BTQ)
-      q_BTHK = packed_product(q_BTQ, self.packed_qb_NDC, h * qk).astype(x_BTD.dtype).reshape(b, t, h, qk)
+      q_BTQ = self.q_norm(q_BTQ, kernels)
+      q_BTHK = packed_product(q_BTQ, packed.qb_NDC, h * qk).astype(x_BTD.dtype).reshape(b, t, h, qk)
       return q_BTHK, latent_BTC, k_rope_BTR
     if self.w_q_DHK is not None:
       q_BTHK = jnp.einsum("btd,dhk->bthk", x_BTD, self.w_q_DHK[...])
     else:
-      q_BTQ = self.q_norm(jnp.einsum("btd,dq->btq", x_BTD, self.w_qa_DQ[...]))
+      q_BTQ = self.q_norm(jnp.einsum("btd,dq->btq", x_BTD, self.w_qa_DQ[...]), kernels)
       q_BTHK = jnp.einsum("btq,qhk->bthk", q_BTQ, self.w_qb_QHK[...])
     return (q_BTHK, jnp.einsum("btd,dc->btc", x_BTD, self.w_kv_DC[...]),
             jnp.einsum("btd,dr->btr", x_BTD, self.w_kr_DR[...]))
 
-  def _output(self, out_BTHV):
+  def _output(self, out_BTHV, packed):
     """The heads' outputs [B, T, H, V] projected back to the model: [B, T, D]."""
-    if use_packed(self.packed_o_NDC, out_BTHV):
+    if packed is not None and use_packed(packed.o_NDC, out_BTHV):
       b, t = out_BTHV.shape[:2]
-      out_BTD = packed_product(out_BTHV.reshape(b, t, -1), self.packed_o_NDC, self.w_o_HVD.shape[2])
+      out_BTD = packed_product(out_BTHV.reshape(b, t, -1), packed.o_NDC, self.w_o_HVD.shape[2])
       return out_BTD.astype(out_BTHV.dtype)
     return jnp.einsum("bthv,hvd->btd", out_BTHV, self.w_o_HVD[...])
 
-  def __call__(self, x_BTD, positions_BT, rope, layer_cache=None, *, fresh_cache: bool = False,
-               query_at_B=None):
+  def __call__(self, x_BTD, positions_BT, rope, layer_cache=None, *, kernels: Kernels = PLAIN,
+               fresh_cache: bool = False, query_at_B=None):
     """Returns (out_BTD, (latent_BSC, rope_key_BSR) or None); `rope`: `mla.rope_tables`.
 
     With a cache, queries attend to the cache's earlier positions and to the pass's own entries
     (positions <= their own), which are written into the cache; with `fresh_cache` (a prefill)
     only to the pass's own entries. `query_at_B` [B]: queries (and the output, [B, 1, D]) at that
     one index per row only ([B, W]: at those W); every index still writes its cache entries.
+    `kernels`: the policy (passes against the compressed cache on the C++ kernel; prefills into a
+    fresh cache keep XLA's products) and a `PackedMLA` or None.
     """
     cfg = self.config
     n = cfg.qk_nope_head_dim
     cos, sin = rope
+    packed = kernels.dense
 
-    q_BTHK, latent_BTC, k_rope_BTR = self._project(x_BTD)
+    q_BTHK, latent_BTC, k_rope_BTR = self._project(x_BTD, kernels)
     q_nope_BTHN, q_rope_BTHR = q_BTHK[..., :n], apply_rope(q_BTHK[..., n:], cos, sin)
-    latent_BTGC = self.kv_norm(latent_BTC)[:, :, None]
+    latent_BTGC = self.kv_norm(latent_BTC, kernels)[:, :, None]
     k_rope_BTGR = apply_rope(k_rope_BTR[:, :, None], cos, sin)
 
     new_cache = None if layer_cache is None else tuple(
@@ -228,18 +198,18 @@ class MLAttention(nnx.Module):
     own_visible_BTT = positions_BT[:, None, :] <= query_positions_BT[:, :, None]
     if new_cache is None or fresh_cache:
       out_BTHV = self._own_attention(q_nope_BTHN, q_rope_BTHR, latent_BTC, k_rope_BTR, own_visible_BTT, scale)
-      return self._output(out_BTHV), new_cache
-    q_lat_BTHC = self._absorb_queries(q_nope_BTHN)
-    if self.cpu_cached_attention:
+      return self._output(out_BTHV, packed), new_cache
+    q_lat_BTHC = self._absorb_queries(q_nope_BTHN, packed)
+    if kernels.policy.attention == "cpu":
       # Query rows t-major (token, then head); each sees the updated cache up to its own position.
       b, t, h = q_lat_BTHC.shape[:3]
       latent_BSC, k_rope_BSR = new_cache
       limit_BQ = jnp.repeat(query_positions_BT, h, axis=1)
-      out_lat_BQC = cpu_ffi.mla_attention((q_lat_BTHC * scale).reshape(b, t * h, -1),
+      out_lat_BQC = cpu.mla_attention((q_lat_BTHC * scale).reshape(b, t * h, -1),
                                           (q_rope_BTHR * scale).reshape(b, t * h, -1), latent_BSC, k_rope_BSR,
                                           limit_BQ)
-      out_BTHV = self._up_values(out_lat_BQC.reshape(b, t, h, -1).astype(q_lat_BTHC.dtype))
-      return self._output(out_BTHV), new_cache
+      out_BTHV = self._up_values(out_lat_BQC.reshape(b, t, h, -1).astype(q_lat_BTHC.dtype), packed)
+      return self._output(out_BTHV, packed), new_cache
 
     def scores(latent_BSC, k_rope_BSR, visible_BTS):
       s_BHTS = (jnp.einsum("bthc,bsc->bhts", q_lat_BTHC, latent_BSC)
@@ -271,7 +241,7 @@ class MLAttention(nnx.Module):
       probs_own_BHTT = probs_BHTX[..., key_pos_S.size:].astype(latent_BTC.dtype)
       out_lat_BTHC = (jnp.einsum("bsc,bhts->bthc", old_latent_BSC, probs_old_BHTS)
                       + jnp.einsum("bsc,bhts->bthc", latent_BTC, probs_own_BHTT))
-    return self._output(self._up_values(out_lat_BTHC)), new_cache
+    return self._output(self._up_values(out_lat_BTHC, packed), packed), new_cache
 
   def _own_attention(self, q_nope_BTHN, q_rope_BTHR, latent_BTC, k_rope_BTR, visible_BTT, scale):
     """Attention among the pass's own positions (a prefill, or no cache) with per-head keys and

@@ -17,10 +17,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 import pallas_kernels
-from pallas_kernels import cpu_ffi
+from pallas_kernels import cpu
 from moespec_jax.config import ModelConfig
 from moespec_jax.model import budget as budget_lib
-from moespec_jax.model.layers import SwiGLU, fan_in_init, use_packed
+from moespec_jax.model.kernels import PLAIN, Kernels, use_packed
+from moespec_jax.model.layers import SwiGLU, fan_in_init
 
 
 class RouterBias(nnx.Variable):
@@ -100,37 +101,27 @@ class MoE(nnx.Module):
       self.shared = None
     # Qwen2-MoE: the shared-expert output is scaled by sigmoid(x . w) per token.
     self.w_shared_gate_D = nnx.Param(jnp.zeros((d,), dtype)) if config.shared_expert_gate else None
-    # The router's columns (and the shared-expert gate's) packed for decoding programs on CPU
-    # (`set_packed`; not parameters).
-    self.packed_router_NDC = None
 
-  def pack(self) -> dict:
-    """The router's columns, then the shared-expert gate's, as `cpu_ffi.pack_columns` blocks.
-    A decoding pass on CPU routes with the C++ product, whose rows do not depend on the other
-    rows of the pass (XLA's dot gave a row different last bits alone and among 5 or 8 rows): a
-    token is routed, and its expert output computed (the C++ expert kernel), with the same bits
-    in a plain step and in a verification pass."""
-    w_DC = self.w_router_DE[...]
-    if self.w_shared_gate_D is not None:
-      w_DC = jnp.concatenate([w_DC, self.w_shared_gate_D[...].astype(w_DC.dtype)[:, None]], axis=1)
-    return {"router": cpu_ffi.pack_columns(w_DC)}
-
-  def set_packed(self, packed: dict) -> None:
-    self.packed_router_NDC = nnx.data(packed["router"])
-
-  def __call__(self, x_BTD, *, expert_method: str, expert_budget: "budget_lib.ExpertBudget | None" = None,
+  def __call__(self, x_BTD, *, kernels: Kernels = PLAIN, expert_budget: "budget_lib.ExpertBudget | None" = None,
                valid_BT=None):
     """Routed + shared experts. With `expert_budget` (approximate), at most that many routed
     experts are used, ranked over the pass's `valid_BT` tokens (default: all). Tokens outside
     `valid_BT` (finished rows, empty draft slots) read no expert of their own: their routed
-    output is zero (`masked_to_read_experts`). The returned routing is the router's choice."""
+    output is zero (`masked_to_read_experts`). The returned routing is the router's choice.
+
+    `kernels`: the policy's expert method (default: the config's) and platform, and a `PackedMoE`
+    or None. Passes of few rows route with the C++ product of the packed router, whose rows do not
+    depend on the other rows of the pass (XLA's dot gave a row other last bits alone than among 5
+    or 8 rows): a token is routed, and its expert output computed (the C++ expert kernel), with the
+    same bits in a plain step and in a verification pass."""
     b, t, d = x_BTD.shape
     x_ND = x_BTD.reshape(b * t, d)
     n_experts = self.w_router_DE.shape[1]
     shared_logit_BT = None
-    if use_packed(self.packed_router_NDC, x_BTD):
+    packed = kernels.dense
+    if packed is not None and use_packed(packed.router_NDC, x_BTD):
       gated = self.w_shared_gate_D is not None
-      scores_NC = cpu_ffi.packed_matmul(x_ND.astype(jnp.float32), self.packed_router_NDC, n_experts + gated)
+      scores_NC = cpu.packed_matmul(x_ND.astype(jnp.float32), packed.router_NDC, n_experts + gated)
       logits_NE = scores_NC[:, :n_experts]
       if gated:
         shared_logit_BT = scores_NC[:, n_experts].reshape(b, t)
@@ -149,10 +140,10 @@ class MoE(nnx.Module):
       run_ids_NK, run_gates_NK = masked_to_read_experts(ids_NK, gates_NK, valid_BT.reshape(-1))
     y_ND = pallas_kernels.expert_ffn(
         x_ND, run_ids_NK, run_gates_NK, self.w_gate_EDF[...], self.w_up_EDF[...], self.w_down_EFD[...],
-        method=expert_method)
+        method=kernels.policy.expert_method or self.config.expert_method, backend=kernels.policy.backend)
     y_BTD = y_ND.reshape(b, t, d)
     if self.shared is not None:
-      shared_BTD = self.shared(x_BTD)
+      shared_BTD = self.shared(x_BTD, kernels.child("shared"))
       if self.w_shared_gate_D is not None:
         if shared_logit_BT is None:
           shared_logit_BT = jnp.einsum("btd,d->bt", x_BTD, self.w_shared_gate_D[...])

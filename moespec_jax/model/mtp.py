@@ -43,8 +43,8 @@ from flax import nnx
 from moespec_jax.config import ModelConfig
 from moespec_jax.model.block import Block
 from moespec_jax.model.cache import KVCache
-from moespec_jax.model.layers import RMSNorm, at_index, fan_in_init, packed_product, use_packed
-from pallas_kernels import cpu_ffi
+from moespec_jax.model.kernels import PLAIN, Kernels, packed_product, use_packed
+from moespec_jax.model.layers import RMSNorm, at_index, fan_in_init
 
 
 class MTPModule(nnx.Module):
@@ -62,40 +62,35 @@ class MTPModule(nnx.Module):
     self.head_norm = RMSNorm(d, config.norm_eps) if config.mtp_head_norm else None
     self.head_DV = (nnx.Param(fan_in_init(d)(rngs.params(), (d, config.vocab_size), dtype))
                     if config.mtp_own_head else None)
-    # W_p (and an own head) packed for decoding programs on CPU (`set_packed`; not parameters).
-    self.packed_proj_NDC = self.packed_head_NDC = None
 
-  def pack(self) -> dict:
-    """W_p (and an own head) as `cpu_ffi.pack_columns` blocks, for `set_packed`."""
-    packed = {"proj": cpu_ffi.pack_columns(self.w_proj_CD[...])}
-    if self.head_DV is not None:
-      packed["head"] = cpu_ffi.pack_columns(self.head_DV[...])
-    return packed
-
-  def set_packed(self, packed: dict) -> None:
-    self.packed_proj_NDC = nnx.data(packed["proj"])
-    if "head" in packed:
-      self.packed_head_NDC = nnx.data(packed["head"])
-
-  def logits(self, model, h_BTD):
-    """Output logits of the module's hidden state (the target's head unless it has its own)."""
-    normed_BTD = self.head_norm(h_BTD) if self.head_norm is not None else model.final_norm(h_BTD)
+  def logits(self, model, h_BTD, *, kernels: Kernels = PLAIN, model_kernels: Kernels = PLAIN):
+    """Output logits of the module's hidden state (the target's head unless it has its own).
+    `kernels`: this module's (a `PackedMTP` or None); `model_kernels`: the target's (its final norm
+    and head)."""
+    if self.head_norm is not None:
+      normed_BTD = self.head_norm(h_BTD, kernels)
+    else:
+      normed_BTD = model.final_norm(h_BTD, model_kernels)
     if self.head_DV is None:
-      return model.head(normed_BTD)
-    if use_packed(self.packed_head_NDC, normed_BTD):
-      return packed_product(normed_BTD, self.packed_head_NDC, self.head_DV.shape[1])
+      return model.head(normed_BTD, model_kernels)
+    packed = kernels.dense
+    if packed is not None and use_packed(packed.head_NDC, normed_BTD):
+      return packed_product(normed_BTD, packed.head_NDC, self.head_DV.shape[1])
     return jnp.einsum("btd,dv->btv", normed_BTD, self.head_DV[...])
 
-  def __call__(self, hidden_BTD, next_emb_BTD, positions_BT, rope, layer_cache, *, expert_method,
+  def __call__(self, hidden_BTD, next_emb_BTD, positions_BT, rope, layer_cache, *, kernels: Kernels = PLAIN,
                valid_BT=None, fresh_cache: bool = False, output_at_B=None):
     """Returns (h_BTD, new layer cache, routing). Tokens outside `valid_BT` read no routed expert
-    (see `Transformer.__call__`); `output_at_B`: see `Block.__call__`."""
-    x_BTC = jnp.concatenate([self.hidden_norm(hidden_BTD), self.embed_norm(next_emb_BTD)], axis=-1)
-    if use_packed(self.packed_proj_NDC, x_BTC):
-      x_BTD = packed_product(x_BTC, self.packed_proj_NDC, self.w_proj_CD.shape[1]).astype(x_BTC.dtype)
+    (see `Transformer.__call__`); `output_at_B`: see `Block.__call__`. `kernels`: the policy and a
+    `PackedMTP` or None."""
+    x_BTC = jnp.concatenate([self.hidden_norm(hidden_BTD, kernels), self.embed_norm(next_emb_BTD, kernels)],
+                            axis=-1)
+    packed = kernels.dense
+    if packed is not None and use_packed(packed.proj_NDC, x_BTC):
+      x_BTD = packed_product(x_BTC, packed.proj_NDC, self.w_proj_CD.shape[1]).astype(x_BTC.dtype)
     else:
       x_BTD = jnp.einsum("btc,cd->btd", x_BTC, self.w_proj_CD[...])
-    return self.block(x_BTD, positions_BT, rope, layer_cache, expert_method=expert_method,
+    return self.block(x_BTD, positions_BT, rope, layer_cache, kernels=kernels.child("block"),
                       valid_BT=valid_BT, fresh_cache=fresh_cache, output_at_B=output_at_B)
 
 
@@ -111,25 +106,29 @@ def module_for_depth(depth: int, num_modules: int) -> tuple[int, int]:
 
 
 def run_module(model, m: int, hidden_BTD, next_tokens_BT, positions_BT, cache: KVCache | None, *,
-               expert_method: str, compute_logits: bool = True, valid_BT=None, fresh_cache: bool = False,
+               kernels: Kernels = PLAIN, compute_logits: bool = True, valid_BT=None, fresh_cache: bool = False,
                output_at_B=None):
   """Module `m` (0-based) over T tokens; returns (h_BTD, logits_BTV or None, new cache or None).
   Tokens outside `valid_BT` (default: none) read no routed expert: their outputs are not used.
-  `output_at_B`: the output only at that index per row, [B, 1, ...] (`Block.__call__`)."""
+  `output_at_B`: the output only at that index per row, [B, 1, ...] (`Block.__call__`). `kernels`:
+  the model's (`Transformer.__call__`); the module gets its part."""
   emb_BTD = jnp.take(model.embed_VD[...], next_tokens_BT, axis=0)
-  rope = model.rope(positions_BT)
+  rope = model.rope(positions_BT, kernels)
   layer_cache = None if cache is None else (cache.keys[m], cache.values[m])
+  module_kernels = kernels.child("mtp", m)
   h_BTD, layer_new, _ = model.mtp[m](hidden_BTD, emb_BTD, positions_BT, rope, layer_cache,
-                                     expert_method=expert_method, valid_BT=valid_BT, fresh_cache=fresh_cache,
+                                     kernels=module_kernels, valid_BT=valid_BT, fresh_cache=fresh_cache,
                                      output_at_B=output_at_B)
-  logits_BTV = model.mtp[m].logits(model, h_BTD) if compute_logits else None
+  logits_BTV = None
+  if compute_logits:
+    logits_BTV = model.mtp[m].logits(model, h_BTD, kernels=module_kernels, model_kernels=kernels)
   if cache is not None:
     cache = KVCache(keys=cache.keys[:m] + (layer_new[0],) + cache.keys[m + 1:],
                     values=cache.values[:m] + (layer_new[1],) + cache.values[m + 1:])
   return h_BTD, logits_BTV, cache
 
 
-def fill(model, target_hidden_BTD, seq_BT, positions_BT, cache: KVCache, *, expert_method: str,
+def fill(model, target_hidden_BTD, seq_BT, positions_BT, cache: KVCache, *, kernels: Kernels = PLAIN,
          at_B=None, valid_BT=None, fresh_cache: bool = False):
   """Runs modules 1..M over T indices; module k reads next tokens `seq_BT[:, k:]`.
 
@@ -137,7 +136,8 @@ def fill(model, target_hidden_BTD, seq_BT, positions_BT, cache: KVCache, *, expe
   are placeholders). Returns (module-1 hidden, module-1 logits, new cache): at every index
   ([B, T, D], [B, T, V]), or with `at_B` at one index per row ([B, D], [B, V]; the head runs
   there only). `valid_BT` [B, T]: the indices whose outputs or cache entries are kept (the
-  others read no routed expert). `fresh_cache`: the cache is empty (a prefill).
+  others read no routed expert). `fresh_cache`: the cache is empty (a prefill). `kernels`: the
+  model's (`Transformer.__call__`).
 
   With `at_B`, the last module's attention queries and FFN run at that one index per row only
   (`Block.__call__`'s `output_at_B`): its cache entries come from its block's input, its output
@@ -149,30 +149,30 @@ def fill(model, target_hidden_BTD, seq_BT, positions_BT, cache: KVCache, *, expe
   hidden, first = target_hidden_BTD, None
   for m in range(n_modules):
     hidden, _, cache = run_module(model, m, hidden, seq_BT[:, m:m + t], positions_BT, cache,
-                                  expert_method=expert_method, compute_logits=False, valid_BT=valid_BT,
+                                  kernels=kernels, compute_logits=False, valid_BT=valid_BT,
                                   fresh_cache=fresh_cache, output_at_B=at_B if m == n_modules - 1 else None)
     if first is None:
       first = hidden
+  first_kernels = kernels.child("mtp", 0)
   if at_B is None:
-    return first, model.mtp[0].logits(model, first), cache
+    return first, model.mtp[0].logits(model, first, kernels=first_kernels, model_kernels=kernels), cache
   h1_BD = (first if n_modules == 1 else at_index(first, at_B))[:, 0]
-  return h1_BD, model.mtp[0].logits(model, h1_BD[:, None])[:, 0], cache
+  logits1_BV = model.mtp[0].logits(model, h1_BD[:, None], kernels=first_kernels, model_kernels=kernels)[:, 0]
+  return h1_BD, logits1_BV, cache
 
 
-def forward_train(model, target_hidden_BTD, tokens_BT, depths: int, *, expert_method: str | None = None):
+def forward_train(model, target_hidden_BTD, tokens_BT, depths: int, *, kernels: Kernels = PLAIN):
   """Teacher-forced MTP logits for depths 1..`depths` (<= M) over a whole sequence.
 
   Depth k at index i predicts tokens_BT[:, i + k + 1]; returns a list of logits
   [B, T - k - 1, V] aligned so that entry i predicts tokens_BT[:, i + k + 1].
   """
-  c = model.config
-  method = expert_method or c.expert_method
   b, t = tokens_BT.shape
   out, hidden = [], target_hidden_BTD
   for k in range(1, depths + 1):
     n = t - k  # indices with a known next token t_{i+k}
     positions_BT = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (b, n))
     hidden, logits, _ = run_module(model, k - 1, hidden[:, :n], tokens_BT[:, k:k + n], positions_BT,
-                                   None, expert_method=method)
+                                   None, kernels=kernels)
     out.append(logits[:, :n - 1])
   return out

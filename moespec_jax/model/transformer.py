@@ -8,13 +8,13 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from moespec_jax.config import ModelConfig
-from moespec_jax.model.attention import Attention
 from moespec_jax.model.block import Block
 from moespec_jax.model.cache import KVCache
 from moespec_jax.model import mla
+from moespec_jax.model.kernels import PLAIN, Kernels
 from moespec_jax.model.layers import RMSNorm, fan_in_init, rope_tables
 from moespec_jax.model.mtp import MTPModule
-from pallas_kernels import cpu_ffi
+from pallas_kernels import cpu
 
 
 @struct.dataclass
@@ -33,10 +33,6 @@ class ForwardOutput:
   cache: KVCache | None
 
 
-def _path_key(path) -> str:
-  return "/".join(str(part) for part in path)
-
-
 class Transformer(nnx.Module):
   """Embeddings, `n_layers` blocks, final norm, output head."""
 
@@ -49,9 +45,8 @@ class Transformer(nnx.Module):
     if config.tie_embeddings:
       self.lm_head_DV = None
     else:
-      self.lm_head_DV = nnx.Param(fan_in_init(config.d_model)(rngs.params(), (config.d_model, config.vocab_size), dtype))
-    # The head as packed column blocks inside decoding programs (not a parameter; see `head`).
-    self.packed_head_NDC = None
+      init = fan_in_init(config.d_model)
+      self.lm_head_DV = nnx.Param(init(rngs.params(), (config.d_model, config.vocab_size), dtype))
     # MTP drafter heads (model/mtp.py): an optional sub-tree, created after the target so that
     # the target's parameters do not depend on num_mtp_modules.
     if config.num_mtp_modules:
@@ -59,60 +54,31 @@ class Transformer(nnx.Module):
     else:
       self.mtp = None
 
-  def use_cpu_cached_attention(self) -> None:
-    """Passes against the cache run on the C++ kernels from here on (decoding programs on CPU):
-    `Attention`'s prefills into a fresh cache included; `MLAttention`'s passes against the
-    compressed cache (its prefills keep XLA's products)."""
-    for _, module in nnx.iter_modules(self):
-      if isinstance(module, (Attention, mla.MLAttention)):
-        module.cpu_cached_attention = True
-
-  def use_row_invariant_norms(self) -> None:
-    """Every RMSNorm sums its squares by halving from here on (decoding programs on CPU): with
-    the C++ kernels, whose rows do not depend on each other either, a token's logits are the same
-    bits in a plain step and among a verification pass's tokens or a batch's rows."""
-    for _, module in nnx.iter_modules(self):
-      if isinstance(module, RMSNorm):
-        module.row_invariant = True
-
-  def pack_dense(self) -> dict[str, dict[str, jax.Array]]:
-    """The dense projections packed for `use_packed_dense`, by module path: every module that
-    packs its own (`pack` / `set_packed`: attention, GQA and MLA; SwiGLU, dense layers and shared
-    experts; MoE routers; MTP modules' W_p and own heads, and their blocks')."""
-    return {_path_key(path): module.pack() for path, module in nnx.iter_modules(self)
-            if callable(getattr(module, "pack", None))}
-
-  def use_packed_dense(self, packed: dict[str, dict[str, jax.Array]]) -> None:
-    """Passes of few rows read the dense projections packed by `pack_dense` from here on, with
-    the C++ product (decoding programs on CPU; `layers.PACKED_MAX_ROWS`)."""
-    for path, module in nnx.iter_modules(self):
-      if _path_key(path) in packed:
-        module.set_packed(packed[_path_key(path)])
-
-  def rope(self, positions_BT):
+  def rope(self, positions_BT, kernels: Kernels = PLAIN):
     """The rotary cos/sin tables of a pass, shared by its layers (MLA: its rotary key dims)."""
     c = self.config
     if c.attention_type == "mla":
-      return mla.rope_tables(positions_BT, c)
-    return rope_tables(positions_BT, c.head_dim, c.rope_theta)
+      return mla.rope_tables(positions_BT, c, on_cpu=kernels.policy.on_cpu)
+    return rope_tables(positions_BT, c.head_dim, c.rope_theta, on_cpu=kernels.policy.on_cpu)
 
   def new_cache(self, batch: int, max_len: int) -> KVCache:
     return KVCache.for_config(self.config, batch, max_len)
 
-  def head(self, hidden_BTD):
-    """Output logits (f32) from final hidden states. In decoding programs on CPU the head is
-    read as packed column blocks (`packed_head_NDC`, set by decoding.loop: a C++ product that
-    streams it, `pallas_kernels.cpu_ffi.packed_matmul`)."""
-    if self.packed_head_NDC is not None:
+  def head(self, hidden_BTD, kernels: Kernels = PLAIN):
+    """Output logits (f32) from final hidden states. With the head packed (`kernels.packed`, a
+    `PackedWeights` whose `head_NDC` is set: decoding programs on CPU) the C++ product streams its
+    column blocks (`pallas_kernels.cpu.packed_matmul`)."""
+    packed = kernels.packed
+    if kernels.policy.head == "cpu" and packed is not None and packed.head_NDC is not None:
       b, t, d = hidden_BTD.shape
-      logits_MV = cpu_ffi.packed_matmul(hidden_BTD.reshape(b * t, d), self.packed_head_NDC, self.config.vocab_size)
+      logits_MV = cpu.packed_matmul(hidden_BTD.reshape(b * t, d), packed.head_NDC, self.config.vocab_size)
       return logits_MV.reshape(b, t, -1)
     if self.lm_head_DV is None:  # tied: the embedding read as it lies (a .T was copied every pass)
       return jnp.einsum("btd,vd->btv", hidden_BTD, self.embed_VD[...]).astype(jnp.float32)
     return jnp.einsum("btd,dv->btv", hidden_BTD, self.lm_head_DV[...]).astype(jnp.float32)
 
   def __call__(self, tokens_BT, positions_BT=None, cache: KVCache | None = None, *,
-               expert_method: str | None = None, expert_budget=None, valid_BT=None,
+               kernels: Kernels = PLAIN, expert_budget=None, valid_BT=None,
                compute_logits: bool = True, fresh_cache: bool = False, hidden_at_B=None) -> ForwardOutput:
     """One pass over `tokens_BT` at `positions_BT` (default 0..T-1 for every row).
 
@@ -133,21 +99,21 @@ class Transformer(nnx.Module):
     position alone is read). [B, W]: at those W indices per row, [B, W, ...] (the MTP heads'
     prompt window). Not with `expert_budget`: the last block would rank its budget over those
     indices only, not over the pass's tokens (ValueError).
+    `kernels`: the program's kernel policy and packed weights (a `PackedWeights` or None; each block
+    gets its part); the default runs XLA's ops with the config's expert method.
     """
     if hidden_at_B is not None and expert_budget is not None:
       raise ValueError("hidden_at_B with expert_budget: the last layer's expert budget would be ranked over the "
                        "selected positions only; run the whole pass (hidden_at_B=None) and index its output")
-    c = self.config
-    method = expert_method or c.expert_method
     if positions_BT is None:
       positions_BT = jnp.broadcast_to(jnp.arange(tokens_BT.shape[1], dtype=jnp.int32), tokens_BT.shape)
     x_BTD = jnp.take(self.embed_VD[...], tokens_BT, axis=0)
-    rope = self.rope(positions_BT)
+    rope = self.rope(positions_BT, kernels)
     new_keys, new_values, routings = [], [], []
     last = len(self.layers) - 1
     for i, block in enumerate(self.layers):
       layer_cache = None if cache is None else (cache.keys[i], cache.values[i])
-      x_BTD, layer_new, routing = block(x_BTD, positions_BT, rope, layer_cache, expert_method=method,
+      x_BTD, layer_new, routing = block(x_BTD, positions_BT, rope, layer_cache, kernels=kernels.child("layers", i),
                                         expert_budget=expert_budget, valid_BT=valid_BT,
                                         fresh_cache=fresh_cache, output_at_B=hidden_at_B if i == last else None)
       if layer_new is not None:
@@ -155,10 +121,10 @@ class Transformer(nnx.Module):
         new_values.append(layer_new[1])
       if routing is not None:
         routings.append(routing)
-    hidden_BTD = self.final_norm(x_BTD)
+    hidden_BTD = self.final_norm(x_BTD, kernels)
     routing = None
     if routings and hidden_at_B is None:
       routing = Routing(*(jnp.stack(parts) for parts in zip(*routings)))
     new_cache = None if cache is None else KVCache(tuple(new_keys), tuple(new_values))
-    logits_BTV = self.head(hidden_BTD) if compute_logits else None
+    logits_BTV = self.head(hidden_BTD, kernels) if compute_logits else None
     return ForwardOutput(logits_BTV, hidden_BTD, routing, new_cache)

@@ -11,6 +11,7 @@ import moespec_jax as msj
 from moespec_jax.decoding import calibration, loop, programs
 from moespec_jax.decoding.drafters.none import NoDrafter
 from moespec_jax.decoding.state import LoopSpec
+from pallas_kernels.policy import KernelPolicy
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +50,7 @@ def test_program_cache_key_hashes_a_graphdef_once(tiny_model, mtp_model, monkeyp
   twin = msj.Model.init(tiny_model.config, seed=1)  # other weights, same structure
   assert twin.graphdef is not graphdef and definition(twin) == first
   assert definition(mtp_model) != first  # MTP heads: another structure
-  ls = LoopSpec(max_new_tokens=4, cache_len=64, sampling=msj.SamplingParams(), expert_method="xla",
+  ls = LoopSpec(max_new_tokens=4, cache_len=64, sampling=msj.SamplingParams(), kernels=KernelPolicy(expert_method="xla"),
                 drafter=NoDrafter(), max_k=0)
   x = jnp.zeros((1, 8), jnp.int32)
   hashed = len(calls)  # one per graphdef object so far

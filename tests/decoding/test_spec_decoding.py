@@ -14,11 +14,15 @@ from moespec_jax.decoding import loop, passes, programs, rejection
 from moespec_jax.decoding import state as state_lib
 from moespec_jax.decoding.drafters.none import NoDrafter
 from moespec_jax.model import layers
+from moespec_jax.model import Kernels
 from moespec_jax.model import mtp as mtp_lib
+from pallas_kernels.policy import KernelPolicy
 
 RAGGED = [[5, 9, 30, 41], [7], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]]
 # Repetitive prompts give the n-gram drafter matches.
 REPEATS = [[10, 20, 30, 40, 10, 20, 30, 40, 10, 20], [3, 3, 3], [7, 8, 7, 8, 7]]
+# The XLA expert path and XLA's ops.
+XLA = Kernels(KernelPolicy(expert_method="xla"))
 
 
 @pytest.fixture(scope="session")
@@ -64,13 +68,18 @@ def test_cpu_decode_kernels_decode_like_xla(two_module_model, plain_greedy):
   cache run on the C++ kernels by default (what plain_greedy ran); XLA's ops (head_kernel /
   attention_kernel / dense_kernel 'xla') emit the same tokens."""
   leaves = jax.tree.leaves(two_module_model.state)
-  xla = lambda **kernels: msj.SpecParams(research=msj.ResearchOptions(**kernels))  # noqa: E731
-  _, packed_head, packed_dense = programs.decode_params(two_module_model, msj.SpecParams(), leaves)
-  assert packed_head is not None and packed_dense is not None
-  assert programs.decode_params(two_module_model, xla(head_kernel="xla"), leaves)[1] is None
-  assert programs.decode_params(two_module_model, xla(dense_kernel="xla"), leaves)[2] is None
-  assert programs.cpu_kernels("auto") and not programs.cpu_kernels("xla")
-  spec = xla(head_kernel="xla", attention_kernel="xla", dense_kernel="xla")
+
+  def policy(**kernels):
+    return programs.kernel_policy(two_module_model, msj.SpecParams(research=msj.ResearchOptions(**kernels)))
+
+  _, packed = programs.decode_params(two_module_model, policy(), leaves)
+  assert packed.head_NDC is not None and packed.layers is not None and packed.mtp is not None
+  assert programs.decode_params(two_module_model, policy(head_kernel="xla"), leaves)[1].head_NDC is None
+  assert programs.decode_params(two_module_model, policy(dense_kernel="xla"), leaves)[1].layers is None
+  assert policy().head == policy().dense == policy().attention == "cpu"
+  assert policy(head_kernel="xla").head == policy(dense_kernel="xla").dense == policy(attention_kernel="xla").attention
+  assert policy(attention_kernel="xla").attention == "xla"
+  spec = msj.SpecParams(research=msj.ResearchOptions(head_kernel="xla", attention_kernel="xla", dense_kernel="xla"))
   out = msj.generate(two_module_model, RAGGED + REPEATS, max_new_tokens=24, spec=spec)
   np.testing.assert_array_equal(out.tokens, plain_greedy)
   for name in ("head_kernel", "attention_kernel", "dense_kernel"):
@@ -81,7 +90,7 @@ def test_cpu_decode_kernels_decode_like_xla(two_module_model, plain_greedy):
 @pytest.mark.parametrize("batch", [1, 8])
 @pytest.mark.parametrize("attention", ["gqa", "mla"])
 def test_cpu_decoding_pass_gives_a_token_the_bits_of_a_plain_step(tiny_config, attention, batch):
-  """A decoding program on CPU (C++ kernels, row-invariant norms: `programs.merge`) gives a token
+  """A decoding program on CPU (C++ kernels, row-invariant norms: its `KernelPolicy`) gives a token
   the same logits, bit for bit, in a verification pass of 5 tokens per row as in 5 plain steps:
   greedy speculative decoding then emits plain decoding's tokens even where two logits tie to the
   last bit. At width 256 and 16 experts XLA's ops do not: its router dot gave a token other last
@@ -92,36 +101,37 @@ def test_cpu_decoding_pass_gives_a_token_the_bits_of_a_plain_step(tiny_config, a
     config = config.replace(attention_type="mla", kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
                             v_head_dim=8)
   model = msj.Model.init(config, seed=3)
-  spec = msj.SpecParams()
+  policy = programs.kernel_policy(model, msj.SpecParams(kernel="dedup"))
   leaves = jax.tree.leaves(model.state)
   definition = programs.ProgramCache().definition(model.graphdef, jax.tree.structure(model.state))
-  params = programs.decode_params(model, spec, leaves)
+  params = programs.decode_params(model, policy, leaves)
   rng = np.random.default_rng(0)
   prompt_len, steps = 12, 5
   prompt_BT = jnp.asarray(rng.integers(0, config.vocab_size, (batch, prompt_len)), jnp.int32)
   next_BT = jnp.asarray(rng.integers(0, config.vocab_size, (batch, steps)), jnp.int32)
   positions_BT = jnp.broadcast_to(jnp.arange(prompt_len, prompt_len + steps, dtype=jnp.int32), (batch, steps))
 
-  ls = state_lib.LoopSpec(max_new_tokens=steps, cache_len=32, sampling=msj.SamplingParams(), expert_method="dedup",
-                          drafter=NoDrafter(), max_k=0, cpu_attention=True)
+  ls = state_lib.LoopSpec(max_new_tokens=steps, cache_len=32, sampling=msj.SamplingParams(), kernels=policy,
+                          drafter=NoDrafter(), max_k=0)
 
   @jax.jit
   def pass_and_steps(params):
     m = programs.merge(definition, params, ls)
-    cache = m(prompt_BT, None, m.new_cache(batch, 32), expert_method="dedup", compute_logits=False,
+    cache = m(prompt_BT, None, m.new_cache(batch, 32), kernels=m.kernels, compute_logits=False,
               fresh_cache=True).cache
-    together = m(next_BT, positions_BT, cache, expert_method="dedup").logits
+    together = m(next_BT, positions_BT, cache, kernels=m.kernels).logits
     alone = []
     for i in range(steps):
-      out = m(next_BT[:, i:i + 1], positions_BT[:, i:i + 1], cache, expert_method="dedup")
+      out = m(next_BT[:, i:i + 1], positions_BT[:, i:i + 1], cache, kernels=m.kernels)
       alone.append(out.logits[:, 0])
       cache = out.cache
     return together, jnp.stack(alone, axis=1)
 
   together, alone = pass_and_steps(params)
   np.testing.assert_array_equal(np.asarray(together), np.asarray(alone))
-  norms = [m for _, m in nnx.iter_modules(programs.merge(definition, params, ls)) if isinstance(m, layers.RMSNorm)]
-  assert norms and all(m.row_invariant for m in norms)
+  kernels = programs.merge(definition, params, ls).kernels
+  assert kernels.policy == policy and policy.row_invariant_norms and policy.attention == "cpu"
+  assert kernels.packed.head_NDC is not None and kernels.packed.layers is not None
 
 
 def test_mla_greedy_speculative_tokens_equal_plain_greedy(tiny_config):
@@ -231,13 +241,12 @@ def test_rolled_back_caches_match_a_fresh_forward(mtp_model):
     y = jnp.argmax(out.logits[:, -1], axis=-1).astype(jnp.int32)
     next_tokens = jnp.concatenate([prompt[:, 1:], y[:, None]], axis=1)
     _, _, mcache = mtp_lib.fill(model, out.hidden, next_tokens, jnp.arange(plen)[None],
-                                mtp_lib.new_cache(config, 1, cache_len), expert_method="xla")
+                                mtp_lib.new_cache(config, 1, cache_len), kernels=XLA)
     # Verify pass: [y, d1, d2, d3] at positions plen..plen+3; d1 accepted, then y2 sampled.
     positions = plen + jnp.arange(k + 1)[None]
     vout = model(jnp.concatenate([y[:, None], drafts], axis=1), positions, out.cache)
     fill_next = jnp.concatenate([drafts[:, :a], jnp.broadcast_to(y2, (1, k + 1 - a))], axis=1)
-    _, logits1, mcache = mtp_lib.fill(model, vout.hidden, fill_next, positions, mcache,
-                                      expert_method="xla")
+    _, logits1, mcache = mtp_lib.fill(model, vout.hidden, fill_next, positions, mcache, kernels=XLA)
     # Next pass from the rolled-back cache (stale entries at positions >= plen + a + 1).
     nout = model(jnp.concatenate([y2, drafts[:, :2]], axis=1), plen + a + 1 + jnp.arange(3)[None],
                  vout.cache)
@@ -277,11 +286,11 @@ def test_fill_at_one_index_runs_the_last_module_there_only(mtp_model, two_module
   @jax.jit
   def run(state):
     m = nnx.merge(model.graphdef, state)
-    fills = [mtp_lib.fill(m, hidden, seq, positions, mtp_lib.new_cache(config, b, cache_len), expert_method="xla",
+    fills = [mtp_lib.fill(m, hidden, seq, positions, mtp_lib.new_cache(config, b, cache_len), kernels=XLA,
                           valid_BT=valid, at_B=at_B) for at_B in (None, at)]
     last = modules - 1
     one_index, _, _ = run_module(m, last, hidden, seq[:, last:last + t], positions, None,
-                                         expert_method="xla", compute_logits=False, valid_BT=valid, output_at_B=at)
+                                         kernels=XLA, compute_logits=False, valid_BT=valid, output_at_B=at)
     return fills, one_index
 
   ((h_all, logits_all, cache_all), (h1, logits1, cache_one)), one_index = run(model.state)
@@ -361,11 +370,11 @@ def test_mtp_prompt_window_drafts_from_the_window_stream(mtp_model):
     hidden = m(committed[None]).hidden[:, offset:-1]
     positions = jnp.arange(hidden.shape[1] + 1)[None]
     h, logits, _ = mtp_lib.run_module(m, 0, hidden, committed[None, offset + 1:], positions[:, :-1], None,
-                                      expert_method="xla")
+                                      kernels=XLA)
     draft1 = jnp.argmax(logits[0, -1]).astype(jnp.int32)
     _, logits2, _ = mtp_lib.run_module(m, 0, jnp.concatenate([hidden, h[:, -1:]], axis=1),
                                        jnp.concatenate([committed[offset + 1:], draft1[None]])[None], positions,
-                                       None, expert_method="xla")
+                                       None, kernels=XLA)
     return logits[0, -1], jnp.stack([draft1, jnp.argmax(logits2[0, -1]).astype(jnp.int32)])
 
   states = prefill_and_pass(params)
@@ -410,7 +419,7 @@ def test_programs_take_the_state_flat_and_the_seed_as_jax_random_key_does(tiny_m
   """generate() hands its program the state's leaves (one flatten per call) and host arrays; the
   program makes the PRNG key from the seed's low 32 bits, which is what jax.random.key does."""
   _, _, args = loop._prepare(tiny_model, [[1, 2, 3]], 4, None, msj.SpecParams(), 2**32 + 7, None)
-  definition, (leaves, _, _), tokens, lengths, seed, _ = args
+  definition, (leaves, _), tokens, lengths, seed, _ = args
   assert isinstance(leaves, list) and all(isinstance(x, jax.Array) for x in leaves)
   assert jax.tree.structure(tiny_model.state) == definition.state_treedef
   assert all(isinstance(x, np.ndarray) for x in (tokens, lengths, seed)) and int(seed) == 7

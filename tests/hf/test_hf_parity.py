@@ -12,9 +12,11 @@ transformers = pytest.importorskip("transformers", reason="the HF parity tests n
 
 import moespec_jax as msj  # noqa: E402
 from flax import nnx  # noqa: E402
+from moespec_jax.model import Kernels  # noqa: E402
 from moespec_jax.model import mtp as mtp_lib  # noqa: E402
 from moespec_jax import hf  # noqa: E402
 from moespec_jax.research import tiny_families  # noqa: E402
+from pallas_kernels.policy import KernelPolicy  # noqa: E402
 
 SEQ = 24
 ATOL = 1e-4
@@ -257,7 +259,7 @@ def test_deepseek_v3_mtp_layer_is_loaded(pairs, tmp_path):
   positions = jnp.arange(n, dtype=jnp.int32)[None]
   rope = module.rope(positions)
   y, _, _ = module.layers[c.n_layers - 1](jnp.asarray(x[None], jnp.float32), positions, rope, None,
-                                          expert_method="xla")
+                                          kernels=Kernels(KernelPolicy(expert_method="xla")))
   want = rms(np.asarray(y)[0]) @ tensors[mtp + "shared_head.head.weight"].T
   np.testing.assert_allclose(np.asarray(got)[0], want[:n - 1], atol=1e-4, rtol=1e-4)
   # Usable by the mtp drafter: greedy speculation reproduces plain greedy decoding.

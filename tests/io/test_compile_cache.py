@@ -6,7 +6,7 @@ import jax
 import pytest
 
 from moespec_jax.io import compile_cache
-from pallas_kernels import cpu_ffi
+from pallas_kernels import cpu
 from tests.cli_run import run_module
 
 
@@ -50,10 +50,10 @@ def test_a_second_command_line_run_loads_what_the_first_compiled(tiny_model, tmp
   """`experiments.generate` twice with our cache (the suite's own unset): the first run writes
   compiled programs under $MOESPEC_CACHE/xla/<host>, the second writes nothing new and prints the
   same tokens; with MOESPEC_COMPILATION_CACHE=0 a new program is not written."""
-  cpu_ffi.ensure_built()
+  cpu.ensure_built()
   cache = tmp_path / "cache"
   cache.mkdir()
-  os.symlink(cpu_ffi.cache_dir() / "build", cache / "build")  # the built kernels, not a rebuild
+  os.symlink(cpu.cache_dir() / "build", cache / "build")  # the built kernels, not a rebuild
   model = str(tiny_model.save(tmp_path / "model"))
   env = {"JAX_COMPILATION_CACHE_DIR": "", "MOESPEC_CACHE": str(cache),
          "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}

@@ -8,10 +8,15 @@ from flax import nnx
 
 import pallas_kernels
 from moespec_jax.config import ModelConfig
-from moespec_jax.model import Transformer
+from moespec_jax.model import PLAIN, Kernels, Transformer
 from moespec_jax.model import attention as attention_lib
 from moespec_jax.model.budget import ExpertBudget
+from moespec_jax.model.kernels import PackedSwiGLU
 from moespec_jax.model.moe import masked_to_read_experts, route
+from pallas_kernels.policy import KernelPolicy
+
+# Passes against the cache on the C++ attention kernels (XLA's products otherwise, norms as XLA sums).
+CPU_ATTENTION = Kernels(KernelPolicy(attention="cpu"))
 
 
 def test_cached_decoding_equals_full_forward_ragged(tiny_model):
@@ -62,13 +67,13 @@ def test_cpu_cached_attention_equals_full_forward(tiny_model):
   module = tiny_model.module()
   tokens = np.random.default_rng(1).integers(0, 256, size=(2, 12)).astype(np.int32)
   full = np.asarray(module(jnp.asarray(tokens)).logits)
-  module.use_cpu_cached_attention()
-  assert all(block.attn.cpu_cached_attention for block in module.layers)
-  step = jax.jit(lambda tok, p, c: module(tok, p, c))
-  out1 = step(jnp.asarray(tokens[:, :7]), jnp.broadcast_to(jnp.arange(7), (2, 7)), module.new_cache(2, 16))
+  step = jax.jit(lambda tok, p, c: module(tok, p, c, kernels=CPU_ATTENTION))
+  first = (jnp.asarray(tokens[:, :7]), jnp.broadcast_to(jnp.arange(7), (2, 7)), module.new_cache(2, 16))
+  assert step.lower(*first).as_text().count("moespec_attention_f32") == len(module.layers)  # every block's
+  out1 = step(*first)
   np.testing.assert_allclose(np.asarray(out1.logits), full[:, :7], atol=2e-5, rtol=2e-5)
   # A prefill into a fresh cache (what generate runs) takes the kernel too, with the same cache.
-  prefill = jax.jit(lambda tok, c: module(tok, None, c, fresh_cache=True))
+  prefill = jax.jit(lambda tok, c: module(tok, None, c, kernels=CPU_ATTENTION, fresh_cache=True))
   assert "moespec_attention_f32" in prefill.lower(jnp.asarray(tokens[:, :7]), module.new_cache(2, 16)).as_text()
   fresh = prefill(jnp.asarray(tokens[:, :7]), module.new_cache(2, 16))
   np.testing.assert_allclose(np.asarray(fresh.logits), full[:, :7], atol=2e-5, rtol=2e-5)
@@ -113,8 +118,7 @@ def test_hidden_at_one_index_gives_the_full_pass_there(tiny_config, monkeypatch,
   takes that index's queries only."""
   config = tiny_config.replace(**MLA) if attention == "mla" else tiny_config
   module = Transformer(config, rngs=nnx.Rngs(0))
-  if cpu_attention:
-    module.use_cpu_cached_attention()
+  kernels = CPU_ATTENTION if cpu_attention else PLAIN
   at_block, kernel_rows = [], []
   block_call = type(module.layers[0]).__call__
 
@@ -130,19 +134,20 @@ def test_hidden_at_one_index_gives_the_full_pass_there(tiny_config, monkeypatch,
 
   monkeypatch.setattr(type(module.layers[0]), "__call__", recording_block)
   for name in ("cached_attention", "mla_attention"):
-    monkeypatch.setattr(attention_lib.cpu_ffi, name, recording(getattr(attention_lib.cpu_ffi, name)))
+    monkeypatch.setattr(attention_lib.cpu, name, recording(getattr(attention_lib.cpu, name)))
   rng = np.random.default_rng(3)
   tokens = jnp.asarray(rng.integers(0, 256, size=(batch, 8)).astype(np.int32))
   valid = (jnp.arange(8)[None] < jnp.asarray([[8], [5]]))[:batch]
   at = jnp.asarray([7, 4])[:batch]
   cache, start = module.new_cache(batch, 16), 0
   if not fresh:  # earlier entries at positions 0..3
-    cache = module(jnp.asarray(rng.integers(0, 256, size=(batch, 4)).astype(np.int32)), None, cache).cache
+    cache = module(jnp.asarray(rng.integers(0, 256, size=(batch, 4)).astype(np.int32)), None, cache,
+                   kernels=kernels).cache
     start = 4
   positions = jnp.broadcast_to(jnp.arange(start, start + 8), (batch, 8))
   at_block.clear(), kernel_rows.clear()
-  every = module(tokens, positions, cache, valid_BT=valid, fresh_cache=fresh)
-  one = module(tokens, positions, cache, valid_BT=valid, fresh_cache=fresh, hidden_at_B=at)
+  every = module(tokens, positions, cache, kernels=kernels, valid_BT=valid, fresh_cache=fresh)
+  one = module(tokens, positions, cache, kernels=kernels, valid_BT=valid, fresh_cache=fresh, hidden_at_B=at)
   n_layers = config.n_layers
   assert at_block == [False] * n_layers + [False] * (n_layers - 1) + [True]
   if cpu_attention and not (attention == "mla" and fresh):  # MLA's prefills keep XLA's products
@@ -203,7 +208,7 @@ def test_a_masked_pass_keeps_the_valid_tokens_outputs(tiny_model):
                              np.asarray(full.logits)[np.asarray(valid)], atol=1e-6, rtol=1e-6)
   moe_block = next(block for block in module.layers if block.is_moe)
   h = jnp.asarray(rng.normal(size=(2, 4, module.config.d_model)), jnp.float32)
-  y, _ = moe_block.ffn(h, expert_method="xla", valid_BT=valid)
+  y, _ = moe_block.ffn(h, kernels=Kernels(KernelPolicy(expert_method="xla")), valid_BT=valid)
   np.testing.assert_allclose(np.asarray(y)[0, 2:], np.asarray(moe_block.ffn.shared(h))[0, 2:], atol=1e-6)
   assert not np.allclose(np.asarray(y)[0, :2], np.asarray(moe_block.ffn.shared(h))[0, :2], atol=1e-3)
 
@@ -215,11 +220,12 @@ def test_packed_head_gives_the_xla_head_logits(tiny_config, tied):
   module = model.module()
   hidden_BTD = jax.random.normal(jax.random.key(0), (2, 3, tiny_config.d_model))
   ref_BTV = module.head(hidden_BTD)
-  module.packed_head_NDC = nnx.data(model.packed_head())
-  got_BTV = module.head(hidden_BTD)
+  packed = model.packed_weights(dense=False)
+  assert packed.head_NDC is not None and packed.layers is None
+  got_BTV = module.head(hidden_BTD, Kernels(KernelPolicy(head="cpu"), packed))
   assert got_BTV.shape == ref_BTV.shape == (2, 3, tiny_config.vocab_size)
   np.testing.assert_allclose(got_BTV, ref_BTV, rtol=1e-5, atol=1e-5)
-  assert model.packed_head() is model.packed_head()  # packed once per head array
+  assert model.packed_weights(dense=False) is model.packed_weights(dense=False)  # packed once per parameter set
 
 
 MLA = dict(attention_type="mla", kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8)
@@ -233,11 +239,9 @@ def test_cpu_mla_attention_equals_full_forward(tiny_config, batch):
   module = msj.Model.init(tiny_config.replace(**MLA), seed=6).module()
   tokens = np.random.default_rng(1).integers(0, 256, size=(batch, 12)).astype(np.int32)
   full = np.asarray(module(jnp.asarray(tokens)).logits)
-  module.use_cpu_cached_attention()
-  assert all(block.attn.cpu_cached_attention for block in module.layers)
-  step = jax.jit(lambda tok, p, c: module(tok, p, c))
+  step = jax.jit(lambda tok, p, c: module(tok, p, c, kernels=CPU_ATTENTION))
   first = (jnp.asarray(tokens[:, :7]), jnp.broadcast_to(jnp.arange(7), (batch, 7)), module.new_cache(batch, 16))
-  assert "moespec_mla_attention_f32" in step.lower(*first).as_text()
+  assert step.lower(*first).as_text().count("moespec_mla_attention_f32") == len(module.layers)  # every block's
   out1 = step(*first)
   np.testing.assert_allclose(np.asarray(out1.logits), full[:, :7], atol=2e-5, rtol=2e-5)
   starts = [7, 5][:batch]
@@ -251,27 +255,27 @@ def test_cpu_mla_attention_equals_full_forward(tiny_config, batch):
                                     dict(MLA, q_lora_rank=24)])
 def test_packed_dense_projections_give_the_xla_pass(tiny_config, change):
   """Decoding programs on CPU read the attention projections and the dense / shared SwiGLUs
-  packed (`Transformer.use_packed_dense`): prefill and cached pass give XLA's logits, with
-  q/k/v biases, q/k norms and MLA (queries projected directly or through a latent) too. (A row's
-  products do not depend on the other rows of the pass: tests/test_kernels.py.)"""
+  packed (`Model.packed_weights`, handed to the model as `Kernels`): prefill and cached pass give
+  XLA's logits, with q/k/v biases, q/k norms and MLA (queries projected directly or through a
+  latent) too. (A row's products do not depend on the other rows of the pass:
+  tests/kernels/cpu/test_cpu_ffi.py.)"""
   import moespec_jax as msj  # pylint: disable=g-import-not-at-top
   config = tiny_config.replace(n_shared_experts=1, **change)
   model = msj.Model.init(config, seed=4)
-  packed = model.packed_dense()
-  assert model.packed_dense() is packed  # packed once per parameter set
-  assert {"layers/0/attn", "layers/0/ffn", "layers/1/ffn/shared"} <= set(packed)
+  packed = model.packed_weights(head=False)
+  assert model.packed_weights(head=False) is packed  # packed once per parameter set
+  assert packed.layers[0].attn is not None and isinstance(packed.layers[0].ffn, PackedSwiGLU)
+  assert packed.head_NDC is None and packed.layers[1].ffn.shared.gate_up_NDC is not None
+  attn = packed.layers[2].attn
+  assert (attn.x_NDC if change.get("attention_type") == "mla" else attn.qkv_NDC) is not None
   tokens = np.random.default_rng(3).integers(0, 256, size=(3, 9)).astype(np.int32)
 
   def logits(use_packed):
     module = model.module()
-    if use_packed:
-      module.use_packed_dense(packed)
-      assert module.layers[1].ffn.shared.packed_gate_up_NDC is not None
-      attn = module.layers[2].attn
-      assert (attn.packed_x_NDC if change.get("attention_type") == "mla" else attn.packed_qkv_NDC) is not None
-    prefill = module(jnp.asarray(tokens[:, :6]), None, module.new_cache(3, 16))
+    kernels = Kernels(KernelPolicy(dense="cpu"), packed) if use_packed else PLAIN
+    prefill = module(jnp.asarray(tokens[:, :6]), None, module.new_cache(3, 16), kernels=kernels)
     pos = jnp.broadcast_to(jnp.arange(6, 9), (3, 3))
-    return prefill.logits, module(jnp.asarray(tokens[:, 6:]), pos, prefill.cache).logits
+    return prefill.logits, module(jnp.asarray(tokens[:, 6:]), pos, prefill.cache, kernels=kernels).logits
 
   for ref, got in zip(logits(False), logits(True)):
     np.testing.assert_allclose(got, ref, atol=2e-5, rtol=2e-5)
@@ -284,20 +288,22 @@ def test_packed_mtp_module_gives_the_xla_logits(tiny_config, own_head):
   from moespec_jax.model.layers import rope_tables  # pylint: disable=g-import-not-at-top
   config = tiny_config.replace(num_mtp_modules=1, mtp_own_head=own_head, mtp_head_norm=own_head)
   model = msj.Model.init(config, seed=5)
-  packed = model.packed_dense()
-  assert {"mtp/0", "mtp/0/block/attn", "mtp/0/block/ffn/shared"} <= set(packed)
-  assert ("head" in packed["mtp/0"]) == own_head
+  packed = model.packed_weights(head=False)
+  module_packed = packed.mtp[0]
+  assert module_packed.proj_NDC is not None and module_packed.block.attn is not None
+  assert module_packed.block.ffn.shared is not None
+  assert (module_packed.head_NDC is not None) == own_head
   hidden_BTD, emb_BTD = (jax.random.normal(jax.random.key(i), (2, 5, config.d_model)) for i in range(2))
   positions_BT = jnp.broadcast_to(jnp.arange(5), (2, 5))
   rope = rope_tables(positions_BT, config.head_dim, config.rope_theta)
 
   def logits(use_packed):
     module = model.module()
-    if use_packed:
-      module.use_packed_dense(packed)
-      assert module.mtp[0].packed_proj_NDC is not None
-    h_BTD, _, _ = module.mtp[0](hidden_BTD, emb_BTD, positions_BT, rope, None, expert_method="xla")
-    return module.mtp[0].logits(module, h_BTD)
+    policy = KernelPolicy(expert_method="xla", dense="cpu" if use_packed else "xla")
+    model_kernels = Kernels(policy, packed if use_packed else None)
+    kernels = model_kernels.child("mtp", 0)
+    h_BTD, _, _ = module.mtp[0](hidden_BTD, emb_BTD, positions_BT, rope, None, kernels=kernels)
+    return module.mtp[0].logits(module, h_BTD, kernels=kernels, model_kernels=model_kernels)
 
   np.testing.assert_allclose(logits(True), logits(False), atol=2e-5, rtol=2e-5)
 

@@ -9,7 +9,7 @@ import pytest
 from moespec_jax.config import ModelConfig
 from moespec_jax.data import batches as batches_lib
 from moespec_jax.training import losses, pretrain
-from pallas_kernels import cpu_ffi
+from pallas_kernels import cpu
 from tests.conftest import TINY
 
 TC = dict(batch_size=2, seq_len=16, steps=4, warmup_steps=1, eval_every=2, eval_batches=1,
@@ -19,7 +19,7 @@ TC = dict(batch_size=2, seq_len=16, steps=4, warmup_steps=1, eval_every=2, eval_
 @pytest.fixture(autouse=True)
 def _isolated_cache(tmp_path_factory, monkeypatch):
   # The C++ kernels are loaded from the shared build first: the isolated cache would rebuild them.
-  cpu_ffi.available()
+  cpu.available()
   monkeypatch.setenv("MOESPEC_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
 
 

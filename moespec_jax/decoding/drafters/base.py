@@ -135,7 +135,7 @@ class Drafter:
   def prefill(self, model, tokens_BT, lengths_B, prompt_BT, cache, ls: LoopSpec) -> tuple[Any, jax.Array, Any]:
     """The target's pass over the prompts: (its output, the last prompt position's logits [B, V],
     a note `start` reads). By default only the last position's hidden state is computed."""
-    out = model(tokens_BT, None, cache, expert_method=ls.expert_method, valid_BT=prompt_BT, fresh_cache=True,
+    out = model(tokens_BT, None, cache, kernels=model.kernels, valid_BT=prompt_BT, fresh_cache=True,
                 hidden_at_B=lengths_B - 1)
     return out, out.logits[:, 0], None
 

@@ -15,6 +15,7 @@ from moespec_jax.decoding.drafters.base import Drafter, DraftTree, Verified
 from moespec_jax.decoding.sampling_params import SamplingParams
 from moespec_jax.decoding.state import LoopSpec, LoopState
 from moespec_jax.model import mtp as mtp_lib
+from moespec_jax.model.kernels import Kernels
 from moespec_jax.model.cache import KVCache
 from moespec_jax.model.layers import at_index
 
@@ -29,7 +30,7 @@ def choose(key_B, logits_BV, sampling: SamplingParams):
 
 
 def mtp_propose(model, cache, h1_BD, logits1_BV, index_B, keys_BK, num_draft: int,
-                sampling: SamplingParams, *, expert_method: str, active_B=None):
+                sampling: SamplingParams, *, kernels: Kernels, active_B=None):
   """K drafts from the MTP heads: depth 1 from the last fill, deeper depths one step each.
 
   `index_B` is the stream index of depth 1 (the position before the pending token). Depths
@@ -44,7 +45,7 @@ def mtp_propose(model, cache, h1_BD, logits1_BV, index_B, keys_BK, num_draft: in
   def step(m, offset, hidden_BD, prev_B, key_B, cache):
     pos_B1 = (index_B + offset)[:, None]
     h_B1D, logits_B1V, cache = mtp_lib.run_module(
-        model, m, hidden_BD[:, None], prev_B[:, None], pos_B1, cache, expert_method=expert_method,
+        model, m, hidden_BD[:, None], prev_B[:, None], pos_B1, cache, kernels=kernels,
         valid_BT=None if active_B is None else active_B[:, None])
     tok_B, q_BV = choose(key_B, logits_B1V[:, 0], sampling)
     return h_B1D[:, 0], tok_B, q_BV, cache
@@ -112,9 +113,9 @@ class MtpDrafter(Drafter):
     window = self.prompt_window or tokens_BT.shape[1]
     offset_B = jnp.maximum(lengths_B - window, 0)
     window_BW = offset_B[:, None] + jnp.arange(window, dtype=jnp.int32)[None]
-    out = model(tokens_BT, None, cache, expert_method=ls.expert_method, valid_BT=prompt_BT, compute_logits=False,
+    out = model(tokens_BT, None, cache, kernels=model.kernels, valid_BT=prompt_BT, compute_logits=False,
                 fresh_cache=True, hidden_at_B=window_BW if self.prompt_window else None)
-    last_logits_BV = model.head(at_index(out.hidden, lengths_B - 1 - offset_B))[:, 0]
+    last_logits_BV = model.head(at_index(out.hidden, lengths_B - 1 - offset_B), model.kernels)[:, 0]
     return out, last_logits_BV, (window, offset_B, window_BW)
 
   def start(self, model, tokens_BT, lengths_B, prompt_BT, prefilled, note, first_B, inputs, ls: LoopSpec):
@@ -130,7 +131,7 @@ class MtpDrafter(Drafter):
     positions_BW = jnp.broadcast_to(jnp.arange(window, dtype=jnp.int32), (batch, window))
     h1_BD, logits1_BV, mcache = mtp_lib.fill(model, prefilled.hidden, next_BW, positions_BW,
                                              mtp_lib.new_cache(config, batch, ls.cache_len),
-                                             expert_method=ls.expert_method, at_B=lengths_B - 1 - offset_B,
+                                             kernels=model.kernels, at_B=lengths_B - 1 - offset_B,
                                              valid_BT=at_index(prompt_BT, window_BW), fresh_cache=True)
     return MtpState(cache=mcache, h1_BD=h1_BD, logits1_BV=logits1_BV, offset_B=offset_B)
 
@@ -139,7 +140,7 @@ class MtpDrafter(Drafter):
     keys_BK = jax.vmap(lambda key: jax.random.split(key, k))(keys_B)
     drafts_BK, q_BKV, mcache = mtp_propose(
         model, mtp.cache, mtp.h1_BD, mtp.logits1_BV, state.pos_B - 1 - mtp.offset_B, keys_BK, k,
-        ls.sampling, expert_method=ls.expert_method, active_B=state.active_B)
+        ls.sampling, kernels=model.kernels, active_B=state.active_B)
     return DraftTree.chain(drafts_BK, q_BKV), mtp.replace(cache=mcache)
 
   def update(self, model, draft_state, verified: Verified, ls: LoopSpec):
@@ -158,6 +159,6 @@ class MtpDrafter(Drafter):
     kept_BS = verified.active_B[:, None] & (j_S[None] <= n_acc_B[:, None])
     h1_BD, logits1_BV, mcache = mtp_lib.fill(model, verified.output.hidden, next_BT,
                                              verified.positions_BS - draft_state.offset_B[:, None],
-                                             draft_state.cache, expert_method=ls.expert_method, at_B=n_acc_B,
+                                             draft_state.cache, kernels=model.kernels, at_B=n_acc_B,
                                              valid_BT=kept_BS)
     return draft_state.replace(cache=mcache, h1_BD=h1_BD, logits1_BV=logits1_BV)

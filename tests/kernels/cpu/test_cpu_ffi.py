@@ -1,8 +1,5 @@
-"""Expert-FFN kernels: Pallas (interpret mode), C++ CPU, lowering for tpu/cuda, byte accounting.
-
-Tolerances (max abs error against the f32 XLA reference, outputs of order 1): f32 1e-4;
-bf16 inputs and weights 5e-2 (bf16 rounding of h and of the products).
-"""
+"""The C++ CPU kernels (pallas_kernels.cpu): the expert FFN against the reference, its rows' bits
+independent of the pass, the packed products, attention (GQA and MLA) against numpy, the clock."""
 
 import functools
 import time
@@ -13,108 +10,22 @@ import numpy as np
 import pytest
 
 import pallas_kernels
-from pallas_kernels import bytes as kbytes
-from pallas_kernels import cpu_ffi, pallas_gpu, pallas_tpu
+from pallas_kernels import cpu
 from pallas_kernels.reference import expert_ffn_reference
+from tests.kernels.problems import CASES, check, problem
 
-D, F = 32, 64
-TOL = {jnp.float32: 1e-4, jnp.bfloat16: 5e-2}
-
-CASES = {
-    # name: (n_tokens, n_experts, top_k, routing)
-    "unused_expert_n_not_block_multiple": (5, 8, 2, "skip_last"),
-    "all_on_one_expert": (4, 8, 2, "one"),
-    "n1": (1, 8, 2, "random"),
-    "top1": (3, 4, 1, "random"),
-    "top8": (2, 16, 8, "random"),
-}
-
-
-def _problem(n_tokens, n_experts, top_k, routing, dtype=jnp.float32, seed=0, d_model=D, hidden=F):
-  k = jax.random.split(jax.random.key(seed), 6)
-  x = jax.random.normal(k[0], (n_tokens, d_model))
-  if routing == "one":
-    ids = jnp.stack([jnp.zeros((n_tokens,), jnp.int32)] + [jnp.full((n_tokens,), j, jnp.int32)
-                                                            for j in range(1, top_k)], axis=1)
-    ids = ids.at[:, 0].set(3)  # every token chooses expert 3 (and the same others)
-  else:
-    hi = n_experts - 1 if routing == "skip_last" else n_experts
-    ids = jax.vmap(lambda kk: jax.random.choice(kk, hi, (top_k,), replace=False))(
-        jax.random.split(k[1], n_tokens)).astype(jnp.int32)
-  g = jax.nn.softmax(jax.random.normal(k[2], (n_tokens, top_k)), axis=-1)
-  w = (jax.random.normal(k[3], (n_experts, d_model, hidden)) / np.sqrt(d_model),
-       jax.random.normal(k[4], (n_experts, d_model, hidden)) / np.sqrt(d_model),
-       jax.random.normal(k[5], (n_experts, hidden, d_model)) / np.sqrt(hidden))
-  return (x.astype(dtype), ids, g.astype(dtype), *(a.astype(dtype) for a in w))
-
-
-def _check(fn, case, dtype=jnp.float32):
-  args = _problem(*CASES[case], dtype=dtype)
-  ref = expert_ffn_reference(*(a.astype(jnp.float32) if a.dtype != jnp.int32 else a for a in args))
-  y = fn(*args)
-  assert y.dtype == dtype and y.shape == ref.shape
-  np.testing.assert_allclose(np.asarray(y, np.float32), ref, atol=TOL[dtype], rtol=0)
-
-
-KERNELS = {
-    "tpu": pallas_tpu.expert_ffn_tpu,
-    "gpu": pallas_gpu.expert_ffn_gpu,
-}
-
-
-@pytest.mark.parametrize("family", ["tpu", "gpu"])
-@pytest.mark.parametrize("method", ["dedup", "per_slot"])
-@pytest.mark.parametrize("case", list(CASES))
-def test_pallas_interpret_f32(family, method, case):
-  _check(functools.partial(KERNELS[family], method=method, interpret=True), case)
-
-
-@pytest.mark.parametrize("family", ["tpu", "gpu"])
-@pytest.mark.parametrize("method", ["dedup", "per_slot"])
-def test_pallas_interpret_bf16(family, method):
-  _check(functools.partial(KERNELS[family], method=method, interpret=True),
-         "unused_expert_n_not_block_multiple", jnp.bfloat16)
-
-
-@pytest.mark.parametrize("platform,family", [("tpu", "tpu"), ("cuda", "gpu")])
-@pytest.mark.parametrize("method", ["dedup", "per_slot"])
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_pallas_lowers(platform, family, method, dtype):
-  # Real-ish tiles: D 256, F 384 (3 x 128: a hidden size that is not a power of two).
-  args = _problem(3, 8, 2, "random", dtype=dtype, d_model=256, hidden=384)
-  f = functools.partial(KERNELS[family], method=method)
-  lowered = jax.jit(f).trace(*args).lower(lowering_platforms=(platform,))
-  text = lowered.as_text()
-  assert ("tpu_custom_call" in text) if platform == "tpu" else ("triton" in text.lower())
-
-
-@pytest.mark.parametrize("family", ["tpu", "gpu"])
-def test_pallas_kernels_refuse_an_unknown_method(family):
-  with pytest.raises(ValueError, match="method must be 'dedup' or 'per_slot', got 'grouped'"):
-    KERNELS[family](*_problem(*CASES["n1"]), method="grouped", interpret=True)
-
-
-def test_entry_point_interpret_backend():
-  args = _problem(*CASES["n1"])
-  ref = expert_ffn_reference(*args)
-  for method in ("dedup", "per_slot"):
-    y = pallas_kernels.expert_ffn(*args, method=method, backend="interpret")
-    np.testing.assert_allclose(y, ref, atol=1e-4)
-
-
-# ---- C++ CPU kernel ----
 
 @pytest.fixture(scope="module")
 def cpu_kernel():
-  if not cpu_ffi.available():
-    pytest.fail(f"C++ CPU kernel unavailable: {cpu_ffi.unavailable_reason()}")
+  if not cpu.available():
+    pytest.fail(f"C++ CPU kernel unavailable: {cpu.unavailable_reason()}")
 
 
 @pytest.mark.parametrize("method", ["dedup", "per_slot"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_cpu_kernel(cpu_kernel, method, case):
   del cpu_kernel
-  _check(functools.partial(pallas_kernels.expert_ffn, method=method, backend="cpu"), case)
+  check(functools.partial(pallas_kernels.expert_ffn, method=method, backend="cpu"), case)
 
 
 @pytest.mark.parametrize("threads", ["1", "2", "3"])
@@ -127,16 +38,16 @@ def test_cpu_kernel_uneven_shapes_and_threads(cpu_kernel, monkeypatch, threads):
   # threads (one token, top-1); groups of 2-8 pairs on rows wider than their tile's register
   # panel (the first token streams whole rows, the others read them from cache: the decoding
   # shape of the peer_bench checkpoints, D = 256 and F = 320).
-  problems = [_problem(13, 4, 2, "random", d_model=40, hidden=200),
-              _problem(20, 3, 3, "random", d_model=24, hidden=120),
-              _problem(8, 2, 2, "random", d_model=256, hidden=320),
-              _problem(5, 4, 2, "random", d_model=256, hidden=320),
-              _problem(3, 4, 2, "random", d_model=32, hidden=2100),
-              _problem(1, 4, 1, "random", d_model=16, hidden=48)]
+  problems = [problem(13, 4, 2, "random", d_model=40, hidden=200),
+              problem(20, 3, 3, "random", d_model=24, hidden=120),
+              problem(8, 2, 2, "random", d_model=256, hidden=320),
+              problem(5, 4, 2, "random", d_model=256, hidden=320),
+              problem(3, 4, 2, "random", d_model=32, hidden=2100),
+              problem(1, 4, 1, "random", d_model=16, hidden=48)]
   for args in problems:
     ref = expert_ffn_reference(*args)
     for method in ("dedup", "per_slot"):
-      np.testing.assert_allclose(cpu_ffi.expert_ffn_cpu(*args, method=method), ref, atol=1e-4)
+      np.testing.assert_allclose(cpu.expert_ffn_cpu(*args, method=method), ref, atol=1e-4)
 
 
 @pytest.mark.parametrize("method", ["dedup", "per_slot"])
@@ -148,10 +59,10 @@ def test_cpu_kernel_token_results_do_not_depend_on_the_pass(cpu_kernel, monkeypa
   del cpu_kernel
   monkeypatch.setenv("MOESPEC_FFI_THREADS", "2")
   for t_, e, k, d, f in ((5, 32, 4, 256, 128), (8, 16, 2, 256, 320), (9, 4, 2, 40, 500), (5, 8, 2, 64, 2100)):
-    x, ids, g, wg, wu, wd = _problem(t_, e, k, "random", d_model=d, hidden=f, seed=t_)
-    together = np.asarray(cpu_ffi.expert_ffn_cpu(x, ids, g, wg, wu, wd, method=method))
+    x, ids, g, wg, wu, wd = problem(t_, e, k, "random", d_model=d, hidden=f, seed=t_)
+    together = np.asarray(cpu.expert_ffn_cpu(x, ids, g, wg, wu, wd, method=method))
     for t in range(t_):
-      alone = cpu_ffi.expert_ffn_cpu(x[t:t + 1], ids[t:t + 1], g[t:t + 1], wg, wu, wd, method=method)
+      alone = cpu.expert_ffn_cpu(x[t:t + 1], ids[t:t + 1], g[t:t + 1], wg, wu, wd, method=method)
       np.testing.assert_array_equal(np.asarray(alone), together[t:t + 1], err_msg=f"token {t} of {t_}, F={f}")
 
 
@@ -161,12 +72,13 @@ def test_cpu_kernel_long_passes_sum_per_slot(cpu_kernel, monkeypatch):
   del cpu_kernel
   monkeypatch.setenv("MOESPEC_PAIR_OUTPUT_BYTES", "0")
   monkeypatch.setenv("MOESPEC_FFI_THREADS", "2")
-  for args in (_problem(20, 3, 3, "random", d_model=24, hidden=120), _problem(5, 8, 2, "random", d_model=64, hidden=2100)):
+  for args in (problem(20, 3, 3, "random", d_model=24, hidden=120),
+               problem(5, 8, 2, "random", d_model=64, hidden=2100)):
     ref = expert_ffn_reference(*args)
     for method in ("dedup", "per_slot"):
-      first = np.asarray(cpu_ffi.expert_ffn_cpu(*args, method=method))
+      first = np.asarray(cpu.expert_ffn_cpu(*args, method=method))
       np.testing.assert_allclose(first, ref, atol=1e-4)
-      np.testing.assert_array_equal(np.asarray(cpu_ffi.expert_ffn_cpu(*args, method=method)), first)
+      np.testing.assert_array_equal(np.asarray(cpu.expert_ffn_cpu(*args, method=method)), first)
 
 
 def test_cpu_kernel_activation_matches_at_large_magnitudes(cpu_kernel):
@@ -174,12 +86,12 @@ def test_cpu_kernel_activation_matches_at_large_magnitudes(cpu_kernel):
   # The C++ SwiGLU's own exp: gate pre-activations of either sign up to ~100s (sigmoid saturated
   # at 0 and 1, exp(-|g|) below the normal floats), an activation count that is not a multiple
   # of 16 (the one-lane tail).
-  x, ids, g, wg, wu, wd = _problem(7, 4, 2, "random", d_model=24, hidden=40)
+  x, ids, g, wg, wu, wd = problem(7, 4, 2, "random", d_model=24, hidden=40)
   x = x * 60.0
   ref = np.asarray(expert_ffn_reference(x, ids, g, wg, wu, wd))
   assert np.abs(np.einsum("td,tkdf->tkf", x, wg[ids])).max() > 100.0
   for method in ("dedup", "per_slot"):
-    y = np.asarray(cpu_ffi.expert_ffn_cpu(x, ids, g, wg, wu, wd, method=method))
+    y = np.asarray(cpu.expert_ffn_cpu(x, ids, g, wg, wu, wd, method=method))
     np.testing.assert_allclose(y, ref, rtol=2e-5, atol=2e-5 * np.abs(ref).max())
 
 
@@ -187,8 +99,8 @@ def test_cpu_kernel_is_deterministic_across_threads(cpu_kernel, monkeypatch):
   del cpu_kernel
   # Whichever thread runs which expert, the experts' outputs are summed in one order.
   monkeypatch.setenv("MOESPEC_FFI_THREADS", "2")
-  args = _problem(32, 16, 4, "random", d_model=64, hidden=64)
-  fn = jax.jit(functools.partial(cpu_ffi.expert_ffn_cpu, method="dedup"))
+  args = problem(32, 16, 4, "random", d_model=64, hidden=64)
+  fn = jax.jit(functools.partial(cpu.expert_ffn_cpu, method="dedup"))
   first = np.asarray(fn(*args))
   for _ in range(50):
     np.testing.assert_array_equal(np.asarray(fn(*args)), first)
@@ -196,7 +108,7 @@ def test_cpu_kernel_is_deterministic_across_threads(cpu_kernel, monkeypatch):
 
 def test_cpu_kernel_gradients_match_reference(cpu_kernel):
   del cpu_kernel
-  x, ids, g, wg, wu, wd = _problem(6, 8, 2, "skip_last")
+  x, ids, g, wg, wu, wd = problem(6, 8, 2, "skip_last")
 
   def loss(fn):
     return jax.grad(lambda *a: jnp.sum(jnp.sin(fn(a[0], ids, *a[1:]))), argnums=(0, 1, 2, 3, 4))
@@ -205,40 +117,6 @@ def test_cpu_kernel_gradients_match_reference(cpu_kernel):
   got = loss(functools.partial(pallas_kernels.expert_ffn, method="dedup", backend="cpu"))(x, g, wg, wu, wd)
   for a, b in zip(got, ref):
     np.testing.assert_allclose(a, b, atol=1e-4)
-
-
-def test_cpu_kernel_missing_compiler_is_reported(monkeypatch, tmp_path, caplog):
-  monkeypatch.setenv("MOESPEC_CXX", "no-such-compiler-xyz")
-  monkeypatch.setenv("MOESPEC_CACHE", str(tmp_path))
-  monkeypatch.setitem(cpu_ffi._state, "lib", None)  # pylint: disable=protected-access
-  monkeypatch.setattr(pallas_kernels, "_warned", set())
-  pallas_kernels._with_grouped_vjp.cache_clear()  # pylint: disable=protected-access
-  try:
-    with pytest.raises(cpu_ffi.CpuKernelUnavailable, match="no-such-compiler-xyz"):
-      cpu_ffi.ensure_built()
-    args = _problem(*CASES["n1"])
-    with caplog.at_level("WARNING"):
-      y = pallas_kernels.expert_ffn(*args, method="dedup", backend="cpu")
-    assert "falling back to the XLA path" in caplog.text and "no-such-compiler-xyz" in caplog.text
-    np.testing.assert_allclose(y, expert_ffn_reference(*args), atol=1e-4)
-  finally:
-    pallas_kernels._with_grouped_vjp.cache_clear()  # pylint: disable=protected-access
-
-
-def test_cpu_build_failure_names_the_source_and_leaves_nothing(monkeypatch, tmp_path):
-  broken = tmp_path / "broken.cc"
-  broken.write_text("int f() { return undefined_name; }\n")
-  monkeypatch.setattr(cpu_ffi, "_SOURCES", (broken,))
-  out = tmp_path / "build" / "lib.so"
-  with pytest.raises(cpu_ffi.CpuKernelUnavailable, match="compiling broken.cc failed"):
-    cpu_ffi._build(out)  # pylint: disable=protected-access
-  assert list((tmp_path / "build").iterdir()) == []
-
-
-def test_cpu_build_is_cached_by_hash(cpu_kernel):
-  del cpu_kernel
-  path = cpu_ffi.library_path()
-  assert path.exists() and path.parent.name == "build" and path.suffix == ".so"
 
 
 @pytest.mark.parametrize("threads", ["1", "2", "3"])
@@ -250,26 +128,26 @@ def test_packed_matmul_matches_numpy(cpu_kernel, monkeypatch, threads):
   rng = np.random.default_rng(0)
   for d, v, block in ((64, 300, 256), (40, 513, 256), (32, 16, 256), (24, 100, 48), (48, 200, 64), (32, 40, 64)):
     w_DV = rng.normal(size=(d, v)).astype(np.float32)
-    w_NDC = cpu_ffi.pack_columns(jnp.asarray(w_DV), block)
+    w_NDC = cpu.pack_columns(jnp.asarray(w_DV), block)
     assert w_NDC.shape == (-(-v // block), d, block)
     for m in (0, 1, 3, 8, 9, 17):
       x_MD = rng.normal(size=(m, d)).astype(np.float32)
-      got = np.asarray(cpu_ffi.packed_matmul(jnp.asarray(x_MD), w_NDC, v))
+      got = np.asarray(cpu.packed_matmul(jnp.asarray(x_MD), w_NDC, v))
       assert got.shape == (m, v)
       np.testing.assert_allclose(got, x_MD.astype(np.float64) @ w_DV, rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("block", [cpu_ffi.PACK_COLUMNS, 256])
+@pytest.mark.parametrize("block", [cpu.PACK_COLUMNS, 256])
 def test_packed_matmul_rows_do_not_depend_on_the_pass(cpu_kernel, block):
   """A row's product is the same bits whether it is multiplied alone (a plain step) or among
   the rows of a verification pass, for the blocks decoding packs and for wider ones."""
   del cpu_kernel
   rng = np.random.default_rng(1)
-  w_NDC = cpu_ffi.pack_columns(jnp.asarray(rng.normal(size=(256, 1024)), jnp.float32), block)
+  w_NDC = cpu.pack_columns(jnp.asarray(rng.normal(size=(256, 1024)), jnp.float32), block)
   x_MD = jnp.asarray(rng.normal(size=(18, 256)), jnp.float32)
-  together = np.asarray(cpu_ffi.packed_matmul(x_MD, w_NDC))
+  together = np.asarray(cpu.packed_matmul(x_MD, w_NDC))
   for m in (0, 5, 17):
-    np.testing.assert_array_equal(np.asarray(cpu_ffi.packed_matmul(x_MD[m:m + 1], w_NDC)), together[m:m + 1])
+    np.testing.assert_array_equal(np.asarray(cpu.packed_matmul(x_MD[m:m + 1], w_NDC)), together[m:m + 1])
 
 
 @pytest.mark.parametrize("threads", ["1", "3"])
@@ -281,24 +159,24 @@ def test_packed_matmul_side_by_side(cpu_kernel, monkeypatch, threads):
   rng = np.random.default_rng(4)
   g, d, v = 3, 24, 100
   w_GDV = rng.normal(size=(g, d, v)).astype(np.float32)
-  w_GNDC = jax.vmap(cpu_ffi.pack_columns)(jnp.asarray(w_GDV))
+  w_GNDC = jax.vmap(cpu.pack_columns)(jnp.asarray(w_GDV))
   for m in (1, 5, 9):
     x_GMD = rng.normal(size=(g, m, d)).astype(np.float32)
-    got = np.asarray(cpu_ffi.packed_matmul(jnp.asarray(x_GMD), w_GNDC, v))
+    got = np.asarray(cpu.packed_matmul(jnp.asarray(x_GMD), w_GNDC, v))
     assert got.shape == (g, m, v)
     np.testing.assert_allclose(got, np.einsum("gmd,gdv->gmv", x_GMD.astype(np.float64), w_GDV), rtol=1e-5, atol=1e-4)
     for i in range(g):
-      np.testing.assert_array_equal(got[i], np.asarray(cpu_ffi.packed_matmul(jnp.asarray(x_GMD[i]), w_GNDC[i], v)))
+      np.testing.assert_array_equal(got[i], np.asarray(cpu.packed_matmul(jnp.asarray(x_GMD[i]), w_GNDC[i], v)))
 
 
 def test_packed_matmul_rejects_bad_shapes(cpu_kernel):
   del cpu_kernel
   with pytest.raises(ValueError, match="x \\[M, D\\] and W \\[N, D, C\\]"):
-    cpu_ffi.packed_matmul(jnp.zeros((2, 8)), jnp.zeros((1, 4, 16)))
+    cpu.packed_matmul(jnp.zeros((2, 8)), jnp.zeros((1, 4, 16)))
   with pytest.raises(ValueError, match="x \\[G, M, D\\] and W \\[G, N, D, C\\]"):
-    cpu_ffi.packed_matmul(jnp.zeros((3, 2, 4)), jnp.zeros((2, 1, 4, 16)))
+    cpu.packed_matmul(jnp.zeros((3, 2, 4)), jnp.zeros((2, 1, 4, 16)))
   with pytest.raises(ValueError, match="\\[D, V\\] weight"):
-    cpu_ffi.pack_columns(jnp.zeros((2, 3, 4)))
+    cpu.pack_columns(jnp.zeros((2, 3, 4)))
 
 
 def _attention_reference(q_NQD, keys_NDS, values_NSD, limit_NQ):
@@ -325,7 +203,7 @@ def test_cached_attention_matches_numpy(cpu_kernel, monkeypatch, threads):
     keys_NDS = rng.normal(size=(n, d, s)).astype(np.float32)
     values_NSD = rng.normal(size=(n, s, d)).astype(np.float32)
     limit_NQ = rng.integers(-1, s + 3, size=(n, q)).astype(np.int32)
-    got = np.asarray(cpu_ffi.cached_attention(*map(jnp.asarray, (q_NQD, keys_NDS, values_NSD, limit_NQ))))
+    got = np.asarray(cpu.cached_attention(*map(jnp.asarray, (q_NQD, keys_NDS, values_NSD, limit_NQ))))
     np.testing.assert_allclose(got, _attention_reference(q_NQD, keys_NDS, values_NSD, limit_NQ), atol=2e-5)
 
 
@@ -341,15 +219,15 @@ def test_cached_attention_rows_do_not_depend_on_the_pass(cpu_kernel, first):
   keys_NDS = rng.normal(size=(2, 32, 600)).astype(np.float32)
   values_NSD = rng.normal(size=(2, 600, 32)).astype(np.float32)
   limit_NQ = jnp.asarray(np.broadcast_to(np.arange(first, first + 18)[None], (2, 18)), jnp.int32)
-  together = np.asarray(cpu_ffi.cached_attention(q_NQD, keys_NDS, values_NSD, limit_NQ))
+  together = np.asarray(cpu.cached_attention(q_NQD, keys_NDS, values_NSD, limit_NQ))
   for i in range(18):
-    alone = cpu_ffi.cached_attention(q_NQD[:, i:i + 1], keys_NDS, values_NSD, limit_NQ[:, i:i + 1])
+    alone = cpu.cached_attention(q_NQD[:, i:i + 1], keys_NDS, values_NSD, limit_NQ[:, i:i + 1])
     np.testing.assert_array_equal(np.asarray(alone), together[:, i:i + 1])
   keys_NDS[:, :, first + 18:] = np.nan
   values_NSD[:, first + 18:] = np.nan
-  np.testing.assert_array_equal(np.asarray(cpu_ffi.cached_attention(q_NQD, keys_NDS, values_NSD, limit_NQ)), together)
+  np.testing.assert_array_equal(np.asarray(cpu.cached_attention(q_NQD, keys_NDS, values_NSD, limit_NQ)), together)
   with pytest.raises(ValueError, match="cached_attention needs"):
-    cpu_ffi.cached_attention(q_NQD, keys_NDS[:, :16], values_NSD, limit_NQ)
+    cpu.cached_attention(q_NQD, keys_NDS[:, :16], values_NSD, limit_NQ)
 
 
 @pytest.mark.parametrize("threads", ["1", "2"])
@@ -365,15 +243,15 @@ def test_cached_attention_prefill_blocks(cpu_kernel, monkeypatch, threads):
   keys_NDS = rng.normal(size=(n, d, s)).astype(np.float32)
   values_NSD = rng.normal(size=(n, s, d)).astype(np.float32)
   limit_NQ = np.repeat(np.arange(t, dtype=np.int32), r)[None]
-  together = np.asarray(cpu_ffi.cached_attention(*map(jnp.asarray, (q_NQD, keys_NDS, values_NSD, limit_NQ))))
+  together = np.asarray(cpu.cached_attention(*map(jnp.asarray, (q_NQD, keys_NDS, values_NSD, limit_NQ))))
   np.testing.assert_allclose(together, _attention_reference(q_NQD, keys_NDS, values_NSD, limit_NQ), atol=2e-5)
   for i in (0, 1, 63, 64, 200, 299):
-    alone = cpu_ffi.cached_attention(q_NQD[:, i:i + 1], keys_NDS, values_NSD, limit_NQ[:, i:i + 1])
+    alone = cpu.cached_attention(q_NQD[:, i:i + 1], keys_NDS, values_NSD, limit_NQ[:, i:i + 1])
     np.testing.assert_array_equal(np.asarray(alone), together[:, i:i + 1])
   keys_NDS[:, :, t:] = np.nan
   values_NSD[:, t:] = np.nan
   np.testing.assert_array_equal(
-      np.asarray(cpu_ffi.cached_attention(*map(jnp.asarray, (q_NQD, keys_NDS, values_NSD, limit_NQ)))), together)
+      np.asarray(cpu.cached_attention(*map(jnp.asarray, (q_NQD, keys_NDS, values_NSD, limit_NQ)))), together)
 
 
 def _mla_reference(q_lat_BQC, q_rope_BQR, latent_BSC, rope_BSR, limit_BQ):
@@ -399,7 +277,7 @@ def test_mla_attention_matches_numpy(cpu_kernel, monkeypatch, threads):
     latent = rng.normal(size=(b, s, c)).astype(np.float32)
     rope = rng.normal(size=(b, s, r)).astype(np.float32)
     limit = rng.integers(-1, s + 3, size=(b, q)).astype(np.int32)
-    got = np.asarray(cpu_ffi.mla_attention(*map(jnp.asarray, (q_lat, q_rope, latent, rope, limit))))
+    got = np.asarray(cpu.mla_attention(*map(jnp.asarray, (q_lat, q_rope, latent, rope, limit))))
     np.testing.assert_allclose(got, _mla_reference(q_lat, q_rope, latent, rope, limit), atol=2e-5)
 
 
@@ -417,15 +295,15 @@ def test_mla_attention_rows_do_not_depend_on_the_pass(cpu_kernel, monkeypatch, t
   latent = rng.normal(size=(b, s, c)).astype(np.float32)
   rope = rng.normal(size=(b, s, r)).astype(np.float32)
   limit = jnp.asarray(np.repeat(np.arange(200, 200 + t), h)[None].repeat(b, 0), jnp.int32)
-  together = np.asarray(cpu_ffi.mla_attention(q_lat, q_rope, latent, rope, limit))
+  together = np.asarray(cpu.mla_attention(q_lat, q_rope, latent, rope, limit))
   for i in (0, 7, 8, 71):
-    alone = cpu_ffi.mla_attention(q_lat[:, i:i + 1], q_rope[:, i:i + 1], latent, rope, limit[:, i:i + 1])
+    alone = cpu.mla_attention(q_lat[:, i:i + 1], q_rope[:, i:i + 1], latent, rope, limit[:, i:i + 1])
     np.testing.assert_array_equal(np.asarray(alone), together[:, i:i + 1])
   latent[:, 200 + t:] = np.nan
   rope[:, 200 + t:] = np.nan
-  np.testing.assert_array_equal(np.asarray(cpu_ffi.mla_attention(q_lat, q_rope, latent, rope, limit)), together)
+  np.testing.assert_array_equal(np.asarray(cpu.mla_attention(q_lat, q_rope, latent, rope, limit)), together)
   with pytest.raises(ValueError, match="mla_attention needs"):
-    cpu_ffi.mla_attention(q_lat, q_rope, latent[:, :, :16], rope, limit)
+    cpu.mla_attention(q_lat, q_rope, latent[:, :, :16], rope, limit)
 
 
 def test_clock_inside_a_compiled_loop(cpu_kernel):
@@ -434,11 +312,11 @@ def test_clock_inside_a_compiled_loop(cpu_kernel):
   del cpu_kernel
   def body(i, state):
     x_I, a_DD, elapsed_3 = state
-    x_I, start_2 = cpu_ffi.clock_after(x_I)
+    x_I, start_2 = cpu.clock_after(x_I)
     for _ in range(8):
       a_DD = jnp.tanh(a_DD @ a_DD + x_I[0].astype(jnp.float32))
-    x_I, end_2 = cpu_ffi.clock_after(x_I + (a_DD[0, 0] > 2.0).astype(jnp.int32))
-    return x_I, a_DD, elapsed_3.at[i].set(cpu_ffi.elapsed_ms(start_2, end_2))
+    x_I, end_2 = cpu.clock_after(x_I + (a_DD[0, 0] > 2.0).astype(jnp.int32))
+    return x_I, a_DD, elapsed_3.at[i].set(cpu.elapsed_ms(start_2, end_2))
 
   run = jax.jit(lambda x_I, a_DD: jax.lax.fori_loop(0, 3, body, (x_I, a_DD, jnp.zeros(3))))
   a_DD = jnp.full((256, 256), 1e-3, jnp.float32)
@@ -448,34 +326,3 @@ def test_clock_inside_a_compiled_loop(cpu_kernel):
   wall_ms = (time.perf_counter() - start) * 1e3
   np.testing.assert_array_equal(x_I, np.arange(4))
   assert np.all(np.asarray(elapsed_3) > 0) and float(np.sum(elapsed_3)) <= wall_ms
-
-
-# ---- entry point and byte accounting ----
-
-def test_auto_and_xla_methods():
-  args = _problem(*CASES["top8"])
-  ref = expert_ffn_reference(*args)
-  for method in ("auto", "xla"):
-    np.testing.assert_allclose(pallas_kernels.expert_ffn(*args, method=method), ref, atol=1e-4)
-  assert pallas_kernels.choose_method(4096, 4, backend="tpu") == "xla"
-  assert pallas_kernels.choose_method(4096, 4, backend="gpu") == "xla"
-  assert pallas_kernels.choose_method(2, 4, backend="tpu") == "dedup"
-  # CPU: the C++ kernel at every pass size, prefill included (the fastest forward measured).
-  assert pallas_kernels.choose_method(4096, 4, backend="cpu") == ("dedup" if cpu_ffi.available() else "xla")
-  assert pallas_kernels.choose_method(4, 4, backend="cpu") in ("dedup", "per_slot")
-  with pytest.raises(ValueError, match="method"):
-    pallas_kernels.expert_ffn(*args, method="nope")
-  with pytest.raises(ValueError, match="backend"):
-    pallas_kernels.expert_ffn(*args, method="dedup", backend="nope")
-
-
-def test_bytes_requested():
-  ids = np.array([[0, 1], [1, 2], [1, 0]])
-  per_expert = 3 * 8 * 4 * 2
-  act = kbytes.activation_bytes(3, 2, 8, 2)
-  assert kbytes.unique_experts(ids) == 3
-  assert int(kbytes.unique_experts_jnp(jnp.asarray(ids), 5)) == 3
-  assert kbytes.bytes_requested(ids, 8, 4, 2, "dedup") == 3 * per_expert + act
-  assert kbytes.bytes_requested(ids, 8, 4, 2, "per_slot") == 6 * per_expert + act
-  assert kbytes.bytes_requested(ids, 8, 4, 2, "xla") == 6 * per_expert + act
-  assert abs(kbytes.expected_unique_uniform(1, 64, 6) - 6.0) < 1e-9
