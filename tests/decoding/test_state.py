@@ -13,10 +13,13 @@ from moespec_jax.decoding import calibration, loop
 from moespec_jax.decoding.drafters.ngram import NgramDrafter
 from moespec_jax.decoding.drafters.none import NoDrafter
 from moespec_jax.decoding.state import LoopSpec, LoopState, Stats
+from pallas_kernels.policy import KernelPolicy
 
-FULL = LoopSpec(max_new_tokens=4, cache_len=64, sampling=msj.SamplingParams(), expert_method="xla",
+XLA_POLICY = KernelPolicy(expert_method="xla")
+
+FULL = LoopSpec(max_new_tokens=4, cache_len=64, sampling=msj.SamplingParams(), kernels=XLA_POLICY,
                 drafter=NgramDrafter(), max_k=3, auto=True, timed=True, measure_quality=True, trace_passes=True)
-PLAIN = LoopSpec(max_new_tokens=4, cache_len=64, sampling=msj.SamplingParams(), expert_method="xla",
+PLAIN = LoopSpec(max_new_tokens=4, cache_len=64, sampling=msj.SamplingParams(), kernels=XLA_POLICY,
                  drafter=NoDrafter(), max_k=0)
 
 
