@@ -17,9 +17,12 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m experiments.demo --workdir=runs/demo
 
-# The layer contracts of pyproject.toml ([tool.importlinter]): a broken layer or an import cycle fails.
+# The layer contracts of pyproject.toml ([tool.importlinter]): a broken layer or an import cycle
+# fails; then ruff's lint rules and its formatting ([tool.ruff]).
 lint: $(STAMP)
 	$(VENV)/bin/lint-imports
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 test: lint
 	$(PY) -m pytest -q -n 2 --dist loadfile tests

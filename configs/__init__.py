@@ -11,4 +11,5 @@ def load(name: str):
 def model_config(name: str):
   """The ModelConfig of configs/<name>.py."""
   from moespec_jax.config import model_config_from  # pylint: disable=g-import-not-at-top
+
   return model_config_from(load(name).model)

@@ -13,7 +13,8 @@ from configs import tiny
 def get_config() -> ml_collections.ConfigDict:
   cfg = tiny.get_config()
   cfg.name = "deepseek_v2_lite"
-  cfg.model.update(dict(
+  cfg.model.update(
+    dict(
       vocab_size=102400,
       d_model=2048,
       n_layers=27,
@@ -39,10 +40,14 @@ def get_config() -> ml_collections.ConfigDict:
       expert_hidden=1408,
       dense_hidden=10944,
       first_k_dense=1,
-      score_func='softmax',
+      score_func="softmax",
       norm_topk_prob=False,
       routed_scaling_factor=1.0,
       n_groups=1,
       topk_groups=1,
-      tokenizer="none", eos_id=100001, bos_id=100000))
+      tokenizer="none",
+      eos_id=100001,
+      bos_id=100000,
+    )
+  )
   return cfg

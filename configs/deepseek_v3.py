@@ -14,7 +14,8 @@ from configs import tiny
 def get_config() -> ml_collections.ConfigDict:
   cfg = tiny.get_config()
   cfg.name = "deepseek_v3"
-  cfg.model.update(dict(
+  cfg.model.update(
+    dict(
       vocab_size=129280,
       d_model=7168,
       n_layers=61,
@@ -48,5 +49,9 @@ def get_config() -> ml_collections.ConfigDict:
       topk_groups=4,
       num_mtp_modules=1,
       mtp_head_norm=True,
-      tokenizer="none", eos_id=1, bos_id=0))
+      tokenizer="none",
+      eos_id=1,
+      bos_id=0,
+    )
+  )
   return cfg

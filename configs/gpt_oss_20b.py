@@ -12,7 +12,8 @@ from configs import tiny
 def get_config() -> ml_collections.ConfigDict:
   cfg = tiny.get_config()
   cfg.name = "gpt_oss_20b"
-  cfg.model.update(dict(
+  cfg.model.update(
+    dict(
       vocab_size=201088,
       d_model=2880,
       n_layers=24,
@@ -27,10 +28,14 @@ def get_config() -> ml_collections.ConfigDict:
       expert_hidden=2880,
       dense_hidden=2880,
       first_k_dense=0,
-      score_func='softmax',
+      score_func="softmax",
       norm_topk_prob=True,
       routed_scaling_factor=1.0,
       n_groups=1,
       topk_groups=1,
-      tokenizer="none", eos_id=0, bos_id=1))
+      tokenizer="none",
+      eos_id=0,
+      bos_id=1,
+    )
+  )
   return cfg

@@ -11,7 +11,8 @@ from configs import tiny
 def get_config() -> ml_collections.ConfigDict:
   cfg = tiny.get_config()
   cfg.name = "mixtral_8x7b"
-  cfg.model.update(dict(
+  cfg.model.update(
+    dict(
       vocab_size=32000,
       d_model=4096,
       n_layers=32,
@@ -26,10 +27,14 @@ def get_config() -> ml_collections.ConfigDict:
       expert_hidden=14336,
       dense_hidden=14336,
       first_k_dense=0,
-      score_func='softmax',
+      score_func="softmax",
       norm_topk_prob=True,
       routed_scaling_factor=1.0,
       n_groups=1,
       topk_groups=1,
-      tokenizer="none", eos_id=2, bos_id=1))
+      tokenizer="none",
+      eos_id=2,
+      bos_id=1,
+    )
+  )
   return cfg

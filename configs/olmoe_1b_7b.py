@@ -11,7 +11,8 @@ from configs import tiny
 def get_config() -> ml_collections.ConfigDict:
   cfg = tiny.get_config()
   cfg.name = "olmoe_1b_7b"
-  cfg.model.update(dict(
+  cfg.model.update(
+    dict(
       vocab_size=50304,
       d_model=2048,
       n_layers=16,
@@ -27,10 +28,14 @@ def get_config() -> ml_collections.ConfigDict:
       expert_hidden=1024,
       dense_hidden=1024,
       first_k_dense=0,
-      score_func='softmax',
+      score_func="softmax",
       norm_topk_prob=False,
       routed_scaling_factor=1.0,
       n_groups=1,
       topk_groups=1,
-      tokenizer="none", eos_id=0, bos_id=1))
+      tokenizer="none",
+      eos_id=0,
+      bos_id=1,
+    )
+  )
   return cfg

@@ -7,33 +7,85 @@ import ml_collections
 
 
 def model_config() -> ml_collections.ConfigDict:
-  return ml_collections.ConfigDict(dict(
-      vocab_size=264, d_model=256, n_layers=5, n_heads=4, n_kv_heads=2, head_dim=64,
-      rope_theta=10000.0, norm_eps=1e-6, max_seq_len=512,
-      n_routed_experts=32, top_k=4, n_shared_experts=1, expert_hidden=128,
-      dense_hidden=768, first_k_dense=1, score_func="softmax", norm_topk_prob=True,
-      routed_scaling_factor=1.0, n_groups=1, topk_groups=1, use_score_bias=False,
-      num_mtp_modules=0, tie_embeddings=False, eos_id=256, bos_id=257, tokenizer="byte",
-      dtype="float32", expert_method="auto",
-  ))
+  return ml_collections.ConfigDict(
+    dict(
+      vocab_size=264,
+      d_model=256,
+      n_layers=5,
+      n_heads=4,
+      n_kv_heads=2,
+      head_dim=64,
+      rope_theta=10000.0,
+      norm_eps=1e-6,
+      max_seq_len=512,
+      n_routed_experts=32,
+      top_k=4,
+      n_shared_experts=1,
+      expert_hidden=128,
+      dense_hidden=768,
+      first_k_dense=1,
+      score_func="softmax",
+      norm_topk_prob=True,
+      routed_scaling_factor=1.0,
+      n_groups=1,
+      topk_groups=1,
+      use_score_bias=False,
+      num_mtp_modules=0,
+      tie_embeddings=False,
+      eos_id=256,
+      bos_id=257,
+      tokenizer="byte",
+      dtype="float32",
+      expert_method="auto",
+    )
+  )
 
 
 def train_config() -> ml_collections.ConfigDict:
-  return ml_collections.ConfigDict(dict(
-      seed=0, batch_size=8, seq_len=256, steps=500, learning_rate=3e-3, min_lr_ratio=0.1,
-      warmup_steps=50, weight_decay=0.1, grad_clip=1.0, b1=0.9, b2=0.95,
-      aux_loss_weight=0.01, bias_update_rate=1e-3,
-      eval_every=100, eval_batches=8, checkpoint_every=100, log_every_seconds=10.0,
-  ))
+  return ml_collections.ConfigDict(
+    dict(
+      seed=0,
+      batch_size=8,
+      seq_len=256,
+      steps=500,
+      learning_rate=3e-3,
+      min_lr_ratio=0.1,
+      warmup_steps=50,
+      weight_decay=0.1,
+      grad_clip=1.0,
+      b1=0.9,
+      b2=0.95,
+      aux_loss_weight=0.01,
+      bias_update_rate=1e-3,
+      eval_every=100,
+      eval_batches=8,
+      checkpoint_every=100,
+      log_every_seconds=10.0,
+    )
+  )
 
 
 def mtp_config() -> ml_collections.ConfigDict:
   """MTP drafter heads trained on the frozen target (experiments/train_mtp.py, `make demo`)."""
-  return ml_collections.ConfigDict(dict(
-      seed=0, num_mtp_modules=1, loss="distill", batch_size=8, seq_len=256, steps=400,
-      learning_rate=3e-3, min_lr_ratio=0.1, warmup_steps=30, weight_decay=0.0, grad_clip=1.0,
-      eval_batches=8, checkpoint_every=100, log_every_seconds=10.0, time_budget_s=0.0,
-  ))
+  return ml_collections.ConfigDict(
+    dict(
+      seed=0,
+      num_mtp_modules=1,
+      loss="distill",
+      batch_size=8,
+      seq_len=256,
+      steps=400,
+      learning_rate=3e-3,
+      min_lr_ratio=0.1,
+      warmup_steps=30,
+      weight_decay=0.0,
+      grad_clip=1.0,
+      eval_batches=8,
+      checkpoint_every=100,
+      log_every_seconds=10.0,
+      time_budget_s=0.0,
+    )
+  )
 
 
 def get_config() -> ml_collections.ConfigDict:

@@ -37,8 +37,15 @@ def main(argv):
   model_dir = pathlib.Path(_MODEL.value) if _MODEL.value else paths.default_model_dir()
   if not (model_dir / "config.json").is_file():
     raise FileNotFoundError(f"no model at {model_dir}: run `make demo` first or pass --model")
-  result = checkout_ab.compare(_A.value, _B.value, model_dir, calls=calls, rounds=_ROUNDS.value,
-                               batch_size=_BATCH.value, max_new_tokens=_MAX_NEW.value)
+  result = checkout_ab.compare(
+    _A.value,
+    _B.value,
+    model_dir,
+    calls=calls,
+    rounds=_ROUNDS.value,
+    batch_size=_BATCH.value,
+    max_new_tokens=_MAX_NEW.value,
+  )
   print(checkout_ab.format_table(result))
   workdir = pathlib.Path(_WORKDIR.value)
   atomic.write_json_atomic(workdir / "metrics.json", {"checkout_ab": result})

@@ -28,29 +28,51 @@ _MODEL = cli.define_model_flag()
 _N_ALPHAS = flags.DEFINE_integer("n_alphas", 21, "Acceptance rates, evenly spaced in [0, 1].", lower_bound=2)
 _MAX_K = flags.DEFINE_integer("max_k", 8, "Largest draft length K.", lower_bound=1, upper_bound=16)
 _REPEATS = flags.DEFINE_integer(
-    "repeats", 7, "Rounds per acceptance rate, each running plain decoding and every K once (median of ratios).",
-    lower_bound=1)
+  "repeats",
+  7,
+  "Rounds per acceptance rate, each running plain decoding and every K once (median of ratios).",
+  lower_bound=1,
+)
 _MAX_REPEATS = flags.DEFINE_integer(
-    "max_repeats", None, "Most rounds per acceptance rate (>= --repeats; default 3 x --repeats, with --quick "
-    "--repeats): where the measured best K is unsettled (within 1 of itself in under 90% of resamples of the "
-    "rounds), --repeats more rounds at a time up to this many.")
+  "max_repeats",
+  None,
+  "Most rounds per acceptance rate (>= --repeats; default 3 x --repeats, with --quick "
+  "--repeats): where the measured best K is unsettled (within 1 of itself in under 90% of resamples of the "
+  "rounds), --repeats more rounds at a time up to this many.",
+)
 _AUTO_REPEATS = flags.DEFINE_integer(
-    "auto_repeats", 31, "Rounds of plain, auto and the best fixed K side by side, per num_draft='auto' row.",
-    lower_bound=1)
+  "auto_repeats",
+  31,
+  "Rounds of plain, auto and the best fixed K side by side, per num_draft='auto' row.",
+  lower_bound=1,
+)
 _DRAFTER_PROMPTS = flags.DEFINE_integer(
-    "drafter_prompts", 8, "Held-out prompts the model drafters' rows (mtp, ngram) take in turn, one a round.",
-    lower_bound=1)
+  "drafter_prompts",
+  8,
+  "Held-out prompts the model drafters' rows (mtp, ngram) take in turn, one a round.",
+  lower_bound=1,
+)
 _AUTO_TIMING = flags.DEFINE_bool(
-    "auto_timing", False, "Run the num_draft='auto' rows with SpecParams(auto_timing=True) (experimental, CPU): "
-    "the calibrated pass times corrected by the loop's own clock as it decodes.")
-_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 128, "Tokens generated per run (a decode phase: >= 2).",
-                                lower_bound=2)
+  "auto_timing",
+  False,
+  "Run the num_draft='auto' rows with SpecParams(auto_timing=True) (experimental, CPU): "
+  "the calibrated pass times corrected by the loop's own clock as it decodes.",
+)
+_MAX_NEW = flags.DEFINE_integer(
+  "max_new_tokens", 128, "Tokens generated per run (a decode phase: >= 2).", lower_bound=2
+)
 _QUICK = cli.define_quick_flag(
-    "one round per comparison, fewer rates and pass sizes, the n-gram drafter only: a check of the pipeline, "
-    "whose speedups and best K are not results", {
-        "n_alphas": len(_QUICK_CONFIG.alphas), "max_k": _QUICK_CONFIG.max_k, "repeats": _QUICK_CONFIG.repeats,
-        "auto_repeats": _QUICK_CONFIG.auto_repeats, "drafter_prompts": _QUICK_CONFIG.drafter_prompts,
-        "max_new_tokens": _QUICK_CONFIG.max_new_tokens})
+  "one round per comparison, fewer rates and pass sizes, the n-gram drafter only: a check of the pipeline, "
+  "whose speedups and best K are not results",
+  {
+    "n_alphas": len(_QUICK_CONFIG.alphas),
+    "max_k": _QUICK_CONFIG.max_k,
+    "repeats": _QUICK_CONFIG.repeats,
+    "auto_repeats": _QUICK_CONFIG.auto_repeats,
+    "drafter_prompts": _QUICK_CONFIG.drafter_prompts,
+    "max_new_tokens": _QUICK_CONFIG.max_new_tokens,
+  },
+)
 
 
 def main(argv):
@@ -62,12 +84,23 @@ def main(argv):
     max_repeats = _REPEATS.value if _QUICK.value else 3 * _REPEATS.value
   # --quick: the smaller kernel, trace and auto settings of QUICK_CONFIG, beside the flags' values.
   base = _QUICK_CONFIG if _QUICK.value else cost_validation.CostValidationConfig()
-  cfg = dataclasses.replace(base, alphas=alphas, max_k=_MAX_K.value, repeats=_REPEATS.value, max_repeats=max_repeats,
-                            auto_repeats=_AUTO_REPEATS.value, max_new_tokens=_MAX_NEW.value,
-                            drafter_prompts=_DRAFTER_PROMPTS.value, auto_timing=_AUTO_TIMING.value)
+  cfg = dataclasses.replace(
+    base,
+    alphas=alphas,
+    max_k=_MAX_K.value,
+    repeats=_REPEATS.value,
+    max_repeats=max_repeats,
+    auto_repeats=_AUTO_REPEATS.value,
+    max_new_tokens=_MAX_NEW.value,
+    drafter_prompts=_DRAFTER_PROMPTS.value,
+    auto_timing=_AUTO_TIMING.value,
+  )
   if _QUICK.value:
-    print(f"--quick: a check of the pipeline ({cfg.repeats} round(s) per comparison): its speedups and best K are "
-          "not results; run without --quick, or give --repeats and --auto_repeats, for them.", flush=True)
+    print(
+      f"--quick: a check of the pipeline ({cfg.repeats} round(s) per comparison): its speedups and best K are "
+      "not results; run without --quick, or give --repeats and --auto_repeats, for them.",
+      flush=True,
+    )
   cost_validation.run_cost_model(cli.load_model(_MODEL.value), _WORKDIR.value, cfg)
 
 

@@ -18,8 +18,8 @@ import jax
 from absl import flags
 
 from moespec_jax import cli
-from moespec_jax.research import decode_kernels, spec_bench
 from moespec_jax.io import atomic
+from moespec_jax.research import decode_kernels, spec_bench
 
 _WORKDIR = flags.DEFINE_string("workdir", "runs/decode_kernels", "Where metrics.json, table.md and the plot go.")
 _MODEL = cli.define_model_flag()
@@ -27,8 +27,9 @@ _BATCHES = flags.DEFINE_list("batch_sizes", ["1", "8"], "Batch sizes.")
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 64, "Tokens generated per prompt (>= 2).", lower_bound=2)
 _ROUNDS = flags.DEFINE_integer("rounds", 11, "Interleaved rounds (every variant once per round).", lower_bound=1)
 _PROMPT_BYTES = flags.DEFINE_integer("prompt_bytes", 192, "Bytes of held-out code per prompt.", lower_bound=16)
-_QUICK = cli.define_quick_flag("batch 1, short outputs, few rounds",
-                               {"batch_sizes": ["1"], "max_new_tokens": 8, "rounds": 3})
+_QUICK = cli.define_quick_flag(
+  "batch 1, short outputs, few rounds", {"batch_sizes": ["1"], "max_new_tokens": 8, "rounds": 3}
+)
 
 
 def main(argv):
@@ -40,12 +41,24 @@ def main(argv):
   model = cli.load_model(_MODEL.value)
   max_new, rounds = _MAX_NEW.value, _ROUNDS.value
   prompts, encoding = spec_bench.bench_prompts(model, max(batch_sizes), _PROMPT_BYTES.value)
-  rows = decode_kernels.decode_kernels_ab(model, prompts, batch_sizes=batch_sizes, max_new_tokens=max_new,
-                                     rounds=rounds)
+  rows = decode_kernels.decode_kernels_ab(
+    model, prompts, batch_sizes=batch_sizes, max_new_tokens=max_new, rounds=rounds
+  )
   workdir = pathlib.Path(_WORKDIR.value)
-  atomic.write_json_atomic(workdir / "metrics.json", {"decode_kernels": {
-      "model": _MODEL.value or "default", "prompt_encoding": encoding, "prompt_bytes": _PROMPT_BYTES.value,
-      "max_new_tokens": max_new, "rounds": rounds, "batch_sizes": batch_sizes, "rows": rows}})
+  atomic.write_json_atomic(
+    workdir / "metrics.json",
+    {
+      "decode_kernels": {
+        "model": _MODEL.value or "default",
+        "prompt_encoding": encoding,
+        "prompt_bytes": _PROMPT_BYTES.value,
+        "max_new_tokens": max_new,
+        "rounds": rounds,
+        "batch_sizes": batch_sizes,
+        "rows": rows,
+      }
+    },
+  )
   table = decode_kernels.format_table(rows)
   atomic.write_text_atomic(workdir / "table.md", table)
   decode_kernels.plot(rows, workdir / "decode_kernels.png")

@@ -14,12 +14,16 @@ _WORKDIR = flags.DEFINE_string("workdir", "runs/demo", "Where metrics.json and s
 _MODEL = cli.define_model_flag()
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 128, "Tokens generated per prompt.", lower_bound=1)
 _REPEATS = flags.DEFINE_integer(
-    "repeats", 7, "Timed pairs of plain and speculative runs per row, after one untimed run of each (medians "
-    "reported).", lower_bound=1)
+  "repeats",
+  7,
+  "Timed pairs of plain and speculative runs per row, after one untimed run of each (medians reported).",
+  lower_bound=1,
+)
 _BATCHES = flags.DEFINE_list("batch_sizes", ["1", "8"], "Batch sizes.")
 _MAX_DRAFT = flags.DEFINE_integer("max_draft", 8, "Largest K of num_draft='auto'.", lower_bound=1, upper_bound=16)
-_QUICK = cli.define_quick_flag("batch 1, shorter outputs, fewer pairs",
-                               {"batch_sizes": ["1"], "max_new_tokens": 32, "repeats": 3})
+_QUICK = cli.define_quick_flag(
+  "batch 1, shorter outputs, fewer pairs", {"batch_sizes": ["1"], "max_new_tokens": 32, "repeats": 3}
+)
 
 
 def main(argv):
@@ -27,8 +31,14 @@ def main(argv):
     raise ValueError(f"unexpected arguments: {argv[1:]}")
   batch_sizes = cli.int_list("batch_sizes", _BATCHES.value)
   model = cli.load_model(_MODEL.value)
-  demo.run_demo(model, _WORKDIR.value, max_new_tokens=_MAX_NEW.value, batch_sizes=tuple(batch_sizes),
-                repeats=_REPEATS.value, max_draft=_MAX_DRAFT.value)
+  demo.run_demo(
+    model,
+    _WORKDIR.value,
+    max_new_tokens=_MAX_NEW.value,
+    batch_sizes=tuple(batch_sizes),
+    repeats=_REPEATS.value,
+    max_draft=_MAX_DRAFT.value,
+  )
 
 
 if __name__ == "__main__":

@@ -14,18 +14,18 @@ their experts (top_k unchanged); rows and stdout say so.
 
 import os
 
-from absl import flags
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import flags
 
 import configs
 import pallas_kernels
 from moespec_jax import cli
 from moespec_jax.analysis import timing
+from moespec_jax.io import atomic, plots
 from moespec_jax.research import kernel_report
 from moespec_jax.research.roofline import stream_read_gbps
-from moespec_jax.io import atomic, plots
 from pallas_kernels import bytes as kbytes
 
 
@@ -36,8 +36,10 @@ def expert_layer_shape(config_name: str) -> tuple[int, int, int, int]:
 
 
 # One routed-expert layer of each model config (the published dimensions: configs/*.py).
-SHAPES = {name: expert_layer_shape(name) for name in (
-    "tiny", "deepseek_v2_lite", "qwen3_30b_a3b", "mixtral_8x7b", "olmoe_1b_7b", "deepseek_v3", "gpt_oss_20b")}
+SHAPES = {
+  name: expert_layer_shape(name)
+  for name in ("tiny", "deepseek_v2_lite", "qwen3_30b_a3b", "mixtral_8x7b", "olmoe_1b_7b", "deepseek_v3", "gpt_oss_20b")
+}
 DEFAULT_SHAPES = ("tiny", "deepseek_v2_lite", "qwen3_30b_a3b", "mixtral_8x7b")
 METHODS = ("dedup", "per_slot", "xla")
 ROUTINGS = ("uniform", "correlated")
@@ -48,12 +50,18 @@ _N_LIST = flags.DEFINE_list("n_list", [str(n) for n in range(1, 17)], "Tokens pe
 _ROUTINGS = flags.DEFINE_list("routings", list(ROUTINGS), "uniform and/or correlated.")
 _METHODS = flags.DEFINE_list("methods", list(METHODS), "Methods to time.")
 _REPEATS = flags.DEFINE_integer("repeats", 7, "Timed repeats (median reported).", lower_bound=1)
-_OVERLAP = flags.DEFINE_float("overlap", 0.38, "Correlated routing: share of a token's experts "
-                              "taken from the previous token.", lower_bound=0.0, upper_bound=1.0)
+_OVERLAP = flags.DEFINE_float(
+  "overlap",
+  0.38,
+  "Correlated routing: share of a token's experts taken from the previous token.",
+  lower_bound=0.0,
+  upper_bound=1.0,
+)
 _MAX_WEIGHT_GB = flags.DEFINE_float("max_weight_gb", 3.0, "Benchmark a subset of experts above this.")
 _BACKEND = flags.DEFINE_string("backend", "auto", "Kernel backend for dedup/per_slot.")
-_QUICK = cli.define_quick_flag("the tiny shape, three pass sizes",
-                               {"shapes": ["tiny"], "n_list": ["1", "2", "4"], "repeats": 3})
+_QUICK = cli.define_quick_flag(
+  "the tiny shape, three pass sizes", {"shapes": ["tiny"], "n_list": ["1", "2", "4"], "repeats": 3}
+)
 _SEED = flags.DEFINE_integer("seed", 0, "Routing and weight seed.")
 
 
@@ -77,9 +85,11 @@ def _layer(shape, max_weight_gb, seed):
   per_expert = kbytes.expert_bytes(d, f, 4)
   e_bench = int(min(e, max(k, max_weight_gb * 1e9 // per_expert)))
   keys = jax.random.split(jax.random.key(seed), 3)
-  w = (jax.random.normal(keys[0], (e_bench, d, f)) / np.sqrt(d),
-       jax.random.normal(keys[1], (e_bench, d, f)) / np.sqrt(d),
-       jax.random.normal(keys[2], (e_bench, f, d)) / np.sqrt(f))
+  w = (
+    jax.random.normal(keys[0], (e_bench, d, f)) / np.sqrt(d),
+    jax.random.normal(keys[1], (e_bench, d, f)) / np.sqrt(d),
+    jax.random.normal(keys[2], (e_bench, f, d)) / np.sqrt(f),
+  )
   return (d, e, e_bench, k, f), jax.block_until_ready(w)
 
 
@@ -99,14 +109,26 @@ def bench_shape(shape, n_list, routings, methods, repeats, overlap, max_weight_g
       parts = []
       ids_j = jnp.asarray(ids)
       times_ms = timing.median_times_alternating_ms(
-          {m: (lambda fn=fns[m]: fn(x, ids_j, g, *w)) for m in methods}, repeats)
+        {m: (lambda fn=fns[m]: fn(x, ids_j, g, *w)) for m in methods}, repeats
+      )
       for m in methods:
         t_ms = times_ms[m]
         b = kbytes.bytes_requested(ids, d, f, 4, m)
         gbps = b / t_ms / 1e6
-        rows.append(dict(shape=shape, n_tokens=n, method=m, routing=routing, unique_experts=u,
-                         bytes_requested=int(b), time_ms=t_ms, effective_gbps=gbps,
-                         experts_benchmarked=e_bench, n_experts=e))
+        rows.append(
+          dict(
+            shape=shape,
+            n_tokens=n,
+            method=m,
+            routing=routing,
+            unique_experts=u,
+            bytes_requested=int(b),
+            time_ms=t_ms,
+            effective_gbps=gbps,
+            experts_benchmarked=e_bench,
+            n_experts=e,
+          )
+        )
         parts.append(f"{m} {t_ms:8.3f} ms {gbps:6.1f} GB/s")
       log(f"  {routing:10s} n={n:2d} unique={u:3d}  " + "  ".join(parts))
   del w
@@ -120,8 +142,10 @@ def plot(rows, crossover, workdir):
     for routing in sorted({r["routing"] for r in rows if r["shape"] == shape}):
       fig, axes = plt.subplots(1, 2, figsize=(11, 4))
       for m in METHODS:
-        sel = sorted((r for r in rows if r["shape"] == shape and r["routing"] == routing and r["method"] == m),
-                     key=lambda r: r["n_tokens"])
+        sel = sorted(
+          (r for r in rows if r["shape"] == shape and r["routing"] == routing and r["method"] == m),
+          key=lambda r: r["n_tokens"],
+        )
         if not sel:
           continue
         ns = [r["n_tokens"] for r in sel]
@@ -162,15 +186,25 @@ def run(workdir, shapes, n_list, routings, methods, repeats, overlap, max_weight
   ratio, crossover = kernel_report.summarize(rows, stream)
   for c in crossover:
     fr = c["best_fraction_of_stream"]
-    log(f"[{c['shape']}/{c['routing']}] crossover n={c['measured_n']} (dedup faster from there on; first "
-        f"faster at n={c['first_faster_n']}); best/stream: "
-        + " ".join(f"{n}:{v:.2f}" for n, v in fr.items()))
-  metrics = {"kernel_bench": dict(
-      stream_read_gbps=stream, stream_read_gbps_samples=streams, platform=jax.default_backend(),
-      kernel_backend=pallas_kernels.resolve_backend(backend), repeats=repeats, dtype="float32",
-      rows=rows, ratio=ratio, crossover=crossover,
+    log(
+      f"[{c['shape']}/{c['routing']}] crossover n={c['measured_n']} (dedup faster from there on; first "
+      f"faster at n={c['first_faster_n']}); best/stream: " + " ".join(f"{n}:{v:.2f}" for n, v in fr.items())
+    )
+  metrics = {
+    "kernel_bench": dict(
+      stream_read_gbps=stream,
+      stream_read_gbps_samples=streams,
+      platform=jax.default_backend(),
+      kernel_backend=pallas_kernels.resolve_backend(backend),
+      repeats=repeats,
+      dtype="float32",
+      rows=rows,
+      ratio=ratio,
+      crossover=crossover,
       note="effective_gbps = bytes_requested / time; bytes per pallas_kernels.bytes; "
-           "experts_benchmarked < n_experts means a subset of the layer's experts (memory)")}
+      "experts_benchmarked < n_experts means a subset of the layer's experts (memory)",
+    )
+  }
   metrics["kernel_bench"]["plots"] = plot(rows, crossover, workdir)
   atomic.write_json_atomic(os.path.join(workdir, "metrics.json"), metrics)
   log(f"wrote {os.path.join(workdir, 'metrics.json')}")
@@ -180,8 +214,18 @@ def run(workdir, shapes, n_list, routings, methods, repeats, overlap, max_weight
 def main(argv):
   if len(argv) > 1:
     raise ValueError(f"unexpected arguments: {argv[1:]}")
-  run(_WORKDIR.value, _SHAPES.value, cli.int_list("n_list", _N_LIST.value), _ROUTINGS.value, _METHODS.value,
-      _REPEATS.value, _OVERLAP.value, _MAX_WEIGHT_GB.value, _BACKEND.value, _SEED.value)
+  run(
+    _WORKDIR.value,
+    _SHAPES.value,
+    cli.int_list("n_list", _N_LIST.value),
+    _ROUTINGS.value,
+    _METHODS.value,
+    _REPEATS.value,
+    _OVERLAP.value,
+    _MAX_WEIGHT_GB.value,
+    _BACKEND.value,
+    _SEED.value,
+  )
 
 
 if __name__ == "__main__":

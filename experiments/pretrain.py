@@ -17,12 +17,19 @@ from moespec_jax.training import pretrain
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny.py", "Model and training config.")
 _WORKDIR = flags.DEFINE_string("workdir", "runs/pretrain", "Output directory (resumable).")
-_EXPORT = flags.DEFINE_bool("export_default", False,
-                            "Also save the trained model as the default model in the cache.")
-_QUICK = cli.define_quick_flag("a few short steps of the config's model", {
-    "config.train.steps": 20, "config.train.warmup_steps": 2, "config.train.batch_size": 4,
-    "config.train.seq_len": 64, "config.train.eval_every": 10, "config.train.eval_batches": 1,
-    "config.train.checkpoint_every": 10})
+_EXPORT = flags.DEFINE_bool("export_default", False, "Also save the trained model as the default model in the cache.")
+_QUICK = cli.define_quick_flag(
+  "a few short steps of the config's model",
+  {
+    "config.train.steps": 20,
+    "config.train.warmup_steps": 2,
+    "config.train.batch_size": 4,
+    "config.train.seq_len": 64,
+    "config.train.eval_every": 10,
+    "config.train.eval_batches": 1,
+    "config.train.checkpoint_every": 10,
+  },
+)
 
 
 def main(argv):
@@ -31,10 +38,16 @@ def main(argv):
   if _QUICK.value and _EXPORT.value:
     raise ValueError("--export_default does not go with --quick: a smoke run's model is not the default model")
   cfg = _CONFIG.value
-  model, metrics = pretrain.train(model_config_from(cfg.model), pretrain.TrainConfig.from_dict(cfg.train),
-                                  _WORKDIR.value, config_name=cfg.get("name", ""))
-  print(f"validation bits/byte: {metrics['final_val_bits_per_byte']:.4f}; "
-        f"train tokens/s: {metrics.get('train_tokens_per_second', float('nan')):,.0f}")
+  model, metrics = pretrain.train(
+    model_config_from(cfg.model),
+    pretrain.TrainConfig.from_dict(cfg.train),
+    _WORKDIR.value,
+    config_name=cfg.get("name", ""),
+  )
+  print(
+    f"validation bits/byte: {metrics['final_val_bits_per_byte']:.4f}; "
+    f"train tokens/s: {metrics.get('train_tokens_per_second', float('nan')):,.0f}"
+  )
   if _EXPORT.value:
     print(f"default model saved to {model.save(paths.default_model_dir())}")
   print(f"wrote {_WORKDIR.value}/metrics.json, {_WORKDIR.value}/loss.png and {_WORKDIR.value}/model")

@@ -11,24 +11,29 @@ import pathlib
 from absl import flags
 
 from moespec_jax import cli
-from moespec_jax.research import routing_report, traces
 from moespec_jax.io import atomic
+from moespec_jax.research import routing_report, traces
 
 _WORKDIR = flags.DEFINE_string("workdir", "runs/routing_stats", "Output directory.")
 _MODEL = cli.define_model_flag()
 _SOURCE = flags.DEFINE_enum("source", "heldout", ["heldout", "generated"], "Where the routing comes from.")
 _SEGMENTS = flags.DEFINE_integer(
-    "n_segments", 64, "Held-out windows (or prompts for 'generated'): half fit the models, half test them.",
-    lower_bound=2)
+  "n_segments", 64, "Held-out windows (or prompts for 'generated'): half fit the models, half test them.", lower_bound=2
+)
 _SEQ_LEN = flags.DEFINE_integer(
-    "seq_len", 256, "Tokens per window (or generated tokens per prompt): at least --max_tokens, and "
-    f"{routing_report.MAX_DISTANCE + 1} for the overlap up to distance {routing_report.MAX_DISTANCE}.",
-    lower_bound=routing_report.MAX_DISTANCE + 1)
+  "seq_len",
+  256,
+  "Tokens per window (or generated tokens per prompt): at least --max_tokens, and "
+  f"{routing_report.MAX_DISTANCE + 1} for the overlap up to distance {routing_report.MAX_DISTANCE}.",
+  lower_bound=routing_report.MAX_DISTANCE + 1,
+)
 _MAX_TOKENS = flags.DEFINE_integer("max_tokens", 16, "Largest pass size n.", lower_bound=2)
-_IPF_MAX = flags.DEFINE_integer("ipf_max_tokens", 9, "Largest n for the IPF model (2^n states; its error is over "
-                                "n = 2 and up).", lower_bound=2)
-_QUICK = cli.define_quick_flag("fewer and shorter windows, smaller passes",
-                               {"n_segments": 8, "seq_len": 32, "max_tokens": 8, "ipf_max_tokens": 5})
+_IPF_MAX = flags.DEFINE_integer(
+  "ipf_max_tokens", 9, "Largest n for the IPF model (2^n states; its error is over n = 2 and up).", lower_bound=2
+)
+_QUICK = cli.define_quick_flag(
+  "fewer and shorter windows, smaller passes", {"n_segments": 8, "seq_len": 32, "max_tokens": 8, "ipf_max_tokens": 5}
+)
 
 
 def main(argv):
@@ -53,10 +58,15 @@ def main(argv):
     ipf_text = f"{r['ipf']:9.2f}" if r["ipf"] is not None else f"{'-':>9}"
     print(f"{r['n_tokens']:>3}{r['empirical']:>11.2f}{ipf_text}{r['independent']:>13.2f}{r['uniform']:>9.2f}")
   overlap = stats["overlap_by_distance"]
-  print("overlap by distance:", ", ".join(f"d={o['distance']}: {o['overlap']:.3f}" for o in overlap),
-        f"(independent {overlap[0]['independent']:.3f})")
-  print(f"mean abs relative error ({stats['error_range']}): IPF {stats['ipf_mean_abs_rel_error']:.2%}, "
-        f"independent {stats['independent_mean_abs_rel_error']:.2%}")
+  print(
+    "overlap by distance:",
+    ", ".join(f"d={o['distance']}: {o['overlap']:.3f}" for o in overlap),
+    f"(independent {overlap[0]['independent']:.3f})",
+  )
+  print(
+    f"mean abs relative error ({stats['error_range']}): IPF {stats['ipf_mean_abs_rel_error']:.2%}, "
+    f"independent {stats['independent_mean_abs_rel_error']:.2%}"
+  )
   print("wrote " + ", ".join(str(p) for p in written))
 
 

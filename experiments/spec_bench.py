@@ -20,14 +20,17 @@ from moespec_jax.research import spec_bench
 _WORKDIR = flags.DEFINE_string("workdir", "runs/spec_bench", "Where metrics.json and the plot go.")
 _MODEL = cli.define_model_flag()
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 64, "Tokens generated per prompt.", lower_bound=1)
-_REPEATS = flags.DEFINE_integer("repeats", 3, "Timed runs per row, after one untimed run (median reported).",
-                                lower_bound=1)
+_REPEATS = flags.DEFINE_integer(
+  "repeats", 3, "Timed runs per row, after one untimed run (median reported).", lower_bound=1
+)
 _BATCHES = flags.DEFINE_list("batch_sizes", ["1", "2", "4", "8"], "Batch sizes.")
 _TEMPS = flags.DEFINE_list("temperatures", ["0", "1"], "Temperatures (0: greedy).")
 _DRAFTERS = flags.DEFINE_list("drafters", ["mtp", "ngram"], "Drafters (mtp needs MTP heads).")
 _KS = flags.DEFINE_list("num_draft", ["1", "2", "3", "4", "5", "6"], "Draft lengths K.")
-_QUICK = cli.define_quick_flag("batch 1, K = 2, greedy, short outputs", {
-    "batch_sizes": ["1"], "temperatures": ["0"], "num_draft": ["2"], "max_new_tokens": 16, "repeats": 3})
+_QUICK = cli.define_quick_flag(
+  "batch 1, K = 2, greedy, short outputs",
+  {"batch_sizes": ["1"], "temperatures": ["0"], "num_draft": ["2"], "max_new_tokens": 16, "repeats": 3},
+)
 
 
 def main(argv):
@@ -35,10 +38,13 @@ def main(argv):
     raise ValueError(f"unexpected arguments: {argv[1:]}")
   cli.choice_list("drafters", _DRAFTERS.value, ("mtp", "ngram"))
   # Checked before a model is loaded (or trained).
-  sweep = dict(batch_sizes=cli.int_list("batch_sizes", _BATCHES.value),
-               temperatures=cli.float_list("temperatures", _TEMPS.value),
-               num_drafts=cli.int_list("num_draft", _KS.value), max_new_tokens=_MAX_NEW.value,
-               repeats=_REPEATS.value)
+  sweep = dict(
+    batch_sizes=cli.int_list("batch_sizes", _BATCHES.value),
+    temperatures=cli.float_list("temperatures", _TEMPS.value),
+    num_drafts=cli.int_list("num_draft", _KS.value),
+    max_new_tokens=_MAX_NEW.value,
+    repeats=_REPEATS.value,
+  )
   model = cli.load_model(_MODEL.value)
   drafters = [d for d in _DRAFTERS.value if d != "mtp" or model.config.num_mtp_modules]
   spec_bench.run_spec_bench(model, _WORKDIR.value, drafters=drafters, **sweep)

@@ -31,31 +31,81 @@ _MODEL_NAMES = flags.DEFINE_list("models", ["gqa", "mla"], "The random models to
 _NEW_TOKENS = flags.DEFINE_integer("max_new_tokens", 40, "Tokens per call.", lower_bound=2)
 
 _MODELS = {
-    "gqa": dict(vocab_size=264, d_model=64, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=16, max_seq_len=256,
-                n_routed_experts=8, top_k=2, n_shared_experts=1, expert_hidden=32, dense_hidden=96,
-                first_k_dense=1, num_mtp_modules=1),
-    "mla": dict(vocab_size=264, d_model=64, n_layers=3, n_heads=4, n_kv_heads=4, head_dim=16, max_seq_len=256,
-                n_routed_experts=16, top_k=4, n_shared_experts=1, expert_hidden=16, dense_hidden=96,
-                first_k_dense=1, num_mtp_modules=1, attention_type="mla", q_lora_rank=32, kv_lora_rank=32,
-                qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, score_func="sigmoid",
-                use_score_bias=True, n_groups=4, topk_groups=2, routed_scaling_factor=2.5),
+  "gqa": dict(
+    vocab_size=264,
+    d_model=64,
+    n_layers=3,
+    n_heads=4,
+    n_kv_heads=2,
+    head_dim=16,
+    max_seq_len=256,
+    n_routed_experts=8,
+    top_k=2,
+    n_shared_experts=1,
+    expert_hidden=32,
+    dense_hidden=96,
+    first_k_dense=1,
+    num_mtp_modules=1,
+  ),
+  "mla": dict(
+    vocab_size=264,
+    d_model=64,
+    n_layers=3,
+    n_heads=4,
+    n_kv_heads=4,
+    head_dim=16,
+    max_seq_len=256,
+    n_routed_experts=16,
+    top_k=4,
+    n_shared_experts=1,
+    expert_hidden=16,
+    dense_hidden=96,
+    first_k_dense=1,
+    num_mtp_modules=1,
+    attention_type="mla",
+    q_lora_rank=32,
+    kv_lora_rank=32,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+    score_func="sigmoid",
+    use_score_bias=True,
+    n_groups=4,
+    topk_groups=2,
+    routed_scaling_factor=2.5,
+  ),
 }
-_PROMPTS = {1: ["def fib(n):"],
-            4: ["import os\n", "class Tree:\n    def __init__(self", "x = [", "for i in range(10):\n    print("]}
-_SAMPLINGS = {"greedy": dict(temperature=0.0), "t1_top_p": dict(temperature=1.0, top_p=0.9),
-              "t07_top_k": dict(temperature=0.7, top_k=20)}
+_PROMPTS = {
+  1: ["def fib(n):"],
+  4: ["import os\n", "class Tree:\n    def __init__(self", "x = [", "for i in range(10):\n    print("],
+}
+_SAMPLINGS = {
+  "greedy": dict(temperature=0.0),
+  "t1_top_p": dict(temperature=1.0, top_p=0.9),
+  "t07_top_k": dict(temperature=0.7, top_k=20),
+}
 _SPECS = {
-    "plain": dict(drafter="none"),
-    "mtp3": dict(drafter="mtp", num_draft=3),
-    "ngram4": dict(drafter="ngram", num_draft=4),
-    "mtp_auto": dict(drafter="mtp", num_draft="auto", max_draft=6),
-    "ngram_auto": dict(drafter="ngram", num_draft="auto", max_draft=6),
-    "budget_trunc": dict(drafter="mtp", num_draft=3, mode="budgeted", expert_budget="top_k+1"),
-    "budget_subst_row": dict(drafter="ngram", num_draft=3, mode="budgeted", expert_budget="top_k+1",
-                             budget_policy="substitute", budget_scope="row"),
-    "per_slot": dict(drafter="mtp", num_draft=2, kernel="per_slot"),
-    "xla_kernels": dict(drafter="ngram", num_draft=2, kernel="xla",
-                        research=msj.ResearchOptions(head_kernel="xla", attention_kernel="xla", dense_kernel="xla")),
+  "plain": dict(drafter="none"),
+  "mtp3": dict(drafter="mtp", num_draft=3),
+  "ngram4": dict(drafter="ngram", num_draft=4),
+  "mtp_auto": dict(drafter="mtp", num_draft="auto", max_draft=6),
+  "ngram_auto": dict(drafter="ngram", num_draft="auto", max_draft=6),
+  "budget_trunc": dict(drafter="mtp", num_draft=3, mode="budgeted", expert_budget="top_k+1"),
+  "budget_subst_row": dict(
+    drafter="ngram",
+    num_draft=3,
+    mode="budgeted",
+    expert_budget="top_k+1",
+    budget_policy="substitute",
+    budget_scope="row",
+  ),
+  "per_slot": dict(drafter="mtp", num_draft=2, kernel="per_slot"),
+  "xla_kernels": dict(
+    drafter="ngram",
+    num_draft=2,
+    kernel="xla",
+    research=msj.ResearchOptions(head_kernel="xla", attention_kernel="xla", dense_kernel="xla"),
+  ),
 }
 _STAT_KEYS = ("passes", "mean_accepted_length", "acceptance_by_depth", "unique_experts_per_pass", "generated_tokens")
 
@@ -73,8 +123,13 @@ def _calls(model):
         spec = dict(spec)
         if spec.get("expert_budget") == "top_k+1":
           spec["expert_budget"] = model.config.top_k + 1
-        yield (f"b{batch}/{sampling_name}/{spec_name}", prompts, msj.SamplingParams(**sampling),
-               msj.SpecParams(**spec), not auto)
+        yield (
+          f"b{batch}/{sampling_name}/{spec_name}",
+          prompts,
+          msj.SamplingParams(**sampling),
+          msj.SpecParams(**spec),
+          not auto,
+        )
 
 
 def _controlled_spec(num_draft, auto: bool):
@@ -99,14 +154,24 @@ def _run_model(label: str, model, max_new_tokens: int) -> dict:
     for name, spec, deterministic in _controlled_calls():
       calls.append((f"b{batch}/greedy/{name}", prompts, msj.SamplingParams(), spec, deterministic, plain))
   for name, prompts, sampling, spec, deterministic, *reference in calls:
-    result = msj.generate(model, prompts, max_new_tokens=max_new_tokens, sampling=sampling, spec=spec, seed=7,
-                          reference_tokens=reference[0] if reference else None)
+    result = msj.generate(
+      model,
+      prompts,
+      max_new_tokens=max_new_tokens,
+      sampling=sampling,
+      spec=spec,
+      seed=7,
+      reference_tokens=reference[0] if reference else None,
+    )
     entry = {"tokens": result.tokens.tolist()}
     if deterministic:
       entry["stats"] = {k: result.stats[k] for k in _STAT_KEYS}
     out[f"{label}/{name}"] = entry
-    print(f"{label}/{name}: {result.stats['generated_tokens']} tokens, mean accepted length "
-          f"{result.stats['mean_accepted_length']:.3f}", flush=True)
+    print(
+      f"{label}/{name}: {result.stats['generated_tokens']} tokens, mean accepted length "
+      f"{result.stats['mean_accepted_length']:.3f}",
+      flush=True,
+    )
   return out
 
 
@@ -115,6 +180,7 @@ def _models():
     yield label, msj.Model.init(msj.ModelConfig(**_MODELS[label]), seed=3)
   if _DEFAULT.value:
     from moespec_jax.io import paths
+
     if (paths.default_model_dir() / "config.json").exists():
       yield "default", msj.Model.load(paths.default_model_dir())
     else:

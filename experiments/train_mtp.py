@@ -20,18 +20,27 @@ from moespec_jax.training import mtp
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny.py", "Config with an `mtp` section.")
 _WORKDIR = flags.DEFINE_string("workdir", "runs/train_mtp", "Output directory (resumable).")
-_MODEL = cli.define_model_flag(unset="the default model's target, trained and cached on first use",
-                               aliases=("checkpoint", "target"))
-_SAVE_DEFAULT = flags.DEFINE_bool("save_default", False,
-                                  "Also save target + heads as the default model in the cache.")
-_PROMPTS = flags.DEFINE_integer("acceptance_prompts", 8, "Held-out prompts decoded to measure acceptance by depth.",
-                                lower_bound=1)
-_TOKENS = flags.DEFINE_integer("acceptance_tokens", 96, "Tokens generated per prompt for that measure.",
-                               lower_bound=1)
-_QUICK = cli.define_quick_flag("a few short steps", {
-    "config.mtp.steps": 20, "config.mtp.warmup_steps": 2, "config.mtp.batch_size": 4, "config.mtp.seq_len": 64,
-    "config.mtp.eval_batches": 1, "config.mtp.checkpoint_every": 10, "acceptance_prompts": 2,
-    "acceptance_tokens": 16})
+_MODEL = cli.define_model_flag(
+  unset="the default model's target, trained and cached on first use", aliases=("checkpoint", "target")
+)
+_SAVE_DEFAULT = flags.DEFINE_bool("save_default", False, "Also save target + heads as the default model in the cache.")
+_PROMPTS = flags.DEFINE_integer(
+  "acceptance_prompts", 8, "Held-out prompts decoded to measure acceptance by depth.", lower_bound=1
+)
+_TOKENS = flags.DEFINE_integer("acceptance_tokens", 96, "Tokens generated per prompt for that measure.", lower_bound=1)
+_QUICK = cli.define_quick_flag(
+  "a few short steps",
+  {
+    "config.mtp.steps": 20,
+    "config.mtp.warmup_steps": 2,
+    "config.mtp.batch_size": 4,
+    "config.mtp.seq_len": 64,
+    "config.mtp.eval_batches": 1,
+    "config.mtp.checkpoint_every": 10,
+    "acceptance_prompts": 2,
+    "acceptance_tokens": 16,
+  },
+)
 
 
 def main(argv):
@@ -50,12 +59,13 @@ def main(argv):
   atomic.write_json_atomic(workdir / "metrics.json", {"train_mtp": metrics})
   mtp.plot_mtp(metrics, workdir / "mtp.png")
   for row in metrics["teacher_forced"]:
-    print(f"depth {row['depth']}: greedy acceptance {row['greedy_acceptance']:.3f}, expected "
-          f"acceptance at T=1 {row['expected_acceptance_t1']:.3f}, ce {row['ce']:.3f}")
+    print(
+      f"depth {row['depth']}: greedy acceptance {row['greedy_acceptance']:.3f}, expected "
+      f"acceptance at T=1 {row['expected_acceptance_t1']:.3f}, ce {row['ce']:.3f}"
+    )
   for name, d in metrics["decoding"].items():
     accs = ", ".join(f"{a:.3f}" for a in d["acceptance_by_depth"])
-    print(f"decoding ({name}, K=4): acceptance by depth [{accs}], mean accepted length "
-          f"{d['mean_accepted_length']:.2f}")
+    print(f"decoding ({name}, K=4): acceptance by depth [{accs}], mean accepted length {d['mean_accepted_length']:.2f}")
   if _SAVE_DEFAULT.value:
     print(f"default model saved to {model.save(paths.default_model_dir())}")
   print(f"wrote {workdir / 'metrics.json'}, {workdir / 'mtp.png'} and {workdir / 'model'}")

@@ -51,7 +51,7 @@ class Model:
 
   # Construction -----------------------------------------------------------------------
   @classmethod
-  def init(cls, config: ModelConfig, seed: int = 0, tokenizer=None) -> "Model":
+  def init(cls, config: ModelConfig, seed: int = 0, tokenizer=None) -> Model:
     """A randomly initialised model."""
     if not isinstance(config, ModelConfig):
       raise ValueError(f"config must be a ModelConfig, got {type(config).__name__}")
@@ -60,7 +60,7 @@ class Model:
     return cls(config, graphdef, state, tokenizer)
 
   @classmethod
-  def from_module(cls, module: Transformer, tokenizer) -> "Model":
+  def from_module(cls, module: Transformer, tokenizer) -> Model:
     graphdef, state = nnx.split(module)
     return cls(module.config, graphdef, state, tokenizer)
 
@@ -109,10 +109,11 @@ class Model:
     is the token those start with. ValueError for a layout Qwen2-MoE cannot express; MTP heads are
     not written (`moespec_jax.hf.export`)."""
     from moespec_jax.hf import export  # pylint: disable=g-import-not-at-top
+
     return export.export_qwen2_moe(self, path)
 
   @classmethod
-  def load(cls, path, dtype: str | None = None) -> "Model":
+  def load(cls, path, dtype: str | None = None) -> Model:
     """Loads a directory written by `save`, or a Hugging Face model directory.
 
     A Hugging Face directory (config.json with a `model_type`, safetensors weights) is
@@ -127,6 +128,7 @@ class Model:
     if meta.get("format") != FORMAT:
       if "model_type" in meta:
         from moespec_jax import hf  # pylint: disable=g-import-not-at-top
+
         config, graphdef, state, tokenizer, extras = hf.load_checkpoint(path, dtype=dtype)
         model = cls(config, graphdef, state, tokenizer)
         model.hf_extras = extras
@@ -150,8 +152,7 @@ class Model:
   def validate_tokens(self, tokens) -> np.ndarray:
     tokens = np.asarray(tokens)
     if tokens.ndim != 2 or tokens.shape[1] == 0 or not np.issubdtype(tokens.dtype, np.integer):
-      raise ValueError(f"tokens must be a non-empty int array [B, T], got shape {tokens.shape} "
-                       f"dtype {tokens.dtype}")
+      raise ValueError(f"tokens must be a non-empty int array [B, T], got shape {tokens.shape} dtype {tokens.dtype}")
     if tokens.min() < 0 or tokens.max() >= self.config.vocab_size:
       raise ValueError(f"tokens has ids outside the vocabulary [0, {self.config.vocab_size})")
     if tokens.shape[1] > self.config.max_seq_len:

@@ -24,10 +24,10 @@ from __future__ import annotations
 import math
 import re
 import sys
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
-from absl import app
-from absl import flags
+from absl import app, flags
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
@@ -92,8 +92,9 @@ def choice_list(flag: str, values: Sequence[str], known: Sequence[str]) -> list[
   return check_choices(f"--{flag}", values, known)
 
 
-def define_model_flag(unset: str = "the default trained model, trained and cached on first use",
-                      aliases: Sequence[str] = ("checkpoint",)) -> flags.FlagHolder:
+def define_model_flag(
+  unset: str = "the default trained model, trained and cached on first use", aliases: Sequence[str] = ("checkpoint",)
+) -> flags.FlagHolder:
   """`--model=DIR` (alias `--checkpoint`, and any other `aliases`), the model an experiment runs on: a
   directory of ours or a Hugging Face one (`Model.load`); unset, the default trained model (`load_model`).
   `unset`: what the help says an unset flag means."""
@@ -119,8 +120,9 @@ def define_quick_flag(what: str, defaults: dict[str, Any]) -> flags.FlagHolder:
   `a.b` of --config). A flag given on the command line keeps its value."""
   _QUICK_DEFAULTS.update(defaults)
   settings = " ".join(f"--{name}={_shown(value)}" for name, value in _QUICK_DEFAULTS.items())
-  return flags.DEFINE_bool("quick", False, f"A smoke run ({what}): {settings}; a flag given explicitly keeps "
-                           "its value.")
+  return flags.DEFINE_bool(
+    "quick", False, f"A smoke run ({what}): {settings}; a flag given explicitly keeps its value."
+  )
 
 
 def apply_quick() -> None:
@@ -130,7 +132,8 @@ def apply_quick() -> None:
   for name, value in _QUICK_DEFAULTS.items():
     if name.startswith("config."):
       from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
-      path = name[len("config."):]
+
+      path = name[len("config.") :]
       if path not in config_flags.get_override_values(flags.FLAGS["config"]):
         *parents, field = path.split(".")
         node = flags.FLAGS["config"].value
@@ -146,8 +149,10 @@ def load_model(path: str | None, *, train_heads: bool = True):
   `train_heads`: with its MTP heads)."""
   if path:
     from moespec_jax.api import Model  # pylint: disable=g-import-not-at-top (cli stays light)
+
     return Model.load(path)
   from moespec_jax.default_model import ensure_default_model  # pylint: disable=g-import-not-at-top
+
   return ensure_default_model(train_heads=train_heads)
 
 
@@ -176,8 +181,13 @@ def _show_shared_flags_in_help() -> None:
         flags.FLAGS.register_key_flag_for_module(sys.argv[0], flag)
 
 
-def run(main: Callable[[list[str]], object], argv: Sequence[str] | None = None, *,
-        verbosity: int = -1, resumable: bool = False) -> None:
+def run(
+  main: Callable[[list[str]], object],
+  argv: Sequence[str] | None = None,
+  *,
+  verbosity: int = -1,
+  resumable: bool = False,
+) -> None:
   """`absl.app.run(main)` with one-line user errors and exit status 2, --quick's defaults applied
   (`define_quick_flag`), and the persistent cache of compiled programs on (`io/compile_cache.enable`:
   a rerun loads what an earlier run compiled).
@@ -212,6 +222,7 @@ def run(main: Callable[[list[str]], object], argv: Sequence[str] | None = None, 
     try:
       apply_quick()
       from moespec_jax.io import compile_cache  # pylint: disable=g-import-not-at-top
+
       compile_cache.enable()  # a rerun loads its compiled programs
       return main(args)
     except _USER_ERRORS as e:

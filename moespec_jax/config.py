@@ -83,55 +83,65 @@ class ModelConfig:
       if not cond:
         raise ValueError(f"ModelConfig: {msg}")
 
-    for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads",
-                 "head_dim", "max_seq_len"):
+    for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "max_seq_len"):
       need(getattr(self, name) > 0, f"{name} must be > 0, got {getattr(self, name)}")
-    need(self.n_heads % self.n_kv_heads == 0,
-         f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
+    need(
+      self.n_heads % self.n_kv_heads == 0,
+      f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})",
+    )
     need(self.head_dim % 2 == 0, f"head_dim must be even for RoPE, got {self.head_dim}")
-    need(0 <= self.first_k_dense <= self.n_layers,
-         f"first_k_dense must be in [0, n_layers], got {self.first_k_dense}")
+    need(0 <= self.first_k_dense <= self.n_layers, f"first_k_dense must be in [0, n_layers], got {self.first_k_dense}")
     if self.n_moe_layers:
       need(self.n_routed_experts > 0, "n_routed_experts must be > 0")
-      need(1 <= self.top_k <= self.n_routed_experts,
-           f"top_k must be in [1, n_routed_experts={self.n_routed_experts}], got {self.top_k}")
+      need(
+        1 <= self.top_k <= self.n_routed_experts,
+        f"top_k must be in [1, n_routed_experts={self.n_routed_experts}], got {self.top_k}",
+      )
       need(self.expert_hidden > 0, "expert_hidden must be > 0")
       need(self.n_shared_experts >= 0, "n_shared_experts must be >= 0")
-      need(self.score_func in ("softmax", "sigmoid"),
-           f"score_func must be 'softmax' or 'sigmoid', got {self.score_func!r}")
-      need(self.n_groups >= 1 and self.n_routed_experts % self.n_groups == 0,
-           f"n_groups ({self.n_groups}) must divide n_routed_experts ({self.n_routed_experts})")
-      need(1 <= self.topk_groups <= self.n_groups,
-           f"topk_groups must be in [1, n_groups], got {self.topk_groups}")
-      need(self.top_k <= self.topk_groups * self.n_routed_experts // self.n_groups,
-           "top_k exceeds the experts available in topk_groups groups")
+      need(
+        self.score_func in ("softmax", "sigmoid"), f"score_func must be 'softmax' or 'sigmoid', got {self.score_func!r}"
+      )
+      need(
+        self.n_groups >= 1 and self.n_routed_experts % self.n_groups == 0,
+        f"n_groups ({self.n_groups}) must divide n_routed_experts ({self.n_routed_experts})",
+      )
+      need(1 <= self.topk_groups <= self.n_groups, f"topk_groups must be in [1, n_groups], got {self.topk_groups}")
+      need(
+        self.top_k <= self.topk_groups * self.n_routed_experts // self.n_groups,
+        "top_k exceeds the experts available in topk_groups groups",
+      )
     if self.first_k_dense:
       need(self.dense_hidden > 0, "dense_hidden must be > 0 when first_k_dense > 0")
     need(self.num_mtp_modules >= 0, "num_mtp_modules must be >= 0")
     need(self.dtype in ("float32", "bfloat16"), f"dtype must be float32 or bfloat16, got {self.dtype!r}")
-    need(self.expert_method in ("auto", "xla", "dedup", "per_slot"),
-         f"expert_method must be auto, xla, dedup or per_slot, got {self.expert_method!r}")
+    need(
+      self.expert_method in ("auto", "xla", "dedup", "per_slot"),
+      f"expert_method must be auto, xla, dedup or per_slot, got {self.expert_method!r}",
+    )
     need(0 <= self.eos_id < self.vocab_size, f"eos_id {self.eos_id} outside the vocabulary")
-    need(self.attention_type in ("gqa", "mla"),
-         f"attention_type must be 'gqa' or 'mla', got {self.attention_type!r}")
-    need(self.qk_norm in ("none", "head", "full"),
-         f"qk_norm must be 'none', 'head' or 'full', got {self.qk_norm!r}")
+    need(self.attention_type in ("gqa", "mla"), f"attention_type must be 'gqa' or 'mla', got {self.attention_type!r}")
+    need(self.qk_norm in ("none", "head", "full"), f"qk_norm must be 'none', 'head' or 'full', got {self.qk_norm!r}")
     if self.attention_type == "mla":
       need(self.kv_lora_rank > 0, "kv_lora_rank must be > 0 for MLA")
-      need(self.qk_rope_head_dim > 0 and self.qk_rope_head_dim % 2 == 0,
-           f"qk_rope_head_dim must be even and > 0 for MLA, got {self.qk_rope_head_dim}")
-      need(self.qk_nope_head_dim >= 0 and self.v_head_dim > 0 and self.q_lora_rank >= 0,
-           "MLA needs qk_nope_head_dim >= 0, v_head_dim > 0 and q_lora_rank >= 0")
+      need(
+        self.qk_rope_head_dim > 0 and self.qk_rope_head_dim % 2 == 0,
+        f"qk_rope_head_dim must be even and > 0 for MLA, got {self.qk_rope_head_dim}",
+      )
+      need(
+        self.qk_nope_head_dim >= 0 and self.v_head_dim > 0 and self.q_lora_rank >= 0,
+        "MLA needs qk_nope_head_dim >= 0, v_head_dim > 0 and q_lora_rank >= 0",
+      )
       need(self.qk_norm == "none" and not self.qkv_bias, "MLA takes no qk_norm and no qkv_bias")
-    need(self.rope_scaling in ("none", "yarn"),
-         f"rope_scaling must be 'none' or 'yarn', got {self.rope_scaling!r}")
+    need(self.rope_scaling in ("none", "yarn"), f"rope_scaling must be 'none' or 'yarn', got {self.rope_scaling!r}")
     if self.rope_scaling == "yarn":
       need(self.attention_type == "mla", "rope_scaling 'yarn' is supported with MLA only")
-      need(self.rope_factor >= 1.0 and self.rope_original_max_len > 0,
-           "yarn needs rope_factor >= 1 and rope_original_max_len > 0")
+      need(
+        self.rope_factor >= 1.0 and self.rope_original_max_len > 0,
+        "yarn needs rope_factor >= 1 and rope_original_max_len > 0",
+      )
     need(self.shared_expert_hidden >= 0, "shared_expert_hidden must be >= 0")
-    need(not self.shared_expert_gate or self.n_shared_experts > 0,
-         "shared_expert_gate needs n_shared_experts > 0")
+    need(not self.shared_expert_gate or self.n_shared_experts > 0, "shared_expert_gate needs n_shared_experts > 0")
 
   @property
   def n_moe_layers(self) -> int:
@@ -154,14 +164,14 @@ class ModelConfig:
       return 1, self.kv_lora_rank, self.qk_rope_head_dim
     return self.n_kv_heads, self.head_dim, self.head_dim
 
-  def replace(self, **changes: Any) -> "ModelConfig":
+  def replace(self, **changes: Any) -> ModelConfig:
     return dataclasses.replace(self, **changes)
 
   def to_dict(self) -> dict[str, Any]:
     return dataclasses.asdict(self)
 
   @classmethod
-  def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+  def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
     return dataclass_from_dict(cls, d, "ModelConfig: unknown fields")
 
   def param_counts(self) -> dict[str, int]:
@@ -171,8 +181,7 @@ class ModelConfig:
     if self.attention_type == "mla":
       qk = self.qk_nope_head_dim + self.qk_rope_head_dim
       c, r = self.kv_lora_rank, self.qk_rope_head_dim
-      q = d * h * qk if not self.q_lora_rank else (
-          d * self.q_lora_rank + self.q_lora_rank + self.q_lora_rank * h * qk)
+      q = d * h * qk if not self.q_lora_rank else (d * self.q_lora_rank + self.q_lora_rank + self.q_lora_rank * h * qk)
       attn = q + d * (c + r) + c + c * h * (self.qk_nope_head_dim + self.v_head_dim)
       attn += h * self.v_head_dim * d
     else:

@@ -12,6 +12,7 @@ from moespec_jax.io import paths
 
 def default_config():
   from configs import tiny
+
   return tiny.get_config()
 
 
@@ -37,24 +38,37 @@ def ensure_default_model(log=print, *, train_heads: bool = True) -> Model:
     model = Model.load(target)
   else:
     from moespec_jax.training import pretrain
-    log(f"no default model at {target}: training it (configs/tiny.py, {cfg.train.steps} steps; "
-        f"resumable in {training_workdir()})")
-    model, _ = pretrain.train(model_config_from(cfg.model), pretrain.TrainConfig.from_dict(cfg.train),
-                              training_workdir(), config_name="tiny", log=log)
+
+    log(
+      f"no default model at {target}: training it (configs/tiny.py, {cfg.train.steps} steps; "
+      f"resumable in {training_workdir()})"
+    )
+    model, _ = pretrain.train(
+      model_config_from(cfg.model),
+      pretrain.TrainConfig.from_dict(cfg.train),
+      training_workdir(),
+      config_name="tiny",
+      log=log,
+    )
     model.save(target)
     log(f"default model saved to {target}")
     model = Model.load(target)
   if train_heads and model.config.num_mtp_modules == 0:
     from moespec_jax.training import mtp
+
     tc = mtp.MTPTrainConfig.from_dict(cfg.mtp)
     if not tc.time_budget_s:  # the demo's budget for the heads: about 3 minutes
       tc = dataclasses.replace(tc, time_budget_s=180.0)
-    log(f"the default model has no MTP heads: training {tc.num_mtp_modules} ({tc.loss} loss, "
-        f"{tc.steps} steps; resumable in {mtp_workdir()})")
+    log(
+      f"the default model has no MTP heads: training {tc.num_mtp_modules} ({tc.loss} loss, "
+      f"{tc.steps} steps; resumable in {mtp_workdir()})"
+    )
     with_heads, metrics = mtp.train(model, tc, mtp_workdir(), log=log)
     for row in metrics["teacher_forced"]:
-      log(f"MTP depth {row['depth']}: held-out greedy acceptance {row['greedy_acceptance']:.3f}, "
-          f"expected acceptance at T=1 {row['expected_acceptance_t1']:.3f}")
+      log(
+        f"MTP depth {row['depth']}: held-out greedy acceptance {row['greedy_acceptance']:.3f}, "
+        f"expected acceptance at T=1 {row['expected_acceptance_t1']:.3f}"
+      )
     with_heads.save(target)
     log(f"default model saved with its MTP heads to {target}")
     model = Model.load(target)

@@ -27,16 +27,27 @@ import functools
 import logging
 
 import jax
-from jax import lax
 import jax.numpy as jnp
+from jax import lax
 
 from pallas_kernels import cpu, tuning
 from pallas_kernels.grouped import expert_ffn_grouped
 from pallas_kernels.policy import BACKENDS, METHODS, KernelPolicy, resolve_backend
 from pallas_kernels.reference import expert_ffn_dense, expert_ffn_reference
 
-__all__ = ["BACKENDS", "GROUPED_MIN_ROWS", "METHODS", "KernelPolicy", "choose_method", "expert_ffn",
-           "expert_ffn_dense", "expert_ffn_grouped", "expert_ffn_reference", "expert_ffn_xla", "resolve_backend"]
+__all__ = [
+  "BACKENDS",
+  "GROUPED_MIN_ROWS",
+  "METHODS",
+  "KernelPolicy",
+  "choose_method",
+  "expert_ffn",
+  "expert_ffn_dense",
+  "expert_ffn_grouped",
+  "expert_ffn_reference",
+  "expert_ffn_xla",
+  "resolve_backend",
+]
 
 # At or above this many (token, slot) rows (more than any decode pass: 16 tokens x top-8 = 128)
 # the XLA path uses the sort-based grouped matmul (the training path: fastest measured fwd+bwd
@@ -82,8 +93,7 @@ def expert_ffn_xla(x_TD, expert_ids_TK, gates_TK, w_gate_EDF, w_up_EDF, w_down_E
   if n_rows < GROUPED_MIN_ROWS:
     return expert_ffn_pairs(x_TD, expert_ids_TK, gates_TK, w_gate_EDF, w_up_EDF, w_down_EFD)
   block_rows = default_block_rows(n_rows, w_gate_EDF.shape[0])
-  return expert_ffn_grouped(x_TD, expert_ids_TK, gates_TK, w_gate_EDF, w_up_EDF, w_down_EFD,
-                            block_rows=block_rows)
+  return expert_ffn_grouped(x_TD, expert_ids_TK, gates_TK, w_gate_EDF, w_up_EDF, w_down_EFD, block_rows=block_rows)
 
 
 _warned = set()
@@ -102,13 +112,14 @@ def _forward(method, backend, interpret):
       return expert_ffn_xla
   if backend in ("tpu", "interpret"):
     from pallas_kernels import tpu  # pylint: disable=g-import-not-at-top
-    return functools.partial(tpu.expert_ffn_tpu, method=method,
-                             interpret=bool(interpret) or backend == "interpret")
+
+    return functools.partial(tpu.expert_ffn_tpu, method=method, interpret=bool(interpret) or backend == "interpret")
   from pallas_kernels import gpu  # pylint: disable=g-import-not-at-top
+
   return functools.partial(gpu.expert_ffn_gpu, method=method, interpret=bool(interpret))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _with_grouped_vjp(method, backend, interpret):
   """Kernel forward + the grouped XLA path's VJP (so every method trains)."""
   fwd_fn = _forward(method, backend, interpret)
@@ -119,8 +130,11 @@ def _with_grouped_vjp(method, backend, interpret):
 
   def fwd(x_TD, expert_ids_TK, gates_TK, wg, wu, wd):
     def diff(x, g, a, b, c):
-      return expert_ffn_xla(x, expert_ids_TK, g, a, b, c) if expert_ids_TK.size >= GROUPED_MIN_ROWS else (
-          expert_ffn_grouped(x, expert_ids_TK, g, a, b, c, block_rows=8))
+      return (
+        expert_ffn_xla(x, expert_ids_TK, g, a, b, c)
+        if expert_ids_TK.size >= GROUPED_MIN_ROWS
+        else (expert_ffn_grouped(x, expert_ids_TK, g, a, b, c, block_rows=8))
+      )
 
     return jax.vjp(diff, x_TD, gates_TK, wg, wu, wd)
 
@@ -141,8 +155,9 @@ def choose_method(n_tokens, top_k, backend="auto"):
   return "dedup" if n_tokens >= tuning.dedup_min_tokens(resolved) else "per_slot"
 
 
-def expert_ffn(x_TD, expert_ids_TK, gates_TK, w_gate_EDF, w_up_EDF, w_down_EFD, *, method="xla",
-               backend="auto", interpret=False):
+def expert_ffn(
+  x_TD, expert_ids_TK, gates_TK, w_gate_EDF, w_up_EDF, w_down_EFD, *, method="xla", backend="auto", interpret=False
+):
   """y_t = sum_k gates[t, k] * SwiGLU_{expert_ids[t, k]}(x_t); shapes: x [T, D], ids/gates [T, K]."""
   if method not in METHODS:
     raise ValueError(f"method must be one of {METHODS}, got {method!r}")
@@ -151,4 +166,5 @@ def expert_ffn(x_TD, expert_ids_TK, gates_TK, w_gate_EDF, w_up_EDF, w_down_EFD, 
   if method == "xla":
     return expert_ffn_xla(x_TD, expert_ids_TK, gates_TK, w_gate_EDF, w_up_EDF, w_down_EFD)
   return _with_grouped_vjp(method, resolve_backend(backend), bool(interpret))(
-      x_TD, expert_ids_TK, gates_TK, w_gate_EDF, w_up_EDF, w_down_EFD)
+    x_TD, expert_ids_TK, gates_TK, w_gate_EDF, w_up_EDF, w_down_EFD
+  )

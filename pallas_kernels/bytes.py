@@ -50,8 +50,9 @@ def bytes_requested(expert_ids_TK, d_model, expert_hidden, dtype_bytes, method):
   """Weights plus activations a method requests for the routing expert_ids_TK [T, K]."""
   ids = np.asarray(expert_ids_TK)
   n_tokens, top_k = ids.shape
-  return (weight_reads(ids, method) * expert_bytes(d_model, expert_hidden, dtype_bytes)
-          + activation_bytes(n_tokens, top_k, d_model, dtype_bytes))
+  return weight_reads(ids, method) * expert_bytes(d_model, expert_hidden, dtype_bytes) + activation_bytes(
+    n_tokens, top_k, d_model, dtype_bytes
+  )
 
 
 def expected_unique_uniform(n_tokens, n_experts, top_k):

@@ -12,10 +12,11 @@ import jax.numpy as jnp
 
 class SortedRows(NamedTuple):
   """Rows sorted by expert. order_R[i] = row at sorted position i; counts_E = rows per expert."""
-  order_R: jax.Array        # int32 [R]
+
+  order_R: jax.Array  # int32 [R]
   sorted_expert_R: jax.Array  # int32 [R]
-  counts_E: jax.Array       # int32 [E]
-  starts_E: jax.Array       # int32 [E], exclusive cumsum of counts_E
+  counts_E: jax.Array  # int32 [E]
+  starts_E: jax.Array  # int32 [E], exclusive cumsum of counts_E
 
 
 def sort_rows(expert_ids_TK, n_experts):
@@ -41,6 +42,7 @@ class BlockGroups(NamedTuple):
   block's expert, so a kernel sweeping blocks in order fetches no new weights for them).
   num_used_blocks: blocks that hold at least one real row.
   """
+
   slot_of_row_R: jax.Array
   row_of_slot_M: jax.Array
   block_expert_N: jax.Array
@@ -75,16 +77,38 @@ def combine(y_RD, gates_TK, out_dtype):
   return jnp.einsum("tk,tkd->td", gates_TK.astype(jnp.float32), y_TKD.astype(jnp.float32)).astype(out_dtype)
 
 
-def routed_ffn(dedup_rows, per_slot_rows, x_TD, expert_ids_TK, gates_TK, w_gate_EDF, w_up_EDF, w_down_EFD, *,
-               method, interpret, block_rows, hidden_tile):
+def routed_ffn(
+  dedup_rows,
+  per_slot_rows,
+  x_TD,
+  expert_ids_TK,
+  gates_TK,
+  w_gate_EDF,
+  w_up_EDF,
+  w_down_EFD,
+  *,
+  method,
+  interpret,
+  block_rows,
+  hidden_tile,
+):
   """A backend's routed SwiGLU expert FFN from its two row kernels: each (token, slot) row's
   expert output by `method` ('dedup': `dedup_rows`, 'per_slot': `per_slot_rows`), then `combine`."""
   if method == "dedup":
-    y_RD = dedup_rows(x_TD, expert_ids_TK, w_gate_EDF, w_up_EDF, w_down_EFD, block_rows=block_rows,
-                      hidden_tile=hidden_tile, interpret=interpret)
+    y_RD = dedup_rows(
+      x_TD,
+      expert_ids_TK,
+      w_gate_EDF,
+      w_up_EDF,
+      w_down_EFD,
+      block_rows=block_rows,
+      hidden_tile=hidden_tile,
+      interpret=interpret,
+    )
   elif method == "per_slot":
-    y_RD = per_slot_rows(x_TD, expert_ids_TK, w_gate_EDF, w_up_EDF, w_down_EFD, hidden_tile=hidden_tile,
-                         interpret=interpret)
+    y_RD = per_slot_rows(
+      x_TD, expert_ids_TK, w_gate_EDF, w_up_EDF, w_down_EFD, hidden_tile=hidden_tile, interpret=interpret
+    )
   else:
     raise ValueError(f"method must be 'dedup' or 'per_slot', got {method!r}")
   return combine(y_RD, gates_TK, x_TD.dtype)

@@ -85,8 +85,14 @@ class KernelPolicy:
     return (self.platform or resolve_backend("auto")) == "cpu"
 
   @classmethod
-  def resolve(cls, kernel: str = "auto", head: str = "auto", dense: str = "auto", attention: str = "auto",
-              platform: str | None = None) -> KernelPolicy:
+  def resolve(
+    cls,
+    kernel: str = "auto",
+    head: str = "auto",
+    dense: str = "auto",
+    attention: str = "auto",
+    platform: str | None = None,
+  ) -> KernelPolicy:
     """The policy of a program for `platform` (None: jax.default_backend(); 'cpu', 'tpu', 'gpu', or
     'cuda' / 'rocm' for 'gpu'). `kernel`: the expert method (METHODS), kept as given. `head`,
     `dense`, `attention`: 'auto' (the C++ kernel on the CPU platform where the library builds,
@@ -104,9 +110,11 @@ class KernelPolicy:
     resolved = {}
     for name, choice in choices.items():
       if choice == "cpu" and not cpu_kernels:
-        why = f"a program for the {family} platform" if family != "cpu" else (
-            cpu.unavailable_reason() or "the C++ library is unavailable")
+        why = (
+          f"a program for the {family} platform"
+          if family != "cpu"
+          else (cpu.unavailable_reason() or "the C++ library is unavailable")
+        )
         raise ValueError(f"{name}='cpu' needs the C++ CPU kernels, which cannot run here ({why})")
       resolved[name] = "cpu" if choice != "xla" and cpu_kernels else "xla"
-    return cls(expert_method=kernel, platform=family, row_invariant_norms=resolved["attention"] == "cpu",
-               **resolved)
+    return cls(expert_method=kernel, platform=family, row_invariant_norms=resolved["attention"] == "cpu", **resolved)

@@ -11,8 +11,14 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 def run_module(module: str, *args, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
   """`python -m module args...` in the repository root; `env`: variables added to the environment."""
-  return subprocess.run([sys.executable, "-m", module, *map(str, args)], cwd=ROOT, capture_output=True, text=True,
-                        timeout=timeout, env={**os.environ, **(env or {})})
+  return subprocess.run(
+    [sys.executable, "-m", module, *map(str, args)],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=timeout,
+    env={**os.environ, **(env or {})},
+  )
 
 
 def assert_one_line_error(proc: subprocess.CompletedProcess, fragment: str) -> None:

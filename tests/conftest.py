@@ -12,8 +12,11 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # newer fusion emitters and LLVM's expensive passes as well, plain, auto-K and n-gram generate
 # calls on the tiny model compiled in 9.5-9.6 s against 12.0-18.4 s with them (make test: 6m14s
 # against 8m45s). CLI tests' subprocesses inherit these.
-_FAST_COMPILE_FLAGS = {"xla_backend_optimization_level": "0", "xla_cpu_use_fusion_emitters": "false",
-                       "xla_llvm_disable_expensive_passes": "true"}
+_FAST_COMPILE_FLAGS = {
+  "xla_backend_optimization_level": "0",
+  "xla_cpu_use_fusion_emitters": "false",
+  "xla_llvm_disable_expensive_passes": "true",
+}
 for _name, _value in _FAST_COMPILE_FLAGS.items():
   if _name not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --{_name}={_value}").strip()
@@ -46,9 +49,21 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   jax.config.update("jax_compilation_cache_dir", str(_cache))
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
-TINY = dict(vocab_size=264, d_model=32, n_layers=3, n_heads=2, n_kv_heads=1, head_dim=16,
-            max_seq_len=64, n_routed_experts=8, top_k=2, n_shared_experts=1, expert_hidden=16,
-            dense_hidden=48, first_k_dense=1)
+TINY = dict(
+  vocab_size=264,
+  d_model=32,
+  n_layers=3,
+  n_heads=2,
+  n_kv_heads=1,
+  head_dim=16,
+  max_seq_len=64,
+  n_routed_experts=8,
+  top_k=2,
+  n_shared_experts=1,
+  expert_hidden=16,
+  dense_hidden=48,
+  first_k_dense=1,
+)
 
 
 @pytest.fixture(scope="session")
@@ -59,6 +74,7 @@ def tiny_config() -> ModelConfig:
 @pytest.fixture(scope="session")
 def tiny_model(tiny_config):
   import moespec_jax as msj
+
   return msj.Model.init(tiny_config, seed=0)
 
 

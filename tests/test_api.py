@@ -28,7 +28,7 @@ def test_greedy_generate_equals_forward_oracle_on_a_ragged_batch(tiny_model):
   assert out.tokens.shape == (3, 10) and out.tokens.dtype == np.int32
   for row, prompt in zip(out.tokens, prompts):
     want = _greedy_by_forward(tiny_model, prompt, 10)
-    assert row[:len(want)].tolist() == want
+    assert row[: len(want)].tolist() == want
 
 
 def test_eos_stops_a_row_and_pads_with_minus_one(tiny_model, tiny_config):
@@ -40,7 +40,7 @@ def test_eos_stops_a_row_and_pads_with_minus_one(tiny_model, tiny_config):
   out = msj.generate(model, prompts, max_new_tokens=8)
   row = out.tokens[0].tolist()
   first = row.index(eos)
-  assert first <= 2 and all(t == -1 for t in row[first + 1:])
+  assert first <= 2 and all(t == -1 for t in row[first + 1 :])
   assert out.stats["generated_tokens"] == int((out.tokens >= 0).sum())
 
 
@@ -57,8 +57,7 @@ def test_sampling_is_reproducible_and_rows_are_independent(tiny_model):
 
 def test_stats_have_the_documented_keys(tiny_model, tiny_config):
   out = msj.generate(tiny_model, ["abc", "de"], max_new_tokens=6)
-  for key in ("passes", "mean_accepted_length", "acceptance_by_depth", "tokens_per_second",
-              "unique_experts_per_pass"):
+  for key in ("passes", "mean_accepted_length", "acceptance_by_depth", "tokens_per_second", "unique_experts_per_pass"):
     assert key in out.stats
   assert len(out.stats["unique_experts_per_pass"]) == tiny_config.n_moe_layers
   assert all(tiny_config.top_k <= u <= 2 * tiny_config.top_k for u in out.stats["unique_experts_per_pass"])
@@ -72,7 +71,9 @@ def test_string_prompts_use_the_tokenizer(tiny_model):
   np.testing.assert_array_equal(out.tokens, ref.tokens)
 
 
-@pytest.mark.parametrize("prompts,kwargs,name", [
+@pytest.mark.parametrize(
+  "prompts,kwargs,name",
+  [
     ([[]], {}, "prompts"),
     ([""], {}, "prompts"),
     ([], {}, "prompts"),
@@ -82,7 +83,8 @@ def test_string_prompts_use_the_tokenizer(tiny_model):
     ([[1, 2]], dict(max_new_tokens=63), "max_seq_len"),
     ([[1, 2]], dict(max_new_tokens=0), "max_new_tokens"),
     ([[1, 2]], dict(sampling="greedy"), "sampling"),
-])
+  ],
+)
 def test_bad_inputs_raise_value_error_naming_the_argument(tiny_model, prompts, kwargs, name):
   with pytest.raises(ValueError, match=name):
     msj.generate(tiny_model, prompts, **kwargs)

@@ -54,8 +54,10 @@ def script(tmp_path_factory):
 
 
 def _run_many(script, arg_lists):
-  procs = [subprocess.Popen([sys.executable, str(script), *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True) for args in arg_lists]
+  procs = [
+    subprocess.Popen([sys.executable, str(script), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for args in arg_lists
+  ]
   results = []
   for p in procs:
     out, err = p.communicate(timeout=60)
@@ -65,18 +67,18 @@ def _run_many(script, arg_lists):
 
 def test_user_errors_one_line_exit_2(script):
   cases = {
-      ("--n=2",): "n must not be 2, got 2",
-      ("--n=3",): "/no/model",
-      ("--nope=1",): "nope",
-      ("--n=abc",): "abc",
-      ("--mode=c",): "mode",
-      ("--pos=0",): "pos",
-      ("extra",): "too many arguments",
-      ("--n=6",): "after logging",
+    ("--n=2",): "n must not be 2, got 2",
+    ("--n=3",): "/no/model",
+    ("--nope=1",): "nope",
+    ("--n=abc",): "abc",
+    ("--mode=c",): "mode",
+    ("--pos=0",): "pos",
+    ("extra",): "too many arguments",
+    ("--n=6",): "after logging",
   }
   results = _run_many(script, list(cases) + [("--n=5",), ("--n=4",)])
   for (args, expected), (rc, out, err) in zip(cases.items(), results):
-    lines = [l for l in err.splitlines() if l.strip()]
+    lines = [line for line in err.splitlines() if line.strip()]
     assert rc == 2, (args, rc, err)
     assert len(lines) == 1, (args, err)
     assert lines[0].startswith("error: ") and expected in lines[0], (args, err)
@@ -100,8 +102,7 @@ def test_progress_lines():
   assert "200 tokens/s" in line and "loss 2.5" in line and "eta 40s" in line
   assert prog.update(100)  # the last step always prints
   assert "eta" not in prog.last_line and len(stream.getvalue().splitlines()) == 2
-  by_steps = Progress(50, every_s=None, every_steps=10, stream=io.StringIO(),
-                          start_step=20, clock=lambda: now[0])
+  by_steps = Progress(50, every_s=None, every_steps=10, stream=io.StringIO(), start_step=20, clock=lambda: now[0])
   assert [by_steps.update(s) for s in range(21, 41)].count(True) == 2
   emitted = []
   to_log = Progress(3, every_s=None, every_steps=1, emit=emitted.append, clock=lambda: now[0])
@@ -132,6 +133,7 @@ def test_list_flags_name_the_flag():
   for bad in (["uniform", "zipf"], []):
     with pytest.raises(ValueError, match="--routings must be among uniform, correlated; got"):
       cli.choice_list("routings", bad, ("uniform", "correlated"))
+
 
 # An experiment-like program: the shared --model flag, a --quick smoke run, a resumable main.
 EXPERIMENT = f"""
@@ -173,15 +175,21 @@ def experiment(tmp_path_factory):
 
 
 def test_quick_sets_its_defaults_where_no_flag_was_given(experiment):
-  results = _run_many(experiment / "prog.py", [(), ("--quick",), ("--quick", "--repeats=5"),
-                                               ("--quick", "--sizes=2,4", "--checkpoint=m")])
-  assert [out for _, out, _ in results] == ["7 ['1', '8'] None\n", "3 ['1'] None\n", "5 ['1'] None\n",
-                                            "3 ['2', '4'] m\n"]
+  results = _run_many(
+    experiment / "prog.py", [(), ("--quick",), ("--quick", "--repeats=5"), ("--quick", "--sizes=2,4", "--checkpoint=m")]
+  )
+  assert [out for _, out, _ in results] == [
+    "7 ['1', '8'] None\n",
+    "3 ['1'] None\n",
+    "5 ['1'] None\n",
+    "3 ['2', '4'] m\n",
+  ]
 
 
 def test_help_lists_the_shared_flags_and_quick_says_what_it_sets(experiment):
-  out = subprocess.run([sys.executable, str(experiment / "prog.py"), "--help"], capture_output=True, text=True,
-                       timeout=60).stdout
+  out = subprocess.run(
+    [sys.executable, str(experiment / "prog.py"), "--help"], capture_output=True, text=True, timeout=60
+  ).stdout
   for flag in ("--model", "--checkpoint", "--repeats", "--sizes", "--[no]quick"):
     assert f"  {flag}:" in out, out
   assert "--repeats=3 --sizes=1; a flag given explicitly keeps its value" in " ".join(out.split())
@@ -194,11 +202,13 @@ def test_a_library_argument_is_named_as_its_flag(experiment):
   assert err2.startswith("error: prompt length (3)")  # not a flag of this program: as it was
 
 
-@pytest.mark.parametrize("name, message", [("resumable.py", "interrupted; resume with the same command\n"),
-                                           ("prog.py", "interrupted\n")])
+@pytest.mark.parametrize(
+  "name, message", [("resumable.py", "interrupted; resume with the same command\n"), ("prog.py", "interrupted\n")]
+)
 def test_ctrl_c_says_interrupted_not_error(experiment, name, message):
-  proc = subprocess.Popen([sys.executable, str(experiment / name), "--wait"], stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, text=True)
+  proc = subprocess.Popen(
+    [sys.executable, str(experiment / name), "--wait"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+  )
   assert proc.stdout.readline() == "ready\n"
   proc.send_signal(signal.SIGINT)
   _, err = proc.communicate(timeout=60)

@@ -16,12 +16,12 @@ CONFIG_DIR = pathlib.Path(__file__).resolve().parents[1] / "configs"
 NAMES = sorted(p.stem for p in CONFIG_DIR.glob("*.py") if not p.stem.startswith("_"))
 # Published parameter totals (model cards), without MTP layers.
 PUBLISHED_TOTAL = {
-    "mixtral_8x7b": 46.7e9,
-    "qwen3_30b_a3b": 30.5e9,
-    "olmoe_1b_7b": 6.9e9,
-    "deepseek_v2_lite": 15.7e9,
-    "deepseek_v3": 671e9,
-    "gpt_oss_20b": 20.9e9,  # attention sinks and biases (about 0.01%) not modelled
+  "mixtral_8x7b": 46.7e9,
+  "qwen3_30b_a3b": 30.5e9,
+  "olmoe_1b_7b": 6.9e9,
+  "deepseek_v2_lite": 15.7e9,
+  "deepseek_v3": 671e9,
+  "gpt_oss_20b": 20.9e9,  # attention sinks and biases (about 0.01%) not modelled
 }
 
 
@@ -54,9 +54,15 @@ def test_the_module_has_the_counted_parameters(name):
   assert bool(jax.tree.leaves(mtp)) == (config.num_mtp_modules > 0)
 
 
-@pytest.mark.parametrize("name, values_per_token", [
-    ("deepseek_v2_lite", 27 * (512 + 64)), ("deepseek_v3", 61 * (512 + 64)),  # MLA: latent + rope key
-    ("mixtral_8x7b", 32 * 2 * 8 * 128), ("qwen3_30b_a3b", 48 * 2 * 4 * 128)])
+@pytest.mark.parametrize(
+  "name, values_per_token",
+  [
+    ("deepseek_v2_lite", 27 * (512 + 64)),
+    ("deepseek_v3", 61 * (512 + 64)),  # MLA: latent + rope key
+    ("mixtral_8x7b", 32 * 2 * 8 * 128),
+    ("qwen3_30b_a3b", 48 * 2 * 4 * 128),
+  ],
+)
 def test_kv_cache_size_per_token(name, values_per_token):
   config = configs.model_config(name)
   cache = jax.eval_shape(lambda: KVCache.for_config(config, 1, 16))

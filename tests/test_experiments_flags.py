@@ -8,7 +8,9 @@ import pytest
 from tests.cli_run import assert_one_line_error, run_module
 
 
-@pytest.mark.parametrize("module,args,fragment", [
+@pytest.mark.parametrize(
+  "module,args,fragment",
+  [
     ("experiments.peer_bench", ["--repeats=0"], "--repeats=0"),
     ("experiments.peer_bench", ["--prompt_len=1000", "--families=mixtral"], "exceeds the 1024 positions"),
     ("experiments.peer_bench", ["--families=mixtral,nope"], "unknown ['nope']"),
@@ -19,8 +21,11 @@ from tests.cli_run import assert_one_line_error, run_module
     ("experiments.compare_modes", ["--num_drafts=0,x"], "--num_drafts must be a list of integers"),
     ("experiments.compare_modes", ["--temperatures=-1"], "--temperatures values must be finite numbers >= 0"),
     ("experiments.compare_modes", ["--policies=drop"], "--policies must be among truncate, substitute"),
-    ("experiments.compare_modes", ["--budget_multipliers=2,0.5"], "--budget_multipliers values must be finite "
-     "numbers >= 1"),
+    (
+      "experiments.compare_modes",
+      ["--budget_multipliers=2,0.5"],
+      "--budget_multipliers values must be finite numbers >= 1",
+    ),
     ("experiments.compare_modes", ["--quick", "--num_drafts=x"], "--num_drafts must be a list of integers"),
     ("experiments.kernel_bench", ["--quick", "--n_list=1,x"], "--n_list must be a list of integers"),
     ("experiments.spec_bench", ["--temperatures=hot"], "--temperatures must be a list of numbers"),
@@ -32,13 +37,17 @@ from tests.cli_run import assert_one_line_error, run_module
     ("experiments.cost_model", ["--n_alphas=1"], "--n_alphas=1"),
     ("experiments.demo", ["--repeats=0"], "--repeats=0"),
     ("experiments.train_mtp", ["--model=/nonexistent/model"], "/nonexistent/model"),
-])
+  ],
+)
 def test_bad_values_refused_before_anything_runs(module, args, fragment, tmp_path):
   """Refused in one line (exit 2) before a model is loaded, built or trained: nothing written. Where the
   experiment takes --model, a missing one is passed too, so an error about it would mean the values
   were checked too late."""
-  model = [] if module in ("experiments.peer_bench", "experiments.kernel_bench", "experiments.demo",
-                           "experiments.train_mtp") else [f"--model={tmp_path / 'missing'}"]
+  model = (
+    []
+    if module in ("experiments.peer_bench", "experiments.kernel_bench", "experiments.demo", "experiments.train_mtp")
+    else [f"--model={tmp_path / 'missing'}"]
+  )
   proc = run_module(module, f"--workdir={tmp_path / 'out'}", *model, *args)
   assert_one_line_error(proc, fragment)
   assert not (tmp_path / "out").exists()

@@ -12,7 +12,7 @@ from tests.cli_run import ROOT
 
 README = (ROOT / "README.md").read_text()
 WORKSPACE = (ROOT / "WORKSPACE.md").read_text()
-SECTION = README[README.index("## Experiments"):]
+SECTION = README[README.index("## Experiments") :]
 ROWS = dict(re.findall(r"^\| `(\w+)` \| (.*) \|$", SECTION, re.M))  # gpu_check.sh is a shell script
 
 
@@ -24,14 +24,22 @@ def _named(text: str) -> list[str]:
 def _after(text: str, lead: str) -> list[str]:
   """The experiment names in the parentheses that follow `lead` in the README."""
   start = SECTION.index(lead) + len(lead)
-  return _named(SECTION[start:SECTION.index(")", start)])
+  return _named(SECTION[start : SECTION.index(")", start)])
 
 
 @pytest.fixture(scope="module")
 def helps() -> dict[str, str]:
   """Every experiment's --help output (run side by side)."""
-  procs = {name: subprocess.Popen([sys.executable, "-m", f"experiments.{name}", "--help"], cwd=ROOT,
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for name in ROWS}
+  procs = {
+    name: subprocess.Popen(
+      [sys.executable, "-m", f"experiments.{name}", "--help"],
+      cwd=ROOT,
+      stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT,
+      text=True,
+    )
+    for name in ROWS
+  }
   return {name: proc.communicate(timeout=300)[0] for name, proc in procs.items()}
 
 
@@ -46,8 +54,20 @@ def _has(flags: set[str], name: str) -> bool:
 
 
 def test_every_row_names_an_experiment_that_lists_its_flags(helps):
-  assert set(ROWS) >= {"pretrain", "train_mtp", "generate", "kernel_bench", "spec_bench", "decode_kernels",
-                       "compare_modes", "cost_model", "project", "routing_stats", "peer_bench", "demo"}
+  assert set(ROWS) >= {
+    "pretrain",
+    "train_mtp",
+    "generate",
+    "kernel_bench",
+    "spec_bench",
+    "decode_kernels",
+    "compare_modes",
+    "cost_model",
+    "project",
+    "routing_stats",
+    "peer_bench",
+    "demo",
+  }
   for name, row in ROWS.items():
     flags = _flags(helps[name])
     assert flags, helps[name]
@@ -85,7 +105,7 @@ def test_rows_name_the_files_the_experiment_says_it_writes(helps):
 def test_help_keeps_the_usage_lines_apart(helps):
   """A usage line of a docstring is not run into the next (a trailing backslash once joined them)."""
   for name, text in helps.items():
-    usage = text[:text.index("flags:")]
+    usage = text[: text.index("flags:")]
     assert not re.search(r"\S {3,}\[--", usage), f"{name}: {usage}"
 
 

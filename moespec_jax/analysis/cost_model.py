@@ -14,7 +14,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -22,6 +22,7 @@ import numpy as np
 @dataclasses.dataclass(frozen=True)
 class KernelFit:
   """time_ms = bytes / (gbps * 1e9) * 1e3 + fixed_ms."""
+
   gbps: float
   fixed_ms: float
 
@@ -47,8 +48,9 @@ def bandwidth_ratio(dedup: KernelFit, per_slot: KernelFit) -> float:
   return dedup.gbps / per_slot.gbps
 
 
-def crossover(pass_sizes: Sequence[int], time_dedup_ms: Sequence[float],
-              time_per_slot_ms: Sequence[float], for_good: bool = False) -> int | None:
+def crossover(
+  pass_sizes: Sequence[int], time_dedup_ms: Sequence[float], time_per_slot_ms: Sequence[float], for_good: bool = False
+) -> int | None:
   """The first pass size at which dedup is faster (None if it never is).
 
   `for_good`: the first size from which dedup is faster at every larger size given. Measured
@@ -86,8 +88,7 @@ def tokens_per_pass(a, k: int):
   return np.where(np.isclose(a, 1.0), k + 1.0, out)
 
 
-def speedup(a, k: int, t_plain_ms: float, t_draft_ms: Callable[[int], float],
-            t_verify_ms: Callable[[int], float]):
+def speedup(a, k: int, t_plain_ms: float, t_draft_ms: Callable[[int], float], t_verify_ms: Callable[[int], float]):
   """Tokens per pass * T_plain / (T_draft(K) + T_verify(K + 1)); K = 0 is plain decoding (1.0)."""
   if k == 0:
     return np.ones_like(np.asarray(a, float))

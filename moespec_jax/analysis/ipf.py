@@ -18,10 +18,10 @@ import numpy as np
 MAX_TOKENS = 12
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _states(n: int) -> np.ndarray:
   """bool [2^n, n]: every activation pattern of n tokens."""
-  return ((np.arange(2 ** n)[:, None] >> np.arange(n)[None, :]) & 1).astype(bool)
+  return ((np.arange(2**n)[:, None] >> np.arange(n)[None, :]) & 1).astype(bool)
 
 
 def _constraints(p_X: np.ndarray, co_XD: np.ndarray, n: int):
@@ -41,8 +41,7 @@ def _constraints(p_X: np.ndarray, co_XD: np.ndarray, n: int):
   return out
 
 
-def fit_joint(p_X: np.ndarray, co_XD: np.ndarray, n: int, *, iterations: int = 500,
-              tol: float = 1e-9) -> np.ndarray:
+def fit_joint(p_X: np.ndarray, co_XD: np.ndarray, n: int, *, iterations: int = 500, tol: float = 1e-9) -> np.ndarray:
   """Max-entropy probabilities [X, 2^n], one table per (expert) row: marginal p_X[x] and
   pair co-activations co_XD[x, d-1] at distance d, for n consecutive tokens."""
   if not 1 <= n <= MAX_TOKENS:
@@ -52,7 +51,7 @@ def fit_joint(p_X: np.ndarray, co_XD: np.ndarray, n: int, *, iterations: int = 5
   if co_XD.shape[1] < n - 1:
     raise ValueError(f"need co-activations for distances 1..{n - 1}, got {co_XD.shape[1]}")
   constraints = _constraints(p_X, co_XD, n)
-  prob_XS = np.full((len(p_X), 2 ** n), 1.0 / 2 ** n)
+  prob_XS = np.full((len(p_X), 2**n), 1.0 / 2**n)
   for _ in range(iterations):
     worst = 0.0
     for onehot_SC, target_XC in constraints:

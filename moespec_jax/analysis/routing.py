@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -32,11 +32,13 @@ class RoutingTrace:
   def top_k(self) -> int:
     return self.segments[0].shape[2]
 
-  def split(self, fraction: float) -> tuple["RoutingTrace", "RoutingTrace"]:
+  def split(self, fraction: float) -> tuple[RoutingTrace, RoutingTrace]:
     """First `fraction` of the segments (fit) and the rest (evaluation)."""
     cut = max(1, min(len(self.segments) - 1, int(round(len(self.segments) * fraction))))
-    return (RoutingTrace(self.segments[:cut], self.n_experts, {**self.meta, "part": "fit"}),
-            RoutingTrace(self.segments[cut:], self.n_experts, {**self.meta, "part": "eval"}))
+    return (
+      RoutingTrace(self.segments[:cut], self.n_experts, {**self.meta, "part": "fit"}),
+      RoutingTrace(self.segments[cut:], self.n_experts, {**self.meta, "part": "eval"}),
+    )
 
   def save(self, path) -> None:
     """An .npz with the segments and a JSON metadata entry, written atomically."""
@@ -44,12 +46,13 @@ class RoutingTrace:
     arrays = {f"segment_{i}": s for i, s in enumerate(self.segments)}
     arrays["meta"] = np.frombuffer(json.dumps({**self.meta, "n_experts": self.n_experts}).encode(), np.uint8)
     import io
+
     buf = io.BytesIO()
     np.savez_compressed(buf, **arrays)
     atomic.write_bytes_atomic(path, buf.getvalue())
 
   @classmethod
-  def load(cls, path) -> "RoutingTrace":
+  def load(cls, path) -> RoutingTrace:
     with np.load(path) as z:
       meta = json.loads(bytes(z["meta"]).decode())
       n = sum(1 for k in z.files if k.startswith("segment_"))
@@ -104,8 +107,10 @@ def empirical_unique(trace: RoutingTrace, n_tokens: int) -> np.ndarray:
       sums[layer] += (window > 0).sum()
     count += n - n_tokens + 1
   if not count:
-    raise ValueError(f"no segment of the trace has {n_tokens} tokens (longest: "
-                     f"{max((seg.shape[1] for seg in trace.segments), default=0)})")
+    raise ValueError(
+      f"no segment of the trace has {n_tokens} tokens (longest: "
+      f"{max((seg.shape[1] for seg in trace.segments), default=0)})"
+    )
   return sums / count
 
 
@@ -127,13 +132,13 @@ def overlap_by_distance(trace: RoutingTrace, max_distance: int) -> np.ndarray:
 
 def independent_overlap(p_LE: np.ndarray, top_k: int) -> np.ndarray:
   """(1/k) sum_e p_e^2 per layer: the overlap of independent tokens."""
-  return np.sum(p_LE ** 2, axis=-1) / top_k
+  return np.sum(p_LE**2, axis=-1) / top_k
 
 
 def reuse(ids_LNK: np.ndarray) -> np.ndarray:
   """1 - |union of experts| / sum of |experts per token|, per layer, for one pass of tokens."""
   n_layers, n, k = ids_LNK.shape
-  return np.array([1 - len(np.unique(ids_LNK[l])) / (n * k) for l in range(n_layers)])
+  return np.array([1 - len(np.unique(ids_LNK[layer])) / (n * k) for layer in range(n_layers)])
 
 
 def mean_abs_rel_error(predicted: Sequence[float], measured: Sequence[float]) -> float:

@@ -4,14 +4,16 @@ machine's timing noise leaves it uncertain."""
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import numpy as np
 
 
-def median_interval(values: Sequence[float], level: float = 0.9, resamples: int = 2000,
-                    seed: int = 0) -> tuple[float, float]:
+def median_interval(
+  values: Sequence[float], level: float = 0.9, resamples: int = 2000, seed: int = 0
+) -> tuple[float, float]:
   """A percentile-bootstrap interval (rounds resampled) for the median of `values`, one value
   per round (e.g. a ratio of two timings taken in the same round)."""
   values = np.asarray(values, float)
@@ -44,8 +46,13 @@ def round_order(labels: Sequence[Any], r: int) -> list:
   return row[::-1] if n % 2 == 1 and (r // n) % 2 == 1 else row
 
 
-def interleaved_seconds(fns: dict[Any, Callable[[], Any]], rounds: int, *, before: Callable[[], None],
-                        on_round: Callable[[int], None] | None = None) -> tuple[dict, dict]:
+def interleaved_seconds(
+  fns: dict[Any, Callable[[], Any]],
+  rounds: int,
+  *,
+  before: Callable[[], None],
+  on_round: Callable[[int], None] | None = None,
+) -> tuple[dict, dict]:
   """Wall seconds of every function in `fns`, once per round, in a balanced order (`round_order`):
   every measurement of a round sees the same stretch of this machine's load, so
   ratios are taken within rounds. `before` runs ahead of every call, untimed (benchmarks pass

@@ -14,7 +14,8 @@ import logging
 import os
 import pathlib
 import time
-from typing import Iterator, NamedTuple
+from collections.abc import Iterator
+from typing import NamedTuple
 
 import numpy as np
 
@@ -24,18 +25,24 @@ from moespec_jax.io import atomic, paths
 PathLike = str | os.PathLike
 
 
-def cache_path(tokenizer, split: str, cache_dir: PathLike | None = None,
-               root: PathLike | None = None) -> pathlib.Path:
+def cache_path(tokenizer, split: str, cache_dir: PathLike | None = None, root: PathLike | None = None) -> pathlib.Path:
   """Where `corpus_tokens` caches the ids of `split` for `tokenizer`."""
   base = pathlib.Path(cache_dir) if cache_dir is not None else paths.data_cache_dir()
-  name = (f"{corpus.corpus_name()}-{corpus.fingerprint(split, root)}-{split}-"
-          f"{getattr(tokenizer, 'cache_key', tokenizer.name)}.npy")
+  name = (
+    f"{corpus.corpus_name()}-{corpus.fingerprint(split, root)}-{split}-"
+    f"{getattr(tokenizer, 'cache_key', tokenizer.name)}.npy"
+  )
   return base / name
 
 
-def corpus_tokens(tokenizer, split: str = "train", *, cache: bool = True,
-                  cache_dir: PathLike | None = None,
-                  root: PathLike | None = None) -> np.ndarray:
+def corpus_tokens(
+  tokenizer,
+  split: str = "train",
+  *,
+  cache: bool = True,
+  cache_dir: PathLike | None = None,
+  root: PathLike | None = None,
+) -> np.ndarray:
   """Token ids of a corpus split (documents each followed by EOS).
 
   Args:
@@ -56,8 +63,9 @@ def corpus_tokens(tokenizer, split: str = "train", *, cache: bool = True,
   tokens = tokenizer.encode_corpus(corpus.load_bytes(split, root))
   dtype = np.uint16 if tokenizer.vocab_size <= np.iinfo(np.uint16).max + 1 else np.int32
   tokens = tokens.astype(dtype)
-  logging.info("tokenized %s split with %s: %d tokens in %.1f s", split,
-               tokenizer.name, tokens.size, time.perf_counter() - t0)
+  logging.info(
+    "tokenized %s split with %s: %d tokens in %.1f s", split, tokenizer.name, tokens.size, time.perf_counter() - t0
+  )
   if path is not None:
     atomic.write_npy_atomic(path, tokens)
   return tokens
@@ -74,8 +82,7 @@ def _check(tokens: np.ndarray, batch_size: int, seq_len: int) -> None:
     raise ValueError(f"tokens has {tokens.size} ids, fewer than seq_len + 1 = {seq_len + 1}")
 
 
-def train_batch(tokens: np.ndarray, batch_size: int, seq_len: int, seed: int,
-                step: int) -> np.ndarray:
+def train_batch(tokens: np.ndarray, batch_size: int, seq_len: int, seed: int, step: int) -> np.ndarray:
   """The batch of `step`: int32 [B, T+1] windows at random offsets.
 
   The offsets come from a generator seeded with (seed, step) only, so any step
@@ -91,8 +98,9 @@ def train_batch(tokens: np.ndarray, batch_size: int, seq_len: int, seed: int,
   return np.asarray(tokens[idx_BT1], dtype=np.int32)
 
 
-def train_batches(tokens: np.ndarray, batch_size: int, seq_len: int, seed: int,
-                  start_step: int = 0) -> Iterator[np.ndarray]:
+def train_batches(
+  tokens: np.ndarray, batch_size: int, seq_len: int, seed: int, start_step: int = 0
+) -> Iterator[np.ndarray]:
   """Endless `train_batch(..., step)` for step = start_step, start_step + 1, ..."""
   tokens = np.asarray(tokens)
   _check(tokens, batch_size, seq_len)
@@ -104,9 +112,10 @@ def train_batches(tokens: np.ndarray, batch_size: int, seq_len: int, seed: int,
 
 class ValBatch(NamedTuple):
   """A validation batch and the UTF-8 bytes its targets spell."""
+
   tokens: np.ndarray  # int32 [B, T+1]: inputs [:, :-1], targets [:, 1:]
-  n_bytes: int        # bytes spelled by tokens[:, 1:] (for bits per byte)
-  n_targets: int      # B * T
+  n_bytes: int  # bytes spelled by tokens[:, 1:] (for bits per byte)
+  n_targets: int  # B * T
 
 
 def num_validation_windows(n_tokens: int, seq_len: int) -> int:
@@ -114,9 +123,13 @@ def num_validation_windows(n_tokens: int, seq_len: int) -> int:
   return max(0, (n_tokens - 1) // seq_len)
 
 
-def validation_batches(tokens: np.ndarray, batch_size: int, seq_len: int,
-                       max_batches: int | None = None,
-                       byte_lengths: np.ndarray | None = None) -> Iterator[ValBatch]:
+def validation_batches(
+  tokens: np.ndarray,
+  batch_size: int,
+  seq_len: int,
+  max_batches: int | None = None,
+  byte_lengths: np.ndarray | None = None,
+) -> Iterator[ValBatch]:
   """Contiguous windows over `tokens`, in order, as `ValBatch`es.
 
   Window i holds ids [i*T, i*T + T]: its targets (ids i*T+1 .. i*T+T) do not

@@ -86,9 +86,9 @@ def _all_relpaths(root: pathlib.Path) -> tuple[str, ...]:
 
 @dataclasses.dataclass(frozen=True)
 class _SplitData:
-  relpaths: tuple[str, ...]   # files kept (valid UTF-8), sorted
-  skipped: tuple[str, ...]    # files dropped as invalid UTF-8
-  data: np.ndarray            # uint8, documents each followed by DOC_SEPARATOR
+  relpaths: tuple[str, ...]  # files kept (valid UTF-8), sorted
+  skipped: tuple[str, ...]  # files dropped as invalid UTF-8
+  data: np.ndarray  # uint8, documents each followed by DOC_SEPARATOR
 
 
 @functools.lru_cache(maxsize=4)
@@ -147,12 +147,12 @@ def fingerprint(split: Split, root: str | os.PathLike | None = None) -> str:
 
 # A one-line function header: optional indentation, `def` or `async def`, a name,
 # and a line ending in ':' (an optional trailing comment allowed).
-_DEF_LINE = re.compile(rb"^[ \t]*(?:async[ \t]+)?def[ \t]+\w+[ \t]*\(.*\).*:[ \t]*(?:#.*)?$",
-                       re.MULTILINE)
+_DEF_LINE = re.compile(rb"^[ \t]*(?:async[ \t]+)?def[ \t]+\w+[ \t]*\(.*\).*:[ \t]*(?:#.*)?$", re.MULTILINE)
 
 
-def held_out_prompts(n: int, prompt_bytes: int = 256, seed: int = 0,
-                     root: str | os.PathLike | None = None) -> list[str]:
+def held_out_prompts(
+  n: int, prompt_bytes: int = 256, seed: int = 0, root: str | os.PathLike | None = None
+) -> list[str]:
   """`n` code prompts from the validation split, ending with a `def` line.
 
   Each prompt is whole lines: up to `prompt_bytes` bytes of preceding context
@@ -172,10 +172,10 @@ def held_out_prompts(n: int, prompt_bytes: int = 256, seed: int = 0,
   for doc in documents("validation", root):
     for m in _DEF_LINE.finditer(doc):
       end = m.end() + 1  # include the newline
-      if end > len(doc) or doc[end - 1:end] != b"\n":
+      if end > len(doc) or doc[end - 1 : end] != b"\n":
         continue
       next_end = doc.find(b"\n", end)
-      next_line = doc[end:next_end if next_end >= 0 else len(doc)]
+      next_line = doc[end : next_end if next_end >= 0 else len(doc)]
       indent = len(m.group(0)) - len(m.group(0).lstrip())
       body_indent = len(next_line) - len(next_line.lstrip())
       if not next_line.strip() or body_indent <= indent:
@@ -183,14 +183,12 @@ def held_out_prompts(n: int, prompt_bytes: int = 256, seed: int = 0,
       if end - m.start() > prompt_bytes:
         continue
       start = max(0, end - prompt_bytes)
-      if start > 0 and doc[start - 1:start] != b"\n":
+      if start > 0 and doc[start - 1 : start] != b"\n":
         nl = doc.find(b"\n", start, m.start())
         start = m.start() if nl < 0 else nl + 1
       candidates.append(doc[start:end])
   if len(candidates) < n:
-    raise ValueError(
-        f"n={n} exceeds the {len(candidates)} prompts available with "
-        f"prompt_bytes={prompt_bytes}")
+    raise ValueError(f"n={n} exceeds the {len(candidates)} prompts available with prompt_bytes={prompt_bytes}")
   rng = np.random.default_rng(seed)
   picks = rng.choice(len(candidates), size=n, replace=False)
   return [candidates[i].decode("utf-8") for i in picks]

@@ -22,11 +22,12 @@ import hashlib
 import math
 import os
 import pathlib
-from typing import Iterable, Protocol
+from collections.abc import Iterable
+from typing import Protocol
 
 import numpy as np
-from tokenizers import Tokenizer as HfTokenizer
 from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import Tokenizer as HfTokenizer
 
 from moespec_jax.data import corpus
 from moespec_jax.io import atomic, paths
@@ -61,7 +62,8 @@ def _eos_first(tok, eos_id: int) -> None:
   """Frames `tok`'s encodings with special tokens as our prompts are: EOS (the document boundary)
   first, and between the two texts of a pair."""
   tok.post_processor = processors.TemplateProcessing(
-      single=f"{EOS_TOKEN} $A", pair=f"{EOS_TOKEN} $A {EOS_TOKEN} $B", special_tokens=[(EOS_TOKEN, eos_id)])
+    single=f"{EOS_TOKEN} $A", pair=f"{EOS_TOKEN} $A {EOS_TOKEN} $B", special_tokens=[(EOS_TOKEN, eos_id)]
+  )
 
 
 def bits_per_byte(total_nats: float, total_bytes: int) -> float:
@@ -109,8 +111,7 @@ class ByteTokenizer:
 
   def decode(self, ids: Iterable[int]) -> str:
     """Text of the byte ids; special, padding and negative ids are dropped."""
-    data = bytes(int(i) for i in np.asarray(list(ids), dtype=np.int64).ravel()
-                 if 0 <= i < 256)
+    data = bytes(int(i) for i in np.asarray(list(ids), dtype=np.int64).ravel() if 0 <= i < 256)
     return data.decode("utf-8", errors="replace")
 
   def encode_corpus(self, data_u8: np.ndarray) -> np.ndarray:
@@ -145,13 +146,14 @@ class ByteTokenizer:
   def save(self, directory: PathLike) -> pathlib.Path:
     """Writes `directory/tokenizer_meta.json`."""
     directory = pathlib.Path(directory)
-    atomic.write_json_atomic(directory / META_FILE, {
-        "type": "byte", "name": self.name, "vocab_size": self.vocab_size,
-        "eos_id": self.eos_id, "bos_id": self.bos_id})
+    atomic.write_json_atomic(
+      directory / META_FILE,
+      {"type": "byte", "name": self.name, "vocab_size": self.vocab_size, "eos_id": self.eos_id, "bos_id": self.bos_id},
+    )
     return directory
 
   @classmethod
-  def load(cls, directory: PathLike) -> "ByteTokenizer":
+  def load(cls, directory: PathLike) -> ByteTokenizer:
     meta = _read_meta(pathlib.Path(directory))
     if meta.get("type") != "byte":
       raise ValueError(f"{directory} holds a {meta.get('type')!r} tokenizer, not 'byte'")
@@ -185,8 +187,7 @@ class BpeTokenizer:
     return f"{self.name}-{digest}"
 
   @classmethod
-  def train(cls, documents: Iterable[str], vocab_size: int = 1024,
-            min_frequency: int = 2) -> "BpeTokenizer":
+  def train(cls, documents: Iterable[str], vocab_size: int = 1024, min_frequency: int = 2) -> BpeTokenizer:
     """Trains a byte-level BPE of `vocab_size` ids (specials included)."""
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     if vocab_size < len(alphabet) + 2:
@@ -195,9 +196,12 @@ class BpeTokenizer:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, min_frequency=min_frequency,
-        special_tokens=[EOS_TOKEN, BOS_TOKEN], initial_alphabet=alphabet,
-        show_progress=False)
+      vocab_size=vocab_size,
+      min_frequency=min_frequency,
+      special_tokens=[EOS_TOKEN, BOS_TOKEN],
+      initial_alphabet=alphabet,
+      show_progress=False,
+    )
     tok.train_from_iterator(documents, trainer=trainer)
     return cls(tok, name=f"bpe-{vocab_size}")
 
@@ -213,8 +217,11 @@ class BpeTokenizer:
 
   def decode(self, ids: Iterable[int]) -> str:
     """Text of `ids`; special, padding and negative ids are dropped."""
-    keep = [int(i) for i in np.asarray(list(ids), dtype=np.int64).ravel()
-            if 0 <= i < self.base_vocab_size and int(i) not in self._special]
+    keep = [
+      int(i)
+      for i in np.asarray(list(ids), dtype=np.int64).ravel()
+      if 0 <= i < self.base_vocab_size and int(i) not in self._special
+    ]
     return self._tok.decode(keep, skip_special_tokens=True)
 
   def encode_corpus(self, data_u8: np.ndarray) -> np.ndarray:
@@ -252,13 +259,14 @@ class BpeTokenizer:
     """Writes `directory/tokenizer.json` and `directory/tokenizer_meta.json`."""
     directory = pathlib.Path(directory)
     atomic.write_text_atomic(directory / BPE_FILE, self._tok.to_str())
-    atomic.write_json_atomic(directory / META_FILE, {
-        "type": "bpe", "name": self.name, "vocab_size": self.vocab_size,
-        "eos_id": self.eos_id, "bos_id": self.bos_id})
+    atomic.write_json_atomic(
+      directory / META_FILE,
+      {"type": "bpe", "name": self.name, "vocab_size": self.vocab_size, "eos_id": self.eos_id, "bos_id": self.bos_id},
+    )
     return directory
 
   @classmethod
-  def load(cls, directory: PathLike) -> "BpeTokenizer":
+  def load(cls, directory: PathLike) -> BpeTokenizer:
     directory = pathlib.Path(directory)
     meta = _read_meta(directory)
     if meta.get("type") != "bpe":
@@ -269,8 +277,7 @@ class BpeTokenizer:
     return f"BpeTokenizer(name={self.name!r}, vocab_size={self.vocab_size})"
 
 
-def bytes_per_token(tokenizer, split: str = "validation",
-                    root: PathLike | None = None) -> float:
+def bytes_per_token(tokenizer, split: str = "validation", root: PathLike | None = None) -> float:
   """Corpus bytes per token of `tokenizer` on `split` (EOS included; 1.0 for bytes).
 
   A model's bits per byte equals its bits per token divided by this ratio.
@@ -293,8 +300,7 @@ def _parse_bpe_name(name: str) -> int | None:
   return None
 
 
-def train_bpe_on_corpus(vocab_size: int = 1024, root: PathLike | None = None
-                        ) -> BpeTokenizer:
+def train_bpe_on_corpus(vocab_size: int = 1024, root: PathLike | None = None) -> BpeTokenizer:
   """Trains a BPE on the train split of the embedded corpus (tens of seconds)."""
   docs = (d.decode("utf-8") for d in corpus.documents("train", root))
   return BpeTokenizer.train(docs, vocab_size=vocab_size)
@@ -328,8 +334,7 @@ def load_tokenizer(dir_or_name: PathLike) -> ByteTokenizer | BpeTokenizer:
     if vocab is not None:
       return get_or_train_bpe(vocab)
     if not pathlib.Path(dir_or_name).is_dir():
-      raise ValueError(
-          f"unknown tokenizer {dir_or_name!r}: expected 'byte', 'bpe-<vocab>' or a directory")
+      raise ValueError(f"unknown tokenizer {dir_or_name!r}: expected 'byte', 'bpe-<vocab>' or a directory")
   directory = pathlib.Path(dir_or_name).expanduser()
   meta = _read_meta(directory)
   kind = meta.get("type")
@@ -352,8 +357,7 @@ class PretrainedTokenizer(BpeTokenizer):
   the model config and `vocab_size` is the model's (embedding rows, often padded).
   """
 
-  def __init__(self, hf_tokenizer, *, vocab_size: int, eos_id: int, bos_id: int,
-               name: str = KIND):
+  def __init__(self, hf_tokenizer, *, vocab_size: int, eos_id: int, bos_id: int, name: str = KIND):
     self._tok = hf_tokenizer
     self.eos_id, self.bos_id = int(eos_id), int(bos_id)
     self.base_vocab_size = min(hf_tokenizer.get_vocab_size(with_added_tokens=True), vocab_size)
@@ -378,22 +382,30 @@ class PretrainedTokenizer(BpeTokenizer):
     """Writes `directory/tokenizer.json` and `directory/tokenizer_meta.json`."""
     directory = pathlib.Path(directory)
     atomic.write_text_atomic(directory / BPE_FILE, self._tok.to_str())
-    atomic.write_json_atomic(directory / META_FILE, {
-        "type": KIND, "name": self.name, "vocab_size": self.vocab_size,
-        "eos_id": self.eos_id, "bos_id": self.bos_id,
+    atomic.write_json_atomic(
+      directory / META_FILE,
+      {
+        "type": KIND,
+        "name": self.name,
+        "vocab_size": self.vocab_size,
+        "eos_id": self.eos_id,
+        "bos_id": self.bos_id,
         # Not in tokenizer.json: special tokens' text encoded as text (tokenizer_config's split_special_tokens).
-        "encode_special_tokens": bool(self._tok.encode_special_tokens)})
+        "encode_special_tokens": bool(self._tok.encode_special_tokens),
+      },
+    )
     return directory
 
   @classmethod
-  def load(cls, directory) -> "PretrainedTokenizer":
+  def load(cls, directory) -> PretrainedTokenizer:
     """Reads a directory written by `save`."""
     directory = pathlib.Path(directory)
     meta = atomic.read_json(directory / META_FILE)
     tok = HfTokenizer.from_file(str(directory / BPE_FILE))
     tok.encode_special_tokens = bool(meta.get("encode_special_tokens", False))
-    return cls(tok, vocab_size=meta["vocab_size"], eos_id=meta["eos_id"], bos_id=meta["bos_id"],
-               name=meta.get("name", KIND))
+    return cls(
+      tok, vocab_size=meta["vocab_size"], eos_id=meta["eos_id"], bos_id=meta["bos_id"], name=meta.get("name", KIND)
+    )
 
   def __repr__(self) -> str:
     return f"PretrainedTokenizer(name={self.name!r}, vocab_size={self.vocab_size})"
@@ -410,8 +422,10 @@ class MissingTokenizer:
     self.vocab_size, self.eos_id, self.bos_id = int(vocab_size), int(eos_id), int(bos_id)
 
   def _fail(self, *_args, **_kwargs):
-    raise ValueError(f"the model at {self.source} has no tokenizer.json: pass prompts as token-id "
-                     "lists, or add the model's tokenizer.json to its directory")
+    raise ValueError(
+      f"the model at {self.source} has no tokenizer.json: pass prompts as token-id "
+      "lists, or add the model's tokenizer.json to its directory"
+    )
 
   encode = prompt_ids = decode = encode_corpus = token_byte_lengths = _fail
 
@@ -421,16 +435,25 @@ class MissingTokenizer:
 
   def save(self, directory) -> pathlib.Path:
     directory = pathlib.Path(directory)
-    atomic.write_json_atomic(directory / META_FILE, {
-        "type": "missing", "name": self.name, "source": self.source, "vocab_size": self.vocab_size,
-        "eos_id": self.eos_id, "bos_id": self.bos_id})
+    atomic.write_json_atomic(
+      directory / META_FILE,
+      {
+        "type": "missing",
+        "name": self.name,
+        "source": self.source,
+        "vocab_size": self.vocab_size,
+        "eos_id": self.eos_id,
+        "bos_id": self.bos_id,
+      },
+    )
     return directory
 
   @classmethod
-  def load(cls, directory) -> "MissingTokenizer":
+  def load(cls, directory) -> MissingTokenizer:
     meta = atomic.read_json(pathlib.Path(directory) / META_FILE)
-    return cls(meta.get("source", directory), vocab_size=meta["vocab_size"], eos_id=meta["eos_id"],
-               bos_id=meta["bos_id"])
+    return cls(
+      meta.get("source", directory), vocab_size=meta["vocab_size"], eos_id=meta["eos_id"], bos_id=meta["bos_id"]
+    )
 
   def __repr__(self) -> str:
     return f"MissingTokenizer(source={self.source!r})"

@@ -193,7 +193,7 @@ def tokens_per_pass_depths(a_BJ, num_k: int):
   """Expected committed tokens per pass for every K in 0..num_k - 1 from the conditional
   acceptance at each depth (a_BJ: [..., J], J >= num_k - 1): 1 + sum_{j<K} prod_{i<=j} a_i.
   Constant a gives tokens_per_pass_K."""
-  a_BJ = jnp.asarray(a_BJ, jnp.float32)[..., :num_k - 1]
+  a_BJ = jnp.asarray(a_BJ, jnp.float32)[..., : num_k - 1]
   reach_BJ = jnp.cumprod(a_BJ, axis=-1)
   first = jnp.ones(a_BJ.shape[:-1] + (1,), jnp.float32)
   return jnp.concatenate([first, 1.0 + jnp.cumsum(reach_BJ, axis=-1)], axis=-1)
@@ -211,8 +211,7 @@ def finish_ms(a_B, remaining_B, step_ms_K, tokens_BK=None):
   return jnp.max(passes_BK, axis=0) * step_ms_K
 
 
-def choose_k(evidence_B2, step_ms_K, *, shadow: bool, remaining_B=None, current_k=None,
-             depth_evidence_BJ2=None):
+def choose_k(evidence_B2, step_ms_K, *, shadow: bool, remaining_B=None, current_k=None, depth_evidence_BJ2=None):
   """(K, passes) for the next segment (int32 scalars).
 
   evidence_B2: each row's decayed (accepted, tried) draft counts ([2] for one row);
@@ -236,8 +235,9 @@ def choose_k(evidence_B2, step_ms_K, *, shadow: bool, remaining_B=None, current_
   default model on code: 0.45-0.48 at depth 0, 0.8-0.86 at depth 1, 0.95-1.0 beyond),
   where the geometric model overrates short drafts against long ones."""
   evidence_B2 = jnp.atleast_2d(jnp.asarray(evidence_B2, jnp.float32))
-  remaining_B = (jnp.ones(evidence_B2.shape[0], jnp.float32) if remaining_B is None
-                 else jnp.asarray(remaining_B, jnp.float32))
+  remaining_B = (
+    jnp.ones(evidence_B2.shape[0], jnp.float32) if remaining_B is None else jnp.asarray(remaining_B, jnp.float32)
+  )
   a_B = optimistic_acceptance(evidence_B2)
   tokens_BK = None
   if depth_evidence_BJ2 is not None:
@@ -253,8 +253,10 @@ def choose_k(evidence_B2, step_ms_K, *, shadow: bool, remaining_B=None, current_
     active_B1 = (remaining_B > 0)[:, None]
     pooled_2 = jnp.sum(jnp.where(active_B1, evidence_B2, 0.0), axis=0)
     stop = pooled_2[1] >= MIN_EVIDENCE
-    for bound_B in (acceptance_upper_bound(evidence_B2, STOP_CONFIDENCE),
-                    jnp.broadcast_to(acceptance_upper_bound(pooled_2, STOP_CONFIDENCE), remaining_B.shape)):
+    for bound_B in (
+      acceptance_upper_bound(evidence_B2, STOP_CONFIDENCE),
+      jnp.broadcast_to(acceptance_upper_bound(pooled_2, STOP_CONFIDENCE), remaining_B.shape),
+    ):
       high_K = finish_ms(bound_B, remaining_B, step_ms_K)
       stop &= high_K[0] <= jnp.min(high_K[1:] * (1.0 + STOP_MARGIN))
     time_K = time_K.at[0].set(jnp.where(stop, time_K[0], jnp.inf))
@@ -323,9 +325,9 @@ def smooth_step_times(step_ms_K, routing: tuple[int, int] = (0, 0)) -> np.ndarra
   (cost_model's verify_time rows) rose by 0.12-0.22 ms from n = 6 to 7 in eight of nine runs
   (0.08 in the ninth), against 0.01-0.11 ms per n from n = 2 to 6. Judged across runs (simulated
   choices on one cost_model run's pass times, paid at another's, controlled a = 0-1, the two runs
-  each way), this fit gave 0.953 of the best fixed K on average; with a step term [K >= 6] added 0.955, the raw times 0.942, the times
-  only made non-decreasing 0.944. Two runs' pass times differ by more than the fit's bias: kept
-  without the step.
+  each way), this fit gave 0.953 of the best fixed K on average; with a step term [K >= 6] added
+  0.955, the raw times 0.942, the times only made non-decreasing 0.944. Two runs' pass times
+  differ by more than the fit's bias: kept without the step.
   """
   t = np.asarray(step_ms_K, float)
   k = np.arange(t.size, dtype=float)

@@ -9,7 +9,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import Callable, NamedTuple, Sequence
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -39,9 +40,12 @@ def passes_program(definition, params, state: LoopState, k, n_passes, *, ls: Loo
   def one_pass(s: LoopState, kk: int) -> LoopState:
     s = passes.speculative_pass(model, s, kk, ls)
     over_B = s.done_B | (s.generated_B + kk + 1 > ls.max_new_tokens)
-    return s.replace(done_B=start.done_B, pos_B=jnp.where(over_B, start.pos_B, s.pos_B),
-                     pending_B=jnp.where(over_B, start.pending_B, s.pending_B),
-                     generated_B=jnp.where(over_B, start.generated_B, s.generated_B))
+    return s.replace(
+      done_B=start.done_B,
+      pos_B=jnp.where(over_B, start.pos_B, s.pos_B),
+      pending_B=jnp.where(over_B, start.pending_B, s.pending_B),
+      generated_B=jnp.where(over_B, start.generated_B, s.generated_B),
+    )
 
   for kk in range(ls.max_k + 1):
     state = jax.lax.fori_loop(0, jnp.where(k == kk, n_passes, 0), lambda _, s, kk=kk: one_pass(s, kk), state)
@@ -108,8 +112,10 @@ def measure_step_variants_ms(lss: Sequence[LoopSpec], args, repeats: int = 7) ->
   short, long = calibration_passes(ls.max_new_tokens)
   cache = programs.PROGRAMS
   state0 = jax.block_until_ready(cache.compiled(init_program, ls, *args)(*args[1:]))
-  runs = [cache.compiled(passes_program, variant, definition, params, state0, jnp.int32(0), jnp.int32(0),
-                         donate_argnums=(2,)) for variant in lss]
+  runs = [
+    cache.compiled(passes_program, variant, definition, params, state0, jnp.int32(0), jnp.int32(0), donate_argnums=(2,))
+    for variant in lss
+  ]
 
   def timed(run, k: int, n: int) -> float:
     state = jax.block_until_ready(jax.tree.map(jnp.copy, state0))
@@ -178,8 +184,7 @@ def measure_held_step_ms(max_k: int, run: HeldRun, repeats: int = 7) -> np.ndarr
     return run(steps[0], True) if label == "prefill" else run(steps[label], False)
 
   def solvable(passes_KK):
-    return (np.min(passes_KK.sum(axis=0)) >= CALIBRATION_MIN_PASSES
-            and np.linalg.matrix_rank(passes_KK) == max_k + 1)
+    return np.min(passes_KK.sum(axis=0)) >= CALIBRATION_MIN_PASSES and np.linalg.matrix_rank(passes_KK) == max_k + 1
 
   for label in labels:  # warm-up
     call(label)
@@ -202,6 +207,7 @@ class Calibration(NamedTuple):
   """auto K's per-K pass times (ms, [K + 1]), how they were measured: "held_runs"
   (`measure_held_step_ms`) or "loops" (`measure_step_ms`), and the seconds the measurement took
   in this call (0.0 where a kept calibration was reused)."""
+
   step_ms_K: np.ndarray
   method: str
   seconds: float = 0.0
@@ -218,25 +224,36 @@ def calibrate_step_ms(ls: LoopSpec, args, run: HeldRun, progress: Callable[[str]
   """
   cache = programs.PROGRAMS
   # Timed and untimed programs pass alike: they share one calibration.
-  key = (programs.signature(calibrate_step_ms, dataclasses.replace(ls, timed=False), *args),
-         ls.drafter.calibration_key(args[-1]))
+  key = (
+    programs.signature(calibrate_step_ms, dataclasses.replace(ls, timed=False), *args),
+    ls.drafter.calibration_key(args[-1]),
+  )
   kept = cache.calibration(key)
   if kept is not None:
     return kept._replace(seconds=0.0)
   batch = args[2].shape[0]
   if progress is not None:
-    progress(f"calibrating num_draft='auto': pass times at K = 0..{ls.max_k}, batch {batch}, "
-             f"{ls.max_new_tokens} tokens (once per program and batch shape)")
+    progress(
+      f"calibrating num_draft='auto': pass times at K = 0..{ls.max_k}, batch {batch}, "
+      f"{ls.max_new_tokens} tokens (once per program and batch shape)"
+    )
   start = time.perf_counter()
   raw_K, method = measure_held_step_ms(ls.max_k, run, CALIBRATION_ROUNDS), "held_runs"
   if raw_K is None:
-    logging.info("auto K (%s, max_draft=%d, %d new tokens): too few passes at some K in whole runs; "
-                 "pass times measured in loops of passes", type(ls.drafter).__name__, ls.max_k, ls.max_new_tokens)
+    logging.info(
+      "auto K (%s, max_draft=%d, %d new tokens): too few passes at some K in whole runs; "
+      "pass times measured in loops of passes",
+      type(ls.drafter).__name__,
+      ls.max_k,
+      ls.max_new_tokens,
+    )
     raw_K, method = measure_step_ms(ls, args, CALIBRATION_ROUNDS), "loops"
   step_ms_K = auto_draft.smooth_step_times(raw_K, ls.routing).astype(np.float32)
   calibration = Calibration(step_ms_K, method, time.perf_counter() - start)
   cache.set_calibration(key, calibration)
   if progress is not None:
-    progress(f"calibrated in {calibration.seconds:.1f} s ({method.replace('_', ' ')}): pass times (ms) "
-             + " ".join(f"K={k} {t:.3f}" for k, t in enumerate(step_ms_K)))
+    progress(
+      f"calibrated in {calibration.seconds:.1f} s ({method.replace('_', ' ')}): pass times (ms) "
+      + " ".join(f"K={k} {t:.3f}" for k, t in enumerate(step_ms_K))
+    )
   return calibration

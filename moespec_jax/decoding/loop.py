@@ -23,7 +23,8 @@ import dataclasses
 import functools
 import logging
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -74,12 +75,15 @@ def encode_prompts(prompts, tokenizer, vocab_size: int, eos_id: int) -> list[np.
       if not ids.size:
         raise ValueError(f"prompts[{i}] is empty")
       python_ints = ids.dtype == object and all(
-          isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in ids)  # beyond int64
+        isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in ids
+      )  # beyond int64
       if not (np.issubdtype(ids.dtype, np.integer) or python_ints):
         raise ValueError(f"prompts[{i}] must hold integer token ids, got {ids.dtype}")
       bad = (ids < 0) | (ids >= vocab_size)
       if np.any(bad):
-        raise ValueError(f"prompts[{i}] has token id {int(ids[np.argmax(bad)])} outside the vocabulary [0, {vocab_size})")
+        raise ValueError(
+          f"prompts[{i}] has token id {int(ids[np.argmax(bad)])} outside the vocabulary [0, {vocab_size})"
+        )
       ids = ids.astype(np.int32)
     out.append(ids)
   return out
@@ -99,7 +103,7 @@ def _generate_spec(definition, params, tokens_BT, lengths_B, seed, inputs, step_
   else:
     body = lambda s: passes.speculative_pass(model, s, ls.max_k, ls)
   state = passes.end_trace(jax.lax.while_loop(lambda s: ~jnp.all(s.done_B), body, state), ls)
-  return state.out_BN[:, :ls.max_new_tokens], state.stats.pack(ls)
+  return state.out_BN[:, : ls.max_new_tokens], state.stats.pack(ls)
 
 
 def _prepare(model, prompts, max_new_tokens, sampling, spec, seed, reference_tokens):
@@ -133,36 +137,57 @@ def _prepare(model, prompts, max_new_tokens, sampling, spec, seed, reference_tok
   if longest + max_new_tokens + lookahead > config.max_seq_len:
     extra = f" + num_draft lookahead ({lookahead})" if lookahead else ""
     raise ValueError(
-        f"prompt length ({longest}) + max_new_tokens ({max_new_tokens}){extra} exceeds the "
-        f"model's max_seq_len ({config.max_seq_len})")
+      f"prompt length ({longest}) + max_new_tokens ({max_new_tokens}){extra} exceeds the "
+      f"model's max_seq_len ({config.max_seq_len})"
+    )
   cache_len = min(_bucket(longest + max_new_tokens + lookahead, 64), config.max_seq_len)
   tokens = np.zeros((len(ids), padded_len), np.int32)
   for i, p in enumerate(ids):
-    tokens[i, :len(p)] = p
+    tokens[i, : len(p)] = p
 
   budget = resolve_budget(spec, config)
   auto = auto and k_draft > 0
   if research.pass_trace and not (jax.default_backend() == "cpu" and cpu_ffi.available()):
-    where = (f"the {jax.default_backend()} backend" if jax.default_backend() != "cpu"
-             else cpu_ffi.unavailable_reason())
-    raise ValueError(f"pass_trace reads a clock inside the compiled program, which needs the CPU backend "
-                     f"and the C++ library; not available here ({where})")
-  ls = LoopSpec(max_new_tokens=int(max_new_tokens), cache_len=cache_len, sampling=sampling,
-                kernels=kernel_policy(model, spec), drafter=drafter if k_draft else NoDrafter(),
-                max_k=k_draft, auto=auto, timed=auto and research.auto_timing and loop_clock_available(),
-                trace_passes=research.pass_trace,
-                expert_budget=budget,
-                measure_quality=bool(research.measure_quality and budget is not None),
-                routing=(config.n_routed_experts, config.top_k) if config.n_moe_layers else (0, 0))
+    where = f"the {jax.default_backend()} backend" if jax.default_backend() != "cpu" else cpu_ffi.unavailable_reason()
+    raise ValueError(
+      f"pass_trace reads a clock inside the compiled program, which needs the CPU backend "
+      f"and the C++ library; not available here ({where})"
+    )
+  ls = LoopSpec(
+    max_new_tokens=int(max_new_tokens),
+    cache_len=cache_len,
+    sampling=sampling,
+    kernels=kernel_policy(model, spec),
+    drafter=drafter if k_draft else NoDrafter(),
+    max_k=k_draft,
+    auto=auto,
+    timed=auto and research.auto_timing and loop_clock_available(),
+    trace_passes=research.pass_trace,
+    expert_budget=budget,
+    measure_quality=bool(research.measure_quality and budget is not None),
+    routing=(config.n_routed_experts, config.top_k) if config.n_moe_layers else (0, 0),
+  )
   # Host arrays and a uint32 seed go to the compiled program as they are (an eager jnp.asarray
   # or jax.random.key costs a dispatch each); the seed's low 32 bits, as jax.random.key takes them.
   seed_u32 = np.asarray(int(seed) & 0xFFFFFFFF, np.uint32)
-  inputs = drafter.host_inputs(spec, reference_tokens=reference_tokens, seed_u32=seed_u32, n_rows=len(ids),
-                               max_new_tokens=int(max_new_tokens), length=int(max_new_tokens) + k_draft + 1,
-                               vocab_size=config.vocab_size)
+  inputs = drafter.host_inputs(
+    spec,
+    reference_tokens=reference_tokens,
+    seed_u32=seed_u32,
+    n_rows=len(ids),
+    max_new_tokens=int(max_new_tokens),
+    length=int(max_new_tokens) + k_draft + 1,
+    vocab_size=config.vocab_size,
+  )
   leaves, state_treedef = jax.tree.flatten(model.state)
-  args = (programs.PROGRAMS.definition(model.graphdef, state_treedef), decode_params(model, ls.kernels, leaves), tokens,
-          lengths, seed_u32, inputs if k_draft else None)
+  args = (
+    programs.PROGRAMS.definition(model.graphdef, state_treedef),
+    decode_params(model, ls.kernels, leaves),
+    tokens,
+    lengths,
+    seed_u32,
+    inputs if k_draft else None,
+  )
   return spec, ls, args
 
 
@@ -171,20 +196,29 @@ def loop_clock_available() -> bool:
   not, auto K chooses from its calibration alone (logged once)."""
   if jax.default_backend() == "cpu" and cpu_ffi.available():
     return True
-  _warn_no_clock(f"the {jax.default_backend()} backend" if jax.default_backend() != "cpu"
-                 else cpu_ffi.unavailable_reason())
+  _warn_no_clock(
+    f"the {jax.default_backend()} backend" if jax.default_backend() != "cpu" else cpu_ffi.unavailable_reason()
+  )
   return False
 
 
 @functools.cache
 def _warn_no_clock(reason: str) -> None:
-  logging.warning("num_draft='auto' chooses K from calibrated pass times alone: no clock inside "
-                  "compiled programs (%s)", reason)
+  logging.warning(
+    "num_draft='auto' chooses K from calibrated pass times alone: no clock inside compiled programs (%s)", reason
+  )
 
 
-def generate(model, prompts, max_new_tokens: int = 64, sampling: SamplingParams | None = None,
-             spec: SpecParams | None = None, seed: int = 0, reference_tokens=None,
-             progress: Callable[[str], None] | None = None) -> GenerateOutput:
+def generate(
+  model,
+  prompts,
+  max_new_tokens: int = 64,
+  sampling: SamplingParams | None = None,
+  spec: SpecParams | None = None,
+  seed: int = 0,
+  reference_tokens=None,
+  progress: Callable[[str], None] | None = None,
+) -> GenerateOutput:
   """Generates `max_new_tokens` tokens per prompt (fewer where a row emits EOS: -1 after it).
 
   `seed`: the PRNG seed of sampling (its low 32 bits, as `jax.random.key` takes it); each row
@@ -204,11 +238,13 @@ def generate(model, prompts, max_new_tokens: int = 64, sampling: SamplingParams 
   step_ms_K, calibration = np.zeros((ls.max_k + 1,), np.float32), None
   fn = programs.PROGRAMS.compiled(_generate_spec, ls, *args, step_ms_K, _FULL_RUN)
   if ls.auto:
+
     def held_run(held_ms_K, prefill_only):
       start = time.perf_counter()
       raw = jax.block_until_ready(fn(*args[1:], held_ms_K, np.bool_(prefill_only))[1])
       seconds = time.perf_counter() - start
       return seconds, Stats.unpack(raw, ls, batch, n_moe_layers).passes_by_K
+
     calibration = calibrate_step_ms(ls, args, held_run, progress)
     step_ms_K = np.asarray(calibration.step_ms_K, np.float32)
   start = time.perf_counter()
@@ -219,8 +255,15 @@ def generate(model, prompts, max_new_tokens: int = 64, sampling: SamplingParams 
   return GenerateOutput(tokens=tokens_BN, stats=report.public_stats(record, tokens_BN, seconds, spec, ls, calibration))
 
 
-def step_times_ms(model, prompts, max_new_tokens: int = 64, sampling: SamplingParams | None = None,
-                  spec: SpecParams | None = None, reference_tokens=None, repeats: int = 7) -> np.ndarray:
+def step_times_ms(
+  model,
+  prompts,
+  max_new_tokens: int = 64,
+  sampling: SamplingParams | None = None,
+  spec: SpecParams | None = None,
+  reference_tokens=None,
+  repeats: int = 7,
+) -> np.ndarray:
   """Measured time (ms) of one loop pass for each K in 0..K of `spec` (raw medians, not smoothed).
 
   Timed in loops of passes (`calibration.measure_step_ms`; what `num_draft='auto'` calibrates
@@ -231,9 +274,15 @@ def step_times_ms(model, prompts, max_new_tokens: int = 64, sampling: SamplingPa
   return measure_step_ms(ls, args, repeats)
 
 
-def step_times_with_and_without_experts_ms(model, prompts, max_new_tokens: int = 64,
-                                           sampling: SamplingParams | None = None, spec: SpecParams | None = None,
-                                           reference_tokens=None, repeats: int = 7) -> tuple[np.ndarray, np.ndarray]:
+def step_times_with_and_without_experts_ms(
+  model,
+  prompts,
+  max_new_tokens: int = 64,
+  sampling: SamplingParams | None = None,
+  spec: SpecParams | None = None,
+  reference_tokens=None,
+  repeats: int = 7,
+) -> tuple[np.ndarray, np.ndarray]:
   """`step_times_ms`, and the same passes with no routed expert read (LoopSpec.routed_experts
   False), timed side by side in the same rounds: the rest of a pass, and by difference the routed
   experts' part as decoding pays it (the cost model's non-expert time)."""

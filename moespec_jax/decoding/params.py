@@ -58,17 +58,23 @@ class ResearchOptions:
 
   def __post_init__(self):
     if self.controlled_acceptance is not None and (
-        isinstance(self.controlled_acceptance, bool) or not isinstance(self.controlled_acceptance, (int, float))
-        or not 0.0 <= self.controlled_acceptance <= 1.0):
+      isinstance(self.controlled_acceptance, bool)
+      or not isinstance(self.controlled_acceptance, (int, float))
+      or not 0.0 <= self.controlled_acceptance <= 1.0
+    ):
       raise ValueError(f"controlled_acceptance must be in [0, 1], got {self.controlled_acceptance!r}")
     for name in ("auto_timing", "pass_trace", "measure_quality"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
     if self.mtp_prompt_window is not None and (not _is_int(self.mtp_prompt_window) or self.mtp_prompt_window < 1):
-      raise ValueError(f"mtp_prompt_window must be an int >= 1 or None (every prompt position), "
-                       f"got {self.mtp_prompt_window!r}")
-    for name, choices in (("head_kernel", HEAD_KERNELS), ("attention_kernel", ATTENTION_KERNELS),
-                          ("dense_kernel", DENSE_KERNELS)):
+      raise ValueError(
+        f"mtp_prompt_window must be an int >= 1 or None (every prompt position), got {self.mtp_prompt_window!r}"
+      )
+    for name, choices in (
+      ("head_kernel", HEAD_KERNELS),
+      ("attention_kernel", ATTENTION_KERNELS),
+      ("dense_kernel", DENSE_KERNELS),
+    ):
       if getattr(self, name) not in choices:
         raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
 
@@ -117,5 +123,6 @@ class SpecParams:
     if self.num_draft != "auto" and (not _is_int(self.num_draft) or self.num_draft < 0):
       raise ValueError(f"num_draft must be an int >= 0 or 'auto', got {self.num_draft!r}")
     if not _is_int(self.max_draft) or not 1 <= self.max_draft <= 16:
-      raise ValueError(f"max_draft (the largest K of num_draft='auto') must be an int in [1, 16], "
-                       f"got {self.max_draft!r}")
+      raise ValueError(
+        f"max_draft (the largest K of num_draft='auto') must be an int in [1, 16], got {self.max_draft!r}"
+      )

@@ -13,9 +13,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from moespec_jax.decoding import auto_draft
+from moespec_jax.decoding import auto_draft, rejection
 from moespec_jax.decoding import quality as quality_lib
-from moespec_jax.decoding import rejection
 from moespec_jax.decoding import sampling as sampling_lib
 from moespec_jax.decoding.drafters import DraftTree, Verified
 from moespec_jax.decoding.state import LoopSpec, LoopState, Stats, row_keys, stream_keys
@@ -36,10 +35,18 @@ def init_state(model, tokens_BT, lengths_B, seed, inputs, ls: LoopSpec) -> LoopS
   first_B = sampling_lib.sample(stream_keys(row_keys_B, 0), last_logits_BV, ls.sampling)
   out_BN = jnp.full((batch, ls.max_new_tokens + ls.max_k + 1), -1, jnp.int32).at[:, 0].set(first_B)
   draft_state = ls.drafter.start(model, tokens_BT, lengths_B, prompt_BT, out, note, first_B, inputs, ls)
-  return LoopState(step=jnp.int32(1), cache=out.cache, pos_B=lengths_B, pending_B=first_B,
-                   generated_B=jnp.ones((batch,), jnp.int32),
-                   done_B=(first_B == config.eos_id) | (ls.max_new_tokens <= 1), out_BN=out_BN,
-                   draft_state=draft_state, stats=Stats.zeros(ls, batch, config.n_moe_layers), row_keys_B=row_keys_B)
+  return LoopState(
+    step=jnp.int32(1),
+    cache=out.cache,
+    pos_B=lengths_B,
+    pending_B=first_B,
+    generated_B=jnp.ones((batch,), jnp.int32),
+    done_B=(first_B == config.eos_id) | (ls.max_new_tokens <= 1),
+    out_BN=out_BN,
+    draft_state=draft_state,
+    stats=Stats.zeros(ls, batch, config.n_moe_layers),
+    row_keys_B=row_keys_B,
+  )
 
 
 def draft(model, state: LoopState, k: int, keys_B, ls: LoopSpec) -> tuple[LoopState, DraftTree, tuple | None]:
@@ -52,9 +59,11 @@ def draft(model, state: LoopState, k: int, keys_B, ls: LoopSpec) -> tuple[LoopSt
   else:
     tree, draft_state = drafter.propose(model, state, k, keys_B, ls)
     if not (tree.is_chain and tree.num_nodes == k):
-      raise NotImplementedError(f"{type(drafter).__name__} proposed a draft tree ({tree.num_nodes} nodes, "
-                                f"chain: {tree.is_chain}) where {k} drafts were asked; verification takes "
-                                f"chains of K drafts only (DraftTree.chain)")
+      raise NotImplementedError(
+        f"{type(drafter).__name__} proposed a draft tree ({tree.num_nodes} nodes, "
+        f"chain: {tree.is_chain}) where {k} drafts were asked; verification takes "
+        f"chains of K drafts only (DraftTree.chain)"
+      )
     state = state.replace(draft_state=draft_state)
   shadow = None
   if ls.auto and k == 0 and drafter.shadows:
@@ -77,8 +86,9 @@ def verify(model, state: LoopState, tree: DraftTree, shadow, keys_B, ls: LoopSpe
   positions_BS = pos_B[:, None] + jnp.arange(k + 1, dtype=jnp.int32)[None]
   active_BS = active_B[:, None] & jnp.concatenate([jnp.ones((batch, 1), jnp.bool_), tree.valid_BN], axis=1)
   experts_BS = active_BS if ls.routed_experts else jnp.zeros_like(active_BS)
-  vout = model(inputs_BS, positions_BS, state.cache, kernels=model.kernels,
-               expert_budget=ls.expert_budget, valid_BT=experts_BS)
+  vout = model(
+    inputs_BS, positions_BS, state.cache, kernels=model.kernels, expert_budget=ls.expert_budget, valid_BT=experts_BS
+  )
   shadow_valid_B = shadow_accept_B = None
   if ls.sampling.greedy:
     accept_BK, n_acc_B, next_B = rejection.verify_greedy(vout.logits, tree.tokens_BN, tree.valid_BN)
@@ -89,8 +99,9 @@ def verify(model, state: LoopState, tree: DraftTree, shadow, keys_B, ls: LoopSpe
     logp_BSV = logp_BSV.reshape(batch, k + 1, vocab)
     q_BKV = tree.q_BNV
     if q_BKV is None:  # deterministic drafts: one-hot q
-      q_BKV = (jax.nn.one_hot(tree.tokens_BN, vocab, dtype=jnp.float32) if k
-               else jnp.zeros((batch, 0, vocab), jnp.float32))
+      q_BKV = (
+        jax.nn.one_hot(tree.tokens_BN, vocab, dtype=jnp.float32) if k else jnp.zeros((batch, 0, vocab), jnp.float32)
+      )
     accept_BK, n_acc_B, next_B = rejection.verify_sampled(keys_B, logp_BSV, tree.tokens_BN, q_BKV, tree.valid_BN)
     if shadow is not None:  # a one-hot draft is accepted with probability p(draft)
       shadow_valid_B = shadow[1]
@@ -103,12 +114,25 @@ def verify(model, state: LoopState, tree: DraftTree, shadow, keys_B, ls: LoopSpe
   if ls.measure_quality:  # how far the budget moved the verified logits
     exact_logits_BSV = model(inputs_BS, positions_BS, state.cache, kernels=model.kernels).logits
     used_BS = active_BS & (j_S[None] <= n_acc_B[:, None])
-    agree, kl, count = quality_lib.logit_agreement(exact_logits_BSV.reshape(-1, vocab),
-                                                   vout.logits.reshape(-1, vocab), used_BS.reshape(-1))
+    agree, kl, count = quality_lib.logit_agreement(
+      exact_logits_BSV.reshape(-1, vocab), vout.logits.reshape(-1, vocab), used_BS.reshape(-1)
+    )
     quality_3 = jnp.stack([agree, kl, count])
-  return Verified(tree=tree, pos_B=pos_B, positions_BS=positions_BS, active_B=active_B, experts_BS=experts_BS,
-                  output=vout, accept_BN=accept_BK, n_accepted_B=n_acc_B, next_B=next_B, candidates_BS=cand_BS,
-                  shadow_valid_B=shadow_valid_B, shadow_accept_B=shadow_accept_B, quality_3=quality_3)
+  return Verified(
+    tree=tree,
+    pos_B=pos_B,
+    positions_BS=positions_BS,
+    active_B=active_B,
+    experts_BS=experts_BS,
+    output=vout,
+    accept_BN=accept_BK,
+    n_accepted_B=n_acc_B,
+    next_B=next_B,
+    candidates_BS=cand_BS,
+    shadow_valid_B=shadow_valid_B,
+    shadow_accept_B=shadow_accept_B,
+    quality_3=quality_3,
+  )
 
 
 def commit_counts(cand_BS, n_acc_B, active_B, gen_B, eos_id: int, max_new_tokens: int):
@@ -135,12 +159,13 @@ def commit(state: LoopState, verified: Verified, eos_id: int, ls: LoopSpec) -> t
   write_BS = jnp.where(j_S[None] < n_commit_B[:, None], cand_BS, -1)
   new_gen_B = gen_B + n_commit_B
   return state.replace(
-      cache=verified.output.cache,
-      pos_B=jnp.where(active_B, state.pos_B + verified.n_accepted_B + 1, state.pos_B),
-      pending_B=jnp.where(active_B, verified.next_B, state.pending_B),
-      generated_B=new_gen_B,
-      done_B=state.done_B | hit_eos_B | (new_gen_B >= ls.max_new_tokens),
-      out_BN=cache_lib.write_rows(state.out_BN, write_BS, gen_B)), n_commit_B
+    cache=verified.output.cache,
+    pos_B=jnp.where(active_B, state.pos_B + verified.n_accepted_B + 1, state.pos_B),
+    pending_B=jnp.where(active_B, verified.next_B, state.pending_B),
+    generated_B=new_gen_B,
+    done_B=state.done_B | hit_eos_B | (new_gen_B >= ls.max_new_tokens),
+    out_BN=cache_lib.write_rows(state.out_BN, write_BS, gen_B),
+  ), n_commit_B
 
 
 def _count_unique_experts(expert_ids_LBTK, active_BT, n_experts: int):
@@ -164,8 +189,11 @@ def _record_evidence(stats: Stats, verified: Verified, reached_BK, ls: LoopSpec)
     accepted_B = jnp.where(verified.shadow_valid_B, verified.shadow_accept_B, 0.0)
   brings_B = tried_B > 0
   evidence_B2 = stats.acceptance_evidence_B2
-  stats = stats.replace(acceptance_evidence_B2=jnp.where(
-      brings_B[:, None], auto_draft.EVIDENCE_DECAY * evidence_B2 + jnp.stack([accepted_B, tried_B], 1), evidence_B2))
+  stats = stats.replace(
+    acceptance_evidence_B2=jnp.where(
+      brings_B[:, None], auto_draft.EVIDENCE_DECAY * evidence_B2 + jnp.stack([accepted_B, tried_B], 1), evidence_B2
+    )
+  )
   if not ls.drafter.per_depth:
     return stats
   if verified.tree.num_nodes:
@@ -174,8 +202,11 @@ def _record_evidence(stats: Stats, verified: Verified, reached_BK, ls: LoopSpec)
     depth_BK2 = jnp.stack([accepted_B, tried_B], axis=-1)[:, None]
   depth_BK2 = jnp.pad(depth_BK2, ((0, 0), (0, ls.max_k - depth_BK2.shape[1]), (0, 0)))
   depth_evidence_BK2 = stats.depth_evidence_BK2
-  return stats.replace(depth_evidence_BK2=jnp.where(
-      brings_B[:, None, None], auto_draft.EVIDENCE_DECAY * depth_evidence_BK2 + depth_BK2, depth_evidence_BK2))
+  return stats.replace(
+    depth_evidence_BK2=jnp.where(
+      brings_B[:, None, None], auto_draft.EVIDENCE_DECAY * depth_evidence_BK2 + depth_BK2, depth_evidence_BK2
+    )
+  )
 
 
 def record(state: LoopState, verified: Verified, n_commit_B, config, ls: LoopSpec, started_2=None) -> LoopState:
@@ -187,13 +218,13 @@ def record(state: LoopState, verified: Verified, n_commit_B, config, ls: LoopSpe
   reached_BK = (jnp.arange(k, dtype=jnp.int32)[None] <= n_acc_B[:, None]) & active_B[:, None]
   pad = (0, ls.max_k - k)
   stats = stats.replace(
-      verify_passes=stats.verify_passes + 1,
-      row_passes=stats.row_passes + jnp.sum(act),
-      accepted_tokens=stats.accepted_tokens + jnp.sum(act * (n_acc_B + 1)),
-      reached_K=stats.reached_K + jnp.pad(jnp.sum(reached_BK, axis=0).astype(jnp.float32), pad),
-      accepted_K=stats.accepted_K + jnp.pad(jnp.sum(reached_BK & verified.accept_BN, axis=0).astype(jnp.float32),
-                                            pad),
-      passes_by_K=stats.passes_by_K.at[k].add(1.0))
+    verify_passes=stats.verify_passes + 1,
+    row_passes=stats.row_passes + jnp.sum(act),
+    accepted_tokens=stats.accepted_tokens + jnp.sum(act * (n_acc_B + 1)),
+    reached_K=stats.reached_K + jnp.pad(jnp.sum(reached_BK, axis=0).astype(jnp.float32), pad),
+    accepted_K=stats.accepted_K + jnp.pad(jnp.sum(reached_BK & verified.accept_BN, axis=0).astype(jnp.float32), pad),
+    passes_by_K=stats.passes_by_K.at[k].add(1.0),
+  )
   if ls.auto and (k or verified.shadow_valid_B is not None):  # auto K's evidence (fixed K reads none of it)
     stats = _record_evidence(stats, verified, reached_BK, ls)
   if verified.quality_3 is not None:
@@ -203,8 +234,14 @@ def record(state: LoopState, verified: Verified, n_commit_B, config, ls: LoopSpe
     unique_L = _count_unique_experts(verified.output.routing.expert_ids, verified.experts_BS, config.n_routed_experts)
     stats = stats.replace(unique_L=stats.unique_L + unique_L)
   if ls.trace_passes:  # passes past the trace's rows (the calibration's loops) are not recorded
-    row_4 = jnp.stack([cpu_ffi.elapsed_ms(stats.trace_clock_2, started_2), jnp.float32(k),
-                       jnp.sum(n_commit_B).astype(jnp.float32), jnp.sum(unique_L)])
+    row_4 = jnp.stack(
+      [
+        cpu_ffi.elapsed_ms(stats.trace_clock_2, started_2),
+        jnp.float32(k),
+        jnp.sum(n_commit_B).astype(jnp.float32),
+        jnp.sum(unique_L),
+      ]
+    )
     stats = stats.replace(pass_trace_P4=stats.pass_trace_P4.at[state.step - 1].set(row_4, mode="drop"))
   return state.replace(stats=stats)
 
@@ -253,6 +290,7 @@ def _run_passes(model, state: LoopState, k: int, run_k, n_passes, ls: LoopSpec) 
   """Up to `n_passes` passes with K = k when `run_k == k` (none otherwise), stopping early
   when every row is done or when the cache has no room for k drafts (auto K's cache has no
   lookahead beyond max_new_tokens)."""
+
   def cond(loop):
     s, i = loop
     return (run_k == k) & (i < n_passes) & ~jnp.all(s.done_B) & (cache_room(s.pos_B, s.done_B, ls.cache_len) >= k)
@@ -277,15 +315,21 @@ def auto_segment(model, state: LoopState, step_ms_K, ls: LoopSpec) -> LoopState:
     pos_B, now_2 = cpu_ffi.clock_after(state.pos_B)
     started = stats.segment_start_passes
     passes = jnp.where(started >= 0, stats.verify_passes - started, 0)
-    timing_K2 = auto_draft.record_pass_time(stats.pass_timing_K2, stats.auto_k, passes,
-                                            cpu_ffi.elapsed_ms(stats.segment_clock_2, now_2), step_ms_K)
+    timing_K2 = auto_draft.record_pass_time(
+      stats.pass_timing_K2, stats.auto_k, passes, cpu_ffi.elapsed_ms(stats.segment_clock_2, now_2), step_ms_K
+    )
     stats = stats.replace(pass_timing_K2=timing_K2, segment_clock_2=now_2, segment_start_passes=stats.verify_passes)
     state = state.replace(pos_B=pos_B)
     step_ms_K = auto_draft.corrected_step_ms(step_ms_K, timing_K2)
   remaining_B = jnp.where(state.done_B, 0, ls.max_new_tokens - state.generated_B)
-  k, n_passes = auto_draft.choose_k(stats.acceptance_evidence_B2, step_ms_K, remaining_B=remaining_B,
-                                    shadow=drafter.shadows, current_k=stats.auto_k,
-                                    depth_evidence_BJ2=stats.depth_evidence_BK2 if drafter.per_depth else None)
+  k, n_passes = auto_draft.choose_k(
+    stats.acceptance_evidence_B2,
+    step_ms_K,
+    remaining_B=remaining_B,
+    shadow=drafter.shadows,
+    current_k=stats.auto_k,
+    depth_evidence_BJ2=stats.depth_evidence_BK2 if drafter.per_depth else None,
+  )
   proposes = drafter.has_proposal(state, ls)
   if proposes is not None:  # no active row has anything to verify: plain passes
     k = jnp.where(proposes, k, 0)

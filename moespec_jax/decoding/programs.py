@@ -9,7 +9,8 @@ from __future__ import annotations
 import gc
 import itertools
 import logging
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 from flax import nnx
@@ -38,8 +39,10 @@ class ModelDefinition:
     return self._hash
 
   def __eq__(self, other):
-    return isinstance(other, ModelDefinition) and (self is other or (
-        self._hash == other._hash and self.graphdef == other.graphdef and self.state_treedef == other.state_treedef))
+    return isinstance(other, ModelDefinition) and (
+      self is other
+      or (self._hash == other._hash and self.graphdef == other.graphdef and self.state_treedef == other.state_treedef)
+    )
 
 
 class ProgramModel:
@@ -73,8 +76,13 @@ def kernel_policy(model, spec: SpecParams, platform: str | None = None) -> Kerne
   (`SpecParams.kernel`, 'auto' meaning the model config's), and where the output head, the dense
   projections and attention against the cache run the C++ kernels (`ResearchOptions`' kernel choices)."""
   research = spec.research
-  return KernelPolicy.resolve(kernel=model.expert_method(spec.kernel), head=research.head_kernel,
-                              dense=research.dense_kernel, attention=research.attention_kernel, platform=platform)
+  return KernelPolicy.resolve(
+    kernel=model.expert_method(spec.kernel),
+    head=research.head_kernel,
+    dense=research.dense_kernel,
+    attention=research.attention_kernel,
+    platform=platform,
+  )
 
 
 def decode_params(model, policy: KernelPolicy, leaves) -> tuple[list, PackedWeights]:
@@ -128,8 +136,13 @@ class ProgramCache:
   module's `PROGRAMS` lives as long as the process and is the one generate() uses.
   """
 
-  def __init__(self, *, mappings: Callable[[], tuple[int, int] | None] = memory_mappings,
-               high_water: float = MAP_HIGH_WATER, low_water: float = MAP_LOW_WATER):
+  def __init__(
+    self,
+    *,
+    mappings: Callable[[], tuple[int, int] | None] = memory_mappings,
+    high_water: float = MAP_HIGH_WATER,
+    low_water: float = MAP_LOW_WATER,
+  ):
     self.mappings, self.high_water, self.low_water = mappings, high_water, low_water
     self._programs: dict[Any, Any] = {}
     self._last_use: dict[Any, int] = {}  # when each program was last asked for
@@ -213,13 +226,19 @@ class ProgramCache:
     (before, limit), held, dropped = counts, counts[0], 0
     while held > self.low_water * limit and len(self._programs) > 1:
       older = self.signatures_by_use()[:-1]
-      oldest = older[:max(1, len(older) // 2)]
+      oldest = older[: max(1, len(older) // 2)]
       self.forget(keep=frozenset(self._programs) - frozenset(oldest))
       gc.collect()
       dropped += len(oldest)
       held = (self.mappings() or (0, limit))[0]
-    logging.info("dropped the %d least recently used compiled programs: the process held %d memory mappings, "
-                 "now %d, of at most %d", dropped, before, held, limit)
+    logging.info(
+      "dropped the %d least recently used compiled programs: the process held %d memory mappings, "
+      "now %d, of at most %d",
+      dropped,
+      before,
+      held,
+      limit,
+    )
     return dropped
 
 

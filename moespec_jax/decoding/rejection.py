@@ -72,8 +72,9 @@ def verify_sampled(keys_B, logp_BSV, drafts_BK, q_BKV, valid_BK):
   q_draft_BK = jnp.take_along_axis(q_BKV, drafts_BK[..., None], axis=-1)[..., 0]
   accept_BK = valid_BK & (u_BK * q_draft_BK < p_draft_BK)
   n_B = accepted_count(accept_BK)
-  q_BSV = jnp.concatenate([jnp.where(valid_BK[..., None], q_BKV, 0.0),
-                           jnp.zeros((b, 1, q_BKV.shape[-1]), q_BKV.dtype)], axis=1)
+  q_BSV = jnp.concatenate(
+    [jnp.where(valid_BK[..., None], q_BKV, 0.0), jnp.zeros((b, 1, q_BKV.shape[-1]), q_BKV.dtype)], axis=1
+  )
   p_n_BV, q_n_BV = _at(p_BSV, n_B), _at(q_BSV, n_B)
   r_BV = residual_probs(p_n_BV, q_n_BV)
   # p == q leaves no residual mass; rejection then has probability 0 (numerical guard only).

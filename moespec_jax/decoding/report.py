@@ -13,8 +13,7 @@ from moespec_jax.decoding.params import SpecParams
 from moespec_jax.decoding.state import LoopSpec, Stats
 
 
-def public_stats(raw: Stats, tokens_BN, seconds: float, spec: SpecParams, ls: LoopSpec,
-                 calibration) -> dict[str, Any]:
+def public_stats(raw: Stats, tokens_BN, seconds: float, spec: SpecParams, ls: LoopSpec, calibration) -> dict[str, Any]:
   """`out.stats` from the program's statistics (`Stats.unpack`: NumPy arrays, the reported ones);
   `calibration`: auto K's (`calibration.Calibration`), None without auto."""
   verify_passes = int(raw.verify_passes)
@@ -23,24 +22,23 @@ def public_stats(raw: Stats, tokens_BN, seconds: float, spec: SpecParams, ls: Lo
   reached = raw.reached_K
   budget = ls.expert_budget
   stats = {
-      "passes": verify_passes + 1,  # the prefill pass included
-      "verify_passes": verify_passes,
-      "generated_tokens": generated,
-      # Tokens committed per verify pass and active row (accepted drafts + 1); 1.0 for plain.
-      "mean_accepted_length": float(raw.accepted_tokens) / row_passes if row_passes else 1.0,
-      # Depth j: P(draft j accepted | drafts 1..j-1 accepted), over active rows' passes.
-      "acceptance_by_depth": [float(a / r) if r else float("nan")
-                              for a, r in zip(raw.accepted_K, reached)],
-      "tokens_per_second": generated / seconds,
-      "seconds": seconds,
-      # Distinct experts per MoE layer among the verified tokens of the active rows, per pass.
-      "unique_experts_per_pass": (raw.unique_L / max(verify_passes, 1)).tolist(),
-      "drafter": spec.drafter,
-      "num_draft": "auto" if ls.auto else ls.max_k,
-      "expert_method": ls.kernels.expert_method,
-      "mode": spec.mode,
-      "approximate": budget is not None,
-      "expert_budget": None if budget is None else budget.budget,
+    "passes": verify_passes + 1,  # the prefill pass included
+    "verify_passes": verify_passes,
+    "generated_tokens": generated,
+    # Tokens committed per verify pass and active row (accepted drafts + 1); 1.0 for plain.
+    "mean_accepted_length": float(raw.accepted_tokens) / row_passes if row_passes else 1.0,
+    # Depth j: P(draft j accepted | drafts 1..j-1 accepted), over active rows' passes.
+    "acceptance_by_depth": [float(a / r) if r else float("nan") for a, r in zip(raw.accepted_K, reached)],
+    "tokens_per_second": generated / seconds,
+    "seconds": seconds,
+    # Distinct experts per MoE layer among the verified tokens of the active rows, per pass.
+    "unique_experts_per_pass": (raw.unique_L / max(verify_passes, 1)).tolist(),
+    "drafter": spec.drafter,
+    "num_draft": "auto" if ls.auto else ls.max_k,
+    "expert_method": ls.kernels.expert_method,
+    "mode": spec.mode,
+    "approximate": budget is not None,
+    "expert_budget": None if budget is None else budget.budget,
   }
   if ls.auto:
     by_k = raw.passes_by_K
@@ -55,8 +53,10 @@ def public_stats(raw: Stats, tokens_BN, seconds: float, spec: SpecParams, ls: Lo
     stats["calibration_seconds"] = float(calibration.seconds)  # 0.0: a kept calibration was reused
     stats["auto_timing"] = ls.timed
     if ls.timed:  # the pass times auto chose with at the end: calibration corrected by the loop's clock
-      stats["corrected_step_ms"] = [float(t) for t in auto_draft.corrected_step_ms(
-          jnp.asarray(step_ms_K, jnp.float32), jnp.asarray(raw.pass_timing_K2))]
+      stats["corrected_step_ms"] = [
+        float(t)
+        for t in auto_draft.corrected_step_ms(jnp.asarray(step_ms_K, jnp.float32), jnp.asarray(raw.pass_timing_K2))
+      ]
     # The acceptance estimate at the end, pooled over the rows (decayed evidence from drafts
     # and shadow drafts).
     stats["acceptance_estimate"] = float(auto_draft.acceptance_estimate(raw.acceptance_evidence_B2.sum(0)))
@@ -80,8 +80,12 @@ def pass_trace(records_P4, end_ms: float) -> dict[str, list]:
   experts the pass read, summed over the MoE layers: what its expert bytes scale with)."""
   starts = records_P4[:, 0].astype(np.float64)
   ends = np.append(starts[1:], end_ms)
-  return {"ms": (ends - starts).tolist(), "num_draft": records_P4[:, 1].astype(int).tolist(),
-          "tokens": records_P4[:, 2].astype(int).tolist(), "experts": records_P4[:, 3].astype(int).tolist()}
+  return {
+    "ms": (ends - starts).tolist(),
+    "num_draft": records_P4[:, 1].astype(int).tolist(),
+    "tokens": records_P4[:, 2].astype(int).tolist(),
+    "experts": records_P4[:, 3].astype(int).tolist(),
+  }
 
 
 def describe_pass_trace(trace: dict[str, list], first: int = 8) -> str:
@@ -92,8 +96,11 @@ def describe_pass_trace(trace: dict[str, list], first: int = 8) -> str:
   if not ms.size:
     return "pass times: no passes (every token came from the prefill)"
   head = " ".join(f"{t:.2f}" for t in ms[:first])
-  later = ", ".join(f"K={k} {np.median(ms[first:][ks[first:] == k]):.3f} ({np.sum(ks[first:] == k)})"
-                    for k in np.unique(ks[first:]))
-  return (f"pass times (ms): the first {min(first, ms.size)}: {head}"
-          + (f"; later, median at each K (passes): {later}" if later else "")
-          + f"; {ms.sum():.2f} ms over {ms.size} passes")
+  later = ", ".join(
+    f"K={k} {np.median(ms[first:][ks[first:] == k]):.3f} ({np.sum(ks[first:] == k)})" for k in np.unique(ks[first:])
+  )
+  return (
+    f"pass times (ms): the first {min(first, ms.size)}: {head}"
+    + (f"; later, median at each K (passes): {later}" if later else "")
+    + f"; {ms.sum():.2f} ms over {ms.size} passes"
+  )

@@ -8,7 +8,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +24,7 @@ from pallas_kernels.policy import KernelPolicy
 @dataclasses.dataclass(frozen=True)
 class LoopSpec:
   """The static choices of one compiled generation program (hashable: part of its signature)."""
+
   max_new_tokens: int
   cache_len: int
   sampling: SamplingParams
@@ -72,6 +74,7 @@ class Stats:
   fields into one float32 vector (one copy to the host per call instead of one per statistic),
   `unpack` reads them back as a record of NumPy arrays (None where not reported).
   """
+
   verify_passes: jax.Array = _stat((), jnp.int32, reported=_always)
   """int32 []: verification passes run."""
   row_passes: jax.Array = _stat((), reported=_always)
@@ -112,19 +115,20 @@ class Stats:
   @classmethod
   def zeros(cls, ls: LoopSpec, batch: int, n_moe_layers: int) -> Stats:
     """A record at its start (zeros, and -1 where a field says so)."""
-    return cls(**{name: jnp.full(shape, init, dtype) for name, (shape, dtype, init) in
-                  _shapes(ls, batch, n_moe_layers).items()})
+    return cls(
+      **{name: jnp.full(shape, init, dtype) for name, (shape, dtype, init) in _shapes(ls, batch, n_moe_layers).items()}
+    )
 
   @staticmethod
   def reported_fields(ls: LoopSpec) -> tuple[str, ...]:
     """The fields a program of `ls` reports to the host, in their packed order."""
-    return tuple(f.name for f in dataclasses.fields(Stats)
-                 if f.metadata["reported"] is not None and f.metadata["reported"](ls))
+    return tuple(
+      f.name for f in dataclasses.fields(Stats) if f.metadata["reported"] is not None and f.metadata["reported"](ls)
+    )
 
   def pack(self, ls: LoopSpec) -> jax.Array:
     """The reported fields raveled into one float32 vector (counts stay exact below 2^24)."""
-    return jnp.concatenate([jnp.ravel(getattr(self, name)).astype(jnp.float32)
-                            for name in Stats.reported_fields(ls)])
+    return jnp.concatenate([jnp.ravel(getattr(self, name)).astype(jnp.float32) for name in Stats.reported_fields(ls)])
 
   @classmethod
   def unpack(cls, packed, ls: LoopSpec, batch: int, n_moe_layers: int) -> Stats:
@@ -132,7 +136,7 @@ class Stats:
     packed = np.asarray(packed)
     fields, start = dict.fromkeys(_FIELD_NAMES), 0
     for name, shape, size in _layout(ls, batch, n_moe_layers):
-      fields[name] = packed[start:start + size].reshape(shape)
+      fields[name] = packed[start : start + size].reshape(shape)
       start += size
     if start != packed.size:
       raise AssertionError(f"packed statistics hold {packed.size} values, their layout {start}")
@@ -145,8 +149,10 @@ _FIELD_NAMES = tuple(f.name for f in dataclasses.fields(Stats))
 def _shapes(ls: LoopSpec, batch: int, n_moe_layers: int) -> dict[str, tuple[tuple[int, ...], Any, int]]:
   """Every field's (shape, dtype, starting value), its named dimensions resolved."""
   dims = {"K": ls.max_k, "K+1": ls.max_k + 1, "B": batch, "L": n_moe_layers, "P": ls.trace_rows}
-  return {f.name: (tuple(dims.get(d, d) for d in f.metadata["shape"]), f.metadata["dtype"], f.metadata["init"])
-          for f in dataclasses.fields(Stats)}
+  return {
+    f.name: (tuple(dims.get(d, d) for d in f.metadata["shape"]), f.metadata["dtype"], f.metadata["init"])
+    for f in dataclasses.fields(Stats)
+  }
 
 
 @functools.cache
@@ -159,6 +165,7 @@ def _layout(ls: LoopSpec, batch: int, n_moe_layers: int) -> tuple[tuple[str, tup
 @struct.dataclass(kw_only=True)
 class LoopState:
   """The `lax.while_loop` carry of a generation program: everything a pass reads and writes."""
+
   step: jax.Array
   """int32 []: the index of the next pass (1: the first after the prefill; 0 drew the first token)."""
   cache: Any

@@ -17,8 +17,15 @@ from moespec_jax.hf.tokenizer import MissingTokenizer, PretrainedTokenizer, load
 from moespec_jax.hf.weights import TensorSource, count_mtp_layers, map_mtp, map_params, mtp_own_head
 from moespec_jax.io import atomic
 
-__all__ = ["FAMILIES", "ImportSpec", "MissingTokenizer", "PretrainedTokenizer", "TensorSource",
-           "load_checkpoint", "to_model_config"]
+__all__ = [
+  "FAMILIES",
+  "ImportSpec",
+  "MissingTokenizer",
+  "PretrainedTokenizer",
+  "TensorSource",
+  "load_checkpoint",
+  "to_model_config",
+]
 
 _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float32"}
 
@@ -59,16 +66,15 @@ def load_checkpoint(path, dtype: str | None = None):
   if n_mtp:
     # DeepSeek-V3's MTP layers become the model's MTP drafter modules (drafter="mtp").
     lm_head_DV = pure["embed_VD"].T if config.tie_embeddings else pure["lm_head_DV"]
-    config = config.replace(num_mtp_modules=n_mtp, mtp_head_norm=True,
-                            mtp_own_head=mtp_own_head(src, config, n_mtp, lm_head_DV))
+    config = config.replace(
+      num_mtp_modules=n_mtp, mtp_head_norm=True, mtp_own_head=mtp_own_head(src, config, n_mtp, lm_head_DV)
+    )
     abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
     pure["mtp"] = map_mtp(src, config, spec, nnx.to_pure_dict(state)["mtp"])
   nnx.replace_by_pure_dict(state, jax.tree.map(jax.numpy.asarray, pure))
   unused = sorted(n for n in src.names() - src.used if not n.endswith("rotary_emb.inv_freq"))
   if unused:
-    logging.warning("Hugging Face import of %s: %d checkpoint tensors unused, e.g. %s",
-                    path, len(unused), unused[:3])
-  tokenizer = load_for_checkpoint(path, vocab_size=config.vocab_size, eos_id=config.eos_id,
-                                  bos_id=config.bos_id)
+    logging.warning("Hugging Face import of %s: %d checkpoint tensors unused, e.g. %s", path, len(unused), unused[:3])
+  tokenizer = load_for_checkpoint(path, vocab_size=config.vocab_size, eos_id=config.eos_id, bos_id=config.bos_id)
   return config, graphdef, state, tokenizer, {"spec": spec}

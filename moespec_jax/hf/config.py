@@ -20,6 +20,7 @@ DEEPSEEK = ("deepseek_v2", "deepseek_v3")
 @dataclasses.dataclass(frozen=True)
 class ImportSpec:
   """How a checkpoint's tensors map onto the model (beyond the ModelConfig)."""
+
   family: str
   moe_prefix: str  # module name of the MoE block inside a layer ("mlp" or "block_sparse_moe")
   expert_names: tuple[str, str, str]  # gate, up, down projection names of one expert
@@ -57,9 +58,14 @@ def _rope(hf: dict[str, Any], family: str) -> tuple[float, dict[str, Any] | None
     _refuse(family, "yarn without original_max_position_embeddings")
   factor = merged.get("factor") or hf["max_position_embeddings"] / orig
   return float(theta), dict(
-      rope_scaling="yarn", rope_factor=float(factor), rope_original_max_len=int(orig),
-      rope_beta_fast=float(merged.get("beta_fast") or 32), rope_beta_slow=float(merged.get("beta_slow") or 1),
-      rope_mscale=float(merged.get("mscale") or 0.0), rope_mscale_all_dim=float(merged.get("mscale_all_dim") or 0.0))
+    rope_scaling="yarn",
+    rope_factor=float(factor),
+    rope_original_max_len=int(orig),
+    rope_beta_fast=float(merged.get("beta_fast") or 32),
+    rope_beta_slow=float(merged.get("beta_slow") or 1),
+    rope_mscale=float(merged.get("mscale") or 0.0),
+    rope_mscale_all_dim=float(merged.get("mscale_all_dim") or 0.0),
+  )
 
 
 def _dense_prefix(hf: dict[str, Any], family: str) -> int:
@@ -99,20 +105,37 @@ def _to_model_config(hf: dict[str, Any], dtype: str) -> tuple[ModelConfig, Impor
   eos = _first_id(hf.get("eos_token_id"))
   bos = _first_id(hf.get("bos_token_id"))
   if eos is None or not 0 <= eos < vocab:
-    logging.warning("%s: eos_token_id %s missing or outside the vocabulary; using %d",
-                    family, hf.get("eos_token_id"), vocab - 1)
+    logging.warning(
+      "%s: eos_token_id %s missing or outside the vocabulary; using %d", family, hf.get("eos_token_id"), vocab - 1
+    )
     eos = vocab - 1
   if bos is None or not 0 <= bos < vocab:
     bos = eos
   kw: dict[str, Any] = dict(
-      vocab_size=vocab, d_model=d, n_layers=int(hf["num_hidden_layers"]), n_heads=n_heads,
-      n_kv_heads=int(hf.get("num_key_value_heads") or n_heads),
-      head_dim=int(hf.get("head_dim") or d // n_heads), rope_theta=theta,
-      norm_eps=float(hf.get("rms_norm_eps", 1e-6)), max_seq_len=max_len,
-      top_k=int(hf["num_experts_per_tok"]), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-      eos_id=eos, bos_id=bos, tokenizer="pretrained", dtype=dtype, num_mtp_modules=0,
-      first_k_dense=0, n_shared_experts=0, n_groups=1, topk_groups=1, use_score_bias=False,
-      routed_scaling_factor=1.0, score_func="softmax")
+    vocab_size=vocab,
+    d_model=d,
+    n_layers=int(hf["num_hidden_layers"]),
+    n_heads=n_heads,
+    n_kv_heads=int(hf.get("num_key_value_heads") or n_heads),
+    head_dim=int(hf.get("head_dim") or d // n_heads),
+    rope_theta=theta,
+    norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+    max_seq_len=max_len,
+    top_k=int(hf["num_experts_per_tok"]),
+    tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+    eos_id=eos,
+    bos_id=bos,
+    tokenizer="pretrained",
+    dtype=dtype,
+    num_mtp_modules=0,
+    first_k_dense=0,
+    n_shared_experts=0,
+    n_groups=1,
+    topk_groups=1,
+    use_score_bias=False,
+    routed_scaling_factor=1.0,
+    score_func="softmax",
+  )
   prefix, names = "mlp", ("gate_proj", "up_proj", "down_proj")
   interleaved, mtp = False, 0
 
@@ -120,25 +143,39 @@ def _to_model_config(hf: dict[str, Any], dtype: str) -> tuple[ModelConfig, Impor
     _refuse(family, "attention_bias=true")
   if family == "mixtral":
     prefix, names = "block_sparse_moe", ("w1", "w3", "w2")
-    kw.update(n_routed_experts=int(hf["num_local_experts"]), expert_hidden=int(hf["intermediate_size"]),
-              norm_topk_prob=True)
+    kw.update(
+      n_routed_experts=int(hf["num_local_experts"]), expert_hidden=int(hf["intermediate_size"]), norm_topk_prob=True
+    )
   elif family == "qwen2_moe":
     shared = int(hf.get("shared_expert_intermediate_size") or 0)
     kw["first_k_dense"] = _dense_prefix(hf, family)
-    kw.update(n_routed_experts=int(hf["num_experts"]), expert_hidden=int(hf["moe_intermediate_size"]),
-              norm_topk_prob=bool(hf.get("norm_topk_prob", False)), qkv_bias=bool(hf.get("qkv_bias", True)),
-              n_shared_experts=1 if shared else 0, shared_expert_hidden=shared,
-              shared_expert_gate=bool(shared))
+    kw.update(
+      n_routed_experts=int(hf["num_experts"]),
+      expert_hidden=int(hf["moe_intermediate_size"]),
+      norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+      qkv_bias=bool(hf.get("qkv_bias", True)),
+      n_shared_experts=1 if shared else 0,
+      shared_expert_hidden=shared,
+      shared_expert_gate=bool(shared),
+    )
   elif family == "qwen3_moe":
     kw["first_k_dense"] = _dense_prefix(hf, family)
     experts = hf.get("num_experts") or hf.get("num_local_experts")
-    kw.update(n_routed_experts=int(experts), expert_hidden=int(hf["moe_intermediate_size"]),
-              norm_topk_prob=bool(hf.get("norm_topk_prob", True)), qk_norm="head")
+    kw.update(
+      n_routed_experts=int(experts),
+      expert_hidden=int(hf["moe_intermediate_size"]),
+      norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+      qk_norm="head",
+    )
   elif family == "olmoe":
     if hf.get("clip_qkv") is not None:
       _refuse(family, f"clip_qkv={hf['clip_qkv']}")
-    kw.update(n_routed_experts=int(hf["num_experts"]), expert_hidden=int(hf["intermediate_size"]),
-              norm_topk_prob=bool(hf.get("norm_topk_prob", False)), qk_norm="full")
+    kw.update(
+      n_routed_experts=int(hf["num_experts"]),
+      expert_hidden=int(hf["intermediate_size"]),
+      norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+      qk_norm="full",
+    )
   else:  # DeepSeek-V2 / V3.
     if hf.get("attention_bias"):
       _refuse(family, "attention_bias=true")
@@ -149,15 +186,22 @@ def _to_model_config(hf: dict[str, Any], dtype: str) -> tuple[ModelConfig, Impor
     topk_group = int(hf.get("topk_group") or n_group)
     rope_dim = int(hf["qk_rope_head_dim"])
     kw.update(
-        attention_type="mla", n_kv_heads=n_heads, head_dim=rope_dim,
-        q_lora_rank=int(hf.get("q_lora_rank") or 0), kv_lora_rank=int(hf["kv_lora_rank"]),
-        qk_nope_head_dim=int(hf["qk_nope_head_dim"]), qk_rope_head_dim=rope_dim,
-        v_head_dim=int(hf["v_head_dim"]), n_routed_experts=experts,
-        expert_hidden=int(hf["moe_intermediate_size"]), dense_hidden=int(hf["intermediate_size"]),
-        n_shared_experts=int(hf.get("n_shared_experts") or 0),
-        first_k_dense=min(int(hf.get("first_k_dense_replace", 0)), int(hf["num_hidden_layers"])),
-        routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
-        norm_topk_prob=bool(hf.get("norm_topk_prob", False)))
+      attention_type="mla",
+      n_kv_heads=n_heads,
+      head_dim=rope_dim,
+      q_lora_rank=int(hf.get("q_lora_rank") or 0),
+      kv_lora_rank=int(hf["kv_lora_rank"]),
+      qk_nope_head_dim=int(hf["qk_nope_head_dim"]),
+      qk_rope_head_dim=rope_dim,
+      v_head_dim=int(hf["v_head_dim"]),
+      n_routed_experts=experts,
+      expert_hidden=int(hf["moe_intermediate_size"]),
+      dense_hidden=int(hf["intermediate_size"]),
+      n_shared_experts=int(hf.get("n_shared_experts") or 0),
+      first_k_dense=min(int(hf.get("first_k_dense_replace", 0)), int(hf["num_hidden_layers"])),
+      routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+      norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+    )
     if family == "deepseek_v2":
       interleaved = True
       method = hf.get("topk_method", "greedy")
@@ -179,6 +223,7 @@ def _to_model_config(hf: dict[str, Any], dtype: str) -> tuple[ModelConfig, Impor
     kw.update(yarn)
   if "dense_hidden" not in kw:  # Qwen's dense layers (and unused otherwise): intermediate_size
     kw["dense_hidden"] = int(hf.get("intermediate_size") or kw["expert_hidden"])
-  spec = ImportSpec(family=family, moe_prefix=prefix, expert_names=names,
-                    rope_interleaved=interleaved, num_mtp_layers=mtp)
+  spec = ImportSpec(
+    family=family, moe_prefix=prefix, expert_names=names, rope_interleaved=interleaved, num_mtp_layers=mtp
+  )
   return ModelConfig(**kw), spec

@@ -58,22 +58,35 @@ def qwen2_moe_config(config: ModelConfig, bos_id: int | None = None) -> dict:
   start with (`prompt_bos_id`; default `config.bos_id`)."""
   check_exportable(config)
   return {
-      "architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe", "dtype": "float32",
-      "vocab_size": config.vocab_size, "hidden_size": config.d_model, "num_hidden_layers": config.n_layers,
-      "num_attention_heads": config.n_heads, "num_key_value_heads": config.n_kv_heads,
-      "head_dim": config.head_dim, "hidden_act": "silu", "rms_norm_eps": config.norm_eps,
-      "max_position_embeddings": config.max_seq_len,
-      "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
-      "qkv_bias": config.qkv_bias, "tie_word_embeddings": config.tie_embeddings,
-      "num_experts": config.n_routed_experts, "num_experts_per_tok": config.top_k,
-      "moe_intermediate_size": config.expert_hidden, "norm_topk_prob": config.norm_topk_prob,
-      "shared_expert_intermediate_size": config.shared_width,
-      # Dense layers (a prefix here) are Qwen2-MoE's mlp_only_layers, of width intermediate_size.
-      "mlp_only_layers": list(range(config.first_k_dense)), "decoder_sparse_step": 1,
-      "intermediate_size": config.dense_hidden if config.first_k_dense else config.expert_hidden,
-      "use_sliding_window": False, "sliding_window": None,
-      "bos_token_id": config.bos_id if bos_id is None else bos_id, "eos_token_id": config.eos_id,
-      "pad_token_id": None,
+    "architectures": ["Qwen2MoeForCausalLM"],
+    "model_type": "qwen2_moe",
+    "dtype": "float32",
+    "vocab_size": config.vocab_size,
+    "hidden_size": config.d_model,
+    "num_hidden_layers": config.n_layers,
+    "num_attention_heads": config.n_heads,
+    "num_key_value_heads": config.n_kv_heads,
+    "head_dim": config.head_dim,
+    "hidden_act": "silu",
+    "rms_norm_eps": config.norm_eps,
+    "max_position_embeddings": config.max_seq_len,
+    "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
+    "qkv_bias": config.qkv_bias,
+    "tie_word_embeddings": config.tie_embeddings,
+    "num_experts": config.n_routed_experts,
+    "num_experts_per_tok": config.top_k,
+    "moe_intermediate_size": config.expert_hidden,
+    "norm_topk_prob": config.norm_topk_prob,
+    "shared_expert_intermediate_size": config.shared_width,
+    # Dense layers (a prefix here) are Qwen2-MoE's mlp_only_layers, of width intermediate_size.
+    "mlp_only_layers": list(range(config.first_k_dense)),
+    "decoder_sparse_step": 1,
+    "intermediate_size": config.dense_hidden if config.first_k_dense else config.expert_hidden,
+    "use_sliding_window": False,
+    "sliding_window": None,
+    "bos_token_id": config.bos_id if bos_id is None else bos_id,
+    "eos_token_id": config.eos_id,
+    "pad_token_id": None,
   }
 
 
@@ -99,9 +112,13 @@ def qwen2_moe_tensors(config: ModelConfig, pure: dict) -> dict[str, np.ndarray]:
       out[f"{p}.self_attn.{name}_proj.weight"] = _out_in(np.asarray(attn[f"w_{name}_DHK"]).reshape(d, -1))
     out[f"{p}.self_attn.o_proj.weight"] = _out_in(np.asarray(attn["w_o_HKD"]).reshape(-1, d))
     if config.qkv_bias:
-      out.update({f"{p}.self_attn.q_proj.bias": f32(attn["b_q_HK"]).reshape(-1),
-                  f"{p}.self_attn.k_proj.bias": f32(attn["b_k_GK"]).reshape(-1),
-                  f"{p}.self_attn.v_proj.bias": f32(attn["b_v_GK"]).reshape(-1)})
+      out.update(
+        {
+          f"{p}.self_attn.q_proj.bias": f32(attn["b_q_HK"]).reshape(-1),
+          f"{p}.self_attn.k_proj.bias": f32(attn["b_k_GK"]).reshape(-1),
+          f"{p}.self_attn.v_proj.bias": f32(attn["b_v_GK"]).reshape(-1),
+        }
+      )
     ffn = layer["ffn"]
     if not config.is_moe_layer(i):
       for name in ("gate", "up"):
@@ -130,7 +147,7 @@ def prompt_bos_id(tokenizer, default: int) -> int:
   our tokenizers), or `default` where prompts start with the text."""
   probe = "x = 1"
   framed, plain = list(tokenizer.prompt_ids(probe)), list(tokenizer.encode(probe))
-  if len(framed) > len(plain) and framed[1:1 + len(plain)] == plain:
+  if len(framed) > len(plain) and framed[1 : 1 + len(plain)] == plain:
     return int(framed[0])
   return default
 
@@ -138,18 +155,31 @@ def prompt_bos_id(tokenizer, default: int) -> int:
 def tokenizer_files(hf_tok, config: ModelConfig, bos_id: int) -> dict[str, str]:
   """File name -> text: the tokenizer transformers loads (`AutoTokenizer.from_pretrained`) from
   `hf_tok` (`tokenizer.hf_tokenizer()`), and the generation config; `bos_id`: `prompt_bos_id`."""
-  special = {name: hf_tok.id_to_token(i) for name, i in (("bos_token", bos_id), ("eos_token", config.eos_id))
-             if hf_tok.id_to_token(i) is not None}
+  special = {
+    name: hf_tok.id_to_token(i)
+    for name, i in (("bos_token", bos_id), ("eos_token", config.eos_id))
+    if hf_tok.id_to_token(i) is not None
+  }
   tokenizer_config = {
-      "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": config.max_seq_len,
-      "clean_up_tokenization_spaces": False,
-      # Whether special tokens' text in the input is encoded as text (our byte tokenizer: yes).
-      "split_special_tokens": bool(hf_tok.encode_special_tokens), **special}
-  generation = {"bos_token_id": bos_id, "eos_token_id": config.eos_id, "pad_token_id": config.eos_id,
-                "do_sample": False}
-  return {"tokenizer.json": hf_tok.to_str(), "tokenizer_config.json": json.dumps(tokenizer_config, indent=2),
-          "special_tokens_map.json": json.dumps(special, indent=2),
-          "generation_config.json": json.dumps(generation, indent=2)}
+    "tokenizer_class": "PreTrainedTokenizerFast",
+    "model_max_length": config.max_seq_len,
+    "clean_up_tokenization_spaces": False,
+    # Whether special tokens' text in the input is encoded as text (our byte tokenizer: yes).
+    "split_special_tokens": bool(hf_tok.encode_special_tokens),
+    **special,
+  }
+  generation = {
+    "bos_token_id": bos_id,
+    "eos_token_id": config.eos_id,
+    "pad_token_id": config.eos_id,
+    "do_sample": False,
+  }
+  return {
+    "tokenizer.json": hf_tok.to_str(),
+    "tokenizer_config.json": json.dumps(tokenizer_config, indent=2),
+    "special_tokens_map.json": json.dumps(special, indent=2),
+    "generation_config.json": json.dumps(generation, indent=2),
+  }
 
 
 def export_qwen2_moe(model, path) -> pathlib.Path:

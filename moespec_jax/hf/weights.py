@@ -84,10 +84,10 @@ class _Mapper:
       return self._mla(p)
     hkv, dh, d = c.n_kv_heads, c.head_dim, c.d_model
     out = {
-        ("w_q_DHK",): _lin(g(f"{p}.q_proj.weight")).reshape(d, h, dh),
-        ("w_k_DHK",): _lin(g(f"{p}.k_proj.weight")).reshape(d, hkv, dh),
-        ("w_v_DHK",): _lin(g(f"{p}.v_proj.weight")).reshape(d, hkv, dh),
-        ("w_o_HKD",): _lin(g(f"{p}.o_proj.weight")).reshape(h, dh, d),
+      ("w_q_DHK",): _lin(g(f"{p}.q_proj.weight")).reshape(d, h, dh),
+      ("w_k_DHK",): _lin(g(f"{p}.k_proj.weight")).reshape(d, hkv, dh),
+      ("w_v_DHK",): _lin(g(f"{p}.v_proj.weight")).reshape(d, hkv, dh),
+      ("w_o_HKD",): _lin(g(f"{p}.o_proj.weight")).reshape(h, dh, d),
     }
     if c.qkv_bias:
       out[("b_q_HK",)] = g(f"{p}.q_proj.bias").reshape(h, dh)
@@ -124,9 +124,11 @@ class _Mapper:
 
   def dense(self, p: str) -> dict[tuple, np.ndarray]:
     g = self.src.get
-    return {("w_gate_DF",): _lin(g(f"{p}.gate_proj.weight")),
-            ("w_up_DF",): _lin(g(f"{p}.up_proj.weight")),
-            ("w_down_FD",): _lin(g(f"{p}.down_proj.weight"))}
+    return {
+      ("w_gate_DF",): _lin(g(f"{p}.gate_proj.weight")),
+      ("w_up_DF",): _lin(g(f"{p}.up_proj.weight")),
+      ("w_down_FD",): _lin(g(f"{p}.down_proj.weight")),
+    }
 
   def _experts(self, p: str) -> dict[tuple, np.ndarray]:
     c, g, src = self.c, self.src.get, self.src
@@ -140,8 +142,7 @@ class _Mapper:
       elif gu.shape == (e, d, 2 * f):
         gate_EDF, up_EDF = gu[..., :f], gu[..., f:]
       else:
-        raise ValueError(f"{p}.experts.gate_up_proj has shape {gu.shape}, expected "
-                         f"{(e, 2 * f, d)} or {(e, d, 2 * f)}")
+        raise ValueError(f"{p}.experts.gate_up_proj has shape {gu.shape}, expected {(e, 2 * f, d)} or {(e, d, 2 * f)}")
       if down.shape == (e, d, f):
         down_EFD = down.transpose(0, 2, 1)
       elif down.shape == (e, f, d):
@@ -152,8 +153,11 @@ class _Mapper:
       gate_EDF = np.stack([_lin(g(f"{p}.experts.{i}.{gate_n}.weight")) for i in range(e)])
       up_EDF = np.stack([_lin(g(f"{p}.experts.{i}.{up_n}.weight")) for i in range(e)])
       down_EFD = np.stack([_lin(g(f"{p}.experts.{i}.{down_n}.weight")) for i in range(e)])
-    return {("w_gate_EDF",): np.ascontiguousarray(gate_EDF), ("w_up_EDF",): np.ascontiguousarray(up_EDF),
-            ("w_down_EFD",): np.ascontiguousarray(down_EFD)}
+    return {
+      ("w_gate_EDF",): np.ascontiguousarray(gate_EDF),
+      ("w_up_EDF",): np.ascontiguousarray(up_EDF),
+      ("w_down_EFD",): np.ascontiguousarray(down_EFD),
+    }
 
   def moe(self, layer_prefix: str) -> dict[tuple, np.ndarray]:
     c, g, src = self.c, self.src.get, self.src
@@ -174,8 +178,10 @@ class _Mapper:
   def block(self, i: int) -> dict[tuple, np.ndarray]:
     g = self.src.get
     p = f"model.layers.{i}"
-    out = {("attn_norm", "weight"): g(f"{p}.input_layernorm.weight"),
-           ("ffn_norm", "weight"): g(f"{p}.post_attention_layernorm.weight")}
+    out = {
+      ("attn_norm", "weight"): g(f"{p}.input_layernorm.weight"),
+      ("ffn_norm", "weight"): g(f"{p}.post_attention_layernorm.weight"),
+    }
     out.update({("attn",) + k: v for k, v in self.attention(f"{p}.self_attn").items()})
     ffn = self.moe(p) if self.c.is_moe_layer(i) else self.dense(f"{p}.mlp")
     out.update({("ffn",) + k: v for k, v in ffn.items()})
@@ -199,9 +205,12 @@ class _Mapper:
     c, g, src = self.c, self.src.get, self.src
     p = f"model.layers.{c.n_layers + k}"
     eh_2DD = _lin(g(f"{p}.eh_proj.weight"))
-    out = {("hidden_norm", "weight"): g(f"{p}.hnorm.weight"), ("embed_norm", "weight"): g(f"{p}.enorm.weight"),
-           ("w_proj_CD",): np.concatenate([eh_2DD[c.d_model:], eh_2DD[:c.d_model]], axis=0),
-           ("head_norm", "weight"): g(f"{p}.shared_head.norm.weight")}
+    out = {
+      ("hidden_norm", "weight"): g(f"{p}.hnorm.weight"),
+      ("embed_norm", "weight"): g(f"{p}.enorm.weight"),
+      ("w_proj_CD",): np.concatenate([eh_2DD[c.d_model :], eh_2DD[: c.d_model]], axis=0),
+      ("head_norm", "weight"): g(f"{p}.shared_head.norm.weight"),
+    }
     if own_head:
       out[("head_DV",)] = _lin(g(f"{p}.shared_head.head.weight"))
     elif f"{p}.shared_head.head.weight" in src:

@@ -18,7 +18,8 @@ import os
 import pathlib
 import shutil
 import tempfile
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 
@@ -108,8 +109,7 @@ def read_json(path: PathLike) -> Any:
     raise ValueError(f"{path} is not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})") from None
 
 
-def write_json_atomic(path: PathLike, obj: Any, *, indent: int | None = 2
-                      ) -> pathlib.Path:
+def write_json_atomic(path: PathLike, obj: Any, *, indent: int | None = 2) -> pathlib.Path:
   """Writes `obj` as strict JSON to `path` atomically (numpy values converted)."""
   text = json.dumps(to_jsonable(obj), indent=indent, allow_nan=False)
   return write_text_atomic(path, text + "\n")
@@ -154,8 +154,7 @@ def replace_dir(src: PathLike, dst: PathLike) -> pathlib.Path:
 
 
 @contextlib.contextmanager
-def atomic_dir(path: PathLike, *, overwrite: bool = True
-               ) -> Iterator[pathlib.Path]:
+def atomic_dir(path: PathLike, *, overwrite: bool = True) -> Iterator[pathlib.Path]:
   """Yields an empty temporary sibling of `path`; renames it to `path` on success.
 
   On an exception the temporary directory is removed and `path` is untouched.
@@ -191,6 +190,7 @@ def atomic_dir(path: PathLike, *, overwrite: bool = True
 def save_figure_atomic(fig, path: PathLike, *, dpi: int = 110) -> pathlib.Path:
   """Saves a matplotlib figure as PNG atomically (temporary sibling, then rename) and closes it."""
   import matplotlib.pyplot as plt
+
   path = pathlib.Path(path)
   tmp = path.with_name(f".{path.name}.tmp.png")
   try:

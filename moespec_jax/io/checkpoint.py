@@ -81,8 +81,9 @@ class CheckpointManager:
     ckpt.close()
   """
 
-  def __init__(self, directory: PathLike, *, max_to_keep: int = 3,
-               save_interval_steps: int = 1, async_save: bool = False):
+  def __init__(
+    self, directory: PathLike, *, max_to_keep: int = 3, save_interval_steps: int = 1, async_save: bool = False
+  ):
     if max_to_keep < 1:
       raise ValueError(f"max_to_keep must be >= 1, got {max_to_keep}")
     if save_interval_steps < 1:
@@ -91,10 +92,10 @@ class CheckpointManager:
     self.directory = pathlib.Path(directory).absolute()
     self.directory.mkdir(parents=True, exist_ok=True)
     options = ocp.CheckpointManagerOptions(
-        max_to_keep=max_to_keep,
-        save_interval_steps=1,  # the interval is applied in `save`
-        enable_async_checkpointing=async_save,
-        create=True,
+      max_to_keep=max_to_keep,
+      save_interval_steps=1,  # the interval is applied in `save`
+      enable_async_checkpointing=async_save,
+      create=True,
     )
     self._manager = ocp.CheckpointManager(self.directory, options=options)
     self.save_interval_steps = save_interval_steps
@@ -118,8 +119,7 @@ class CheckpointManager:
     if stale.is_dir():
       shutil.rmtree(stale)
       self._manager.reload()
-    saved = self._manager.save(
-        int(step), args=ocp.args.StandardSave(state), force=True)
+    saved = self._manager.save(int(step), args=ocp.args.StandardSave(state), force=True)
     return bool(saved)
 
   def all_steps(self) -> list[int]:
@@ -133,8 +133,7 @@ class CheckpointManager:
     steps = self.all_steps()
     return steps[-1] if steps else None
 
-  def restore(self, step: int | None = None, abstract_state: PyTree | None = None
-              ) -> PyTree:
+  def restore(self, step: int | None = None, abstract_state: PyTree | None = None) -> PyTree:
     """Restores the state saved at `step` (default: the latest).
 
     Args:
@@ -152,11 +151,9 @@ class CheckpointManager:
         raise FileNotFoundError(f"no checkpoint in {self.directory}")
       step = steps[-1]
     if int(step) not in steps:
-      raise FileNotFoundError(
-          f"no checkpoint for step {step} in {self.directory} (have {steps})")
+      raise FileNotFoundError(f"no checkpoint for step {step} in {self.directory} (have {steps})")
     target = None if abstract_state is None else abstract_tree(abstract_state)
-    return self._manager.restore(
-        int(step), args=ocp.args.StandardRestore(target))
+    return self._manager.restore(int(step), args=ocp.args.StandardRestore(target))
 
   def wait_until_finished(self) -> None:
     """Blocks until an asynchronous save is on disk."""
@@ -166,15 +163,14 @@ class CheckpointManager:
     """Finishes pending saves and releases resources."""
     self._manager.close()
 
-  def __enter__(self) -> "CheckpointManager":
+  def __enter__(self) -> CheckpointManager:
     return self
 
   def __exit__(self, *exc) -> None:
     self.close()
 
 
-def save_pytree(directory: PathLike, tree: PyTree, *, overwrite: bool = True
-                ) -> pathlib.Path:
+def save_pytree(directory: PathLike, tree: PyTree, *, overwrite: bool = True) -> pathlib.Path:
   """Saves a pytree of arrays to `directory`, atomically and bit-exactly.
 
   The checkpoint is written into a temporary sibling and renamed into place when

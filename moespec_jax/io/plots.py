@@ -12,8 +12,10 @@ def pyplot():
   """matplotlib.pyplot on the Agg backend: figures go to files, no display is needed or opened
   (imported on first use: a run that writes no plot never loads matplotlib)."""
   import matplotlib  # pylint: disable=g-import-not-at-top
+
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+
   return plt
 
 

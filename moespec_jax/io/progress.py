@@ -10,7 +10,8 @@ import json
 import pathlib
 import sys
 import time
-from typing import Any, Callable, TextIO
+from collections.abc import Callable
+from typing import Any, TextIO
 
 import jax
 import numpy as np
@@ -99,11 +100,19 @@ class Progress:
   (default stdout), flushed.
   """
 
-  def __init__(self, total: int, *, desc: str = "", unit: str = "tokens",
-               every_s: float = 10.0, every_steps: int | None = None,
-               start_step: int = 0, stream: TextIO | None = None,
-               emit: Callable[[str], Any] | None = None,
-               clock: Callable[[], float] = time.monotonic):
+  def __init__(
+    self,
+    total: int,
+    *,
+    desc: str = "",
+    unit: str = "tokens",
+    every_s: float = 10.0,
+    every_steps: int | None = None,
+    start_step: int = 0,
+    stream: TextIO | None = None,
+    emit: Callable[[str], Any] | None = None,
+    clock: Callable[[], float] = time.monotonic,
+  ):
     if total < 0:
       raise ValueError(f"total must be >= 0, got {total}")
     if emit is not None and stream is not None:

@@ -46,11 +46,16 @@ class Attention(nnx.Module):
       h, g, k = self.n_heads, self.n_kv_heads, self.head_dim
       qkv_BTN = packed_product(x_BTD, packed.qkv_NDC, (h + 2 * g) * k).astype(x_BTD.dtype)
       q_BTN, k_BTN, v_BTN = jnp.split(qkv_BTN, [h * k, (h + g) * k], axis=-1)
-      return (q_BTN.reshape(*x_BTD.shape[:2], h, k), k_BTN.reshape(*x_BTD.shape[:2], g, k),
-              v_BTN.reshape(*x_BTD.shape[:2], g, k))
-    return (jnp.einsum("btd,dhk->bthk", x_BTD, self.w_q_DHK[...]),
-            jnp.einsum("btd,dgk->btgk", x_BTD, self.w_k_DHK[...]),
-            jnp.einsum("btd,dgk->btgk", x_BTD, self.w_v_DHK[...]))
+      return (
+        q_BTN.reshape(*x_BTD.shape[:2], h, k),
+        k_BTN.reshape(*x_BTD.shape[:2], g, k),
+        v_BTN.reshape(*x_BTD.shape[:2], g, k),
+      )
+    return (
+      jnp.einsum("btd,dhk->bthk", x_BTD, self.w_q_DHK[...]),
+      jnp.einsum("btd,dgk->btgk", x_BTD, self.w_k_DHK[...]),
+      jnp.einsum("btd,dgk->btgk", x_BTD, self.w_v_DHK[...]),
+    )
 
   def _project(self, x_BTD, kernels: Kernels):
     """Queries, keys and values before RoPE: [B, T, H, K], [B, T, G, K], [B, T, G, K]."""
@@ -66,8 +71,17 @@ class Attention(nnx.Module):
       k_BTGK = self.k_norm(k_BTGK.reshape(*k_BTGK.shape[:2], -1), kernels).reshape(k_BTGK.shape)
     return q_BTHK, k_BTGK, v_BTGK
 
-  def __call__(self, x_BTD, positions_BT, rope, layer_cache=None, *, kernels: Kernels = PLAIN,
-               fresh_cache: bool = False, query_at_B=None):
+  def __call__(
+    self,
+    x_BTD,
+    positions_BT,
+    rope,
+    layer_cache=None,
+    *,
+    kernels: Kernels = PLAIN,
+    fresh_cache: bool = False,
+    query_at_B=None,
+  ):
     """Returns (out_BTD, (keys_NKS, values_NSK) or None), N = B * n_kv_heads (keys key-major:
     `cache.KVCache`).
 
@@ -92,9 +106,14 @@ class Attention(nnx.Module):
     g, r, k = self.n_kv_heads, self.n_heads // self.n_kv_heads, self.head_dim
     scale = 1.0 / jnp.sqrt(jnp.float32(k))
     q_NQK = q_BTHK.reshape(b, t, g, r, k).transpose(0, 2, 1, 3, 4).reshape(b * g, t * r, k)
-    new_cache = None if layer_cache is None else (
+    new_cache = (
+      None
+      if layer_cache is None
+      else (
         cache_lib.write_positions(layer_cache[0], k_BTGK, positions_BT[:, 0], key_major=True),
-        cache_lib.write_positions(layer_cache[1], v_BTGK, positions_BT[:, 0]))
+        cache_lib.write_positions(layer_cache[1], v_BTGK, positions_BT[:, 0]),
+      )
+    )
     if new_cache is not None and kernels.policy.attention == "cpu":
       # Prefills too: the kernel scores each block of about 32 positions' queries against the
       # keys up to the block's last position only, so it skips most masked pairs and never reads

@@ -30,14 +30,32 @@ class Block(nnx.Module):
     else:
       self.ffn = SwiGLU(config.d_model, config.dense_hidden, out_scale=out_scale, rngs=rngs, dtype=dtype)
 
-  def __call__(self, x_BTD, positions_BT, rope, layer_cache, *, kernels: Kernels = PLAIN, expert_budget=None,
-               valid_BT=None, fresh_cache: bool = False, output_at_B=None):
+  def __call__(
+    self,
+    x_BTD,
+    positions_BT,
+    rope,
+    layer_cache,
+    *,
+    kernels: Kernels = PLAIN,
+    expert_budget=None,
+    valid_BT=None,
+    fresh_cache: bool = False,
+    output_at_B=None,
+  ):
     """Returns (output, new layer cache, routing). `output_at_B`: the block's output at that one
     index per row only, [B, 1, D] (a caller that reads it there only; [B, W]: at those W indices,
     [B, W, D]): attention's queries and the FFN run there only, while every index writes its cache
     entries. `kernels`: the policy and a `PackedBlock` or None."""
-    attn_out, new_cache = self.attn(self.attn_norm(x_BTD, kernels), positions_BT, rope, layer_cache,
-                                    kernels=kernels.child("attn"), fresh_cache=fresh_cache, query_at_B=output_at_B)
+    attn_out, new_cache = self.attn(
+      self.attn_norm(x_BTD, kernels),
+      positions_BT,
+      rope,
+      layer_cache,
+      kernels=kernels.child("attn"),
+      fresh_cache=fresh_cache,
+      query_at_B=output_at_B,
+    )
     if output_at_B is not None:
       x_BTD = at_index(x_BTD, output_at_B)
       valid_BT = None if valid_BT is None else at_index(valid_BT, output_at_B)

@@ -70,8 +70,7 @@ def _gates(scores_NE, ids_NK, keep_NK, norm_topk_prob: bool, scale: float):
   return gates_NK * scale
 
 
-def restrict(scores_NE, choice_NE, ids_NK, allowed_NE, *, top_k: int, norm_topk_prob: bool,
-             scale: float, policy: str):
+def restrict(scores_NE, choice_NE, ids_NK, allowed_NE, *, top_k: int, norm_topk_prob: bool, scale: float, policy: str):
   """Budgeted routing: (expert_ids [N, K], gates [N, K]) using only `allowed` experts.
 
   `choice_NE` is the selection score the router ranked by (with group limits applied as -inf);

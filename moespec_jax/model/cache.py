@@ -33,16 +33,19 @@ class KVCache:
   values: tuple  # per layer [B * H_kv, S, D_head] (MLA: rope key [B, S, qk_rope_head_dim])
 
   @classmethod
-  def for_config(cls, config, batch: int, max_len: int, n_layers: int | None = None) -> "KVCache":
+  def for_config(cls, config, batch: int, max_len: int, n_layers: int | None = None) -> KVCache:
     """A zero cache shaped for `config`'s attention (`ModelConfig.cache_dims`) and dtype, one
     layer per decoder layer (or `n_layers`, e.g. one per MTP module)."""
     heads, key_dim, value_dim = config.cache_dims
     n = config.n_layers if n_layers is None else n_layers
     dtype = jnp.dtype(config.dtype)
-    key_shape = ((batch * heads, max_len, key_dim) if config.attention_type == "mla"
-                 else (batch * heads, key_dim, max_len))
-    return cls(keys=tuple(jnp.zeros(key_shape, dtype) for _ in range(n)),
-               values=tuple(jnp.zeros((batch * heads, max_len, value_dim), dtype) for _ in range(n)))
+    key_shape = (
+      (batch * heads, max_len, key_dim) if config.attention_type == "mla" else (batch * heads, key_dim, max_len)
+    )
+    return cls(
+      keys=tuple(jnp.zeros(key_shape, dtype) for _ in range(n)),
+      values=tuple(jnp.zeros((batch * heads, max_len, value_dim), dtype) for _ in range(n)),
+    )
 
   @property
   def max_len(self) -> int:
@@ -71,5 +74,4 @@ def write_positions(cache, new_BTHD, start_B, *, key_major: bool = False):
   if b == 1 and not (key_major and t > 1):
     return jax.lax.dynamic_update_slice_in_dim(cache, new, start_B[0], axis=axis)
   start_N = jnp.repeat(start_B, h)
-  return jax.vmap(lambda c, n, s: jax.lax.dynamic_update_slice_in_dim(c, n, s, axis=axis - 1))(
-      cache, new, start_N)
+  return jax.vmap(lambda c, n, s: jax.lax.dynamic_update_slice_in_dim(c, n, s, axis=axis - 1))(cache, new, start_N)

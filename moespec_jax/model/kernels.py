@@ -26,6 +26,7 @@ PACKED_MAX_ROWS = 128
 @struct.dataclass
 class PackedSwiGLU:
   """A dense SwiGLU's weights as column blocks (`pallas_kernels.cpu.pack_columns`): [Wg | Wu], Wd."""
+
   gate_up_NDC: jax.Array
   down_NDC: jax.Array
 
@@ -33,6 +34,7 @@ class PackedSwiGLU:
 @struct.dataclass
 class PackedAttention:
   """GQA's projections as column blocks: [Wq | Wk | Wv] (one product per pass) and Wo."""
+
   qkv_NDC: jax.Array
   o_NDC: jax.Array
 
@@ -42,6 +44,7 @@ class PackedMLA:
   """MLA's products of x side by side ([Wq or Wqa | Wkv | Wkr]), Wqb (None without a query latent)
   and Wo as column blocks; W_uk and W_uv head-major (XLA's batched products of passes against the
   cache) and as column blocks per head (the C++ product of passes of few rows)."""
+
   x_NDC: jax.Array
   o_NDC: jax.Array
   qb_NDC: jax.Array | None
@@ -54,6 +57,7 @@ class PackedMLA:
 @struct.dataclass
 class PackedMoE:
   """The router's columns, then the shared-expert gate's, as column blocks; the shared experts'."""
+
   router_NDC: jax.Array
   shared: PackedSwiGLU | None
 
@@ -67,6 +71,7 @@ class PackedBlock:
 @struct.dataclass
 class PackedMTP:
   """An MTP module's W_p and own head (None: it reads the target's) as column blocks, its block's."""
+
   proj_NDC: jax.Array
   head_NDC: jax.Array | None
   block: PackedBlock
@@ -76,6 +81,7 @@ class PackedMTP:
 class PackedWeights:
   """Everything the C++ products read: the output head (None: XLA's head) and the dense projections
   of every block and MTP module (None: XLA's products)."""
+
   head_NDC: jax.Array | None = None
   layers: tuple[PackedBlock, ...] | None = None
   mtp: tuple[PackedMTP, ...] | None = None
@@ -86,6 +92,7 @@ class Kernels:
   """A program's kernel policy (static) and one module's part of the packed weights (None: nothing
   packed). The policy decides which products run on the C++ kernels; the packed weights are what
   those read (`model.packing.pack_weights` packs what the policy asks for)."""
+
   policy: KernelPolicy = struct.field(pytree_node=False, default=KernelPolicy())
   packed: Any = None
 

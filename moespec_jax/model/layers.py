@@ -59,8 +59,9 @@ class RMSNorm(nnx.Module):
     return (y * self.weight[...].astype(jnp.float32)).astype(x.dtype)
 
 
-def rope_tables(positions_BT, head_dim: int, theta: float, *, inv_freq_F=None, scale: float = 1.0,
-                on_cpu: bool | None = None):
+def rope_tables(
+  positions_BT, head_dim: int, theta: float, *, inv_freq_F=None, scale: float = 1.0, on_cpu: bool | None = None
+):
   """cos/sin tables [B, T, head_dim / 2] for integer positions (`inv_freq_F`: the rotary
   frequencies, default theta^(-2i / head_dim); `scale` multiplies both, as YaRN's attention
   factor). Computed once per pass for every layer on the CPU platform (`_materialized`; `on_cpu`

@@ -67,8 +67,9 @@ def rope_tables(positions_BT, config: ModelConfig, *, on_cpu: bool | None = None
   """cos/sin tables [B, T, qk_rope_head_dim / 2] of MLA's rotary key dims (YaRN included);
   `on_cpu`: see `layers.rope_tables`."""
   inv_freq_F, attn_factor = rope_inv_freq(config)
-  return layers.rope_tables(positions_BT, config.qk_rope_head_dim, config.rope_theta, inv_freq_F=inv_freq_F,
-                            scale=attn_factor, on_cpu=on_cpu)
+  return layers.rope_tables(
+    positions_BT, config.qk_rope_head_dim, config.rope_theta, inv_freq_F=inv_freq_F, scale=attn_factor, on_cpu=on_cpu
+  )
 
 
 def softmax_scale(config: ModelConfig) -> float:
@@ -154,8 +155,11 @@ class MLAttention(nnx.Module):
     else:
       q_BTQ = self.q_norm(jnp.einsum("btd,dq->btq", x_BTD, self.w_qa_DQ[...]), kernels)
       q_BTHK = jnp.einsum("btq,qhk->bthk", q_BTQ, self.w_qb_QHK[...])
-    return (q_BTHK, jnp.einsum("btd,dc->btc", x_BTD, self.w_kv_DC[...]),
-            jnp.einsum("btd,dr->btr", x_BTD, self.w_kr_DR[...]))
+    return (
+      q_BTHK,
+      jnp.einsum("btd,dc->btc", x_BTD, self.w_kv_DC[...]),
+      jnp.einsum("btd,dr->btr", x_BTD, self.w_kr_DR[...]),
+    )
 
   def _output(self, out_BTHV, packed):
     """The heads' outputs [B, T, H, V] projected back to the model: [B, T, D]."""
@@ -165,8 +169,17 @@ class MLAttention(nnx.Module):
       return out_BTD.astype(out_BTHV.dtype)
     return jnp.einsum("bthv,hvd->btd", out_BTHV, self.w_o_HVD[...])
 
-  def __call__(self, x_BTD, positions_BT, rope, layer_cache=None, *, kernels: Kernels = PLAIN,
-               fresh_cache: bool = False, query_at_B=None):
+  def __call__(
+    self,
+    x_BTD,
+    positions_BT,
+    rope,
+    layer_cache=None,
+    *,
+    kernels: Kernels = PLAIN,
+    fresh_cache: bool = False,
+    query_at_B=None,
+  ):
     """Returns (out_BTD, (latent_BSC, rope_key_BSR) or None); `rope`: `mla.rope_tables`.
 
     With a cache, queries attend to the cache's earlier positions and to the pass's own entries
@@ -186,15 +199,20 @@ class MLAttention(nnx.Module):
     latent_BTGC = self.kv_norm(latent_BTC, kernels)[:, :, None]
     k_rope_BTGR = apply_rope(k_rope_BTR[:, :, None], cos, sin)
 
-    new_cache = None if layer_cache is None else tuple(
-        cache_lib.write_positions(c, new, positions_BT[:, 0])
-        for c, new in zip(layer_cache, (latent_BTGC, k_rope_BTGR)))
+    new_cache = (
+      None
+      if layer_cache is None
+      else tuple(
+        cache_lib.write_positions(c, new, positions_BT[:, 0]) for c, new in zip(layer_cache, (latent_BTGC, k_rope_BTGR))
+      )
+    )
     scale = jnp.float32(softmax_scale(cfg))
     latent_BTC, k_rope_BTR = latent_BTGC[:, :, 0], k_rope_BTGR[:, :, 0]
     query_positions_BT = positions_BT
     if query_at_B is not None:  # queries at that index; keys and values at every index
       q_nope_BTHN, q_rope_BTHR, query_positions_BT = (
-          at_index(a, query_at_B) for a in (q_nope_BTHN, q_rope_BTHR, positions_BT))
+        at_index(a, query_at_B) for a in (q_nope_BTHN, q_rope_BTHR, positions_BT)
+      )
     own_visible_BTT = positions_BT[:, None, :] <= query_positions_BT[:, :, None]
     if new_cache is None or fresh_cache:
       out_BTHV = self._own_attention(q_nope_BTHN, q_rope_BTHR, latent_BTC, k_rope_BTR, own_visible_BTT, scale)
@@ -205,15 +223,20 @@ class MLAttention(nnx.Module):
       b, t, h = q_lat_BTHC.shape[:3]
       latent_BSC, k_rope_BSR = new_cache
       limit_BQ = jnp.repeat(query_positions_BT, h, axis=1)
-      out_lat_BQC = cpu.mla_attention((q_lat_BTHC * scale).reshape(b, t * h, -1),
-                                          (q_rope_BTHR * scale).reshape(b, t * h, -1), latent_BSC, k_rope_BSR,
-                                          limit_BQ)
+      out_lat_BQC = cpu.mla_attention(
+        (q_lat_BTHC * scale).reshape(b, t * h, -1),
+        (q_rope_BTHR * scale).reshape(b, t * h, -1),
+        latent_BSC,
+        k_rope_BSR,
+        limit_BQ,
+      )
       out_BTHV = self._up_values(out_lat_BQC.reshape(b, t, h, -1).astype(q_lat_BTHC.dtype), packed)
       return self._output(out_BTHV, packed), new_cache
 
     def scores(latent_BSC, k_rope_BSR, visible_BTS):
-      s_BHTS = (jnp.einsum("bthc,bsc->bhts", q_lat_BTHC, latent_BSC)
-                + jnp.einsum("bthr,bsr->bhts", q_rope_BTHR, k_rope_BSR)).astype(jnp.float32) * scale
+      s_BHTS = (
+        jnp.einsum("bthc,bsc->bhts", q_lat_BTHC, latent_BSC) + jnp.einsum("bthr,bsr->bhts", q_rope_BTHR, k_rope_BSR)
+      ).astype(jnp.float32) * scale
       return jnp.where(visible_BTS[:, None], s_BHTS, -1e30)
 
     # XLA:CPU's speed for p.c depends on the operand order (the same contraction): with the
@@ -237,10 +260,11 @@ class MLAttention(nnx.Module):
       old_BHTS = scores(old_latent_BSC, old_k_rope_BSR, key_pos_S[None, None] < positions_BT[:, :1, None])
       own_BHTT = scores(latent_BTC, k_rope_BTR, own_visible_BTT)
       probs_BHTX = jax.nn.softmax(jnp.concatenate([old_BHTS, own_BHTT], axis=-1), axis=-1)
-      probs_old_BHTS = probs_BHTX[..., :key_pos_S.size].astype(old_latent_BSC.dtype)
-      probs_own_BHTT = probs_BHTX[..., key_pos_S.size:].astype(latent_BTC.dtype)
-      out_lat_BTHC = (jnp.einsum("bsc,bhts->bthc", old_latent_BSC, probs_old_BHTS)
-                      + jnp.einsum("bsc,bhts->bthc", latent_BTC, probs_own_BHTT))
+      probs_old_BHTS = probs_BHTX[..., : key_pos_S.size].astype(old_latent_BSC.dtype)
+      probs_own_BHTT = probs_BHTX[..., key_pos_S.size :].astype(latent_BTC.dtype)
+      out_lat_BTHC = jnp.einsum("bsc,bhts->bthc", old_latent_BSC, probs_old_BHTS) + jnp.einsum(
+        "bsc,bhts->bthc", latent_BTC, probs_own_BHTT
+      )
     return self._output(self._up_values(out_lat_BTHC, packed), packed), new_cache
 
   def _own_attention(self, q_nope_BTHN, q_rope_BTHR, latent_BTC, k_rope_BTR, visible_BTT, scale):
@@ -250,7 +274,8 @@ class MLAttention(nnx.Module):
     and v_head_dim against kv_lora_rank + qk_rope_head_dim and kv_lora_rank per head)."""
     k_nope_BTHN = jnp.einsum("btc,chn->bthn", latent_BTC, self.w_uk_CHN[...])
     values_BTHV = jnp.einsum("btc,chv->bthv", latent_BTC, self.w_uv_CHV[...])
-    s_BHTS = (jnp.einsum("bthn,bshn->bhts", q_nope_BTHN, k_nope_BTHN)
-              + jnp.einsum("bthr,bsr->bhts", q_rope_BTHR, k_rope_BTR)).astype(jnp.float32) * scale
+    s_BHTS = (
+      jnp.einsum("bthn,bshn->bhts", q_nope_BTHN, k_nope_BTHN) + jnp.einsum("bthr,bsr->bhts", q_rope_BTHR, k_rope_BTR)
+    ).astype(jnp.float32) * scale
     probs_BHTS = jax.nn.softmax(jnp.where(visible_BTT[:, None], s_BHTS, -1e30), axis=-1)
     return jnp.einsum("bshv,bhts->bthv", values_BTHV, probs_BHTS.astype(values_BTHV.dtype))

@@ -17,19 +17,18 @@ import jax.numpy as jnp
 from flax import nnx
 
 import pallas_kernels
-from pallas_kernels import cpu
 from moespec_jax.config import ModelConfig
 from moespec_jax.model import budget as budget_lib
 from moespec_jax.model.kernels import PLAIN, Kernels, use_packed
 from moespec_jax.model.layers import SwiGLU, fan_in_init
+from pallas_kernels import cpu
 
 
 class RouterBias(nnx.Variable):
   """DeepSeek-V3's load-balancing correction bias: not a trained parameter."""
 
 
-def route(logits_TE, config: ModelConfig, score_bias_E=None, *, allowed_TE=None,
-          budget_policy: str = "truncate"):
+def route(logits_TE, config: ModelConfig, score_bias_E=None, *, allowed_TE=None, budget_policy: str = "truncate"):
   """Top-k routing. Returns expert_ids [T, K] int32, gates [T, K] f32, probs [T, E] f32.
 
   `probs` are the per-token routing probabilities (scores normalised to sum 1), used by
@@ -51,8 +50,7 @@ def route(logits_TE, config: ModelConfig, score_bias_E=None, *, allowed_TE=None,
     else:
       group_score_TG = jnp.max(grouped_TGE, axis=-1)
     _, top_groups_TG = jax.lax.top_k(group_score_TG, config.topk_groups)
-    group_mask_TG = jnp.zeros_like(group_score_TG, bool).at[
-        jnp.arange(t)[:, None], top_groups_TG].set(True)
+    group_mask_TG = jnp.zeros_like(group_score_TG, bool).at[jnp.arange(t)[:, None], top_groups_TG].set(True)
     expert_mask_TE = jnp.repeat(group_mask_TG, e // config.n_groups, axis=-1)
     choice_TE = jnp.where(expert_mask_TE, choice_TE, -jnp.inf)
 
@@ -60,8 +58,15 @@ def route(logits_TE, config: ModelConfig, score_bias_E=None, *, allowed_TE=None,
   probs_TE = scores_TE / jnp.sum(scores_TE, axis=-1, keepdims=True)
   if allowed_TE is not None:
     ids_TK, gates_TK = budget_lib.restrict(
-        scores_TE, choice_TE, expert_ids_TK, allowed_TE, top_k=config.top_k,
-        norm_topk_prob=config.norm_topk_prob, scale=config.routed_scaling_factor, policy=budget_policy)
+      scores_TE,
+      choice_TE,
+      expert_ids_TK,
+      allowed_TE,
+      top_k=config.top_k,
+      norm_topk_prob=config.norm_topk_prob,
+      scale=config.routed_scaling_factor,
+      policy=budget_policy,
+    )
     return ids_TK, gates_TK, probs_TE
   gates_TK = jnp.take_along_axis(scores_TE, expert_ids_TK, axis=-1)
   if config.norm_topk_prob:
@@ -80,8 +85,7 @@ def masked_to_read_experts(ids_NK, gates_NK, valid_N):
   """
   first = jnp.argmax(valid_N)
   keep_N1 = valid_N[:, None]
-  return (jnp.where(keep_N1, ids_NK, ids_NK[first][None]),
-          jnp.where(keep_N1, gates_NK, jnp.zeros_like(gates_NK)))
+  return (jnp.where(keep_N1, ids_NK, ids_NK[first][None]), jnp.where(keep_N1, gates_NK, jnp.zeros_like(gates_NK)))
 
 
 class MoE(nnx.Module):
@@ -102,8 +106,9 @@ class MoE(nnx.Module):
     # Qwen2-MoE: the shared-expert output is scaled by sigmoid(x . w) per token.
     self.w_shared_gate_D = nnx.Param(jnp.zeros((d,), dtype)) if config.shared_expert_gate else None
 
-  def __call__(self, x_BTD, *, kernels: Kernels = PLAIN, expert_budget: "budget_lib.ExpertBudget | None" = None,
-               valid_BT=None):
+  def __call__(
+    self, x_BTD, *, kernels: Kernels = PLAIN, expert_budget: budget_lib.ExpertBudget | None = None, valid_BT=None
+  ):
     """Routed + shared experts. With `expert_budget` (approximate), at most that many routed
     experts are used, ranked over the pass's `valid_BT` tokens (default: all). Tokens outside
     `valid_BT` (finished rows, empty draft slots) read no expert of their own: their routed
@@ -131,16 +136,25 @@ class MoE(nnx.Module):
     ids_NK, gates_NK, probs_NE = route(logits_NE, self.config, bias)
     if expert_budget is not None:
       valid_BT = jnp.ones((b, t), bool) if valid_BT is None else valid_BT
-      allowed_BTE = budget_lib.kept_experts(probs_NE.reshape(b, t, -1), ids_NK.reshape(b, t, -1),
-                                            valid_BT, expert_budget)
-      ids_NK, gates_NK, _ = route(logits_NE, self.config, bias, allowed_TE=allowed_BTE.reshape(b * t, -1),
-                                  budget_policy=expert_budget.policy)
+      allowed_BTE = budget_lib.kept_experts(
+        probs_NE.reshape(b, t, -1), ids_NK.reshape(b, t, -1), valid_BT, expert_budget
+      )
+      ids_NK, gates_NK, _ = route(
+        logits_NE, self.config, bias, allowed_TE=allowed_BTE.reshape(b * t, -1), budget_policy=expert_budget.policy
+      )
     run_ids_NK, run_gates_NK = ids_NK, gates_NK
     if valid_BT is not None:
       run_ids_NK, run_gates_NK = masked_to_read_experts(ids_NK, gates_NK, valid_BT.reshape(-1))
     y_ND = pallas_kernels.expert_ffn(
-        x_ND, run_ids_NK, run_gates_NK, self.w_gate_EDF[...], self.w_up_EDF[...], self.w_down_EFD[...],
-        method=kernels.policy.expert_method or self.config.expert_method, backend=kernels.policy.backend)
+      x_ND,
+      run_ids_NK,
+      run_gates_NK,
+      self.w_gate_EDF[...],
+      self.w_up_EDF[...],
+      self.w_down_EFD[...],
+      method=kernels.policy.expert_method or self.config.expert_method,
+      backend=kernels.policy.backend,
+    )
     y_BTD = y_ND.reshape(b, t, d)
     if self.shared is not None:
       shared_BTD = self.shared(x_BTD, kernels.child("shared"))

@@ -60,8 +60,9 @@ class MTPModule(nnx.Module):
     self.block = Block(config, layer, rngs=rngs, dtype=dtype)
     # Imported DeepSeek-V3 layers: their own norm (and maybe head) before the logits.
     self.head_norm = RMSNorm(d, config.norm_eps) if config.mtp_head_norm else None
-    self.head_DV = (nnx.Param(fan_in_init(d)(rngs.params(), (d, config.vocab_size), dtype))
-                    if config.mtp_own_head else None)
+    self.head_DV = (
+      nnx.Param(fan_in_init(d)(rngs.params(), (d, config.vocab_size), dtype)) if config.mtp_own_head else None
+    )
 
   def logits(self, model, h_BTD, *, kernels: Kernels = PLAIN, model_kernels: Kernels = PLAIN):
     """Output logits of the module's hidden state (the target's head unless it has its own).
@@ -78,20 +79,38 @@ class MTPModule(nnx.Module):
       return packed_product(normed_BTD, packed.head_NDC, self.head_DV.shape[1])
     return jnp.einsum("btd,dv->btv", normed_BTD, self.head_DV[...])
 
-  def __call__(self, hidden_BTD, next_emb_BTD, positions_BT, rope, layer_cache, *, kernels: Kernels = PLAIN,
-               valid_BT=None, fresh_cache: bool = False, output_at_B=None):
+  def __call__(
+    self,
+    hidden_BTD,
+    next_emb_BTD,
+    positions_BT,
+    rope,
+    layer_cache,
+    *,
+    kernels: Kernels = PLAIN,
+    valid_BT=None,
+    fresh_cache: bool = False,
+    output_at_B=None,
+  ):
     """Returns (h_BTD, new layer cache, routing). Tokens outside `valid_BT` read no routed expert
     (see `Transformer.__call__`); `output_at_B`: see `Block.__call__`. `kernels`: the policy and a
     `PackedMTP` or None."""
-    x_BTC = jnp.concatenate([self.hidden_norm(hidden_BTD, kernels), self.embed_norm(next_emb_BTD, kernels)],
-                            axis=-1)
+    x_BTC = jnp.concatenate([self.hidden_norm(hidden_BTD, kernels), self.embed_norm(next_emb_BTD, kernels)], axis=-1)
     packed = kernels.dense
     if packed is not None and use_packed(packed.proj_NDC, x_BTC):
       x_BTD = packed_product(x_BTC, packed.proj_NDC, self.w_proj_CD.shape[1]).astype(x_BTC.dtype)
     else:
       x_BTD = jnp.einsum("btc,cd->btd", x_BTC, self.w_proj_CD[...])
-    return self.block(x_BTD, positions_BT, rope, layer_cache, kernels=kernels.child("block"),
-                      valid_BT=valid_BT, fresh_cache=fresh_cache, output_at_B=output_at_B)
+    return self.block(
+      x_BTD,
+      positions_BT,
+      rope,
+      layer_cache,
+      kernels=kernels.child("block"),
+      valid_BT=valid_BT,
+      fresh_cache=fresh_cache,
+      output_at_B=output_at_B,
+    )
 
 
 def new_cache(config: ModelConfig, batch: int, max_len: int) -> KVCache:
@@ -105,9 +124,20 @@ def module_for_depth(depth: int, num_modules: int) -> tuple[int, int]:
   return m - 1, depth - m
 
 
-def run_module(model, m: int, hidden_BTD, next_tokens_BT, positions_BT, cache: KVCache | None, *,
-               kernels: Kernels = PLAIN, compute_logits: bool = True, valid_BT=None, fresh_cache: bool = False,
-               output_at_B=None):
+def run_module(
+  model,
+  m: int,
+  hidden_BTD,
+  next_tokens_BT,
+  positions_BT,
+  cache: KVCache | None,
+  *,
+  kernels: Kernels = PLAIN,
+  compute_logits: bool = True,
+  valid_BT=None,
+  fresh_cache: bool = False,
+  output_at_B=None,
+):
   """Module `m` (0-based) over T tokens; returns (h_BTD, logits_BTV or None, new cache or None).
   Tokens outside `valid_BT` (default: none) read no routed expert: their outputs are not used.
   `output_at_B`: the output only at that index per row, [B, 1, ...] (`Block.__call__`). `kernels`:
@@ -116,20 +146,40 @@ def run_module(model, m: int, hidden_BTD, next_tokens_BT, positions_BT, cache: K
   rope = model.rope(positions_BT, kernels)
   layer_cache = None if cache is None else (cache.keys[m], cache.values[m])
   module_kernels = kernels.child("mtp", m)
-  h_BTD, layer_new, _ = model.mtp[m](hidden_BTD, emb_BTD, positions_BT, rope, layer_cache,
-                                     kernels=module_kernels, valid_BT=valid_BT, fresh_cache=fresh_cache,
-                                     output_at_B=output_at_B)
+  h_BTD, layer_new, _ = model.mtp[m](
+    hidden_BTD,
+    emb_BTD,
+    positions_BT,
+    rope,
+    layer_cache,
+    kernels=module_kernels,
+    valid_BT=valid_BT,
+    fresh_cache=fresh_cache,
+    output_at_B=output_at_B,
+  )
   logits_BTV = None
   if compute_logits:
     logits_BTV = model.mtp[m].logits(model, h_BTD, kernels=module_kernels, model_kernels=kernels)
   if cache is not None:
-    cache = KVCache(keys=cache.keys[:m] + (layer_new[0],) + cache.keys[m + 1:],
-                    values=cache.values[:m] + (layer_new[1],) + cache.values[m + 1:])
+    cache = KVCache(
+      keys=cache.keys[:m] + (layer_new[0],) + cache.keys[m + 1 :],
+      values=cache.values[:m] + (layer_new[1],) + cache.values[m + 1 :],
+    )
   return h_BTD, logits_BTV, cache
 
 
-def fill(model, target_hidden_BTD, seq_BT, positions_BT, cache: KVCache, *, kernels: Kernels = PLAIN,
-         at_B=None, valid_BT=None, fresh_cache: bool = False):
+def fill(
+  model,
+  target_hidden_BTD,
+  seq_BT,
+  positions_BT,
+  cache: KVCache,
+  *,
+  kernels: Kernels = PLAIN,
+  at_B=None,
+  valid_BT=None,
+  fresh_cache: bool = False,
+):
   """Runs modules 1..M over T indices; module k reads next tokens `seq_BT[:, k:]`.
 
   `seq_BT` holds T + M tokens per row: the tokens at positions [p+1, p+T+M) (unknown ones
@@ -148,9 +198,19 @@ def fill(model, target_hidden_BTD, seq_BT, positions_BT, cache: KVCache, *, kern
   n_modules = model.config.num_mtp_modules
   hidden, first = target_hidden_BTD, None
   for m in range(n_modules):
-    hidden, _, cache = run_module(model, m, hidden, seq_BT[:, m:m + t], positions_BT, cache,
-                                  kernels=kernels, compute_logits=False, valid_BT=valid_BT,
-                                  fresh_cache=fresh_cache, output_at_B=at_B if m == n_modules - 1 else None)
+    hidden, _, cache = run_module(
+      model,
+      m,
+      hidden,
+      seq_BT[:, m : m + t],
+      positions_BT,
+      cache,
+      kernels=kernels,
+      compute_logits=False,
+      valid_BT=valid_BT,
+      fresh_cache=fresh_cache,
+      output_at_B=at_B if m == n_modules - 1 else None,
+    )
     if first is None:
       first = hidden
   first_kernels = kernels.child("mtp", 0)
@@ -172,7 +232,8 @@ def forward_train(model, target_hidden_BTD, tokens_BT, depths: int, *, kernels: 
   for k in range(1, depths + 1):
     n = t - k  # indices with a known next token t_{i+k}
     positions_BT = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (b, n))
-    hidden, logits, _ = run_module(model, k - 1, hidden[:, :n], tokens_BT[:, k:k + n], positions_BT,
-                                   None, kernels=kernels)
-    out.append(logits[:, :n - 1])
+    hidden, logits, _ = run_module(
+      model, k - 1, hidden[:, :n], tokens_BT[:, k : k + n], positions_BT, None, kernels=kernels
+    )
+    out.append(logits[:, : n - 1])
   return out

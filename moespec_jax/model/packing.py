@@ -8,8 +8,15 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from moespec_jax.model.kernels import (PackedAttention, PackedBlock, PackedMLA, PackedMoE, PackedMTP, PackedSwiGLU,
-                                       PackedWeights)
+from moespec_jax.model.kernels import (
+  PackedAttention,
+  PackedBlock,
+  PackedMLA,
+  PackedMoE,
+  PackedMTP,
+  PackedSwiGLU,
+  PackedWeights,
+)
 from moespec_jax.model.mla import MLAttention
 from pallas_kernels.cpu import pack_columns
 
@@ -59,9 +66,15 @@ def _pack_mla(attn) -> PackedMLA:
     qb_NDC = pack_columns(attn.w_qb_QHK[...].reshape(attn.w_qb_QHK.shape[0], -1))
   uk_HNC = jnp.transpose(attn.w_uk_CHN[...], (1, 2, 0))
   uv_HCV = jnp.transpose(attn.w_uv_CHV[...], (1, 0, 2))
-  return PackedMLA(x_NDC=pack_columns(x_DN), o_NDC=pack_columns(attn.w_o_HVD[...].reshape(-1, d)), qb_NDC=qb_NDC,
-                   uk_HNC=uk_HNC, uv_HCV=uv_HCV, uk_HNDC=jax.vmap(pack_columns)(uk_HNC),
-                   uv_HNDC=jax.vmap(pack_columns)(uv_HCV))
+  return PackedMLA(
+    x_NDC=pack_columns(x_DN),
+    o_NDC=pack_columns(attn.w_o_HVD[...].reshape(-1, d)),
+    qb_NDC=qb_NDC,
+    uk_HNC=uk_HNC,
+    uv_HCV=uv_HCV,
+    uk_HNDC=jax.vmap(pack_columns)(uk_HNC),
+    uv_HNDC=jax.vmap(pack_columns)(uv_HCV),
+  )
 
 
 def _pack_moe(moe) -> PackedMoE:

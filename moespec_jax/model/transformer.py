@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-
 import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
 from moespec_jax.config import ModelConfig
+from moespec_jax.model import mla
 from moespec_jax.model.block import Block
 from moespec_jax.model.cache import KVCache
-from moespec_jax.model import mla
 from moespec_jax.model.kernels import PLAIN, Kernels
 from moespec_jax.model.layers import RMSNorm, fan_in_init, rope_tables
 from moespec_jax.model.mtp import MTPModule
@@ -20,6 +19,7 @@ from pallas_kernels import cpu
 @struct.dataclass
 class Routing:
   """Routing of the MoE layers, stacked over those layers (L = n_moe_layers)."""
+
   expert_ids: jax.Array  # [L, B, T, K] int32
   gates: jax.Array  # [L, B, T, K] f32
   probs: jax.Array  # [L, B, T, E] f32, per-token routing probabilities
@@ -77,9 +77,19 @@ class Transformer(nnx.Module):
       return jnp.einsum("btd,vd->btv", hidden_BTD, self.embed_VD[...]).astype(jnp.float32)
     return jnp.einsum("btd,dv->btv", hidden_BTD, self.lm_head_DV[...]).astype(jnp.float32)
 
-  def __call__(self, tokens_BT, positions_BT=None, cache: KVCache | None = None, *,
-               kernels: Kernels = PLAIN, expert_budget=None, valid_BT=None,
-               compute_logits: bool = True, fresh_cache: bool = False, hidden_at_B=None) -> ForwardOutput:
+  def __call__(
+    self,
+    tokens_BT,
+    positions_BT=None,
+    cache: KVCache | None = None,
+    *,
+    kernels: Kernels = PLAIN,
+    expert_budget=None,
+    valid_BT=None,
+    compute_logits: bool = True,
+    fresh_cache: bool = False,
+    hidden_at_B=None,
+  ) -> ForwardOutput:
     """One pass over `tokens_BT` at `positions_BT` (default 0..T-1 for every row).
 
     Without a cache this is the full causal forward; with one, the pass's keys/values are
@@ -103,8 +113,10 @@ class Transformer(nnx.Module):
     gets its part); the default runs XLA's ops with the config's expert method.
     """
     if hidden_at_B is not None and expert_budget is not None:
-      raise ValueError("hidden_at_B with expert_budget: the last layer's expert budget would be ranked over the "
-                       "selected positions only; run the whole pass (hidden_at_B=None) and index its output")
+      raise ValueError(
+        "hidden_at_B with expert_budget: the last layer's expert budget would be ranked over the "
+        "selected positions only; run the whole pass (hidden_at_B=None) and index its output"
+      )
     if positions_BT is None:
       positions_BT = jnp.broadcast_to(jnp.arange(tokens_BT.shape[1], dtype=jnp.int32), tokens_BT.shape)
     x_BTD = jnp.take(self.embed_VD[...], tokens_BT, axis=0)
@@ -113,9 +125,17 @@ class Transformer(nnx.Module):
     last = len(self.layers) - 1
     for i, block in enumerate(self.layers):
       layer_cache = None if cache is None else (cache.keys[i], cache.values[i])
-      x_BTD, layer_new, routing = block(x_BTD, positions_BT, rope, layer_cache, kernels=kernels.child("layers", i),
-                                        expert_budget=expert_budget, valid_BT=valid_BT,
-                                        fresh_cache=fresh_cache, output_at_B=hidden_at_B if i == last else None)
+      x_BTD, layer_new, routing = block(
+        x_BTD,
+        positions_BT,
+        rope,
+        layer_cache,
+        kernels=kernels.child("layers", i),
+        expert_budget=expert_budget,
+        valid_BT=valid_BT,
+        fresh_cache=fresh_cache,
+        output_at_B=hidden_at_B if i == last else None,
+      )
       if layer_new is not None:
         new_keys.append(layer_new[0])
         new_values.append(layer_new[1])

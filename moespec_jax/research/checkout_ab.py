@@ -16,7 +16,8 @@ import json
 import pathlib
 import subprocess
 import sys
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -24,12 +25,12 @@ from moespec_jax.analysis import timing
 
 # Each call: (label, SpecParams fields, SamplingParams fields). Public fields only.
 CALLS: dict[str, tuple[dict, dict]] = {
-    "plain": ({"drafter": "none"}, {}),
-    "mtp_k3": ({"drafter": "mtp", "num_draft": 3}, {}),
-    "ngram_k4": ({"drafter": "ngram", "num_draft": 4}, {}),
-    "mtp_auto": ({"drafter": "mtp", "num_draft": "auto"}, {}),
-    "mtp_k3_t1": ({"drafter": "mtp", "num_draft": 3}, {"temperature": 1.0, "top_p": 0.95}),
-    "budgeted": ({"drafter": "mtp", "num_draft": 3, "mode": "budgeted", "expert_budget": 6}, {}),
+  "plain": ({"drafter": "none"}, {}),
+  "mtp_k3": ({"drafter": "mtp", "num_draft": 3}, {}),
+  "ngram_k4": ({"drafter": "ngram", "num_draft": 4}, {}),
+  "mtp_auto": ({"drafter": "mtp", "num_draft": "auto"}, {}),
+  "mtp_k3_t1": ({"drafter": "mtp", "num_draft": 3}, {"temperature": 1.0, "top_p": 0.95}),
+  "budgeted": ({"drafter": "mtp", "num_draft": 3, "mode": "budgeted", "expert_budget": 6}, {}),
 }
 PROMPTS = ["def fib(n):\n", "import os\nimport sys\n\n", "class Node:\n    def __init__(self", "for i in range"]
 
@@ -65,8 +66,9 @@ class Worker:
 
   def __init__(self, checkout: pathlib.Path, setup: dict[str, Any], python: str = sys.executable):
     self.checkout = checkout
-    self.proc = subprocess.Popen([python, "-c", _WORKER], cwd=checkout, stdin=subprocess.PIPE,
-                                 stdout=subprocess.PIPE, text=True, bufsize=1)
+    self.proc = subprocess.Popen(
+      [python, "-c", _WORKER], cwd=checkout, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1
+    )
     self.proc.stdin.write(json.dumps(setup) + "\n")
     self.proc.stdin.flush()
 
@@ -89,9 +91,18 @@ class Worker:
       self.proc.wait(timeout=60)
 
 
-def compare(checkout_a, checkout_b, model_dir, *, calls: Sequence[str] = tuple(CALLS), rounds: int = 15,
-            batch_size: int = 1, max_new_tokens: int = 128, seed: int = 0,
-            log: Callable[[str], None] = print) -> dict[str, Any]:
+def compare(
+  checkout_a,
+  checkout_b,
+  model_dir,
+  *,
+  calls: Sequence[str] = tuple(CALLS),
+  rounds: int = 15,
+  batch_size: int = 1,
+  max_new_tokens: int = 128,
+  seed: int = 0,
+  log: Callable[[str], None] = print,
+) -> dict[str, Any]:
   """Times `calls` in both checkouts in `rounds` interleaved rounds; returns the metrics."""
   unknown = sorted(set(calls) - set(CALLS))
   if unknown:
@@ -99,8 +110,13 @@ def compare(checkout_a, checkout_b, model_dir, *, calls: Sequence[str] = tuple(C
   if rounds < 3:
     raise ValueError(f"rounds must be >= 3 for an interval, got {rounds}")
   prompts = [PROMPTS[i % len(PROMPTS)] for i in range(batch_size)]
-  setup = {"model": str(model_dir), "prompts": prompts, "max_new_tokens": max_new_tokens, "seed": seed,
-           "calls": [CALLS[c] for c in calls]}
+  setup = {
+    "model": str(model_dir),
+    "prompts": prompts,
+    "max_new_tokens": max_new_tokens,
+    "seed": seed,
+    "calls": [CALLS[c] for c in calls],
+  }
   checkouts = {"a": pathlib.Path(checkout_a).resolve(), "b": pathlib.Path(checkout_b).resolve()}
   workers = {side: Worker(path, setup) for side, path in checkouts.items()}
   try:
@@ -127,25 +143,44 @@ def compare(checkout_a, checkout_b, model_dir, *, calls: Sequence[str] = tuple(C
   for c in calls:
     a, b = np.asarray(times[(c, "a")]), np.asarray(times[(c, "b")])
     wall_ratios = np.asarray(walls[(c, "b")]) / np.asarray(walls[(c, "a")])
-    rows.append({"call": c, "a_ms": float(np.median(a)) * 1e3, "b_ms": float(np.median(b)) * 1e3,
-                 "b_over_a": float(np.median(b / a)), "b_over_a_interval": list(timing.median_interval(b / a)),
-                 "wall_b_over_a": float(np.median(wall_ratios)),
-                 "wall_b_over_a_interval": list(timing.median_interval(wall_ratios)),
-                 "tokens_equal": bool(tokens_equal[c])})
-  return {"checkout_a": str(checkouts["a"]), "checkout_b": str(checkouts["b"]), "model": str(model_dir),
-          "rounds": rounds, "batch_size": batch_size, "max_new_tokens": max_new_tokens, "rows": rows}
+    rows.append(
+      {
+        "call": c,
+        "a_ms": float(np.median(a)) * 1e3,
+        "b_ms": float(np.median(b)) * 1e3,
+        "b_over_a": float(np.median(b / a)),
+        "b_over_a_interval": list(timing.median_interval(b / a)),
+        "wall_b_over_a": float(np.median(wall_ratios)),
+        "wall_b_over_a_interval": list(timing.median_interval(wall_ratios)),
+        "tokens_equal": bool(tokens_equal[c]),
+      }
+    )
+  return {
+    "checkout_a": str(checkouts["a"]),
+    "checkout_b": str(checkouts["b"]),
+    "model": str(model_dir),
+    "rounds": rounds,
+    "batch_size": batch_size,
+    "max_new_tokens": max_new_tokens,
+    "rows": rows,
+  }
 
 
 def format_table(result: dict[str, Any]) -> str:
-  lines = [f"A = {result['checkout_a']}", f"B = {result['checkout_b']}",
-           f"batch {result['batch_size']}, {result['max_new_tokens']} new tokens, {result['rounds']} rounds "
-           "(generate's own seconds: prefill and decode, no compilation or calibration)",
-           "| call | A ms | B ms | B / A (90% interval) | B / A whole call | same tokens |",
-           "|---|---|---|---|---|---|"]
+  lines = [
+    f"A = {result['checkout_a']}",
+    f"B = {result['checkout_b']}",
+    f"batch {result['batch_size']}, {result['max_new_tokens']} new tokens, {result['rounds']} rounds "
+    "(generate's own seconds: prefill and decode, no compilation or calibration)",
+    "| call | A ms | B ms | B / A (90% interval) | B / A whole call | same tokens |",
+    "|---|---|---|---|---|---|",
+  ]
   for r in result["rows"]:
     low, high = r["b_over_a_interval"]
     wall_low, wall_high = r["wall_b_over_a_interval"]
     same = "yes" if r["tokens_equal"] else "NO"
-    lines.append(f"| {r['call']} | {r['a_ms']:.2f} | {r['b_ms']:.2f} | {r['b_over_a']:.3f} [{low:.3f}, {high:.3f}] "
-                 f"| {r['wall_b_over_a']:.3f} [{wall_low:.3f}, {wall_high:.3f}] | {same} |")
+    lines.append(
+      f"| {r['call']} | {r['a_ms']:.2f} | {r['b_ms']:.2f} | {r['b_over_a']:.3f} [{low:.3f}, {high:.3f}] "
+      f"| {r['wall_b_over_a']:.3f} [{wall_low:.3f}, {wall_high:.3f}] | {same} |"
+    )
   return "\n".join(lines)

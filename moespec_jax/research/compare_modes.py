@@ -19,19 +19,19 @@ import math
 import pathlib
 import statistics
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
 import moespec_jax as msj
 from moespec_jax import cli
 from moespec_jax.analysis import timing
-from moespec_jax.decoding import quality
 from moespec_jax.data import corpus
-from moespec_jax.decoding import programs
+from moespec_jax.decoding import programs, quality
 from moespec_jax.io import atomic, plots
-from moespec_jax.model import budget as budget_lib
 from moespec_jax.io.progress import Progress
+from moespec_jax.model import budget as budget_lib
 
 BUDGET_MULTIPLIERS = (1.0, 1.5, 2.0, 3.0, 4.0, None)  # x top_k; None = no budget
 
@@ -50,15 +50,29 @@ def divergence(exact_tokens_BN, tokens_BN) -> dict[str, Any]:
   position over the rows that depart (None where none does) and how many do."""
   firsts = quality.first_divergence(exact_tokens_BN, tokens_BN)
   departed = [f for f in firsts if f is not None]
-  return {"first_divergence_by_row": firsts, "diverged_rows": len(departed),
-          "first_divergence": float(np.mean(departed)) if departed else None}
+  return {
+    "first_divergence_by_row": firsts,
+    "diverged_rows": len(departed),
+    "first_divergence": float(np.mean(departed)) if departed else None,
+  }
 
 
-def run_compare_modes(model, workdir, *, drafter: str = "mtp", num_drafts: Sequence[int] = (2, 3, 4),
-                      budget_multipliers: Sequence[float | None] = BUDGET_MULTIPLIERS,
-                      policies: Sequence[str] = ("truncate", "substitute"), batch_sizes: Sequence[int] = (1, 4),
-                      temperatures: Sequence[float] = (0.0, 1.0), scope: str = "batch", kernel: str = "dedup",
-                      max_new_tokens: int = 64, repeats: int = 3, log=print) -> dict[str, Any]:
+def run_compare_modes(
+  model,
+  workdir,
+  *,
+  drafter: str = "mtp",
+  num_drafts: Sequence[int] = (2, 3, 4),
+  budget_multipliers: Sequence[float | None] = BUDGET_MULTIPLIERS,
+  policies: Sequence[str] = ("truncate", "substitute"),
+  batch_sizes: Sequence[int] = (1, 4),
+  temperatures: Sequence[float] = (0.0, 1.0),
+  scope: str = "batch",
+  kernel: str = "dedup",
+  max_new_tokens: int = 64,
+  repeats: int = 3,
+  log=print,
+) -> dict[str, Any]:
   """Runs the sweep; writes `workdir/metrics.json` (key `compare_modes`) and `pareto.png`."""
   cli.check_choices("policies", policies, budget_lib.POLICIES)
   workdir = pathlib.Path(workdir)
@@ -73,8 +87,7 @@ def run_compare_modes(model, workdir, *, drafter: str = "mtp", num_drafts: Seque
   settings = {"max_new_tokens": max_new_tokens, "repeats": repeats}
 
   def gen(batch_prompts, sampling, spec, seed):
-    return msj.generate(model, batch_prompts, max_new_tokens=max_new_tokens, sampling=sampling,
-                        spec=spec, seed=seed)
+    return msj.generate(model, batch_prompts, max_new_tokens=max_new_tokens, sampling=sampling, spec=spec, seed=seed)
 
   for temperature in temperatures:
     sampling = msj.SamplingParams(temperature=float(temperature))
@@ -85,20 +98,43 @@ def run_compare_modes(model, workdir, *, drafter: str = "mtp", num_drafts: Seque
         gen(batch_prompts, sampling, exact_spec, 0)  # compiled and run once, untimed
         exact_runs = [gen(batch_prompts, sampling, exact_spec, r) for r in range(repeats)]
         exact_tps = statistics.median(o.stats["tokens_per_second"] for o in exact_runs)
-        base = {"num_draft": k, "batch_size": batch, "temperature": float(temperature), "drafter": drafter,
-                "kernel": kernel}
-        rows.append({**base, "mode": "exact", "approximate": False, "expert_budget": None, "policy": None,
-                     "tokens_per_second": exact_tps, "speedup_vs_exact": 1.0, "speedup_interval": None,
-                     "top1_agreement": 1.0, "mean_kl": 0.0,
-                     "mean_accepted_length": exact_runs[0].stats["mean_accepted_length"],
-                     "first_divergence": None})
+        base = {
+          "num_draft": k,
+          "batch_size": batch,
+          "temperature": float(temperature),
+          "drafter": drafter,
+          "kernel": kernel,
+        }
+        rows.append(
+          {
+            **base,
+            "mode": "exact",
+            "approximate": False,
+            "expert_budget": None,
+            "policy": None,
+            "tokens_per_second": exact_tps,
+            "speedup_vs_exact": 1.0,
+            "speedup_interval": None,
+            "top1_agreement": 1.0,
+            "mean_kl": 0.0,
+            "mean_accepted_length": exact_runs[0].stats["mean_accepted_length"],
+            "first_divergence": None,
+          }
+        )
         progress.update(len(rows))
         for policy in policies:
           for budget in budgets:
             if budget is None:
               continue  # the exact row above
-            spec = msj.SpecParams(drafter=drafter, num_draft=k, mode="budgeted", expert_budget=budget,
-                                  budget_policy=policy, budget_scope=scope, kernel=kernel)
+            spec = msj.SpecParams(
+              drafter=drafter,
+              num_draft=k,
+              mode="budgeted",
+              expert_budget=budget,
+              budget_policy=policy,
+              budget_scope=scope,
+              kernel=kernel,
+            )
             with_quality = dataclasses.replace(spec.research, measure_quality=True)
             measured = gen(batch_prompts, sampling, dataclasses.replace(spec, research=with_quality), 0)
             gen(batch_prompts, sampling, spec, 0)  # compiled and run once, untimed
@@ -109,15 +145,22 @@ def run_compare_modes(model, workdir, *, drafter: str = "mtp", num_drafts: Seque
               rates.append(out.stats["tokens_per_second"])
               ratios.append(out.stats["tokens_per_second"] / e)
               lengths.append(out.stats["mean_accepted_length"])
-            row = {**base, "mode": "budgeted", "approximate": measured.stats["approximate"],
-                   "expert_budget": budget, "policy": policy, "scope": scope,
-                   "tokens_per_second": statistics.median(rates),
-                   "speedup_vs_exact": statistics.median(ratios),
-                   "speedup_interval": list(timing.median_interval(ratios)) if repeats >= 2 else None,
-                   "top1_agreement": measured.stats.get("top1_agreement", 1.0),
-                   "mean_kl": measured.stats.get("mean_kl", 0.0),
-                   "mean_accepted_length": statistics.median(lengths),
-                   "unique_experts_per_pass": out.stats["unique_experts_per_pass"], "first_divergence": None}
+            row = {
+              **base,
+              "mode": "budgeted",
+              "approximate": measured.stats["approximate"],
+              "expert_budget": budget,
+              "policy": policy,
+              "scope": scope,
+              "tokens_per_second": statistics.median(rates),
+              "speedup_vs_exact": statistics.median(ratios),
+              "speedup_interval": list(timing.median_interval(ratios)) if repeats >= 2 else None,
+              "top1_agreement": measured.stats.get("top1_agreement", 1.0),
+              "mean_kl": measured.stats.get("mean_kl", 0.0),
+              "mean_accepted_length": statistics.median(lengths),
+              "unique_experts_per_pass": out.stats["unique_experts_per_pass"],
+              "first_divergence": None,
+            }
             if sampling.greedy:
               row.update(divergence(exact_runs[0].tokens, out.tokens))
             rows.append(row)
@@ -131,16 +174,24 @@ def run_compare_modes(model, workdir, *, drafter: str = "mtp", num_drafts: Seque
 
 
 def _write(workdir, rows, began, settings, *, complete):
-  result = {"compare_modes": {"rows": rows, "complete": complete, "seconds": time.perf_counter() - began,
-                              **settings,
-                              "note": "budgeted rows are APPROXIMATE: not the target's distribution"}}
+  result = {
+    "compare_modes": {
+      "rows": rows,
+      "complete": complete,
+      "seconds": time.perf_counter() - began,
+      **settings,
+      "note": "budgeted rows are APPROXIMATE: not the target's distribution",
+    }
+  }
   atomic.write_json_atomic(workdir / "metrics.json", result)
   return result
 
 
 def format_table(rows) -> str:
-  head = (f"{'mode':<10}{'policy':<11}{'B':>4}{'T':>5}{'batch':>6}{'K':>3}{'tok/s':>9}{'vs exact':>9}"
-          f"{'top1':>7}{'KL':>8}{'acc.len':>8}{'diverge':>11}")
+  head = (
+    f"{'mode':<10}{'policy':<11}{'B':>4}{'T':>5}{'batch':>6}{'K':>3}{'tok/s':>9}{'vs exact':>9}"
+    f"{'top1':>7}{'KL':>8}{'acc.len':>8}{'diverge':>11}"
+  )
   lines = ["EXACT (the target's distribution)", head]
   for r in rows:
     if r["mode"] == "exact":
@@ -149,9 +200,11 @@ def format_table(rows) -> str:
   for r in rows:
     if r["mode"] != "exact":
       lines.append(_line(r))
-  lines.append("diverge: where greedy budgeted text first departs from exact (token position from 0), mean over "
-               "the rows that depart (d/n: d of n rows do); never: the same text in every row; -: not compared "
-               "(exact, or sampled)")
+  lines.append(
+    "diverge: where greedy budgeted text first departs from exact (token position from 0), mean over "
+    "the rows that depart (d/n: d of n rows do); never: the same text in every row; -: not compared "
+    "(exact, or sampled)"
+  )
   return "\n".join(lines)
 
 
@@ -169,9 +222,11 @@ def divergence_text(r) -> str:
 
 def _line(r) -> str:
   budget = "-" if r["expert_budget"] is None else str(r["expert_budget"])
-  return (f"{r['mode']:<10}{(r['policy'] or '-'):<11}{budget:>4}{r['temperature']:>5.1f}{r['batch_size']:>6}"
-          f"{r['num_draft']:>3}{r['tokens_per_second']:>9.1f}{r['speedup_vs_exact']:>9.2f}"
-          f"{r['top1_agreement']:>7.3f}{r['mean_kl']:>8.4f}{r['mean_accepted_length']:>8.2f}{divergence_text(r):>11}")
+  return (
+    f"{r['mode']:<10}{(r['policy'] or '-'):<11}{budget:>4}{r['temperature']:>5.1f}{r['batch_size']:>6}"
+    f"{r['num_draft']:>3}{r['tokens_per_second']:>9.1f}{r['speedup_vs_exact']:>9.2f}"
+    f"{r['top1_agreement']:>7.3f}{r['mean_kl']:>8.4f}{r['mean_accepted_length']:>8.2f}{divergence_text(r):>11}"
+  )
 
 
 def point_label(r, rows) -> str:
@@ -201,6 +256,11 @@ def plot_pareto(rows, path) -> None:
       ax.annotate(point_label(r, rows), (xi, yi), textcoords="offset points", xytext=(4, 4), fontsize=7)
   ax.axhline(1.0, color="k", lw=0.8, ls="--", label="exact")
   ax.axvline(0.98, color="gray", lw=0.8, ls=":", label="top-1 agreement 0.98")
-  plots.finish_axes(ax, "top-1 agreement with exact target logits", "speedup over exact mode (90% interval)",
-                    "MoE-Spec expert budgets: speed vs quality", legend_fontsize=8)
+  plots.finish_axes(
+    ax,
+    "top-1 agreement with exact target logits",
+    "speedup over exact mode (90% interval)",
+    "MoE-Spec expert budgets: speed vs quality",
+    legend_fontsize=8,
+  )
   plots.save(fig, path)

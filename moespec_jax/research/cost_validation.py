@@ -51,7 +51,8 @@ import math
 import pathlib
 import statistics
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -60,22 +61,22 @@ import numpy as np
 import moespec_jax as msj
 import pallas_kernels
 from moespec_jax.analysis import cost_model, timing
-from moespec_jax.research import draft_policy_sim, rounds, routing_report, traces
 from moespec_jax.data import corpus
 from moespec_jax.decoding import loop, programs
 from moespec_jax.io import atomic, plots, progress
 from moespec_jax.io.progress import Progress
+from moespec_jax.research import draft_policy_sim, rounds, routing_report, traces
 from pallas_kernels import bytes as kbytes
 
 FITTED_METHODS = ("dedup", "per_slot")
 # The best-K predictors: their column in the best_k rows -> (suffix of their
 # best_k_within_one_fraction key, what they are in the printed summary).
 PREDICTORS = {
-    "predicted": ("", "bytes model"),
-    "predicted_linear_nonexpert": ("_linear_nonexpert", "linear non-expert"),
-    "predicted_measured_nonexpert": ("_measured_nonexpert", "measured non-expert"),
-    "predicted_from_step_times": ("_from_step_times", "measured pass times"),
-    "predicted_from_step_times_by_acceptance": ("_from_step_times_by_acceptance", "interpolated by acceptance"),
+  "predicted": ("", "bytes model"),
+  "predicted_linear_nonexpert": ("_linear_nonexpert", "linear non-expert"),
+  "predicted_measured_nonexpert": ("_measured_nonexpert", "measured non-expert"),
+  "predicted_from_step_times": ("_from_step_times", "measured pass times"),
+  "predicted_from_step_times_by_acceptance": ("_from_step_times_by_acceptance", "interpolated by acceptance"),
 }
 # The goals of num_draft='auto': never more than 3% slower than plain decoding, within 5% of the
 # best fixed K.
@@ -135,9 +136,20 @@ class CostValidationConfig:
 
 
 QUICK_CONFIG = CostValidationConfig(
-    alphas=(0.0, 0.25, 0.5, 0.75, 1.0), max_k=2, max_new_tokens=16, repeats=1, max_repeats=1, kernel_n=(1, 2, 4),
-    kernel_repeats=2, crossover_windows=2, trace_segments=4, auto_alphas=(0.0, 1.0), auto_repeats=1,
-    real_drafters=("ngram",), drafter_prompts=2)
+  alphas=(0.0, 0.25, 0.5, 0.75, 1.0),
+  max_k=2,
+  max_new_tokens=16,
+  repeats=1,
+  max_repeats=1,
+  kernel_n=(1, 2, 4),
+  kernel_repeats=2,
+  crossover_windows=2,
+  trace_segments=4,
+  auto_alphas=(0.0, 1.0),
+  auto_repeats=1,
+  real_drafters=("ngram",),
+  drafter_prompts=2,
+)
 
 
 def progress_settings(model, cfg: CostValidationConfig) -> dict[str, Any]:
@@ -146,8 +158,13 @@ def progress_settings(model, cfg: CostValidationConfig) -> dict[str, Any]:
   speedups in the sweep's parts, as many rounds as each rate took; 4, rounds in the balanced
   order of `timing.round_order`: parts timed in the earlier order are not mixed in; 5, the model
   drafters' rows over `drafter_prompts` prompts, the sweep's accepted lengths over all rounds)."""
-  return {"experiment": "cost_model", "parts_format": 5, "config": dataclasses.asdict(cfg),
-          "model": dataclasses.asdict(model.config), "weights": progress.weights_fingerprint(model.state)}
+  return {
+    "experiment": "cost_model",
+    "parts_format": 5,
+    "config": dataclasses.asdict(cfg),
+    "model": dataclasses.asdict(model.config),
+    "weights": progress.weights_fingerprint(model.state),
+  }
 
 
 # Single-layer expert timings ------------------------------------------------------------------
@@ -159,9 +176,13 @@ def _layer_weights(config, seed: int):
   out = []
   for layer in range(max(1, config.n_moe_layers)):
     keys = jax.random.split(jax.random.fold_in(jax.random.key(seed), layer), 3)
-    out.append((jax.random.normal(keys[0], (e, d, f)) / np.sqrt(d),
-                jax.random.normal(keys[1], (e, d, f)) / np.sqrt(d),
-                jax.random.normal(keys[2], (e, f, d)) / np.sqrt(f)))
+    out.append(
+      (
+        jax.random.normal(keys[0], (e, d, f)) / np.sqrt(d),
+        jax.random.normal(keys[1], (e, d, f)) / np.sqrt(d),
+        jax.random.normal(keys[2], (e, f, d)) / np.sqrt(f),
+      )
+    )
   return out
 
 
@@ -192,8 +213,9 @@ def fit_kernels(config, n_list: Sequence[int], repeats: int, seed: int = 0):
     ids = np.stack([rng.choice(e, k, replace=False) for _ in range(n)]).astype(np.int32)
     times = time_layer_pair(fns, weights, ids, repeats, rng)
     for m in FITTED_METHODS:
-      rows.append({"method": m, "n_tokens": int(n), "bytes": int(kbytes.bytes_requested(ids, d, f, 4, m)),
-                   "time_ms": times[m]})
+      rows.append(
+        {"method": m, "n_tokens": int(n), "bytes": int(kbytes.bytes_requested(ids, d, f, 4, m)), "time_ms": times[m]}
+      )
   fits = {}
   for m in FITTED_METHODS:
     b = [r["bytes"] for r in rows if r["method"] == m]
@@ -209,8 +231,9 @@ def fit_kernels(config, n_list: Sequence[int], repeats: int, seed: int = 0):
 def layer_bytes(config, unique: float, n: int, method: str) -> float:
   """Expected bytes one MoE layer's experts request for a pass of n tokens."""
   reads = unique if method == "dedup" else n * config.top_k
-  return (reads * kbytes.expert_bytes(config.d_model, config.expert_hidden, 4)
-          + kbytes.activation_bytes(n, config.top_k, config.d_model, 4))
+  return reads * kbytes.expert_bytes(config.d_model, config.expert_hidden, 4) + kbytes.activation_bytes(
+    n, config.top_k, config.d_model, 4
+  )
 
 
 def expert_time_ms(config, fits, unique_L: Sequence[float], n: int, method: str | None = None) -> float:
@@ -234,11 +257,12 @@ def measured_crossover(config, trace, n_list, windows: int, repeats: int, seed: 
       seg = trace.segments[w % len(trace.segments)]
       layer = w % trace.n_layers
       start = int(rng.integers(0, max(1, seg.shape[1] - n)))
-      pair = time_layer_pair(fns, weights, seg[layer, start:start + n], repeats, rng)
+      pair = time_layer_pair(fns, weights, seg[layer, start : start + n], repeats, rng)
       for m in FITTED_METHODS:
         t[m].append(pair[m])
-    rows.append({"n_tokens": int(n), "dedup_ms": float(np.median(t["dedup"])),
-                 "per_slot_ms": float(np.median(t["per_slot"]))})
+    rows.append(
+      {"n_tokens": int(n), "dedup_ms": float(np.median(t["dedup"])), "per_slot_ms": float(np.median(t["per_slot"]))}
+    )
   curves = ([r["n_tokens"] for r in rows], [r["dedup_ms"] for r in rows], [r["per_slot_ms"] for r in rows])
   return cost_model.crossover(*curves, for_good=True), cost_model.crossover(*curves), rows
 
@@ -268,9 +292,20 @@ def run_cost_model(model, workdir, cfg: CostValidationConfig = CostValidationCon
   controlled_rows = _auto_controlled_rows(model, prompts, cfg, passes, sweep, parts, log)
   real_rows, real_prefills = _auto_real_rows(model, cfg, keep, parts, log)
 
-  result = {"cost_model": cost_model_metrics(
-      cfg, routing.stats, kernels, passes, sweep, best_k, controlled_rows + real_rows, sweep.prefills + real_prefills,
-      model.expert_method("auto"), time.perf_counter() - began)}
+  result = {
+    "cost_model": cost_model_metrics(
+      cfg,
+      routing.stats,
+      kernels,
+      passes,
+      sweep,
+      best_k,
+      controlled_rows + real_rows,
+      sweep.prefills + real_prefills,
+      model.expert_method("auto"),
+      time.perf_counter() - began,
+    )
+  }
   _write_outputs(result, routing.stats, workdir, parts, log)
   return result
 
@@ -280,6 +315,7 @@ class RoutingStage:
   """The model's routing on held-out text (`traces.heldout_trace`), its statistics
   (`routing_report.routing_stats`) and the empirical unique experts per MoE layer read by n
   consecutive tokens ({n: [per layer]})."""
+
   trace: Any
   stats: dict
   unique_by_n: dict
@@ -297,6 +333,7 @@ def _routing_stage(model, cfg: CostValidationConfig, log) -> RoutingStage:
 class KernelStage:
   """Each method's kernel fit, the single-layer timings it was fitted on, and the dedup/per-slot
   crossover predicted from the fits against the measured one (metrics.json's `crossover`)."""
+
   fits: dict
   rows: list
   crossover: dict
@@ -306,8 +343,11 @@ def predicted_crossover(config, fits, unique_by_n, n_list: Sequence[int]) -> int
   """The first pass size of `n_list` from which the fitted dedup kernel is predicted faster than
   per-slot at every larger size, with the traces' unique experts per layer."""
   return cost_model.crossover(
-      n_list, [expert_time_ms(config, fits, unique_by_n[n], n, "dedup") for n in n_list],
-      [expert_time_ms(config, fits, unique_by_n[n], n, "per_slot") for n in n_list], for_good=True)
+    n_list,
+    [expert_time_ms(config, fits, unique_by_n[n], n, "dedup") for n in n_list],
+    [expert_time_ms(config, fits, unique_by_n[n], n, "per_slot") for n in n_list],
+    for_good=True,
+  )
 
 
 def _kernel_stage(config, cfg: CostValidationConfig, routing: RoutingStage, log) -> KernelStage:
@@ -322,15 +362,24 @@ def _kernel_stage(config, cfg: CostValidationConfig, routing: RoutingStage, log)
       log(f"  {m}: {fit.gbps:.1f} GB/s effective, fixed {fit.fixed_ms * 1e3:.0f} us per layer")
   n_list = sorted(cfg.kernel_n)
   predicted_cross = predicted_crossover(config, fits, routing.unique_by_n, n_list)
-  measured_cross, measured_first_win, cross_rows = measured_crossover(config, routing.trace, n_list,
-                                                                      cfg.crossover_windows, cfg.kernel_repeats,
-                                                                      cfg.seed)
-  log(f"  dedup/per-slot crossover (dedup faster from there on): predicted n = {predicted_cross}, measured "
-      f"n = {measured_cross} (dedup first faster at n = {measured_first_win})")
-  return KernelStage(fits, kernel_rows, {
-      "predicted_n": predicted_cross, "measured_n": measured_cross, "measured_first_faster_n": measured_first_win,
+  measured_cross, measured_first_win, cross_rows = measured_crossover(
+    config, routing.trace, n_list, cfg.crossover_windows, cfg.kernel_repeats, cfg.seed
+  )
+  log(
+    f"  dedup/per-slot crossover (dedup faster from there on): predicted n = {predicted_cross}, measured "
+    f"n = {measured_cross} (dedup first faster at n = {measured_first_win})"
+  )
+  return KernelStage(
+    fits,
+    kernel_rows,
+    {
+      "predicted_n": predicted_cross,
+      "measured_n": measured_cross,
+      "measured_first_faster_n": measured_first_win,
       "definition": "the first pass size from which dedup is faster at every larger size measured",
-      "rows": cross_rows})
+      "rows": cross_rows,
+    },
+  )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -342,6 +391,7 @@ class VerifyTimes:
   experts, timed at every n, `nonexpert_ms_K`). `rows`: metrics.json's `verify_time`; the
   relative errors against the measured pass times, n = 2..max_k + 1 (linear: n = 2..max_k, its
   two ends are fitted). `nonexpert_growth_share`: `nonexpert_share_of_growth`."""
+
   fixed_ms: float
   slope_ms: float
   predicted_ms: dict
@@ -388,10 +438,17 @@ def verify_times(config, fits, unique_by_n, step_ms_K, nonexpert_ms_K, max_k: in
   # A second model: the non-expert time linear in n, calibrated at n = 1 and n = max_k + 1.
   slope_ms = float((step_ms_K[n_max - 1] - expert_ms[n_max]) - fixed_ms) / (n_max - 1)
   predicted_linear = {n: fixed_ms + slope_ms * (n - 1) + expert_ms[n] for n in expert_ms}
-  verify_rows = [{"n_tokens": n, "predicted_ms": predicted_verify[n], "measured_ms": float(step_ms_K[n - 1]),
-                  "predicted_linear_ms": predicted_linear[n],
-                  "method": pallas_kernels.choose_method(n, config.top_k),
-                  "predicted_expert_ms": expert_ms[n]} for n in range(1, n_max + 1)]
+  verify_rows = [
+    {
+      "n_tokens": n,
+      "predicted_ms": predicted_verify[n],
+      "measured_ms": float(step_ms_K[n - 1]),
+      "predicted_linear_ms": predicted_linear[n],
+      "method": pallas_kernels.choose_method(n, config.top_k),
+      "predicted_expert_ms": expert_ms[n],
+    }
+    for n in range(1, n_max + 1)
+  ]
   rel_err = [abs(r["predicted_ms"] - r["measured_ms"]) / r["measured_ms"] for r in verify_rows[1:]]
   rel_err_linear = [abs(r["predicted_linear_ms"] - r["measured_ms"]) / r["measured_ms"] for r in verify_rows[1:-1]]
   measured_slope = nonexpert_slope_ms(nonexpert_ms_K)
@@ -401,11 +458,22 @@ def verify_times(config, fits, unique_by_n, step_ms_K, nonexpert_ms_K, max_k: in
     r["nonexpert_measured_ms"] = float(nonexpert_ms_K[r["n_tokens"] - 1])
     # The routed experts' part as the pass pays it (caches as in decoding), beside predicted_expert_ms.
     r["expert_measured_ms"] = r["measured_ms"] - r["nonexpert_measured_ms"]
-  rel_err_measured = [abs(r["predicted_measured_nonexpert_ms"] - r["measured_ms"]) / r["measured_ms"]
-                      for r in verify_rows[1:]]
-  return VerifyTimes(fixed_ms, slope_ms, predicted_verify, predicted_linear, verify_rows, rel_err, rel_err_linear,
-                     measured_slope, predicted_measured, rel_err_measured,
-                     nonexpert_share_of_growth(step_ms_K[:n_max], nonexpert_ms_K))
+  rel_err_measured = [
+    abs(r["predicted_measured_nonexpert_ms"] - r["measured_ms"]) / r["measured_ms"] for r in verify_rows[1:]
+  ]
+  return VerifyTimes(
+    fixed_ms,
+    slope_ms,
+    predicted_verify,
+    predicted_linear,
+    verify_rows,
+    rel_err,
+    rel_err_linear,
+    measured_slope,
+    predicted_measured,
+    rel_err_measured,
+    nonexpert_share_of_growth(step_ms_K[:n_max], nonexpert_ms_K),
+  )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -414,6 +482,7 @@ class PassTimes:
   loop pass measured at K = 0..max_k with the controlled drafter at acceptance 0.5 (`step_ms_K`)
   and with every draft wrong / right (`step_ms_by_end`, keys 0.0 and 1.0), and the bytes model's
   verify times against them."""
+
   reference: Any
   step_ms_K: Any
   step_ms_by_end: dict
@@ -433,27 +502,41 @@ def _pass_time_stage(model, prompts, cfg: CostValidationConfig, fits, unique_by_
   # The same passes without their routed experts, timed side by side with them: how the rest of a
   # pass grows with n, and the experts' part as decoding pays it.
   step_ms_K, nonexpert_ms_K = loop.step_times_with_and_without_experts_ms(
-      model, prompts, cfg.max_new_tokens, spec=step_spec, reference_tokens=reference, repeats=cfg.kernel_repeats)
+    model, prompts, cfg.max_new_tokens, spec=step_spec, reference_tokens=reference, repeats=cfg.kernel_repeats
+  )
   # A pass's cost depends on what it verifies: wrong drafts (random tokens here) route to more
   # distinct experts than the model's own continuation. Pass times with every draft wrong
   # (a = 0) and every draft right (a = 1); under acceptance a a fraction a of the controlled
   # drafts are right, so a pass costs about (1 - a) T0[K] + a T1[K].
-  step_by_end = {end: loop.step_times_ms(
-      model, prompts, cfg.max_new_tokens, reference_tokens=reference, repeats=cfg.kernel_repeats,
-      spec=msj.SpecParams(drafter="controlled", num_draft=cfg.max_k, research=_controlled(end)))
-      for end in (0.0, 1.0)}
-  log(f"  pass times K = 0..{cfg.max_k} (ms): every draft wrong "
-      f"{np.round(step_by_end[0.0], 2).tolist()}, every draft right {np.round(step_by_end[1.0], 2).tolist()}")
+  step_by_end = {
+    end: loop.step_times_ms(
+      model,
+      prompts,
+      cfg.max_new_tokens,
+      reference_tokens=reference,
+      repeats=cfg.kernel_repeats,
+      spec=msj.SpecParams(drafter="controlled", num_draft=cfg.max_k, research=_controlled(end)),
+    )
+    for end in (0.0, 1.0)
+  }
+  log(
+    f"  pass times K = 0..{cfg.max_k} (ms): every draft wrong "
+    f"{np.round(step_by_end[0.0], 2).tolist()}, every draft right {np.round(step_by_end[1.0], 2).tolist()}"
+  )
   v = verify_times(model.config, fits, unique_by_n, step_ms_K, nonexpert_ms_K, cfg.max_k)
   n_max = cfg.max_k + 1
-  log(f"  without routed experts (ms): {np.round(nonexpert_ms_K, 2).tolist()}, "
-      f"{v.measured_slope_ms * 1e3:.0f} us per token (least squares); "
-      f"{_share(v.nonexpert_growth_share)} of the pass time's growth from n = 1 to {n_max}")
-  log(f"  fixed (non-expert) time {v.fixed_ms:.3f} ms; verify time median relative error "
-      f"{np.median(v.rel_err):.1%} (n = 2..{n_max}); with the measured non-expert term: "
-      f"{np.median(v.rel_err_measured_nonexpert):.1%}; with a linear non-expert term "
-      f"({v.slope_ms * 1e3:.0f} us per token, fitted at n = 1 and {n_max}): "
-      f"{np.median(v.rel_err_linear) if v.rel_err_linear else float('nan'):.1%} (n = 2..{n_max - 1})")
+  log(
+    f"  without routed experts (ms): {np.round(nonexpert_ms_K, 2).tolist()}, "
+    f"{v.measured_slope_ms * 1e3:.0f} us per token (least squares); "
+    f"{_share(v.nonexpert_growth_share)} of the pass time's growth from n = 1 to {n_max}"
+  )
+  log(
+    f"  fixed (non-expert) time {v.fixed_ms:.3f} ms; verify time median relative error "
+    f"{np.median(v.rel_err):.1%} (n = 2..{n_max}); with the measured non-expert term: "
+    f"{np.median(v.rel_err_measured_nonexpert):.1%}; with a linear non-expert term "
+    f"({v.slope_ms * 1e3:.0f} us per token, fitted at n = 1 and {n_max}): "
+    f"{np.median(v.rel_err_linear) if v.rel_err_linear else float('nan'):.1%} (n = 2..{n_max - 1})"
+  )
   return PassTimes(reference, step_ms_K, step_by_end, v)
 
 
@@ -464,6 +547,7 @@ class SpeedupSweep:
   metrics.json's `speedups`; `prefills`: every round's prefill (s), subtracted from its runs;
   `best_k_shares`: {a: each K's share of bootstrap resamples where it is best}; `rounds`: {a:
   rounds run (`rounds.rounds_until_settled`)}."""
+
   speedups: dict
   accepted_lengths: dict
   rows: list
@@ -487,14 +571,29 @@ def _sweep_rate(model, prompts, reference, cfg: CostValidationConfig, a: float, 
   if warm_up:
     rounds.warm_up(model, prompts, cfg.max_new_tokens, specs, reference)
   runs = rounds.rounds_until_settled(
-      lambda first, n: rounds.round_robin_runs(model, prompts, cfg.max_new_tokens, specs, n, reference,
-                                        check_tokens=reference, first_round=first),
-      drafted, cfg.repeats, cfg.max_repeats, cfg.settled_share, cfg.seed)
+    lambda first, n: rounds.round_robin_runs(
+      model, prompts, cfg.max_new_tokens, specs, n, reference, check_tokens=reference, first_round=first
+    ),
+    drafted,
+    cfg.repeats,
+    cfg.max_repeats,
+    cfg.settled_share,
+    cfg.seed,
+  )
   rounds_K = {k: runs.speedups(k) for k in drafted}
-  return {"prefills": runs.prefill_s, "round_speedups": [rounds_K[k] for k in drafted],
-          "rows": [{"num_draft": k, "speedup": statistics.median(rounds_K[k]),
-                    "tokens_per_second": statistics.median(st["tokens_per_second"] for st in runs.stats[k]),
-                    "mean_accepted_length": pooled_accepted_length(runs.stats[k])} for k in drafted]}
+  return {
+    "prefills": runs.prefill_s,
+    "round_speedups": [rounds_K[k] for k in drafted],
+    "rows": [
+      {
+        "num_draft": k,
+        "speedup": statistics.median(rounds_K[k]),
+        "tokens_per_second": statistics.median(st["tokens_per_second"] for st in runs.stats[k]),
+        "mean_accepted_length": pooled_accepted_length(runs.stats[k]),
+      }
+      for k in drafted
+    ],
+  }
 
 
 def pooled_accepted_length(stats_by_round: Sequence[dict]) -> float:
@@ -509,9 +608,11 @@ def _speedup_sweep(model, prompts, reference, cfg: CostValidationConfig, parts, 
   """[4/6] Decode-phase speedups of the controlled drafter at every acceptance rate and K, plain
   and every K side by side (`_sweep_rate`), each rate kept as it finishes; then only the programs
   in `keep` stay compiled."""
-  log(f"[4/6] measured speedups: {len(cfg.alphas)} acceptance rates x K = 1..{cfg.max_k}, {cfg.repeats} rounds "
-      f"of plain and every K side by side ({cfg.repeats} more at a time, up to {cfg.max_repeats}, where the "
-      f"measured best K is unsettled)")
+  log(
+    f"[4/6] measured speedups: {len(cfg.alphas)} acceptance rates x K = 1..{cfg.max_k}, {cfg.repeats} rounds "
+    f"of plain and every K side by side ({cfg.repeats} more at a time, up to {cfg.max_repeats}, where the "
+    f"measured best K is unsettled)"
+  )
   speedups = {(a, 0): 1.0 for a in cfg.alphas}
   accepted_lengths, sweep_rows, prefills, best_k_shares, sweep_rounds = {}, [], [], {}, {}
   bar = Progress(len(cfg.alphas), desc="cost_model sweep", unit="rates", every_s=20.0, emit=log)
@@ -531,11 +632,15 @@ def _speedup_sweep(model, prompts, reference, cfg: CostValidationConfig, parts, 
     for r in part["rows"]:
       speedups[(a, r["num_draft"])] = r["speedup"]
       accepted_lengths[(a, r["num_draft"])] = r["mean_accepted_length"]
-      sweep_rows.append(dict(r, alpha=a, predicted_accepted_length=float(cost_model.tokens_per_pass(a, r["num_draft"]))))
+      sweep_rows.append(
+        dict(r, alpha=a, predicted_accepted_length=float(cost_model.tokens_per_pass(a, r["num_draft"])))
+      )
     bar.update(i + 1, best_k=measured_best_k(speedups, a, cfg.max_k), rounds=sweep_rounds[a])
   programs.PROGRAMS.forget(keep)
-  log(f"  prefill, timed in every round and subtracted from its runs: median {np.median(prefills) * 1e3:.1f} ms "
-      f"(range {min(prefills) * 1e3:.1f}-{max(prefills) * 1e3:.1f})")
+  log(
+    f"  prefill, timed in every round and subtracted from its runs: median {np.median(prefills) * 1e3:.1f} ms "
+    f"(range {min(prefills) * 1e3:.1f}-{max(prefills) * 1e3:.1f})"
+  )
   return SpeedupSweep(speedups, accepted_lengths, sweep_rows, prefills, best_k_shares, sweep_rounds)
 
 
@@ -559,6 +664,7 @@ class BestKComparison:
   measured best K is within 1 of it, `within_one_resampled`, that share expected with the rounds
   resampled, `cost_of_prediction`, the measured speedup at its K over the best measured;
   `self_agreement`: the resampled share for the measured best K itself."""
+
   rows: list
   within_one: dict
   within_one_resampled: dict
@@ -578,38 +684,57 @@ def best_k_comparison(alphas: Sequence[float], max_k: int, sweep: SpeedupSweep, 
     step_a_k, _ = _best_k_on(a, max_k, pass_times_at(passes.step_ms_by_end, a))
     linear_k, _ = _best_k_on(a, max_k, passes.verify.predicted_linear_ms.__getitem__)
     measured_nonexpert_k, _ = _best_k_on(a, max_k, passes.verify.predicted_measured_nonexpert_ms.__getitem__)
-    best_rows.append({"alpha": a, "predicted": pred_k, "measured": measured_k, "predicted_from_step_times": step_k,
-                      "predicted_from_step_times_by_acceptance": step_a_k,
-                      "predicted_linear_nonexpert": linear_k,
-                      "predicted_measured_nonexpert": measured_nonexpert_k,
-                      "predicted_speedup": float(pred_s), "measured_speedup": sweep.speedups[(a, measured_k)],
-                      "measured_speedup_at_predicted": sweep.speedups[(a, pred_k)],
-                      "measured_best_k_bootstrap_shares": sweep.best_k_shares[a], "rounds": sweep.rounds[a]})
+    best_rows.append(
+      {
+        "alpha": a,
+        "predicted": pred_k,
+        "measured": measured_k,
+        "predicted_from_step_times": step_k,
+        "predicted_from_step_times_by_acceptance": step_a_k,
+        "predicted_linear_nonexpert": linear_k,
+        "predicted_measured_nonexpert": measured_nonexpert_k,
+        "predicted_speedup": float(pred_s),
+        "measured_speedup": sweep.speedups[(a, measured_k)],
+        "measured_speedup_at_predicted": sweep.speedups[(a, pred_k)],
+        "measured_best_k_bootstrap_shares": sweep.best_k_shares[a],
+        "rounds": sweep.rounds[a],
+      }
+    )
   within = {col: float(np.mean([abs(r[col] - r["measured"]) <= 1 for r in best_rows])) for col in PREDICTORS}
   # The same question asked of the rounds resampled: how often the measured best K lands within 1
   # of each predictor's K, and of the measured best K itself (what timing noise leaves of the goal
   # figure: no predictor can expect to agree with a resampled measurement more often than that).
-  within_resampled = {col: float(np.mean([rounds.share_within_one(r["measured_best_k_bootstrap_shares"], r[col])
-                                          for r in best_rows])) for col in PREDICTORS}
-  self_agreement = float(np.mean([rounds.share_within_one(r["measured_best_k_bootstrap_shares"], r["measured"])
-                                  for r in best_rows]))
+  within_resampled = {
+    col: float(np.mean([rounds.share_within_one(r["measured_best_k_bootstrap_shares"], r[col]) for r in best_rows]))
+    for col in PREDICTORS
+  }
+  self_agreement = float(
+    np.mean([rounds.share_within_one(r["measured_best_k_bootstrap_shares"], r["measured"]) for r in best_rows])
+  )
   # Where measured speedups are flat in K (within run-to-run timing noise) the measured
   # argmax is itself noisy; what choosing the predicted K costs is the measured speedup there
   # against the best measured one.
   cost_of_prediction = {}
   for col in PREDICTORS:
     frac = [sweep.speedups[(r["alpha"], r[col])] / r["measured_speedup"] for r in best_rows]
-    cost_of_prediction[col] = {"within_5pct": float(np.mean(np.array(frac) >= 0.95)), "worst": float(min(frac)),
-                               "median": float(np.median(frac))}
+    cost_of_prediction[col] = {
+      "within_5pct": float(np.mean(np.array(frac) >= 0.95)),
+      "worst": float(min(frac)),
+      "median": float(np.median(frac)),
+    }
   return BestKComparison(best_rows, within, within_resampled, self_agreement, cost_of_prediction)
 
 
 def _log_best_k(best: BestKComparison, log) -> None:
   """The best-K agreement of each predictor, as measured and with the rounds resampled."""
-  log("  best K within 1 of measured: " + ", ".join(
-      f"{best.within_one[col]:.0%} ({name})" for col, (_, name) in PREDICTORS.items()))
-  log(f"  rounds resampled: the measured best K within 1 of itself {best.self_agreement:.0%}; of the predictions "
-      + ", ".join(f"{best.within_one_resampled[col]:.0%} ({name})" for col, (_, name) in PREDICTORS.items()))
+  log(
+    "  best K within 1 of measured: "
+    + ", ".join(f"{best.within_one[col]:.0%} ({name})" for col, (_, name) in PREDICTORS.items())
+  )
+  log(
+    f"  rounds resampled: the measured best K within 1 of itself {best.self_agreement:.0%}; of the predictions "
+    + ", ".join(f"{best.within_one_resampled[col]:.0%} ({name})" for col, (_, name) in PREDICTORS.items())
+  )
 
 
 def auto_simulations(a: float, calibrated_step_ms, n_tokens: int, paid_K=None) -> dict:
@@ -623,10 +748,14 @@ def auto_simulations(a: float, calibrated_step_ms, n_tokens: int, paid_K=None) -
   out = {"simulated": {k: simulated[k] for k in sim_keys}}
   if paid_K is not None:
     on_measured = draft_policy_sim.auto_regret(
-        a, tuple(float(c * calibrated_step_ms[0]) for c in paid_K), n_tokens=n_tokens,
-        calibrated_ms_K=tuple(calibrated_step_ms))
-    out["simulated_on_measured_pass_times"] = dict({k: on_measured[k] for k in sim_keys},
-                                                   pass_time_ratios=[float(c) for c in paid_K])
+      a,
+      tuple(float(c * calibrated_step_ms[0]) for c in paid_K),
+      n_tokens=n_tokens,
+      calibrated_ms_K=tuple(calibrated_step_ms),
+    )
+    out["simulated_on_measured_pass_times"] = dict(
+      {k: on_measured[k] for k in sim_keys}, pass_time_ratios=[float(c) for c in paid_K]
+    )
   return out
 
 
@@ -641,26 +770,45 @@ def _controlled(acceptance: float) -> msj.ResearchOptions:
   return msj.ResearchOptions(controlled_acceptance=acceptance)
 
 
-def _auto_controlled_rows(model, prompts, cfg: CostValidationConfig, passes: PassTimes, sweep: SpeedupSweep,
-                          parts, log) -> list[dict]:
+def _auto_controlled_rows(
+  model, prompts, cfg: CostValidationConfig, passes: PassTimes, sweep: SpeedupSweep, parts, log
+) -> list[dict]:
   """[5/6] num_draft='auto' with the controlled drafter against plain and the best fixed K (the
   sweep's where it measured the rate, else the best on the measured pass times), each row kept as
   it finishes and shown beside its simulations (`auto_simulations`)."""
-  log(f"[5/6] num_draft='auto' with the controlled drafter ({len(cfg.auto_alphas)} acceptance rates), "
-      f"plain / auto / the best fixed K side by side")
+  log(
+    f"[5/6] num_draft='auto' with the controlled drafter ({len(cfg.auto_alphas)} acceptance rates), "
+    f"plain / auto / the best fixed K side by side"
+  )
   drafted = range(1, cfg.max_k + 1)
   auto_rows = []
   for a in cfg.auto_alphas:
-    best_k = (measured_best_k(sweep.speedups, a, cfg.max_k) if a in cfg.alphas
-              else _best_k_on(a, cfg.max_k, passes.measured_ms)[0])
+    best_k = (
+      measured_best_k(sweep.speedups, a, cfg.max_k)
+      if a in cfg.alphas
+      else _best_k_on(a, cfg.max_k, passes.measured_ms)[0]
+    )
     spec = auto_spec(cfg, "controlled", a)
     fixed = msj.SpecParams(drafter="controlled", num_draft=best_k, research=_controlled(a))
-    row = parts.cached(f"auto/controlled/{a}", lambda: auto_against_fixed(
-        model, prompts, cfg.max_new_tokens, spec, fixed, cfg.auto_repeats, passes.reference))
-    paid_K = (pass_costs_from_sweep([sweep.speedups[(a, k)] for k in drafted],
-                                    [sweep.accepted_lengths[(a, k)] for k in drafted]) if a in cfg.alphas else None)
-    auto_rows.append(dict(row, drafter="controlled", alpha=a,
-                          **auto_simulations(a, row["calibrated_step_ms"], cfg.max_new_tokens - 1, paid_K)))
+    row = parts.cached(
+      f"auto/controlled/{a}",
+      lambda: auto_against_fixed(model, prompts, cfg.max_new_tokens, spec, fixed, cfg.auto_repeats, passes.reference),
+    )
+    paid_K = (
+      pass_costs_from_sweep(
+        [sweep.speedups[(a, k)] for k in drafted], [sweep.accepted_lengths[(a, k)] for k in drafted]
+      )
+      if a in cfg.alphas
+      else None
+    )
+    auto_rows.append(
+      dict(
+        row,
+        drafter="controlled",
+        alpha=a,
+        **auto_simulations(a, row["calibrated_step_ms"], cfg.max_new_tokens - 1, paid_K),
+      )
+    )
     log("  " + describe_auto(auto_rows[-1]))
   return auto_rows
 
@@ -668,14 +816,15 @@ def _auto_controlled_rows(model, prompts, cfg: CostValidationConfig, passes: Pas
 def drafter_prompt_sets(model, cfg: CostValidationConfig) -> rounds.PromptSets:
   """The held-out prompts the model drafters' rows take in turn (one a round, batch 1), each with
   plain greedy decoding's tokens, which every run of its rounds must reproduce."""
-  batches = tuple([p] for p in corpus.held_out_prompts(cfg.drafter_prompts, prompt_bytes=cfg.prompt_bytes,
-                                                       seed=cfg.seed))
-  return rounds.PromptSets(batches, tuple(msj.generate(model, b, max_new_tokens=cfg.max_new_tokens).tokens
-                                          for b in batches))
+  batches = tuple(
+    [p] for p in corpus.held_out_prompts(cfg.drafter_prompts, prompt_bytes=cfg.prompt_bytes, seed=cfg.seed)
+  )
+  return rounds.PromptSets(
+    batches, tuple(msj.generate(model, b, max_new_tokens=cfg.max_new_tokens).tokens for b in batches)
+  )
 
 
-def _real_drafter_part(model, prompt_sets: rounds.PromptSets, cfg: CostValidationConfig, drafter: str,
-                       keep) -> dict:
+def _real_drafter_part(model, prompt_sets: rounds.PromptSets, cfg: CostValidationConfig, drafter: str, keep) -> dict:
   """One model drafter's auto row against its best fixed K, with its fixed-K speedups (K =
   0..max_k), and the prefills of those speedups' rounds: what the run keeps of it (progress).
   Rounds take the prompts of `prompt_sets` in turn."""
@@ -683,26 +832,33 @@ def _real_drafter_part(model, prompt_sets: rounds.PromptSets, cfg: CostValidatio
   specs = {k: msj.SpecParams(drafter=drafter, num_draft=k) for k in ks[1:]}
   rounds.warm_up(model, prompt_sets, cfg.max_new_tokens, specs)
   fixed_speedups, _, _, drafter_prefills, _ = rounds.round_robin_speedups(
-      model, prompt_sets, cfg.max_new_tokens, specs, prompt_sets.rounds_for(cfg.repeats))
+    model, prompt_sets, cfg.max_new_tokens, specs, prompt_sets.rounds_for(cfg.repeats)
+  )
   fixed_speedups[0] = 1.0
   programs.PROGRAMS.forget(keep)
   best = max(ks, key=lambda k: fixed_speedups[k])
   spec = auto_spec(cfg, drafter)
   fixed = msj.SpecParams(drafter=drafter if best else "none", num_draft=best)
-  row = auto_against_fixed(model, prompt_sets, cfg.max_new_tokens, spec, fixed,
-                           prompt_sets.rounds_for(cfg.auto_repeats))
+  row = auto_against_fixed(
+    model, prompt_sets, cfg.max_new_tokens, spec, fixed, prompt_sets.rounds_for(cfg.auto_repeats)
+  )
   programs.PROGRAMS.forget(keep)
-  return {"row": dict(row, drafter=drafter, alpha=None, fixed_speedups=[fixed_speedups[k] for k in ks],
-                      prompts=len(prompt_sets)),
-          "prefills": drafter_prefills}
+  return {
+    "row": dict(
+      row, drafter=drafter, alpha=None, fixed_speedups=[fixed_speedups[k] for k in ks], prompts=len(prompt_sets)
+    ),
+    "prefills": drafter_prefills,
+  }
 
 
 def _auto_real_rows(model, cfg: CostValidationConfig, keep, parts, log) -> tuple[list[dict], list[float]]:
   """[6/6] num_draft='auto' with the model's drafters (mtp where the model has MTP modules), each
   against every fixed K (`_real_drafter_part`, kept as it finishes), over `cfg.drafter_prompts`
   held-out prompts. Returns the rows and the prefills of their fixed-K rounds."""
-  log(f"[6/6] num_draft='auto' with the model's drafters, against every fixed K ({cfg.drafter_prompts} "
-      f"held-out prompts, one a round)")
+  log(
+    f"[6/6] num_draft='auto' with the model's drafters, against every fixed K ({cfg.drafter_prompts} "
+    f"held-out prompts, one a round)"
+  )
   drafters = [d for d in cfg.real_drafters if d != "mtp" or model.config.num_mtp_modules]
   auto_rows, prefills = [], []
   prompt_sets = functools.cache(lambda: drafter_prompt_sets(model, cfg))  # only where a row is not kept
@@ -710,59 +866,76 @@ def _auto_real_rows(model, cfg: CostValidationConfig, keep, parts, log) -> tuple
     part = parts.cached(f"auto/{drafter}", lambda: _real_drafter_part(model, prompt_sets(), cfg, drafter, keep))
     prefills += part["prefills"]
     auto_rows.append(part["row"])
-    log(f"  {describe_auto(auto_rows[-1])}; fixed K=1..{cfg.max_k} (sweep): "
-        + " ".join(f"{s:.2f}" for s in part["row"]["fixed_speedups"][1:]))
+    log(
+      f"  {describe_auto(auto_rows[-1])}; fixed K=1..{cfg.max_k} (sweep): "
+      + " ".join(f"{s:.2f}" for s in part["row"]["fixed_speedups"][1:])
+    )
   return auto_rows, prefills
 
 
-def cost_model_metrics(cfg: CostValidationConfig, routing_stats: dict, kernels: KernelStage, passes: PassTimes,
-                       sweep: SpeedupSweep, best: BestKComparison, auto_rows: list, prefills: Sequence[float],
-                       expert_method: str, seconds: float) -> dict[str, Any]:
+def cost_model_metrics(
+  cfg: CostValidationConfig,
+  routing_stats: dict,
+  kernels: KernelStage,
+  passes: PassTimes,
+  sweep: SpeedupSweep,
+  best: BestKComparison,
+  auto_rows: list,
+  prefills: Sequence[float],
+  expert_method: str,
+  seconds: float,
+) -> dict[str, Any]:
   """metrics.json's `cost_model` from the stages' results (`prefills`: every round's prefill of
   the fixed-K sweeps, in seconds)."""
   v = passes.verify
   return {
-      # gbps None: time did not grow with bytes over the fitted pass sizes (overhead-bound).
-      "fitted": [{"method": m, "gbps": None if math.isinf(f.gbps) else f.gbps, "fixed_ms": f.fixed_ms}
-                 for m, f in kernels.fits.items()],
-      "kernel_rows": kernels.rows,
-      "fixed_ms": v.fixed_ms,
-      "verify_time": v.rows,
-      "verify_time_median_rel_error": float(np.median(v.rel_err)),
-      "verify_time_median_rel_error_linear_nonexpert": float(np.median(v.rel_err_linear)) if v.rel_err_linear else None,
-      "nonexpert_ms_per_token": v.slope_ms,
-      "verify_time_median_rel_error_measured_nonexpert": float(np.median(v.rel_err_measured_nonexpert)),
-      "nonexpert_ms_per_token_measured": v.measured_slope_ms,
-      # The pass time's growth from n = 1 to max_k + 1 that the passes without their routed experts
-      # show too (None where the pass time did not grow).
-      "nonexpert_share_of_pass_growth": v.nonexpert_growth_share,
-      # Timed in every round (the faster of a one-token run before and after it); median and range
-      # over the rounds of the fixed-K sweeps (the auto rows subtract their own rounds' too).
-      "prefill_ms": float(np.median(prefills) * 1e3),
-      "prefill_ms_range": [float(min(prefills) * 1e3), float(max(prefills) * 1e3)],
-      "speedup_definition": ("decode phase: (plain seconds - prefill) / (speculative seconds - prefill), "
-                             "the prefill timed in the same round"),
-      "best_k": best.rows,
-      **{f"best_k_within_one_fraction{suffix}": best.within_one[col] for col, (suffix, _) in PREDICTORS.items()},
-      # Rounds resampled (rounds.best_k_bootstrap): the expected share of acceptance rates where the
-      # measured best K is within 1 of each prediction, and of the full-data measured best K.
-      **{f"best_k_within_one_resampled{suffix}": best.within_one_resampled[col]
-         for col, (suffix, _) in PREDICTORS.items()},
-      "measured_best_k_self_agreement": best.self_agreement,
-      "step_ms_every_draft_wrong": passes.step_ms_by_end[0.0].tolist(),
-      "step_ms_every_draft_right": passes.step_ms_by_end[1.0].tolist(),
-      "speedup_at_predicted_over_best": best.cost_of_prediction,
-      "crossover": kernels.crossover,
-      "speedups": sweep.rows,
-      "auto": auto_rows,
-      "auto_goals": auto_goals(auto_rows),
-      "unique_experts": [{k: r[k] for k in ("n_tokens", "empirical", "independent", "uniform", "ipf")}
-                         for r in routing_stats["unique_experts"]],
-      "ipf_mean_abs_rel_error": routing_stats["ipf_mean_abs_rel_error"],
-      "config": dataclasses.asdict(cfg),
-      "batch_size": 1,
-      "expert_method": expert_method,
-      "seconds": seconds,
+    # gbps None: time did not grow with bytes over the fitted pass sizes (overhead-bound).
+    "fitted": [
+      {"method": m, "gbps": None if math.isinf(f.gbps) else f.gbps, "fixed_ms": f.fixed_ms}
+      for m, f in kernels.fits.items()
+    ],
+    "kernel_rows": kernels.rows,
+    "fixed_ms": v.fixed_ms,
+    "verify_time": v.rows,
+    "verify_time_median_rel_error": float(np.median(v.rel_err)),
+    "verify_time_median_rel_error_linear_nonexpert": float(np.median(v.rel_err_linear)) if v.rel_err_linear else None,
+    "nonexpert_ms_per_token": v.slope_ms,
+    "verify_time_median_rel_error_measured_nonexpert": float(np.median(v.rel_err_measured_nonexpert)),
+    "nonexpert_ms_per_token_measured": v.measured_slope_ms,
+    # The pass time's growth from n = 1 to max_k + 1 that the passes without their routed experts
+    # show too (None where the pass time did not grow).
+    "nonexpert_share_of_pass_growth": v.nonexpert_growth_share,
+    # Timed in every round (the faster of a one-token run before and after it); median and range
+    # over the rounds of the fixed-K sweeps (the auto rows subtract their own rounds' too).
+    "prefill_ms": float(np.median(prefills) * 1e3),
+    "prefill_ms_range": [float(min(prefills) * 1e3), float(max(prefills) * 1e3)],
+    "speedup_definition": (
+      "decode phase: (plain seconds - prefill) / (speculative seconds - prefill), the prefill timed in the same round"
+    ),
+    "best_k": best.rows,
+    **{f"best_k_within_one_fraction{suffix}": best.within_one[col] for col, (suffix, _) in PREDICTORS.items()},
+    # Rounds resampled (rounds.best_k_bootstrap): the expected share of acceptance rates where the
+    # measured best K is within 1 of each prediction, and of the full-data measured best K.
+    **{
+      f"best_k_within_one_resampled{suffix}": best.within_one_resampled[col] for col, (suffix, _) in PREDICTORS.items()
+    },
+    "measured_best_k_self_agreement": best.self_agreement,
+    "step_ms_every_draft_wrong": passes.step_ms_by_end[0.0].tolist(),
+    "step_ms_every_draft_right": passes.step_ms_by_end[1.0].tolist(),
+    "speedup_at_predicted_over_best": best.cost_of_prediction,
+    "crossover": kernels.crossover,
+    "speedups": sweep.rows,
+    "auto": auto_rows,
+    "auto_goals": auto_goals(auto_rows),
+    "unique_experts": [
+      {k: r[k] for k in ("n_tokens", "empirical", "independent", "uniform", "ipf")}
+      for r in routing_stats["unique_experts"]
+    ],
+    "ipf_mean_abs_rel_error": routing_stats["ipf_mean_abs_rel_error"],
+    "config": dataclasses.asdict(cfg),
+    "batch_size": 1,
+    "expert_method": expert_method,
+    "seconds": seconds,
   }
 
 
@@ -778,8 +951,9 @@ def _write_outputs(result: dict, routing_stats: dict, workdir: pathlib.Path, par
   log(f"wrote {workdir / 'metrics.json'} and plots (staircase, verify_time, unique_experts)")
 
 
-def auto_against_fixed(model, prompts, max_new_tokens: int, auto_spec, fixed_spec, repeats: int,
-                       reference=None) -> dict[str, Any]:
+def auto_against_fixed(
+  model, prompts, max_new_tokens: int, auto_spec, fixed_spec, repeats: int, reference=None
+) -> dict[str, Any]:
   """Plain, auto and fixed-K decoding side by side (`rounds.round_robin_runs`, same seeds); medians of
   the per-round decode-phase ratios: auto over plain, fixed over plain, and auto over fixed.
 
@@ -787,26 +961,41 @@ def auto_against_fixed(model, prompts, max_new_tokens: int, auto_spec, fixed_spe
   against itself, is the timing noise these ratios carry (ideally 1.0). `prompts`: one batch (a
   controlled drafter reading `reference`), or `rounds.PromptSets` taken in turn, every run checked
   against its batch's reference."""
-  runs = rounds.round_robin_runs(model, prompts, max_new_tokens,
-                          {"auto": auto_spec, "plain_again": msj.SpecParams(), "fixed": fixed_spec}, repeats, reference)
+  runs = rounds.round_robin_runs(
+    model,
+    prompts,
+    max_new_tokens,
+    {"auto": auto_spec, "plain_again": msj.SpecParams(), "fixed": fixed_spec},
+    repeats,
+    reference,
+  )
   seconds, stats = runs.seconds, runs.stats
   auto_stats = stats["auto"]
   passes_by_k = np.sum([s["passes_by_num_draft"] for s in auto_stats], axis=0)
-  ratios = {"speedup_vs_plain": (None, "auto"), "best_fixed_speedup": (None, "fixed"),
-            "vs_best_fixed": ("fixed", "auto"), "plain_vs_plain": (None, "plain_again")}
-  return {**{name: rounds.median_ratio(seconds[num], seconds[den]) for name, (num, den) in ratios.items()},
-          # 90% bootstrap intervals of the same medians.
-          **{f"{name}_interval": rounds.median_ratio_interval(seconds[num], seconds[den])
-             for name, (num, den) in ratios.items()},
-          "best_fixed_num_draft": fixed_spec.num_draft,
-          # Over all repeats; the calibrated per-K pass times auto chose with (last run).
-          "chosen_num_draft": int(np.argmax(passes_by_k)),
-          "mean_num_draft": float(np.arange(passes_by_k.size) @ passes_by_k / max(passes_by_k.sum(), 1)),
-          "passes_by_num_draft": passes_by_k.tolist(), "calibrated_step_ms": auto_stats[-1]["calibrated_step_ms"],
-          "auto_timing": bool(auto_stats[-1]["auto_timing"]),
-          # Over all repeats (weighted by verify passes) and their median.
-          "mean_accepted_length": pooled_accepted_length(auto_stats),
-          "tokens_per_second": statistics.median(s["tokens_per_second"] for s in auto_stats)}
+  ratios = {
+    "speedup_vs_plain": (None, "auto"),
+    "best_fixed_speedup": (None, "fixed"),
+    "vs_best_fixed": ("fixed", "auto"),
+    "plain_vs_plain": (None, "plain_again"),
+  }
+  return {
+    **{name: rounds.median_ratio(seconds[num], seconds[den]) for name, (num, den) in ratios.items()},
+    # 90% bootstrap intervals of the same medians.
+    **{
+      f"{name}_interval": rounds.median_ratio_interval(seconds[num], seconds[den])
+      for name, (num, den) in ratios.items()
+    },
+    "best_fixed_num_draft": fixed_spec.num_draft,
+    # Over all repeats; the calibrated per-K pass times auto chose with (last run).
+    "chosen_num_draft": int(np.argmax(passes_by_k)),
+    "mean_num_draft": float(np.arange(passes_by_k.size) @ passes_by_k / max(passes_by_k.sum(), 1)),
+    "passes_by_num_draft": passes_by_k.tolist(),
+    "calibrated_step_ms": auto_stats[-1]["calibrated_step_ms"],
+    "auto_timing": bool(auto_stats[-1]["auto_timing"]),
+    # Over all repeats (weighted by verify passes) and their median.
+    "mean_accepted_length": pooled_accepted_length(auto_stats),
+    "tokens_per_second": statistics.median(s["tokens_per_second"] for s in auto_stats),
+  }
 
 
 def _share(x: float | None) -> str:
@@ -815,38 +1004,55 @@ def _share(x: float | None) -> str:
 
 
 def format_summary(cm) -> str:
-  lines = ["", "best K: predicted by the bytes model (fixed non-expert time / linear non-expert term / "
-           "non-expert term measured without routed experts), by the measured pass times (at a = 0.5 / "
-           "interpolated by acceptance), and measured (decode-phase speedup at the measured best K; with "
-           "the rounds resampled, the K that are the best in at least 10% of resamples)",
-           f"{'alpha':>6}{'bytes':>7}{'linear':>8}{'non-exp':>9}{'passes':>8}{'by a':>6}{'measured':>10}"
-           f"{'speedup':>9}{'resampled':>11}"]
+  lines = [
+    "",
+    "best K: predicted by the bytes model (fixed non-expert time / linear non-expert term / "
+    "non-expert term measured without routed experts), by the measured pass times (at a = 0.5 / "
+    "interpolated by acceptance), and measured (decode-phase speedup at the measured best K; with "
+    "the rounds resampled, the K that are the best in at least 10% of resamples)",
+    f"{'alpha':>6}{'bytes':>7}{'linear':>8}{'non-exp':>9}{'passes':>8}{'by a':>6}{'measured':>10}"
+    f"{'speedup':>9}{'resampled':>11}",
+  ]
   for r in cm["best_k"]:
     lo, hi = rounds.plausible_best_k(r["measured_best_k_bootstrap_shares"])
-    lines.append(f"{r['alpha']:>6.2f}{r['predicted']:>7}{r['predicted_linear_nonexpert']:>8}"
-                 f"{r['predicted_measured_nonexpert']:>9}"
-                 f"{r['predicted_from_step_times']:>8}{r['predicted_from_step_times_by_acceptance']:>6}"
-                 f"{r['measured']:>10}{r['measured_speedup']:>9.2f}{f'{lo}-{hi}' if hi > lo else str(lo):>11}")
-  lines.append("best K within 1: " + ", ".join(
-      f"{cm['best_k_within_one_fraction' + suffix]:.0%} ({name})" for suffix, name in PREDICTORS.values()))
+    lines.append(
+      f"{r['alpha']:>6.2f}{r['predicted']:>7}{r['predicted_linear_nonexpert']:>8}"
+      f"{r['predicted_measured_nonexpert']:>9}"
+      f"{r['predicted_from_step_times']:>8}{r['predicted_from_step_times_by_acceptance']:>6}"
+      f"{r['measured']:>10}{r['measured_speedup']:>9.2f}{f'{lo}-{hi}' if hi > lo else str(lo):>11}"
+    )
+  lines.append(
+    "best K within 1: "
+    + ", ".join(f"{cm['best_k_within_one_fraction' + suffix]:.0%} ({name})" for suffix, name in PREDICTORS.values())
+  )
   c = cm["speedup_at_predicted_over_best"]
-  lines.append("rounds resampled, best K within 1: " + ", ".join(
-      f"{cm['best_k_within_one_resampled' + suffix]:.0%} ({name})" for suffix, name in PREDICTORS.values())
-      + f"; the measured best K of itself {cm['measured_best_k_self_agreement']:.0%}")
-  lines.append("measured speedup at the predicted K within 5% of the best measured: " + ", ".join(
-      f"{c[col]['within_5pct']:.0%} ({name}, worst {c[col]['worst']:.2f})" for col, (_, name) in PREDICTORS.items()))
-  lines.append(f"verify time median relative error: {cm['verify_time_median_rel_error']:.1%} (with the measured "
-               f"non-expert term, {cm['nonexpert_ms_per_token_measured'] * 1e3:.0f} us per token: "
-               f"{cm['verify_time_median_rel_error_measured_nonexpert']:.1%}; the passes without routed "
-               f"experts grow by {_share(cm['nonexpert_share_of_pass_growth'])} of the pass time's growth); crossover "
-               f"predicted n = {cm['crossover']['predicted_n']}, measured n = {cm['crossover']['measured_n']} "
-               f"(dedup faster from there on; first faster at n = {cm['crossover']['measured_first_faster_n']})")
+  lines.append(
+    "rounds resampled, best K within 1: "
+    + ", ".join(f"{cm['best_k_within_one_resampled' + suffix]:.0%} ({name})" for suffix, name in PREDICTORS.values())
+    + f"; the measured best K of itself {cm['measured_best_k_self_agreement']:.0%}"
+  )
+  lines.append(
+    "measured speedup at the predicted K within 5% of the best measured: "
+    + ", ".join(
+      f"{c[col]['within_5pct']:.0%} ({name}, worst {c[col]['worst']:.2f})" for col, (_, name) in PREDICTORS.items()
+    )
+  )
+  lines.append(
+    f"verify time median relative error: {cm['verify_time_median_rel_error']:.1%} (with the measured "
+    f"non-expert term, {cm['nonexpert_ms_per_token_measured'] * 1e3:.0f} us per token: "
+    f"{cm['verify_time_median_rel_error_measured_nonexpert']:.1%}; the passes without routed "
+    f"experts grow by {_share(cm['nonexpert_share_of_pass_growth'])} of the pass time's growth); crossover "
+    f"predicted n = {cm['crossover']['predicted_n']}, measured n = {cm['crossover']['measured_n']} "
+    f"(dedup faster from there on; first faster at n = {cm['crossover']['measured_first_faster_n']})"
+  )
   lines += [describe_auto(r) for r in cm["auto"]]
   g = cm["auto_goals"]
-  lines.append(f"auto (medians [90% intervals] over rounds): within {1 - AUTO_FLOOR_VS_PLAIN:.0%} of plain in "
-               f"{g['within_plain']} of {g['rows']} rows ({g['not_measurably_below_plain']} not measurably "
-               f"below), within {1 - AUTO_FLOOR_VS_BEST_FIXED:.0%} of the best fixed K in {g['within_best_fixed']} "
-               f"({g['not_measurably_below_best_fixed']} not measurably below)")
+  lines.append(
+    f"auto (medians [90% intervals] over rounds): within {1 - AUTO_FLOOR_VS_PLAIN:.0%} of plain in "
+    f"{g['within_plain']} of {g['rows']} rows ({g['not_measurably_below_plain']} not measurably "
+    f"below), within {1 - AUTO_FLOOR_VS_BEST_FIXED:.0%} of the best fixed K in {g['within_best_fixed']} "
+    f"({g['not_measurably_below_best_fixed']} not measurably below)"
+  )
   return "\n".join(lines)
 
 
@@ -859,8 +1065,7 @@ def _passes_text(passes_K) -> str:
   """Where auto's passes went: the share at K = 0 and the K >= 1 it drafted with most."""
   passes_K = np.asarray(passes_K, float)
   plain = passes_K[0] / max(passes_K.sum(), 1.0)
-  drafting = (f"drafting mostly at K={int(np.argmax(passes_K[1:])) + 1}" if passes_K[1:].sum()
-              else "never drafting")
+  drafting = f"drafting mostly at K={int(np.argmax(passes_K[1:])) + 1}" if passes_K[1:].sum() else "never drafting"
   return f"{plain:.0%} of passes plain, {drafting}"
 
 
@@ -878,30 +1083,40 @@ def describe_auto(r) -> str:
   """One line per auto row: its medians over rounds with their 90% intervals."""
   who = r["drafter"] + (f" a={r['alpha']:.2f}" if r["alpha"] is not None else "")
   who += f" ({r['prompts']} prompts)" if r.get("prompts", 1) > 1 else ""
-  line = (f"auto {who}: {_ratio_text(r, 'speedup_vs_plain')}x plain, {_ratio_text(r, 'vs_best_fixed')} of "
-          f"best fixed K={r['best_fixed_num_draft']} ({_passes_text(r['passes_by_num_draft'])}, mean K "
-          f"{r['mean_num_draft']:.2f}); plain against itself {_ratio_text(r, 'plain_vs_plain')}")
+  line = (
+    f"auto {who}: {_ratio_text(r, 'speedup_vs_plain')}x plain, {_ratio_text(r, 'vs_best_fixed')} of "
+    f"best fixed K={r['best_fixed_num_draft']} ({_passes_text(r['passes_by_num_draft'])}, mean K "
+    f"{r['mean_num_draft']:.2f}); plain against itself {_ratio_text(r, 'plain_vs_plain')}"
+  )
   if "simulated" in r:
     sim = r["simulated"]
-    line += (f"; simulated: {sim['plain_over_auto']:.3f}x plain, {sim['best_fixed_over_auto']:.3f} of best "
-             f"fixed K={sim['best_fixed_num_draft']}")
+    line += (
+      f"; simulated: {sim['plain_over_auto']:.3f}x plain, {sim['best_fixed_over_auto']:.3f} of best "
+      f"fixed K={sim['best_fixed_num_draft']}"
+    )
   if "simulated_on_measured_pass_times" in r:
     sim = r["simulated_on_measured_pass_times"]
-    line += (f"; choosing on its calibration, paying the sweep's pass times: {sim['plain_over_auto']:.3f}x plain, "
-             f"{sim['best_fixed_over_auto']:.3f} of best fixed K={sim['best_fixed_num_draft']}")
+    line += (
+      f"; choosing on its calibration, paying the sweep's pass times: {sim['plain_over_auto']:.3f}x plain, "
+      f"{sim['best_fixed_over_auto']:.3f} of best fixed K={sim['best_fixed_num_draft']}"
+    )
   return line
 
 
 def auto_goals(rows) -> dict[str, int]:
   """How many auto rows meet each goal by their median, and how many are not measurably below
   it (the upper end of the 90% interval reaches the goal)."""
+
   def count(name, floor, upper=False):
     return sum((r[f"{name}_interval"][1] if upper else r[name]) >= floor for r in rows)
-  return {"rows": len(rows),
-          "within_plain": count("speedup_vs_plain", AUTO_FLOOR_VS_PLAIN),
-          "not_measurably_below_plain": count("speedup_vs_plain", AUTO_FLOOR_VS_PLAIN, upper=True),
-          "within_best_fixed": count("vs_best_fixed", AUTO_FLOOR_VS_BEST_FIXED),
-          "not_measurably_below_best_fixed": count("vs_best_fixed", AUTO_FLOOR_VS_BEST_FIXED, upper=True)}
+
+  return {
+    "rows": len(rows),
+    "within_plain": count("speedup_vs_plain", AUTO_FLOOR_VS_PLAIN),
+    "not_measurably_below_plain": count("speedup_vs_plain", AUTO_FLOOR_VS_PLAIN, upper=True),
+    "within_best_fixed": count("vs_best_fixed", AUTO_FLOOR_VS_BEST_FIXED),
+    "not_measurably_below_best_fixed": count("vs_best_fixed", AUTO_FLOOR_VS_BEST_FIXED, upper=True),
+  }
 
 
 def plot_staircase(cm, path) -> None:
@@ -910,17 +1125,44 @@ def plot_staircase(cm, path) -> None:
   rows = cm["best_k"]
   alphas = [r["alpha"] for r in rows]
   ax1.step(alphas, [r["predicted"] for r in rows], where="mid", label="predicted (bytes model)")
-  ax1.step(alphas, [r["predicted_linear_nonexpert"] for r in rows], where="mid", ls="-.",
-           label="predicted (bytes model, linear non-expert)")
-  ax1.step(alphas, [r["predicted_measured_nonexpert"] for r in rows], where="mid", ls=(0, (5, 1)),
-           label="predicted (bytes model, measured non-expert)")
-  ax1.step(alphas, [r["predicted_from_step_times"] for r in rows], where="mid", ls="--",
-           label="predicted (measured pass times)")
-  ax1.step(alphas, [r["predicted_from_step_times_by_acceptance"] for r in rows], where="mid", ls=":",
-           label="predicted (pass times interpolated by acceptance)")
+  ax1.step(
+    alphas,
+    [r["predicted_linear_nonexpert"] for r in rows],
+    where="mid",
+    ls="-.",
+    label="predicted (bytes model, linear non-expert)",
+  )
+  ax1.step(
+    alphas,
+    [r["predicted_measured_nonexpert"] for r in rows],
+    where="mid",
+    ls=(0, (5, 1)),
+    label="predicted (bytes model, measured non-expert)",
+  )
+  ax1.step(
+    alphas,
+    [r["predicted_from_step_times"] for r in rows],
+    where="mid",
+    ls="--",
+    label="predicted (measured pass times)",
+  )
+  ax1.step(
+    alphas,
+    [r["predicted_from_step_times_by_acceptance"] for r in rows],
+    where="mid",
+    ls=":",
+    label="predicted (pass times interpolated by acceptance)",
+  )
   ranges = np.array([rounds.plausible_best_k(r["measured_best_k_bootstrap_shares"]) for r in rows], float)
-  ax1.vlines(alphas, ranges[:, 0] - 0.15, ranges[:, 1] + 0.15, colors="gray", lw=5, alpha=0.35,
-             label="measured, rounds resampled (K best in >= 10%)")
+  ax1.vlines(
+    alphas,
+    ranges[:, 0] - 0.15,
+    ranges[:, 1] + 0.15,
+    colors="gray",
+    lw=5,
+    alpha=0.35,
+    label="measured, rounds resampled (K best in >= 10%)",
+  )
   ax1.plot(alphas, [r["measured"] for r in rows], "o", label="measured")
   plots.finish_axes(ax1, "acceptance rate a", "best K", "best draft length", legend_fontsize=8)
   for k in sorted({r["num_draft"] for r in cm["speedups"]}):
@@ -942,8 +1184,7 @@ def plot_verify_time(cm, path) -> None:
   ax.plot(ns, [r["measured_ms"] for r in rows], "o-", label="measured (one loop pass)")
   ax.plot(ns, [r["predicted_ms"] for r in rows], "s--", label="predicted: fixed + expert bytes / bandwidth")
   ax.plot(ns, [r["predicted_linear_ms"] for r in rows], "^-.", label="predicted, linear non-expert term")
-  ax.plot(ns, [r["predicted_measured_nonexpert_ms"] for r in rows], "v--",
-          label="predicted, non-expert term measured")
+  ax.plot(ns, [r["predicted_measured_nonexpert_ms"] for r in rows], "v--", label="predicted, non-expert term measured")
   ax.plot(ns, [r["nonexpert_measured_ms"] for r in rows], "x:", label="measured without routed experts")
   ax.plot(ns, [r["predicted_expert_ms"] for r in rows], ":", label="predicted routed-expert part")
   ax.plot(ns, [r["expert_measured_ms"] for r in rows], "+:", label="routed-expert part: pass - pass without them")

@@ -14,30 +14,39 @@ emit the same tokens.
 from __future__ import annotations
 
 import statistics
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
 import moespec_jax as msj
 from moespec_jax.analysis import timing
-from moespec_jax.research import roofline
 from moespec_jax.decoding import programs
 from moespec_jax.io import plots
 from moespec_jax.io.progress import Progress
+from moespec_jax.research import roofline
 
 # Variant name -> the ResearchOptions kernel settings it decodes with ("cpp": the defaults).
 VARIANTS: dict[str, dict[str, str]] = {
-    "cpp": {},
-    "xla_head": {"head_kernel": "xla"},
-    "xla_dense": {"dense_kernel": "xla"},
-    "xla_attention": {"attention_kernel": "xla"},
-    "xla": {"head_kernel": "xla", "dense_kernel": "xla", "attention_kernel": "xla"},
+  "cpp": {},
+  "xla_head": {"head_kernel": "xla"},
+  "xla_dense": {"dense_kernel": "xla"},
+  "xla_attention": {"attention_kernel": "xla"},
+  "xla": {"head_kernel": "xla", "dense_kernel": "xla", "attention_kernel": "xla"},
 }
 
 
-def decode_kernels_ab(model, prompts: Sequence, *, batch_sizes: Sequence[int] = (1, 8), max_new_tokens: int = 64,
-                      rounds: int = 11, variants: Sequence[str] = tuple(VARIANTS), before=roofline.flush_caches,
-                      log=print) -> list[dict[str, Any]]:
+def decode_kernels_ab(
+  model,
+  prompts: Sequence,
+  *,
+  batch_sizes: Sequence[int] = (1, 8),
+  max_new_tokens: int = 64,
+  rounds: int = 11,
+  variants: Sequence[str] = tuple(VARIANTS),
+  before=roofline.flush_caches,
+  log=print,
+) -> list[dict[str, Any]]:
   """One row per (batch size, variant): decode ms per step (median over rounds) and, beside
   "cpp", the within-round ratio of the variant's decode time to the C++ kernels' (above 1: the
   kernels it replaces paid), with its interval. `prompts`: at least max(batch_sizes)."""
@@ -53,30 +62,37 @@ def decode_kernels_ab(model, prompts: Sequence, *, batch_sizes: Sequence[int] = 
   if len(prompts) < max(batch_sizes):
     raise ValueError(f"{len(prompts)} prompts for batch sizes up to {max(batch_sizes)}")
   rows = []
-  progress = Progress(len(batch_sizes) * rounds, desc="decode_kernels", unit="rounds", every_s=15.0,
-                          emit=log)
+  progress = Progress(len(batch_sizes) * rounds, desc="decode_kernels", unit="rounds", every_s=15.0, emit=log)
   for bi, batch in enumerate(batch_sizes):
     batch_prompts = list(prompts[:batch])
     calls = {}
     for name in variants:
       spec = msj.SpecParams(drafter="none", research=msj.ResearchOptions(**VARIANTS[name]))
       for n in (1, max_new_tokens):
-        calls[(name, n)] = (lambda spec=spec, n=n: msj.generate(model, batch_prompts, max_new_tokens=n, spec=spec))
+        calls[(name, n)] = lambda spec=spec, n=n: msj.generate(model, batch_prompts, max_new_tokens=n, spec=spec)
     outputs = {key: fn() for key, fn in calls.items()}  # compiles; the tokens every variant must emit
     reference = outputs[("cpp", max_new_tokens)].tokens
     for name in variants:
       if not np.array_equal(outputs[(name, max_new_tokens)].tokens, reference):
         raise AssertionError(f"variant {name!r} decoded other tokens than the C++ kernels at batch {batch}")
-    seconds, _ = timing.interleaved_seconds(calls, rounds, before=before,
-                                            on_round=lambda r, bi=bi: progress.update(bi * rounds + r + 1))
-    step_ms = {name: timing.decode_ms_per_step(seconds[(name, max_new_tokens)], seconds[(name, 1)], max_new_tokens)
-               for name in variants}
+    seconds, _ = timing.interleaved_seconds(
+      calls, rounds, before=before, on_round=lambda r, bi=bi: progress.update(bi * rounds + r + 1)
+    )
+    step_ms = {
+      name: timing.decode_ms_per_step(seconds[(name, max_new_tokens)], seconds[(name, 1)], max_new_tokens)
+      for name in variants
+    }
     for name in variants:
       median_ms = statistics.median(step_ms[name])
       # A decode phase too short to time against its first token (a quick run) gives no figure.
-      row = {"batch_size": batch, "variant": name, "settings": VARIANTS[name],
-             "decode_ms_per_step": median_ms if median_ms > 0 else None,
-             "first_token_ms": statistics.median(seconds[(name, 1)]) * 1e3, "rounds": rounds}
+      row = {
+        "batch_size": batch,
+        "variant": name,
+        "settings": VARIANTS[name],
+        "decode_ms_per_step": median_ms if median_ms > 0 else None,
+        "first_token_ms": statistics.median(seconds[(name, 1)]) * 1e3,
+        "rounds": rounds,
+      }
       if name != "cpp" and row["decode_ms_per_step"] is not None:
         ratios = [v / c for v, c in zip(step_ms[name], step_ms["cpp"]) if v > 0 and c > 0]
         if ratios:
@@ -123,10 +139,21 @@ def plot(rows: Sequence[dict], path):
     xs = [j + i * width for j, v in enumerate(variants) if v in by]
     ys = [by[v]["decode_time_over_cpp"] for v in variants if v in by]
     spans = [by[v]["decode_time_over_cpp_interval"] for v in variants if v in by]
-    ax.bar(xs, ys, width, yerr=[[y - lo for y, (lo, _) in zip(ys, spans)], [hi - y for y, (_, hi) in zip(ys, spans)]],
-           capsize=3, label=f"batch {batch}")
+    ax.bar(
+      xs,
+      ys,
+      width,
+      yerr=[[y - lo for y, (lo, _) in zip(ys, spans)], [hi - y for y, (_, hi) in zip(ys, spans)]],
+      capsize=3,
+      label=f"batch {batch}",
+    )
   ax.set_xticks([j + 0.4 - width / 2 for j in range(len(variants))], variants)
   ax.axhline(1.0, color="k", lw=0.8, ls="--", label="C++ kernels")
-  plots.finish_axes(ax, "kernels replaced by XLA's ops", "decode time / C++ kernels' (90% interval)",
-                    "what the CPU decoding kernels buy", legend_fontsize=8)
+  plots.finish_axes(
+    ax,
+    "kernels replaced by XLA's ops",
+    "decode time / C++ kernels' (90% interval)",
+    "what the CPU decoding kernels buy",
+    legend_fontsize=8,
+  )
   return plots.save(fig, path)

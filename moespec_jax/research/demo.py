@@ -12,9 +12,9 @@ import numpy as np
 
 import moespec_jax as msj
 from moespec_jax.data import corpus
-from moespec_jax.research import spec_bench
 from moespec_jax.io import atomic, plots
 from moespec_jax.io.progress import Progress
+from moespec_jax.research import spec_bench
 
 
 def _timed_generate(model, prompts, max_new_tokens, spec, repeats: int):
@@ -30,15 +30,22 @@ def _timed_generate(model, prompts, max_new_tokens, spec, repeats: int):
 
 def _row(drafter, k, batch, tps, plain_tps, speedup, out, plain_out, *, budget=None, top1=1.0):
   row = {
-      "mode": "exact" if budget is None else "budgeted", "drafter": drafter, "num_draft": k,
-      "expert_budget": budget, "kernel": out.stats["expert_method"],
-      "batch_size": batch, "tokens_per_second": tps, "plain_tokens_per_second": plain_tps,
-      "speedup_vs_plain": speedup,
-      "mean_accepted_length": out.stats["mean_accepted_length"], "top1_agreement_vs_exact": top1,
-      "approximate": budget is not None, "acceptance_by_depth": out.stats["acceptance_by_depth"],
-      # Exact greedy speculation must reproduce plain greedy decoding token for token.
-      "tokens_equal_plain": bool(np.array_equal(out.tokens, plain_out.tokens)),
-      "auto_num_draft": out.stats["num_draft"] == "auto",
+    "mode": "exact" if budget is None else "budgeted",
+    "drafter": drafter,
+    "num_draft": k,
+    "expert_budget": budget,
+    "kernel": out.stats["expert_method"],
+    "batch_size": batch,
+    "tokens_per_second": tps,
+    "plain_tokens_per_second": plain_tps,
+    "speedup_vs_plain": speedup,
+    "mean_accepted_length": out.stats["mean_accepted_length"],
+    "top1_agreement_vs_exact": top1,
+    "approximate": budget is not None,
+    "acceptance_by_depth": out.stats["acceptance_by_depth"],
+    # Exact greedy speculation must reproduce plain greedy decoding token for token.
+    "tokens_equal_plain": bool(np.array_equal(out.tokens, plain_out.tokens)),
+    "auto_num_draft": out.stats["num_draft"] == "auto",
   }
   if row["auto_num_draft"]:
     row["mean_num_draft"] = out.stats["mean_num_draft"]
@@ -46,8 +53,17 @@ def _row(drafter, k, batch, tps, plain_tps, speedup, out, plain_out, *, budget=N
   return row
 
 
-def run_demo(model, workdir, *, max_new_tokens: int = 128, batch_sizes=(1, 8), repeats: int = 7,
-             max_draft: int = 8, budget_multiplier: int = 2, log=print) -> dict[str, Any]:
+def run_demo(
+  model,
+  workdir,
+  *,
+  max_new_tokens: int = 128,
+  batch_sizes=(1, 8),
+  repeats: int = 7,
+  max_draft: int = 8,
+  budget_multiplier: int = 2,
+  log=print,
+) -> dict[str, Any]:
   """Generates from held-out prompts and writes `workdir/metrics.json` (key `demo`).
 
   Rows: plain decoding, then exact speculative decoding with the MTP drafter (when the model
@@ -59,6 +75,7 @@ def run_demo(model, workdir, *, max_new_tokens: int = 128, batch_sizes=(1, 8), r
   at the K auto chose). Also writes `workdir/speedup.png`.
   """
   from moespec_jax.training import pretrain
+
   workdir = pathlib.Path(workdir)
   prompts = corpus.held_out_prompts(max(batch_sizes), prompt_bytes=192, seed=0)
   bpb = pretrain.validation_bits_per_byte(model)
@@ -66,8 +83,9 @@ def run_demo(model, workdir, *, max_new_tokens: int = 128, batch_sizes=(1, 8), r
   budget = budget_multiplier * model.config.top_k
   budgeted = bool(model.config.n_moe_layers) and budget < model.config.n_routed_experts
   # A line per measured row (compilation and auto K's calibration included): minutes in all.
-  progress = Progress(len(batch_sizes) * (1 + len(drafters) + budgeted), desc="demo", unit="rows",
-                          every_s=None, every_steps=1, emit=log)
+  progress = Progress(
+    len(batch_sizes) * (1 + len(drafters) + budgeted), desc="demo", unit="rows", every_s=None, every_steps=1, emit=log
+  )
   steps = itertools.count(1)
 
   def row_done(what: str, **figures: float):
@@ -77,7 +95,9 @@ def run_demo(model, workdir, *, max_new_tokens: int = 128, batch_sizes=(1, 8), r
   for batch in batch_sizes:
     plain[batch] = _timed_generate(model, prompts[:batch], max_new_tokens, msj.SpecParams(drafter="none"), repeats)
     row_done(f"batch {batch} plain", tokens_per_s=plain[batch][0])
-  sample_text = prompts[0] + model.tokenizer.decode([t for t in plain[min(batch_sizes)][1].tokens[0].tolist() if t >= 0])
+  sample_text = prompts[0] + model.tokenizer.decode(
+    [t for t in plain[min(batch_sizes)][1].tokens[0].tolist() if t >= 0]
+  )
   rows = []
   for batch in batch_sizes:
     plain_tps, plain_out = plain[batch]
@@ -86,8 +106,9 @@ def run_demo(model, workdir, *, max_new_tokens: int = 128, batch_sizes=(1, 8), r
     for drafter in drafters:
       spec = msj.SpecParams(drafter=drafter, num_draft="auto", max_draft=max_draft)
       spec_bench.warm_up(model, prompts[:batch], max_new_tokens, msj.SamplingParams(), spec)
-      tps, paired_plain_tps, speedup, _, _ = spec_bench.paired(model, prompts[:batch], max_new_tokens,
-                                                          msj.SamplingParams(), spec, repeats)
+      tps, paired_plain_tps, speedup, _, _ = spec_bench.paired(
+        model, prompts[:batch], max_new_tokens, msj.SamplingParams(), spec, repeats
+      )
       out = msj.generate(model, prompts[:batch], max_new_tokens=max_new_tokens, spec=spec)
       chosen[drafter] = out.stats["chosen_num_draft"]
       rows.append(_row(drafter, chosen[drafter], batch, tps, paired_plain_tps, speedup, out, plain_out))
@@ -100,40 +121,70 @@ def run_demo(model, workdir, *, max_new_tokens: int = 128, batch_sizes=(1, 8), r
       k = max(1, chosen[drafter])
       spec = msj.SpecParams(drafter=drafter, num_draft=k, mode="budgeted", expert_budget=budget, kernel="dedup")
       spec_bench.warm_up(model, prompts[:batch], max_new_tokens, msj.SamplingParams(), spec)
-      tps, paired_plain_tps, speedup, _, _ = spec_bench.paired(model, prompts[:batch], max_new_tokens,
-                                                          msj.SamplingParams(), spec, repeats)
+      tps, paired_plain_tps, speedup, _, _ = spec_bench.paired(
+        model, prompts[:batch], max_new_tokens, msj.SamplingParams(), spec, repeats
+      )
       quality = dataclasses.replace(spec.research, measure_quality=True)
-      with_quality = msj.generate(model, prompts[:batch], max_new_tokens=max_new_tokens,
-                                  spec=dataclasses.replace(spec, research=quality))
-      rows.append(_row(drafter, k, batch, tps, paired_plain_tps, speedup, with_quality, plain_out,
-                       budget=budget, top1=with_quality.stats["top1_agreement"]))
-      row_done(f"batch {batch} budgeted {drafter} K={k}", speedup=speedup,
-               top1=with_quality.stats["top1_agreement"])
+      with_quality = msj.generate(
+        model, prompts[:batch], max_new_tokens=max_new_tokens, spec=dataclasses.replace(spec, research=quality)
+      )
+      rows.append(
+        _row(
+          drafter,
+          k,
+          batch,
+          tps,
+          paired_plain_tps,
+          speedup,
+          with_quality,
+          plain_out,
+          budget=budget,
+          top1=with_quality.stats["top1_agreement"],
+        )
+      )
+      row_done(f"batch {batch} budgeted {drafter} K={k}", speedup=speedup, top1=with_quality.stats["top1_agreement"])
   params = model.param_counts()
-  result = {"demo": {"rows": rows, "max_draft": max_draft, "validation_bits_per_byte": bpb, "params_total": params["total"],
-                     "params_active": params["active"], "max_new_tokens": max_new_tokens,
-                     "sample": sample_text}}
+  result = {
+    "demo": {
+      "rows": rows,
+      "max_draft": max_draft,
+      "validation_bits_per_byte": bpb,
+      "params_total": params["total"],
+      "params_active": params["active"],
+      "max_new_tokens": max_new_tokens,
+      "sample": sample_text,
+    }
+  }
   atomic.write_json_atomic(workdir / "metrics.json", result)
   plot_speedups(rows, workdir / "speedup.png")
 
-  log(f"default model: {params['total'] / 1e6:.1f}M parameters, {params['active'] / 1e6:.1f}M active per token; "
-      f"validation {bpb:.3f} bits/byte")
+  log(
+    f"default model: {params['total'] / 1e6:.1f}M parameters, {params['active'] / 1e6:.1f}M active per token; "
+    f"validation {bpb:.3f} bits/byte"
+  )
   log("\nsample (greedy, held-out prompt):\n" + "-" * 60 + f"\n{sample_text}\n" + "-" * 60)
-  header = (f"{'mode':<10}{'drafter':<8}{'K':>7}{'budget':>7}{'kernel':>9}{'batch':>6}{'tokens/s':>10}"
-            f"{'plain':>8}{'speedup':>9}{'acc.len':>8}{'top1':>7}")
+  header = (
+    f"{'mode':<10}{'drafter':<8}{'K':>7}{'budget':>7}{'kernel':>9}{'batch':>6}{'tokens/s':>10}"
+    f"{'plain':>8}{'speedup':>9}{'acc.len':>8}{'top1':>7}"
+  )
   for approximate in (False, True):
     part = [r for r in rows if r["approximate"] == approximate]
     if not part:
       continue
-    log("\nAPPROXIMATE (expert budget; top1 = agreement with exact target logits)" if approximate
-        else "EXACT (the target's distribution; greedy tokens equal plain greedy)")
+    log(
+      "\nAPPROXIMATE (expert budget; top1 = agreement with exact target logits)"
+      if approximate
+      else "EXACT (the target's distribution; greedy tokens equal plain greedy)"
+    )
     log(header)
     for r in part:
       budget = "-" if r["expert_budget"] is None else str(r["expert_budget"])
       k = f"auto:{r['num_draft']}" if r["auto_num_draft"] else str(r["num_draft"])
-      log(f"{r['mode']:<10}{r['drafter']:<8}{k:>7}{budget:>7}{r['kernel']:>9}{r['batch_size']:>6}"
-          f"{r['tokens_per_second']:>10.1f}{r['plain_tokens_per_second']:>8.1f}{r['speedup_vs_plain']:>9.2f}"
-          f"{r['mean_accepted_length']:>8.2f}{r['top1_agreement_vs_exact']:>7.3f}")
+      log(
+        f"{r['mode']:<10}{r['drafter']:<8}{k:>7}{budget:>7}{r['kernel']:>9}{r['batch_size']:>6}"
+        f"{r['tokens_per_second']:>10.1f}{r['plain_tokens_per_second']:>8.1f}{r['speedup_vs_plain']:>9.2f}"
+        f"{r['mean_accepted_length']:>8.2f}{r['top1_agreement_vs_exact']:>7.3f}"
+      )
   log("speedup: median over runs alternating plain and speculative decoding (plain: their plain side).")
   log(f"K auto:N: num_draft='auto' (cost model, K = 0..{max_draft} each pass); N is the K it chose most often.")
   log(f"\nwrote {workdir / 'metrics.json'} and {workdir / 'speedup.png'}")

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +33,7 @@ from moespec_jax.decoding import auto_draft
 @dataclasses.dataclass(frozen=True)
 class PolicyRun:
   """Mean over simulated runs: decode time (ms) and passes at each K."""
+
   mean_ms: float
   passes_by_k: list[float]
 
@@ -51,11 +52,19 @@ def _accepted(rng: np.random.Generator, acceptance_J: np.ndarray, k: int) -> int
   return n
 
 
-def simulate(acceptance: float | Sequence[float] | Callable[[int], float], step_ms_K: Sequence[float], *,
-             num_draft: int | str = "auto",
-             n_tokens: int = 127, runs: int = 100, shadow: bool = True,
-             switch_ms: Callable[[int, int], float] | float = 0.0, seed: int = 0,
-             by_depth: bool = False, calibrated_ms_K: Sequence[float] | None = None) -> PolicyRun:
+def simulate(
+  acceptance: float | Sequence[float] | Callable[[int], float],
+  step_ms_K: Sequence[float],
+  *,
+  num_draft: int | str = "auto",
+  n_tokens: int = 127,
+  runs: int = 100,
+  shadow: bool = True,
+  switch_ms: Callable[[int, int], float] | float = 0.0,
+  seed: int = 0,
+  by_depth: bool = False,
+  calibrated_ms_K: Sequence[float] | None = None,
+) -> PolicyRun:
   """Decodes `n_tokens` tokens `runs` times with num_draft="auto" (K in 0..len(step_ms_K) - 1)
   or a fixed K; `shadow`: plain passes bring evidence (n-gram and controlled drafters).
   `acceptance`: one rate for every draft (geometric), or one per depth (draft j accepted with
@@ -85,8 +94,9 @@ def simulate(acceptance: float | Sequence[float] | Callable[[int], float], step_
   switch = switch_ms if callable(switch_ms) else (lambda old, new: float(switch_ms))
   believed = step if calibrated_ms_K is None else np.asarray(calibrated_ms_K, np.float64)
   if believed.shape != step.shape or np.any(believed <= 0):
-    raise ValueError(f"calibrated_ms_K must hold a positive time for each K = 0..{step.size - 1}, "
-                     f"got {calibrated_ms_K}")
+    raise ValueError(
+      f"calibrated_ms_K must hold a positive time for each K = 0..{step.size - 1}, got {calibrated_ms_K}"
+    )
   choose, step_j = _choose(shadow), jnp.asarray(believed, jnp.float32)
   rng = np.random.default_rng(seed)
   total_ms, passes_K = 0.0, np.zeros(step.size)
@@ -98,8 +108,16 @@ def simulate(acceptance: float | Sequence[float] | Callable[[int], float], step_
       remaining = n_tokens - generated
       if auto:
         depth = jnp.asarray(depth_evidence)[None] if by_depth else None
-        k, n_passes = (int(x) for x in choose(jnp.asarray(evidence), step_j, remaining_B=jnp.float32([remaining]),
-                                              current_k=jnp.int32(current_k), depth_evidence_BJ2=depth))
+        k, n_passes = (
+          int(x)
+          for x in choose(
+            jnp.asarray(evidence),
+            step_j,
+            remaining_B=jnp.float32([remaining]),
+            current_k=jnp.int32(current_k),
+            depth_evidence_BJ2=depth,
+          )
+        )
       else:
         k, n_passes = num_draft, n_tokens
       k = min(k, remaining - 1)  # as the loop: never more drafts than a row can still commit
@@ -121,7 +139,7 @@ def simulate(acceptance: float | Sequence[float] | Callable[[int], float], step_
           depth = np.zeros_like(depth_evidence)
           depth[:tried, 1] = 1.0  # reached: the accepted drafts and the first rejected one
           if k:
-            depth[:int(accepted), 0] = 1.0
+            depth[: int(accepted), 0] = 1.0
           else:  # a shadow draft, at depth 0
             depth[0, 0] = accepted
           depth_evidence = auto_draft.EVIDENCE_DECAY * depth_evidence + depth
@@ -138,5 +156,10 @@ def auto_regret(acceptance: float, step_ms_K: Sequence[float], **kwargs) -> dict
   fixed = [simulate(acceptance, step_ms_K, num_draft=k, **kwargs).mean_ms for k in range(len(step_ms_K))]
   auto = simulate(acceptance, step_ms_K, **kwargs)
   best = int(np.argmin(fixed))
-  return {"acceptance": acceptance, "plain_over_auto": fixed[0] / auto.mean_ms, "best_fixed_num_draft": best,
-          "best_fixed_over_auto": fixed[best] / auto.mean_ms, "auto_passes_by_num_draft": auto.passes_by_k}
+  return {
+    "acceptance": acceptance,
+    "plain_over_auto": fixed[0] / auto.mean_ms,
+    "best_fixed_num_draft": best,
+    "best_fixed_over_auto": fixed[best] / auto.mean_ms,
+    "auto_passes_by_num_draft": auto.passes_by_k,
+  }

@@ -19,10 +19,16 @@ def summarize(rows, stream_gbps):
         dd, ps = by.get((shape, routing, n, "dedup")), by.get((shape, routing, n, "per_slot"))
         if dd is None or ps is None:
           continue
-        ratio.append(dict(shape=shape, routing=routing, n_tokens=n,
-                          r=dd["effective_gbps"] / ps["effective_gbps"],
-                          u=dd["bytes_requested"] / ps["bytes_requested"],
-                          dedup_faster=dd["time_ms"] < ps["time_ms"]))
+        ratio.append(
+          dict(
+            shape=shape,
+            routing=routing,
+            n_tokens=n,
+            r=dd["effective_gbps"] / ps["effective_gbps"],
+            u=dd["bytes_requested"] / ps["bytes_requested"],
+            dedup_faster=dd["time_ms"] < ps["time_ms"],
+          )
+        )
         both.append((n, dd["time_ms"], ps["time_ms"]))
       curves = [list(c) for c in zip(*both)] if both else [[], [], []]
       best = {}
@@ -32,7 +38,13 @@ def summarize(rows, stream_gbps):
           best[n] = max(c["effective_gbps"] for c in cands) / stream_gbps
       # measured_n: the first n from which dedup stays faster (where the two cost about the same,
       # as at n = 1, a single win is timing noise); first_faster_n: its first win.
-      crossover.append(dict(shape=shape, routing=routing, measured_n=cost_model.crossover(*curves, for_good=True),
-                            first_faster_n=cost_model.crossover(*curves),
-                            best_fraction_of_stream={str(n): v for n, v in best.items()}))
+      crossover.append(
+        dict(
+          shape=shape,
+          routing=routing,
+          measured_n=cost_model.crossover(*curves, for_good=True),
+          first_faster_n=cost_model.crossover(*curves),
+          best_fraction_of_stream={str(n): v for n, v in best.items()},
+        )
+      )
   return ratio, crossover

@@ -10,7 +10,7 @@ generation (the first passes after the prefill).
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -26,8 +26,10 @@ def median_trace(traces: Sequence[dict]) -> dict[str, list]:
   for i, trace in enumerate(traces[1:], 1):
     for key in _SHARED:
       if list(trace[key]) != list(first[key]):
-        raise ValueError(f"pass trace {i} differs from trace 0 in {key!r}: its passes do not line up "
-                         "(different prompts, parameters or seed?)")
+        raise ValueError(
+          f"pass trace {i} differs from trace 0 in {key!r}: its passes do not line up "
+          "(different prompts, parameters or seed?)"
+        )
   ms = np.median(np.asarray([trace["ms"] for trace in traces], float), axis=0)
   return dict({key: list(first[key]) for key in _SHARED}, ms=ms.tolist())
 
@@ -45,6 +47,5 @@ def expert_read_fit(trace: dict[str, list], skip: int = 8) -> dict | None:
   columns = [ks[skip:] == k for k in later_ks] + [experts[skip:]]
   coef = np.linalg.lstsq(np.stack(columns, axis=1).astype(float), ms[skip:], rcond=None)[0]
   level = dict(zip(later_ks.tolist(), coef[:-1].tolist()))
-  excess = [float(t - level[int(k)] - coef[-1] * e) if int(k) in level else None
-            for t, k, e in zip(ms, ks, experts)]
+  excess = [float(t - level[int(k)] - coef[-1] * e) if int(k) in level else None for t, k, e in zip(ms, ks, experts)]
   return {"slope_ms_per_expert": float(coef[-1]), "level_ms": level, "excess_ms": excess}

@@ -60,13 +60,13 @@ import inspect
 import json
 import pathlib
 import statistics
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
 from moespec_jax.analysis import timing
-from moespec_jax.research import roofline
 from moespec_jax.io import atomic, plots
+from moespec_jax.research import roofline
 
 # How the rows were measured (a resumed run keeps only rows measured the same way): every
 # measurement of one batch size in the same rounds, ratios taken within a round.
@@ -76,25 +76,36 @@ FIRST = "first_token"
 # The default trained model (configs/tiny.py, byte vocabulary) exported as a Qwen2-MoE checkpoint.
 TRAINED = "trained_qwen2_moe"
 # ~20-50M parameters per family (embeddings included).
-BENCH_SIZE = dict(vocab=8192, hidden=256, layers=4, heads=8, experts=16, top_k=2, moe_hidden=320,
-                  max_len=1024)
-QUICK_SIZE = dict(vocab=512, hidden=64, layers=2, heads=4, experts=8, top_k=2, moe_hidden=64,
-                  max_len=512)
+BENCH_SIZE = dict(vocab=8192, hidden=256, layers=4, heads=8, experts=16, top_k=2, moe_hidden=320, max_len=1024)
+QUICK_SIZE = dict(vocab=512, hidden=64, layers=2, heads=4, experts=8, top_k=2, moe_hidden=64, max_len=512)
 
 
 def code_prompts(n: int, length: int) -> list[list[int]]:
   """`n` prompts of `length` token ids: UTF-8 bytes of standard-library code."""
-  import argparse, json.encoder, textwrap  # pylint: disable=g-import-not-at-top,multiple-import
+  import argparse
+  import json.encoder
+  import textwrap  # pylint: disable=g-import-not-at-top,multiple-import
+
   text = "".join(inspect.getsource(m) for m in (json.encoder, textwrap, argparse))
   data = np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.int32)
   starts = np.linspace(0, len(data) - length - 1, n).astype(int)
-  return [data[s:s + length].tolist() for s in starts]
+  return [data[s : s + length].tolist() for s in starts]
 
 
-def bench_family(family: str, ckpt: pathlib.Path, size: dict, *, max_new: int, repeats: int,
-                 num_draft: int, prompt_len: int, auto_draft: bool = True) -> list[dict]:
+def bench_family(
+  family: str,
+  ckpt: pathlib.Path,
+  size: dict,
+  *,
+  max_new: int,
+  repeats: int,
+  num_draft: int,
+  prompt_len: int,
+  auto_draft: bool = True,
+) -> list[dict]:
   import torch  # pylint: disable=g-import-not-at-top
   import transformers  # pylint: disable=g-import-not-at-top
+
   import moespec_jax as msj  # pylint: disable=g-import-not-at-top
   from moespec_jax.research import tiny_families  # pylint: disable=g-import-not-at-top
 
@@ -108,9 +119,16 @@ def bench_family(family: str, ckpt: pathlib.Path, size: dict, *, max_new: int, r
   def hf_generate(prompts, max_new_tokens_override=None, **kw):
     ids = torch.tensor(prompts, dtype=torch.long)
     with torch.no_grad():
-      out = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens_override or max_new,
-                         do_sample=False, eos_token_id=None, pad_token_id=0, **kw)
-    return out[:, ids.shape[1]:].numpy()
+      out = ref.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=max_new_tokens_override or max_new,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+        **kw,
+      )
+    return out[:, ids.shape[1] :].numpy()
 
   # Batch 1: plain and prompt lookup of both implementations in the same rounds (the n-gram
   # speedups are ratios within a round); batch 8: plain decoding of both.
@@ -136,27 +154,57 @@ def bench_family(family: str, ckpt: pathlib.Path, size: dict, *, max_new: int, r
       ours_out, hf_out = last[("moespec_jax", drafter)], last[("transformers", drafter)]
       ours_tokens = ours_out.tokens
       ours_n = int(np.sum(ours_tokens >= 0))
-      match = [bool(np.array_equal(ours_tokens[b][ours_tokens[b] >= 0],
-                                   hf_out[b][:int(np.sum(ours_tokens[b] >= 0))])) for b in range(batch)]
-      common = dict(family=family, params=n_params, batch_size=batch, drafter=drafter,
-                    num_draft=num_draft if drafter == "ngram" else 0, max_new_tokens=max_new,
-                    prompt_len=prompt_len, auto_draft=bool(auto_draft and drafter == "ngram"))
+      match = [
+        bool(np.array_equal(ours_tokens[b][ours_tokens[b] >= 0], hf_out[b][: int(np.sum(ours_tokens[b] >= 0))]))
+        for b in range(batch)
+      ]
+      common = dict(
+        family=family,
+        params=n_params,
+        batch_size=batch,
+        drafter=drafter,
+        num_draft=num_draft if drafter == "ngram" else 0,
+        max_new_tokens=max_new,
+        prompt_len=prompt_len,
+        auto_draft=bool(auto_draft and drafter == "ngram"),
+      )
       if drafter == "none":  # the same tokens, so the same experts, on both sides
         weight_bytes = roofline.decode_weight_bytes(model.config, ours_out.stats["unique_experts_per_pass"])
         # Decode step j (1..max_new - 1) of a row reads prompt_len + j cached positions.
         cache_bytes = roofline.decode_cache_bytes(model.config, batch * (prompt_len + max_new / 2))
-        common.update(weight_bytes_per_step=weight_bytes, cache_bytes_per_step=cache_bytes,
-                      prefill_flops=roofline.prefill_flops(model.config, prompt_len, batch))
+        common.update(
+          weight_bytes_per_step=weight_bytes,
+          cache_bytes_per_step=cache_bytes,
+          prefill_flops=roofline.prefill_flops(model.config, prompt_len, batch),
+        )
         bytes_per_step = weight_bytes + cache_bytes
       ours_t, hf_t = seconds[("moespec_jax", drafter)], seconds[("transformers", drafter)]
       for impl, n_tokens, times, extra in (
-          ("moespec_jax", ours_n, ours_t, {"mean_accepted_length": ours_out.stats.get("mean_accepted_length"),
-                                            "passes_by_num_draft": ours_out.stats.get("passes_by_num_draft"),
-                                            "tokens_identical_to_transformers": all(match)}),
-          ("transformers", int(hf_out.size), hf_t, {"mean_accepted_length": None,
-                                                    "tokens_identical_to_transformers": True})):
-        row = {**common, "impl": impl, "tokens_per_second": n_tokens / statistics.median(times),
-               "tokens": n_tokens, "seconds": times, **extra}
+        (
+          "moespec_jax",
+          ours_n,
+          ours_t,
+          {
+            "mean_accepted_length": ours_out.stats.get("mean_accepted_length"),
+            "passes_by_num_draft": ours_out.stats.get("passes_by_num_draft"),
+            "tokens_identical_to_transformers": all(match),
+          },
+        ),
+        (
+          "transformers",
+          int(hf_out.size),
+          hf_t,
+          {"mean_accepted_length": None, "tokens_identical_to_transformers": True},
+        ),
+      ):
+        row = {
+          **common,
+          "impl": impl,
+          "tokens_per_second": n_tokens / statistics.median(times),
+          "tokens": n_tokens,
+          "seconds": times,
+          **extra,
+        }
         if drafter == "none":  # one step per generated token and row
           row["read_gbps"] = bytes_per_step * row["tokens_per_second"] / batch / 1e9
           row["first_token_seconds"] = seconds[(impl, FIRST)]
@@ -173,8 +221,9 @@ def _decode_ratios(ours: dict, theirs: dict) -> list[float]:
   zero); [] where either side has no decode phase figure."""
   if not (ours.get("decode_ms_per_step") and theirs.get("decode_ms_per_step")):
     return []
-  o, t = (timing.decode_ms_per_step(r["seconds"], r["first_token_seconds"], r["max_new_tokens"])
-          for r in (ours, theirs))
+  o, t = (
+    timing.decode_ms_per_step(r["seconds"], r["first_token_seconds"], r["max_new_tokens"]) for r in (ours, theirs)
+  )
   return [ti / oi for oi, ti in zip(o, t) if oi > 0 and ti > 0]
 
 
@@ -206,8 +255,9 @@ def _ngram_speedups_at_prefill_floor(plain: dict, ngram: dict, floor_ms: float) 
     return []
   first, max_new = plain["first_token_seconds"], plain["max_new_tokens"]
   out = []
-  for tp, tn, t1, step_ms in zip(plain["seconds"], ngram["seconds"], first,
-                                 timing.decode_ms_per_step(plain["seconds"], first, max_new)):
+  for tp, tn, t1, step_ms in zip(
+    plain["seconds"], ngram["seconds"], first, timing.decode_ms_per_step(plain["seconds"], first, max_new)
+  ):
     at_floor = (floor_ms + step_ms) / 1e3
     tp_floor, tn_floor = tp - t1 + at_floor, tn - t1 + at_floor
     out.append((ngram["tokens"] / tn_floor) / (plain["tokens"] / tp_floor) if step_ms > 0 and tn_floor > 0 else None)
@@ -236,31 +286,38 @@ def summarize(rows: list[dict], stream_gbps: float | None = None, matmul_gflops:
     # All four batch-1 runs share each round: the two speedups' ratio is taken within a round too.
     relative = [o / t for o, t in zip(ngram_ours, ngram_theirs)]
     s = dict(
-        family=family,
-        plain_ratio_b1=statistics.median(per_round(("moespec_jax", 1, "none"), ("transformers", 1, "none"))),
-        plain_ratio_b8=statistics.median(per_round(("moespec_jax", 8, "none"), ("transformers", 8, "none"))),
-        ngram_speedup_ours=statistics.median(ngram_ours),
-        ngram_speedup_transformers=statistics.median(ngram_theirs),
-        ngram_speedup_ours_over_transformers=statistics.median(relative),
-        # 90% bootstrap intervals (rounds resampled): what timing noise leaves of each figure.
-        ngram_speedup_ours_interval=timing.median_interval(ngram_ours),
-        ngram_speedup_transformers_interval=timing.median_interval(ngram_theirs),
-        ngram_speedup_ours_over_transformers_interval=timing.median_interval(relative),
-        tokens_identical=all(r["tokens_identical_to_transformers"] for r in by.values()))
+      family=family,
+      plain_ratio_b1=statistics.median(per_round(("moespec_jax", 1, "none"), ("transformers", 1, "none"))),
+      plain_ratio_b8=statistics.median(per_round(("moespec_jax", 8, "none"), ("transformers", 8, "none"))),
+      ngram_speedup_ours=statistics.median(ngram_ours),
+      ngram_speedup_transformers=statistics.median(ngram_theirs),
+      ngram_speedup_ours_over_transformers=statistics.median(relative),
+      # 90% bootstrap intervals (rounds resampled): what timing noise leaves of each figure.
+      ngram_speedup_ours_interval=timing.median_interval(ngram_ours),
+      ngram_speedup_transformers_interval=timing.median_interval(ngram_theirs),
+      ngram_speedup_ours_over_transformers_interval=timing.median_interval(relative),
+      tokens_identical=all(r["tokens_identical_to_transformers"] for r in by.values()),
+    )
     # The same, decode phase only: our prefill is a larger share of our whole run than of
     # transformers' (first-token ratios ~2-3 against decode ratios ~5-12), which dilutes our
     # whole-run n-gram speedup more.
     # Rounds where both sides' decode phases were timed, paired.
-    paired = [(o, t) for o, t in zip(
+    paired = [
+      (o, t)
+      for o, t in zip(
         _ngram_decode_speedups(by[("moespec_jax", 1, "none")], by[("moespec_jax", 1, "ngram")]),
-        _ngram_decode_speedups(by[("transformers", 1, "none")], by[("transformers", 1, "ngram")]))
-              if o is not None and t is not None]
+        _ngram_decode_speedups(by[("transformers", 1, "none")], by[("transformers", 1, "ngram")]),
+      )
+      if o is not None and t is not None
+    ]
     if paired:
       decode_relative = [o / t for o, t in paired]
-      s.update(ngram_decode_speedup_ours=statistics.median(o for o, _ in paired),
-               ngram_decode_speedup_transformers=statistics.median(t for _, t in paired),
-               ngram_decode_speedup_ours_over_transformers=statistics.median(decode_relative),
-               ngram_decode_speedup_ours_over_transformers_interval=timing.median_interval(decode_relative))
+      s.update(
+        ngram_decode_speedup_ours=statistics.median(o for o, _ in paired),
+        ngram_decode_speedup_transformers=statistics.median(t for _, t in paired),
+        ngram_decode_speedup_ours_over_transformers=statistics.median(decode_relative),
+        ngram_decode_speedup_ours_over_transformers_interval=timing.median_interval(decode_relative),
+      )
     for batch in (1, 8):
       ours, theirs = by[("moespec_jax", batch, "none")], by[("transformers", batch, "none")]
       if stream_gbps and "weight_bytes_per_step" in ours:
@@ -272,7 +329,8 @@ def summarize(rows: list[dict], stream_gbps: float | None = None, matmul_gflops:
         s[f"decode_ratio_b{batch}"] = statistics.median(decode)
         s[f"decode_ratio_b{batch}_interval"] = timing.median_interval(decode)
         s[f"first_token_ratio_b{batch}"] = statistics.median(
-            [t / o for o, t in zip(ours["first_token_seconds"], theirs["first_token_seconds"])])
+          [t / o for o, t in zip(ours["first_token_seconds"], theirs["first_token_seconds"])]
+        )
         if stream_gbps and "weight_bytes_per_step" in ours:
           bound_ms = step_bytes(ours) / (stream_gbps * 1e9) * 1e3
           s[f"decode_ceiling_ratio_b{batch}"] = theirs["decode_ms_per_step"] / bound_ms
@@ -284,14 +342,23 @@ def summarize(rows: list[dict], stream_gbps: float | None = None, matmul_gflops:
         s[f"prefill_floor_ms_b{batch}"] = floor_ms
         if ours.get("first_token_seconds"):
           s[f"prefill_floor_share_b{batch}"] = floor_ms / (statistics.median(ours["first_token_seconds"]) * 1e3)
-      paired = [(o, t) for o, t in zip(_ngram_speedups_at_prefill_floor(
-          by[("moespec_jax", 1, "none")], by[("moespec_jax", 1, "ngram")], s["prefill_floor_ms_b1"]), ngram_theirs)
-                if o is not None]
+      paired = [
+        (o, t)
+        for o, t in zip(
+          _ngram_speedups_at_prefill_floor(
+            by[("moespec_jax", 1, "none")], by[("moespec_jax", 1, "ngram")], s["prefill_floor_ms_b1"]
+          ),
+          ngram_theirs,
+        )
+        if o is not None
+      ]
       if paired:
         relative = [o / t for o, t in paired]
-        s.update(ngram_speedup_ours_at_prefill_floor=statistics.median(o for o, _ in paired),
-                 ngram_speedup_ours_at_prefill_floor_over_transformers=statistics.median(relative),
-                 ngram_speedup_ours_at_prefill_floor_over_transformers_interval=timing.median_interval(relative))
+        s.update(
+          ngram_speedup_ours_at_prefill_floor=statistics.median(o for o, _ in paired),
+          ngram_speedup_ours_at_prefill_floor_over_transformers=statistics.median(relative),
+          ngram_speedup_ours_at_prefill_floor_over_transformers_interval=timing.median_interval(relative),
+        )
     plain = {b: (by[("moespec_jax", b, "none")], by[("transformers", b, "none")]) for b in (1, 8)}
     if all(r.get("decode_ms_per_step") and "weight_bytes_per_step" in r for pair in plain.values() for r in pair):
       # How much transformers' decode step grows from batch 1 to 8, over how much the bytes a step
@@ -306,82 +373,129 @@ def summarize(rows: list[dict], stream_gbps: float | None = None, matmul_gflops:
 
 
 def table(rows: list[dict], summary: list[dict]) -> str:
-  lines = ["| family | params | batch | drafter | moespec-jax tok/s | transformers tok/s | ratio | "
-           "identical tokens |", "|---|---|---|---|---|---|---|---|"]
+  lines = [
+    "| family | params | batch | drafter | moespec-jax tok/s | transformers tok/s | ratio | identical tokens |",
+    "|---|---|---|---|---|---|---|---|",
+  ]
   by = {(r["family"], r["batch_size"], r["drafter"], r["impl"]): r for r in rows}
   for (family, batch, drafter, impl), r in by.items():
     if impl != "moespec_jax":
       continue
     h = by[(family, batch, drafter, "transformers")]
-    lines.append(f"| {family} | {r['params'] / 1e6:.1f}M | {batch} | {drafter} | "
-                 f"{r['tokens_per_second']:.1f} | {h['tokens_per_second']:.1f} | "
-                 f"{r['tokens_per_second'] / h['tokens_per_second']:.2f}x | "
-                 f"{r['tokens_identical_to_transformers']} |")
-  lines += ["", "| family | plain b1 ratio | plain b8 ratio | n-gram speedup (ours) | "
-            "prompt-lookup speedup (transformers) | ours / transformers [90% interval] | identical | "
-            "b1 / b8 ceiling ratio | b1 / b8 share of stream bandwidth (ours) |",
-            "|---|---|---|---|---|---|---|---|---|"]
-  pair = lambda s, key, fmt: (" / ".join(format(s[f"{key}_b{b}"], fmt) for b in (1, 8))  # noqa: E731
-                              if f"{key}_b8" in s else "-")
+    lines.append(
+      f"| {family} | {r['params'] / 1e6:.1f}M | {batch} | {drafter} | "
+      f"{r['tokens_per_second']:.1f} | {h['tokens_per_second']:.1f} | "
+      f"{r['tokens_per_second'] / h['tokens_per_second']:.2f}x | "
+      f"{r['tokens_identical_to_transformers']} |"
+    )
+  lines += [
+    "",
+    "| family | plain b1 ratio | plain b8 ratio | n-gram speedup (ours) | "
+    "prompt-lookup speedup (transformers) | ours / transformers [90% interval] | identical | "
+    "b1 / b8 ceiling ratio | b1 / b8 share of stream bandwidth (ours) |",
+    "|---|---|---|---|---|---|---|---|---|",
+  ]
+  pair = lambda s, key, fmt: (
+    " / ".join(format(s[f"{key}_b{b}"], fmt) for b in (1, 8))  # noqa: E731
+    if f"{key}_b8" in s
+    else "-"
+  )
   for s in summary:
     lo, hi = s["ngram_speedup_ours_over_transformers_interval"]
-    lines.append(f"| {s['family']} | {s['plain_ratio_b1']:.2f}x | {s['plain_ratio_b8']:.2f}x | "
-                 f"{s['ngram_speedup_ours']:.2f}x | {s['ngram_speedup_transformers']:.2f}x | "
-                 f"{s['ngram_speedup_ours_over_transformers']:.2f} [{lo:.2f}, {hi:.2f}] | "
-                 f"{s['tokens_identical']} | {pair(s, 'ceiling_ratio', '.2f')} | {pair(s, 'stream_fraction', '.0%')} |")
+    lines.append(
+      f"| {s['family']} | {s['plain_ratio_b1']:.2f}x | {s['plain_ratio_b8']:.2f}x | "
+      f"{s['ngram_speedup_ours']:.2f}x | {s['ngram_speedup_transformers']:.2f}x | "
+      f"{s['ngram_speedup_ours_over_transformers']:.2f} [{lo:.2f}, {hi:.2f}] | "
+      f"{s['tokens_identical']} | {pair(s, 'ceiling_ratio', '.2f')} | {pair(s, 'stream_fraction', '.0%')} |"
+    )
   has_decode = lambda s: "decode_ratio_b1" in s and "decode_ratio_b8" in s  # noqa: E731
   if any(has_decode(s) for s in summary):
-    lines += ["", "Decode phase (a plain run less its first token, timed alone in the same rounds):", "",
-              "| family | decode ratio b1 [90% interval] | decode ratio b8 [90% interval] | "
-              "first-token ratio b1 / b8 | "
-              "decode ceiling ratio b1 / b8 | our decode read GB/s b1 / b8 (share of stream) | "
-              "b8 / b1 ratio at an equal read rate | n-gram decode speedup ours / transformers "
-              "(ours over transformers [90% interval]) |", "|---|---|---|---|---|---|---|---|"]
+    lines += [
+      "",
+      "Decode phase (a plain run less its first token, timed alone in the same rounds):",
+      "",
+      "| family | decode ratio b1 [90% interval] | decode ratio b8 [90% interval] | "
+      "first-token ratio b1 / b8 | "
+      "decode ceiling ratio b1 / b8 | our decode read GB/s b1 / b8 (share of stream) | "
+      "b8 / b1 ratio at an equal read rate | n-gram decode speedup ours / transformers "
+      "(ours over transformers [90% interval]) |",
+      "|---|---|---|---|---|---|---|---|",
+    ]
     plain_rows = {(r["family"], r["batch_size"], r["impl"]): r for r in rows if r["drafter"] == "none"}
-    ngram_decode = lambda s: ("{:.2f}x / {:.2f}x ({:.2f} [{:.2f}, {:.2f}])".format(  # noqa: E731
-        s["ngram_decode_speedup_ours"], s["ngram_decode_speedup_transformers"],
-        s["ngram_decode_speedup_ours_over_transformers"], *s["ngram_decode_speedup_ours_over_transformers_interval"])
-                              if "ngram_decode_speedup_ours" in s else "-")
+    ngram_decode = lambda s: (
+      "{:.2f}x / {:.2f}x ({:.2f} [{:.2f}, {:.2f}])".format(  # noqa: E731
+        s["ngram_decode_speedup_ours"],
+        s["ngram_decode_speedup_transformers"],
+        s["ngram_decode_speedup_ours_over_transformers"],
+        *s["ngram_decode_speedup_ours_over_transformers_interval"],
+      )
+      if "ngram_decode_speedup_ours" in s
+      else "-"
+    )
     for s in summary:
       if not has_decode(s):
         continue
       ratio = lambda b, s=s: "{:.2f}x [{:.2f}, {:.2f}]".format(  # noqa: E731
-          s[f"decode_ratio_b{b}"], *s[f"decode_ratio_b{b}_interval"])
+        s[f"decode_ratio_b{b}"], *s[f"decode_ratio_b{b}_interval"]
+      )
       gbps = " / ".join(f"{plain_rows[(s['family'], b, 'moespec_jax')]['decode_read_gbps']:.1f}" for b in (1, 8))
-      lines.append(f"| {s['family']} | {ratio(1)} | {ratio(8)} | {pair(s, 'first_token_ratio', '.2f')} | "
-                   f"{pair(s, 'decode_ceiling_ratio', '.2f')} | {gbps} ({pair(s, 'decode_stream_fraction', '.0%')}) | "
-                   f"{s.get('decode_ratio_b8_over_b1_at_equal_read_rate', float('nan')):.2f} | {ngram_decode(s)} |")
+      lines.append(
+        f"| {s['family']} | {ratio(1)} | {ratio(8)} | {pair(s, 'first_token_ratio', '.2f')} | "
+        f"{pair(s, 'decode_ceiling_ratio', '.2f')} | {gbps} ({pair(s, 'decode_stream_fraction', '.0%')}) | "
+        f"{s.get('decode_ratio_b8_over_b1_at_equal_read_rate', float('nan')):.2f} | {ngram_decode(s)} |"
+      )
   if any("prefill_floor_ms_b1" in s for s in summary):
-    lines += ["", "Prefill at the machine's matmul rate (its products' operations over the rate: an approximate floor on "
-              "its time; the n-gram speedup had our first token cost only that floor and one decode step):", "",
-              "| family | prefill GFLOP b1 / b8 | floor ms b1 / b8 | floor's share of our first token b1 / b8 | "
-              "n-gram speedup ours at the floor | over transformers' [90% interval] |", "|---|---|---|---|---|---|"]
-    flops = {(r["family"], r["batch_size"]): r["prefill_flops"] for r in rows
-             if r["impl"] == "moespec_jax" and r["drafter"] == "none" and "prefill_flops" in r}
+    lines += [
+      "",
+      "Prefill at the machine's matmul rate (its products' operations over the rate: an approximate floor on "
+      "its time; the n-gram speedup had our first token cost only that floor and one decode step):",
+      "",
+      "| family | prefill GFLOP b1 / b8 | floor ms b1 / b8 | floor's share of our first token b1 / b8 | "
+      "n-gram speedup ours at the floor | over transformers' [90% interval] |",
+      "|---|---|---|---|---|---|",
+    ]
+    flops = {
+      (r["family"], r["batch_size"]): r["prefill_flops"]
+      for r in rows
+      if r["impl"] == "moespec_jax" and r["drafter"] == "none" and "prefill_flops" in r
+    }
     for s in summary:
       if "prefill_floor_ms_b1" not in s:
         continue
       gflop = " / ".join(f"{flops[(s['family'], b)] / 1e9:.2f}" for b in (1, 8))
       share = pair(s, "prefill_floor_share", ".0%") if "prefill_floor_share_b1" in s else "-"
-      at_floor = ("{:.2f}x | {:.2f} [{:.2f}, {:.2f}]".format(
-          s["ngram_speedup_ours_at_prefill_floor"], s["ngram_speedup_ours_at_prefill_floor_over_transformers"],
-          *s["ngram_speedup_ours_at_prefill_floor_over_transformers_interval"])
-                  if "ngram_speedup_ours_at_prefill_floor" in s else "- | -")
+      at_floor = (
+        "{:.2f}x | {:.2f} [{:.2f}, {:.2f}]".format(
+          s["ngram_speedup_ours_at_prefill_floor"],
+          s["ngram_speedup_ours_at_prefill_floor_over_transformers"],
+          *s["ngram_speedup_ours_at_prefill_floor_over_transformers_interval"],
+        )
+        if "ngram_speedup_ours_at_prefill_floor" in s
+        else "- | -"
+      )
       lines.append(f"| {s['family']} | {gflop} | {pair(s, 'prefill_floor_ms', '.2f')} | {share} | {at_floor} |")
   return "\n".join(lines) + "\n"
 
 
-def finished_rows(path: pathlib.Path, cfg: "PeerBenchConfig") -> list[dict]:
+def finished_rows(path: pathlib.Path, cfg: PeerBenchConfig) -> list[dict]:
   """Rows of an earlier, interrupted run with the same settings (resume), else []."""
   if not path.exists():
     return []
   old = json.loads(path.read_text())
-  same = (old.get("protocol") == PROTOCOL and old.get("quick") == cfg.quick and old.get("size") == cfg.size
-          and old.get("repeats") == cfg.repeats
-          and all(r["max_new_tokens"] == cfg.max_new_tokens and r["prompt_len"] == cfg.prompt_len
-                  and r["num_draft"] in (0, cfg.num_draft) and r.get("auto_draft", False) == (
-                      cfg.auto_draft and r["drafter"] == "ngram")
-                  and (r["drafter"] != "none" or "prefill_flops" in r) for r in old.get("rows", [])))
+  same = (
+    old.get("protocol") == PROTOCOL
+    and old.get("quick") == cfg.quick
+    and old.get("size") == cfg.size
+    and old.get("repeats") == cfg.repeats
+    and all(
+      r["max_new_tokens"] == cfg.max_new_tokens
+      and r["prompt_len"] == cfg.prompt_len
+      and r["num_draft"] in (0, cfg.num_draft)
+      and r.get("auto_draft", False) == (cfg.auto_draft and r["drafter"] == "ngram")
+      and (r["drafter"] != "none" or "prefill_flops" in r)
+      for r in old.get("rows", [])
+    )
+  )
   return list(old.get("rows", [])) if same else []
 
 
@@ -412,6 +526,7 @@ class PeerBenchConfig:
   """What one run measures: `families` (of `moespec_jax.hf`, and/or TRAINED), `max_new_tokens` per
   prompt, `repeats` rounds, prompt lookup up to `num_draft` tokens (ours with num_draft='auto' when
   `auto_draft`, else fixed), `prompt_len` tokens per prompt; `quick`: tiny checkpoints."""
+
   families: tuple[str, ...]
   quick: bool = False
   max_new_tokens: int = 64
@@ -425,15 +540,24 @@ class PeerBenchConfig:
     return QUICK_SIZE if self.quick else BENCH_SIZE
 
 
-def make_config(families: Sequence[str] = (), *, trained: bool = True, quick: bool = False,
-                max_new_tokens: int | None = None, repeats: int | None = None, num_draft: int = 4,
-                prompt_len: int | None = None, auto_draft: bool = True) -> PeerBenchConfig:
+def make_config(
+  families: Sequence[str] = (),
+  *,
+  trained: bool = True,
+  quick: bool = False,
+  max_new_tokens: int | None = None,
+  repeats: int | None = None,
+  num_draft: int = 4,
+  prompt_len: int | None = None,
+  auto_draft: bool = True,
+) -> PeerBenchConfig:
   """The run the command line asks for: every family (and the trained model unless `trained` is
   False or `quick`) where `families` is empty; tokens, rounds and prompt length as given, else
   `QUICK_DEFAULTS` with `quick` (tiny checkpoints) and `FULL_DEFAULTS` without.
   ValueError (naming the flag) for an unknown family, the trained model with `quick`, or prompts
   and outputs beyond the checkpoints' positions."""
   from moespec_jax.hf.config import FAMILIES  # pylint: disable=g-import-not-at-top
+
   chosen = list(families) or list(FAMILIES) + ([TRAINED] if trained and not quick else [])
   unknown = sorted(set(chosen) - set(FAMILIES) - {TRAINED})
   if unknown:
@@ -442,17 +566,25 @@ def make_config(families: Sequence[str] = (), *, trained: bool = True, quick: bo
     raise ValueError(f"--families: {TRAINED} does not run with --quick (it needs the default trained model)")
   given = {"max_new_tokens": max_new_tokens, "repeats": repeats, "prompt_len": prompt_len}
   defaults = QUICK_DEFAULTS if quick else FULL_DEFAULTS
-  cfg = PeerBenchConfig(families=tuple(chosen), quick=quick, num_draft=num_draft, auto_draft=auto_draft,
-                        **{name: defaults[name] if value is None else value for name, value in given.items()})
+  cfg = PeerBenchConfig(
+    families=tuple(chosen),
+    quick=quick,
+    num_draft=num_draft,
+    auto_draft=auto_draft,
+    **{name: defaults[name] if value is None else value for name, value in given.items()},
+  )
   positions = cfg.size["max_len"]
   if TRAINED in chosen:
     from moespec_jax.default_model import default_config  # pylint: disable=g-import-not-at-top
+
     positions = min(positions, default_config().model.max_seq_len)
   lookahead = 0 if auto_draft else num_draft  # a fixed K's drafts need room in the cache
   if cfg.prompt_len + cfg.max_new_tokens + lookahead > positions:
-    raise ValueError(f"--prompt_len ({cfg.prompt_len}) + --max_new_tokens ({cfg.max_new_tokens})"
-                     + (f" + --num_draft ({lookahead})" if lookahead else "")
-                     + f" exceeds the {positions} positions of the checkpoints")
+    raise ValueError(
+      f"--prompt_len ({cfg.prompt_len}) + --max_new_tokens ({cfg.max_new_tokens})"
+      + (f" + --num_draft ({lookahead})" if lookahead else "")
+      + f" exceeds the {positions} positions of the checkpoints"
+    )
   return cfg
 
 
@@ -461,8 +593,8 @@ def run_peer_bench(workdir, cfg: PeerBenchConfig, log=print) -> dict:
   with the same settings; writes metrics.json, table.md and peer_bench.png after each family; returns the metrics
   (a finished run's as written, where nothing is left to measure)."""
   try:
-    import torch  # pylint: disable=g-import-not-at-top,unused-import
-    import transformers  # pylint: disable=g-import-not-at-top,unused-import
+    import torch  # noqa: F401 - only to fail early without the dev extra
+    import transformers  # noqa: F401
   except ImportError as e:
     raise ValueError(f"peer_bench needs the dev extra (torch, transformers): {e}") from None
   workdir = pathlib.Path(workdir)
@@ -476,19 +608,31 @@ def run_peer_bench(workdir, cfg: PeerBenchConfig, log=print) -> dict:
     return metrics
   streams = (earlier_samples(workdir / "metrics.json") if rows else []) + [roofline.stream_read_gbps()]
   rates = (earlier_samples(workdir / "metrics.json", "matmul_gflops_samples") if rows else []) + [
-      roofline.matmul_gflops()]
+    roofline.matmul_gflops()
+  ]
   log(f"stream read bandwidth: {streams[-1]:.1f} GB/s; matmul rate: {rates[-1]:.0f} GFLOP/s")
   if done:
-    log(f"resuming: {sorted(done)} already measured in {workdir / 'metrics.json'} "
-        f"(with {len(streams) - 1} bandwidth samples)")
+    log(
+      f"resuming: {sorted(done)} already measured in {workdir / 'metrics.json'} "
+      f"(with {len(streams) - 1} bandwidth samples)"
+    )
   for family in todo:
     ckpt = workdir / "checkpoints" / (f"{family}-quick" if cfg.quick else family)
     if family == TRAINED:  # exported afresh (seconds): a retrained default model never meets a stale copy
       from moespec_jax.default_model import ensure_default_model  # pylint: disable=g-import-not-at-top
       from moespec_jax.hf import export  # pylint: disable=g-import-not-at-top
+
       export.export_qwen2_moe(ensure_default_model(train_heads=False), ckpt)
-    rows += bench_family(family, ckpt, cfg.size, max_new=cfg.max_new_tokens, repeats=cfg.repeats,
-                         num_draft=cfg.num_draft, prompt_len=cfg.prompt_len, auto_draft=cfg.auto_draft)
+    rows += bench_family(
+      family,
+      ckpt,
+      cfg.size,
+      max_new=cfg.max_new_tokens,
+      repeats=cfg.repeats,
+      num_draft=cfg.num_draft,
+      prompt_len=cfg.prompt_len,
+      auto_draft=cfg.auto_draft,
+    )
     streams.append(roofline.stream_read_gbps())
     rates.append(roofline.matmul_gflops())
     metrics = _write(workdir, cfg, rows, streams, rates)
@@ -497,15 +641,26 @@ def run_peer_bench(workdir, cfg: PeerBenchConfig, log=print) -> dict:
   return metrics
 
 
-def _write(workdir: pathlib.Path, cfg: PeerBenchConfig, rows: list[dict], streams: list[float],
-           rates: list[float]) -> dict:
+def _write(
+  workdir: pathlib.Path, cfg: PeerBenchConfig, rows: list[dict], streams: list[float], rates: list[float]
+) -> dict:
   """metrics.json, table.md and peer_bench.png for the rows so far (a long run leaves its finished part)."""
   summary = summarize(rows, statistics.median(streams), statistics.median(rates))
-  metrics = {"experiment": "peer_bench", "protocol": PROTOCOL, "quick": cfg.quick, "size": cfg.size,
-             "repeats": cfg.repeats, "stream_read_gbps": statistics.median(streams),
-             "stream_read_gbps_samples": streams, "matmul_gflops": statistics.median(rates),
-             "matmul_gflops_samples": rates, "last_level_cache_bytes": roofline.last_level_cache_bytes(),
-             "families_done": sorted({r["family"] for r in rows}), "rows": rows, "summary": summary}
+  metrics = {
+    "experiment": "peer_bench",
+    "protocol": PROTOCOL,
+    "quick": cfg.quick,
+    "size": cfg.size,
+    "repeats": cfg.repeats,
+    "stream_read_gbps": statistics.median(streams),
+    "stream_read_gbps_samples": streams,
+    "matmul_gflops": statistics.median(rates),
+    "matmul_gflops_samples": rates,
+    "last_level_cache_bytes": roofline.last_level_cache_bytes(),
+    "families_done": sorted({r["family"] for r in rows}),
+    "rows": rows,
+    "summary": summary,
+  }
   atomic.write_json_atomic(workdir / "metrics.json", metrics)
   atomic.write_text_atomic(workdir / "table.md", table(rows, summary))
   plot(summary, workdir / "peer_bench.png")
@@ -517,18 +672,25 @@ def plot(summary: list[dict], path) -> pathlib.Path:
   n-gram speedup over its own plain decoding (batch 1, 90% intervals)."""
   plt = plots.pyplot()
   fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(summary)), 4))
-  bars = (("plain_ratio_b1", "plain, ours / transformers, batch 1"),
-          ("plain_ratio_b8", "plain, ours / transformers, batch 8"),
-          ("ngram_speedup_ours", "n-gram over plain, ours"),
-          ("ngram_speedup_transformers", "n-gram over plain, transformers"))
+  bars = (
+    ("plain_ratio_b1", "plain, ours / transformers, batch 1"),
+    ("plain_ratio_b8", "plain, ours / transformers, batch 8"),
+    ("ngram_speedup_ours", "n-gram over plain, ours"),
+    ("ngram_speedup_transformers", "n-gram over plain, transformers"),
+  )
   width = 0.8 / len(bars)
   for i, (key, label) in enumerate(bars):
     ys = [s[key] for s in summary]
     spans = [s.get(f"{key}_interval") or (y, y) for s, y in zip(summary, ys)]
-    ax.bar([j + i * width for j in range(len(summary))], ys, width, label=label, capsize=3,
-           yerr=[[y - lo for y, (lo, _) in zip(ys, spans)], [hi - y for y, (_, hi) in zip(ys, spans)]])
+    ax.bar(
+      [j + i * width for j in range(len(summary))],
+      ys,
+      width,
+      label=label,
+      capsize=3,
+      yerr=[[y - lo for y, (lo, _) in zip(ys, spans)], [hi - y for y, (_, hi) in zip(ys, spans)]],
+    )
   ax.set_xticks([j + 0.4 - width / 2 for j in range(len(summary))], [s["family"] for s in summary])
   ax.axhline(1.0, color="k", lw=0.8, ls="--")
-  plots.finish_axes(ax, "checkpoint", "ratio (medians over rounds)", "moespec-jax and transformers",
-                    legend_fontsize=7)
+  plots.finish_axes(ax, "checkpoint", "ratio (medians over rounds)", "moespec-jax and transformers", legend_fontsize=7)
   return plots.save(fig, path)

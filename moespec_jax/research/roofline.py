@@ -13,7 +13,7 @@ what a faster prefill could still buy a whole run).
 from __future__ import annotations
 
 import pathlib
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -43,7 +43,7 @@ def matmul_gflops(repeats: int = 5, size: int = MATMUL_SIZE) -> float:
   minutes: peer_bench takes the median of samples spread over its run)."""
   a = jnp.ones((size, size), jnp.float32)
   t_ms = timing.median_time_ms(jax.jit(jnp.matmul), (a, a), repeats)
-  return 2 * size ** 3 / (t_ms / 1e3) / 1e9
+  return 2 * size**3 / (t_ms / 1e3) / 1e9
 
 
 def _attention_macs(config, positions: int, queries: int, pairs: int) -> int:
@@ -97,7 +97,7 @@ CPU_CACHES = pathlib.Path("/sys/devices/system/cpu/cpu0/cache")
 def last_level_cache_bytes(caches: pathlib.Path = CPU_CACHES) -> int | None:
   """The largest processor cache's size in bytes (Linux sysfs), None where it cannot be read. A
   decode step whose weights fit in it can read some of them from there on the next step."""
-  units = {"K": 1024, "M": 1024 ** 2, "G": 1024 ** 3}
+  units = {"K": 1024, "M": 1024**2, "G": 1024**3}
   sizes = []
   for index in caches.glob("index*"):
     try:
@@ -129,8 +129,9 @@ def decode_weight_bytes(config, unique_experts_L: Sequence[float]) -> float:
   `generate(...).stats["unique_experts_per_pass"]`). MTP heads are not counted."""
   unique_L = np.asarray(unique_experts_L, float)
   if unique_L.shape != (config.n_moe_layers,):
-    raise ValueError(f"unique_experts_L must have one entry per MoE layer ({config.n_moe_layers}), "
-                     f"got shape {unique_L.shape}")
+    raise ValueError(
+      f"unique_experts_L must have one entry per MoE layer ({config.n_moe_layers}), got shape {unique_L.shape}"
+    )
   if np.any(unique_L < 0) or np.any(unique_L > config.n_routed_experts):
     raise ValueError(f"unique_experts_L must lie in [0, {config.n_routed_experts}], got {unique_L.tolist()}")
   itemsize = jnp.dtype(config.dtype).itemsize

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -18,6 +18,7 @@ from moespec_jax.analysis import timing
 @dataclasses.dataclass(frozen=True)
 class RoundRobin:
   """Per-round decode-phase seconds and stats ({label: [per round]}) and each round's prefill."""
+
   seconds: dict
   stats: dict
   prefill_s: list
@@ -26,10 +27,13 @@ class RoundRobin:
     """Each round's decode-phase speedup of `label` over plain decoding (label None)."""
     return [p / q for p, q in zip(self.seconds[None], self.seconds[label])]
 
-  def extended(self, more: "RoundRobin") -> "RoundRobin":
+  def extended(self, more: RoundRobin) -> RoundRobin:
     """These rounds followed by `more`'s (the same labels)."""
-    return RoundRobin({k: self.seconds[k] + more.seconds[k] for k in self.seconds},
-                      {k: self.stats[k] + more.stats[k] for k in self.stats}, self.prefill_s + more.prefill_s)
+    return RoundRobin(
+      {k: self.seconds[k] + more.seconds[k] for k in self.seconds},
+      {k: self.stats[k] + more.stats[k] for k in self.stats},
+      self.prefill_s + more.prefill_s,
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,13 +46,16 @@ class PromptSets:
   one prompt repeats the same passes, so its rounds measure one trajectory however many they
   are; rounds over several prompts measure the drafter on held-out text.
   """
+
   batches: tuple
   references: tuple
 
   def __post_init__(self):
     if not self.batches or len(self.batches) != len(self.references):
-      raise ValueError(f"need one reference per prompt batch (and at least one batch), got "
-                       f"{len(self.batches)} batches and {len(self.references)} references")
+      raise ValueError(
+        f"need one reference per prompt batch (and at least one batch), got "
+        f"{len(self.batches)} batches and {len(self.references)} references"
+      )
 
   def __len__(self) -> int:
     return len(self.batches)
@@ -73,12 +80,18 @@ def warm_up(model, prompts, max_new_tokens: int, specs: dict, reference=None) ->
   if isinstance(prompts, PromptSets):
     prompts, reference = prompts.batches[0], prompts.references[0]
   for spec in [msj.SpecParams(), *specs.values()]:
-    msj.generate(model, prompts, max_new_tokens=max_new_tokens, spec=spec,
-                 reference_tokens=reference if spec.drafter == "controlled" else None)
+    msj.generate(
+      model,
+      prompts,
+      max_new_tokens=max_new_tokens,
+      spec=spec,
+      reference_tokens=reference if spec.drafter == "controlled" else None,
+    )
 
 
-def round_robin_runs(model, prompts, max_new_tokens: int, specs: dict, rounds: int, reference=None,
-                     check_tokens=None, first_round: int = 0) -> RoundRobin:
+def round_robin_runs(
+  model, prompts, max_new_tokens: int, specs: dict, rounds: int, reference=None, check_tokens=None, first_round: int = 0
+) -> RoundRobin:
   """Decode-phase seconds of plain decoding (label None) and of each spec in `specs` (key: its
   label, e.g. K), `rounds` times each, side by side.
 
@@ -112,8 +125,14 @@ def round_robin_runs(model, prompts, max_new_tokens: int, specs: dict, rounds: i
     before = msj.generate(model, batch, max_new_tokens=1, seed=r).stats["seconds"]
     for k in timing.round_order(labels, r):
       spec = msj.SpecParams() if k is None else specs[k]
-      out = msj.generate(model, batch, max_new_tokens=max_new_tokens, spec=spec, seed=r,
-                         reference_tokens=batch_reference if spec.drafter == "controlled" else None)
+      out = msj.generate(
+        model,
+        batch,
+        max_new_tokens=max_new_tokens,
+        spec=spec,
+        seed=r,
+        reference_tokens=batch_reference if spec.drafter == "controlled" else None,
+      )
       if expected is not None and not np.array_equal(out.tokens, expected):
         raise AssertionError(f"speculative greedy output differs from plain ({spec})")
       totals[k] = out.stats["seconds"]
@@ -136,8 +155,9 @@ def median_ratio_interval(num, den, level: float = 0.9, resamples: int = 2000, s
   return timing.median_interval(np.asarray(num, float) / np.asarray(den, float), level, resamples, seed)
 
 
-def round_robin_speedups(model, prompts, max_new_tokens: int, specs: dict, rounds: int, reference=None,
-                         check_tokens=None):
+def round_robin_speedups(
+  model, prompts, max_new_tokens: int, specs: dict, rounds: int, reference=None, check_tokens=None
+):
   """Each spec's decode-phase speedup over plain decoding: the median over rounds of plain's
   time over the spec's in the same round (`round_robin_runs`).
 
@@ -146,9 +166,13 @@ def round_robin_speedups(model, prompts, max_new_tokens: int, specs: dict, round
   """
   runs = round_robin_runs(model, prompts, max_new_tokens, specs, rounds, reference, check_tokens)
   per_round = {k: runs.speedups(k) for k in specs}
-  return ({k: statistics.median(per_round[k]) for k in specs},
-          {k: statistics.median(s["tokens_per_second"] for s in runs.stats[k]) for k in specs},
-          {k: runs.stats[k][-1] for k in specs}, runs.prefill_s, per_round)
+  return (
+    {k: statistics.median(per_round[k]) for k in specs},
+    {k: statistics.median(s["tokens_per_second"] for s in runs.stats[k]) for k in specs},
+    {k: runs.stats[k][-1] for k in specs},
+    runs.prefill_s,
+    per_round,
+  )
 
 
 def best_k_bootstrap(round_speedups_KR, resamples: int = 2000, seed: int = 0) -> np.ndarray:
@@ -166,8 +190,9 @@ def best_k_bootstrap(round_speedups_KR, resamples: int = 2000, seed: int = 0) ->
   return np.bincount(np.argmax(medians_SK, axis=1), minlength=ratios_KR.shape[0]) / resamples
 
 
-def rounds_until_settled(more, labels: Sequence, repeats: int, max_repeats: int, settled_share: float,
-                         seed: int = 0) -> RoundRobin:
+def rounds_until_settled(
+  more, labels: Sequence, repeats: int, max_repeats: int, settled_share: float, seed: int = 0
+) -> RoundRobin:
   """Rounds of plain decoding (label None) and of every K in `labels` (K = 1, 2, ... in order),
   `repeats` at a time (`more(first_round, n)`: n more rounds, a `RoundRobin`), until the measured
   best K is settled: the rounds resampled put it within 1 of the best median speedup in at least

@@ -12,13 +12,14 @@ from __future__ import annotations
 import pathlib
 import statistics
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import moespec_jax as msj
 from moespec_jax.analysis import timing
 from moespec_jax.data import corpus
-from moespec_jax.decoding import programs
 from moespec_jax.data import tokenizer as tokenizer_lib
+from moespec_jax.decoding import programs
 from moespec_jax.io import atomic, plots
 from moespec_jax.io.progress import Progress
 
@@ -31,8 +32,10 @@ def bench_prompts(model, n: int, prompt_bytes: int, log=print) -> tuple[list, st
   if not isinstance(model.tokenizer, tokenizer_lib.MissingTokenizer):
     return prompts, "tokenizer"
   if model.config.vocab_size < 256:
-    raise ValueError(f"the model at {model.tokenizer.source} has no tokenizer.json and a vocabulary of "
-                     f"{model.config.vocab_size} < 256: no prompts to give it (add its tokenizer.json)")
+    raise ValueError(
+      f"the model at {model.tokenizer.source} has no tokenizer.json and a vocabulary of "
+      f"{model.config.vocab_size} < 256: no prompts to give it (add its tokenizer.json)"
+    )
   log("the model has no tokenizer.json: prompts are the held-out code's UTF-8 bytes as token ids")
   return [list(p.encode("utf-8")) for p in prompts], "utf8_bytes"
 
@@ -69,21 +72,36 @@ def paired(model, prompts, max_new_tokens: int, sampling, spec, repeats: int):
   for r in range(repeats):
     runs = {}
     for name, run_spec in timing.round_order(order, r):
-      runs[name] = msj.generate(model, prompts, max_new_tokens=max_new_tokens, sampling=sampling,
-                                spec=run_spec, seed=r).stats
+      runs[name] = msj.generate(
+        model, prompts, max_new_tokens=max_new_tokens, sampling=sampling, spec=run_spec, seed=r
+      ).stats
     plain, stats = runs["plain"], runs["spec"]
     spec_rates.append(stats["tokens_per_second"])
     plain_rates.append(plain["tokens_per_second"])
     ratios.append(stats["tokens_per_second"] / plain["tokens_per_second"])
     lengths.append(stats["mean_accepted_length"])
-  return (statistics.median(spec_rates), statistics.median(plain_rates), statistics.median(ratios),
-          statistics.median(lengths), stats)
+  return (
+    statistics.median(spec_rates),
+    statistics.median(plain_rates),
+    statistics.median(ratios),
+    statistics.median(lengths),
+    stats,
+  )
 
 
-def run_spec_bench(model, workdir, *, batch_sizes: Sequence[int] = (1, 2, 4, 8),
-                   temperatures: Sequence[float] = (0.0, 1.0), drafters: Sequence[str] = ("mtp", "ngram"),
-                   num_drafts: Sequence[int] = (1, 2, 3, 4, 5, 6), max_new_tokens: int = 64,
-                   repeats: int = 3, prompt_bytes: int = 192, log=print) -> dict[str, Any]:
+def run_spec_bench(
+  model,
+  workdir,
+  *,
+  batch_sizes: Sequence[int] = (1, 2, 4, 8),
+  temperatures: Sequence[float] = (0.0, 1.0),
+  drafters: Sequence[str] = ("mtp", "ngram"),
+  num_drafts: Sequence[int] = (1, 2, 3, 4, 5, 6),
+  max_new_tokens: int = 64,
+  repeats: int = 3,
+  prompt_bytes: int = 192,
+  log=print,
+) -> dict[str, Any]:
   """Runs the sweep and writes `workdir/metrics.json` (key `spec_bench`) and `speedup_vs_k.png`."""
   workdir = pathlib.Path(workdir)
   workdir.mkdir(parents=True, exist_ok=True)
@@ -99,10 +117,8 @@ def run_spec_bench(model, workdir, *, batch_sizes: Sequence[int] = (1, 2, 4, 8),
     for batch in batch_sizes:
       batch_prompts = prompts[:batch]
       warm_up(model, batch_prompts, max_new_tokens, sampling, msj.SpecParams(drafter="none"))
-      plain_tps, _, _ = timed(model, batch_prompts, max_new_tokens, sampling,
-                              msj.SpecParams(drafter="none"), repeats)
-      plain_rows.append({"batch_size": batch, "temperature": float(temperature),
-                         "tokens_per_second": plain_tps})
+      plain_tps, _, _ = timed(model, batch_prompts, max_new_tokens, sampling, msj.SpecParams(drafter="none"), repeats)
+      plain_rows.append({"batch_size": batch, "temperature": float(temperature), "tokens_per_second": plain_tps})
       done += 1
       progress.update(done)
       plain_programs = programs.PROGRAMS.signatures()
@@ -111,37 +127,87 @@ def run_spec_bench(model, workdir, *, batch_sizes: Sequence[int] = (1, 2, 4, 8),
           spec = msj.SpecParams(drafter=drafter, num_draft=k)
           warm_up(model, batch_prompts, max_new_tokens, sampling, spec)
           tps, row_plain_tps, speedup, acc_len, stats = paired(
-              model, batch_prompts, max_new_tokens, sampling, spec, repeats)
-          rows.append({
-              "drafter": drafter, "num_draft": k, "batch_size": batch, "temperature": float(temperature),
-              "tokens_per_second": tps, "plain_tokens_per_second": row_plain_tps,
-              "speedup": speedup, "mean_accepted_length": acc_len,
+            model, batch_prompts, max_new_tokens, sampling, spec, repeats
+          )
+          rows.append(
+            {
+              "drafter": drafter,
+              "num_draft": k,
+              "batch_size": batch,
+              "temperature": float(temperature),
+              "tokens_per_second": tps,
+              "plain_tokens_per_second": row_plain_tps,
+              "speedup": speedup,
+              "mean_accepted_length": acc_len,
               "acceptance_by_depth": stats["acceptance_by_depth"],
               "unique_experts_per_pass": stats["unique_experts_per_pass"],
-          })
+            }
+          )
           done += 1
           progress.update(done, speedup=speedup)
-          _write(workdir, rows, plain_rows, max_new_tokens, repeats, batch_sizes, prompt_bytes, model,
-                 began, complete=False, encoding=encoding)
+          _write(
+            workdir,
+            rows,
+            plain_rows,
+            max_new_tokens,
+            repeats,
+            batch_sizes,
+            prompt_bytes,
+            model,
+            began,
+            complete=False,
+            encoding=encoding,
+          )
           # ~100 compiled loops do not fit in memory together: keep only the plain program.
           programs.PROGRAMS.forget(plain_programs)
       programs.PROGRAMS.forget()
-  result = _write(workdir, rows, plain_rows, max_new_tokens, repeats, batch_sizes, prompt_bytes, model,
-                  began, complete=True, encoding=encoding)
+  result = _write(
+    workdir,
+    rows,
+    plain_rows,
+    max_new_tokens,
+    repeats,
+    batch_sizes,
+    prompt_bytes,
+    model,
+    began,
+    complete=True,
+    encoding=encoding,
+  )
   plot_speedup(rows, workdir / "speedup_vs_k.png")
   log(format_table(rows))
   return result
 
 
-def _write(workdir, rows, plain_rows, max_new_tokens, repeats, batch_sizes, prompt_bytes, model, began,
-           *, complete: bool, encoding: str):
+def _write(
+  workdir,
+  rows,
+  plain_rows,
+  max_new_tokens,
+  repeats,
+  batch_sizes,
+  prompt_bytes,
+  model,
+  began,
+  *,
+  complete: bool,
+  encoding: str,
+):
   """Writes the metrics so far (a long sweep leaves usable partial results)."""
-  result = {"spec_bench": {
-      "rows": rows, "plain": plain_rows, "complete": complete, "max_new_tokens": max_new_tokens,
-      "repeats": repeats, "n_prompts": max(batch_sizes), "prompt_bytes": prompt_bytes,
+  result = {
+    "spec_bench": {
+      "rows": rows,
+      "plain": plain_rows,
+      "complete": complete,
+      "max_new_tokens": max_new_tokens,
+      "repeats": repeats,
+      "n_prompts": max(batch_sizes),
+      "prompt_bytes": prompt_bytes,
       "prompt_encoding": encoding,
-      "num_mtp_modules": model.config.num_mtp_modules, "seconds": time.perf_counter() - began,
-  }}
+      "num_mtp_modules": model.config.num_mtp_modules,
+      "seconds": time.perf_counter() - began,
+    }
+  }
   atomic.write_json_atomic(workdir / "metrics.json", result)
   return result
 
@@ -149,9 +215,11 @@ def _write(workdir, rows, plain_rows, max_new_tokens, repeats, batch_sizes, prom
 def format_table(rows) -> str:
   lines = [f"{'drafter':<8}{'T':>5}{'batch':>7}{'K':>4}{'tok/s':>10}{'plain':>10}{'speedup':>9}{'acc.len':>9}"]
   for r in rows:
-    lines.append(f"{r['drafter']:<8}{r['temperature']:>5.1f}{r['batch_size']:>7}{r['num_draft']:>4}"
-                 f"{r['tokens_per_second']:>10.1f}{r['plain_tokens_per_second']:>10.1f}"
-                 f"{r['speedup']:>9.2f}{r['mean_accepted_length']:>9.2f}")
+    lines.append(
+      f"{r['drafter']:<8}{r['temperature']:>5.1f}{r['batch_size']:>7}{r['num_draft']:>4}"
+      f"{r['tokens_per_second']:>10.1f}{r['plain_tokens_per_second']:>10.1f}"
+      f"{r['speedup']:>9.2f}{r['mean_accepted_length']:>9.2f}"
+    )
   return "\n".join(lines)
 
 
@@ -164,10 +232,17 @@ def plot_speedup(rows, path: pathlib.Path) -> None:
   fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), squeeze=False)
   for ax, (drafter, temperature) in zip(axes[0], panels):
     for batch in sorted({r["batch_size"] for r in rows}):
-      sel = sorted((r for r in rows if r["drafter"] == drafter and r["temperature"] == temperature
-                    and r["batch_size"] == batch), key=lambda r: r["num_draft"])
+      sel = sorted(
+        (r for r in rows if r["drafter"] == drafter and r["temperature"] == temperature and r["batch_size"] == batch),
+        key=lambda r: r["num_draft"],
+      )
       ax.plot([r["num_draft"] for r in sel], [r["speedup"] for r in sel], "o-", label=f"batch {batch}")
     ax.axhline(1.0, color="gray", lw=0.8, ls="--")
-    plots.finish_axes(ax, "K (drafted tokens)", "speedup over plain",
-                      f"{drafter}, {'greedy' if temperature == 0 else f'T={temperature:g}'}", legend_fontsize=8)
+    plots.finish_axes(
+      ax,
+      "K (drafted tokens)",
+      "speedup over plain",
+      f"{drafter}, {'greedy' if temperature == 0 else f'T={temperature:g}'}",
+      legend_fontsize=8,
+    )
   plots.save(fig, path)

@@ -22,16 +22,17 @@ def heldout_trace(model, *, n_segments: int = 64, seq_len: int = 256, batch_size
   seq_len = min(seq_len, model.config.max_seq_len)
   tokens = batches_lib.corpus_tokens(model.tokenizer, "validation")
   segments = []
-  for vb in batches_lib.validation_batches(tokens, batch_size, seq_len,
-                                           max_batches=-(-n_segments // batch_size)):
+  for vb in batches_lib.validation_batches(tokens, batch_size, seq_len, max_batches=-(-n_segments // batch_size)):
     ids_LBTK = np.asarray(model.forward_full(vb.tokens[:, :-1]).routing.expert_ids)
     segments.extend(ids_LBTK[:, b] for b in range(ids_LBTK.shape[1]))
   segments = segments[:n_segments]
   if not segments:
     raise ValueError("the validation split is too small for one window")
-  return RoutingTrace(segments, model.config.n_routed_experts,
-                      {"source": "heldout", "seq_len": seq_len, "n_segments": len(segments),
-                       "model_layers": moe_layers(model)})
+  return RoutingTrace(
+    segments,
+    model.config.n_routed_experts,
+    {"source": "heldout", "seq_len": seq_len, "n_segments": len(segments), "model_layers": moe_layers(model)},
+  )
 
 
 def generated_trace(model, *, n_prompts: int = 16, max_new_tokens: int = 128, seed: int = 0) -> RoutingTrace:
@@ -44,7 +45,14 @@ def generated_trace(model, *, n_prompts: int = 16, max_new_tokens: int = 128, se
     new = [int(t) for t in row if t >= 0]
     full = np.asarray([ids + new], np.int32)
     routing = np.asarray(model.forward_full(full).routing.expert_ids)[:, 0]
-    segments.append(routing[:, len(ids):])
-  return RoutingTrace(segments, model.config.n_routed_experts,
-                      {"source": "generated", "max_new_tokens": max_new_tokens, "n_segments": len(segments),
-                       "model_layers": moe_layers(model)})
+    segments.append(routing[:, len(ids) :])
+  return RoutingTrace(
+    segments,
+    model.config.n_routed_experts,
+    {
+      "source": "generated",
+      "max_new_tokens": max_new_tokens,
+      "n_segments": len(segments),
+      "model_layers": moe_layers(model),
+    },
+  )

@@ -18,8 +18,11 @@ def load_balance_loss(expert_ids_LBTK, probs_LBTE):
   """
   n_experts = probs_LBTE.shape[-1]
   n_layers = probs_LBTE.shape[0]
-  counts_LE = jnp.zeros((n_layers, n_experts), jnp.float32).at[
-      jnp.arange(n_layers)[:, None], expert_ids_LBTK.reshape(n_layers, -1)].add(1.0)
+  counts_LE = (
+    jnp.zeros((n_layers, n_experts), jnp.float32)
+    .at[jnp.arange(n_layers)[:, None], expert_ids_LBTK.reshape(n_layers, -1)]
+    .add(1.0)
+  )
   frac_LE = jax.lax.stop_gradient(counts_LE / jnp.sum(counts_LE, axis=-1, keepdims=True))
   mean_prob_LE = jnp.mean(probs_LBTE.reshape(n_layers, -1, n_experts), axis=1)
   return n_experts * jnp.mean(jnp.sum(frac_LE * mean_prob_LE, axis=-1))
@@ -28,6 +31,9 @@ def load_balance_loss(expert_ids_LBTK, probs_LBTE):
 def expert_load(expert_ids_LBTK, n_experts: int):
   """Fraction of assignments per expert, [L, E]."""
   n_layers = expert_ids_LBTK.shape[0]
-  counts_LE = jnp.zeros((n_layers, n_experts), jnp.float32).at[
-      jnp.arange(n_layers)[:, None], expert_ids_LBTK.reshape(n_layers, -1)].add(1.0)
+  counts_LE = (
+    jnp.zeros((n_layers, n_experts), jnp.float32)
+    .at[jnp.arange(n_layers)[:, None], expert_ids_LBTK.reshape(n_layers, -1)]
+    .add(1.0)
+  )
   return counts_LE / jnp.sum(counts_LE, axis=-1, keepdims=True)

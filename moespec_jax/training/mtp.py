@@ -29,10 +29,10 @@ from moespec_jax.api import Model
 from moespec_jax.config import dataclass_from_dict
 from moespec_jax.data import batches as batches_lib
 from moespec_jax.io import atomic, checkpoint, plots
+from moespec_jax.io.progress import Progress
 from moespec_jax.model import Transformer
 from moespec_jax.model import mtp as mtp_lib
 from moespec_jax.training import losses
-from moespec_jax.io.progress import Progress
 
 LOSSES = ("ce", "distill")
 
@@ -66,7 +66,7 @@ class MTPTrainConfig:
       raise ValueError(f"mtp.learning_rate must be > 0, got {self.learning_rate}")
 
   @classmethod
-  def from_dict(cls, d) -> "MTPTrainConfig":
+  def from_dict(cls, d) -> MTPTrainConfig:
     return dataclass_from_dict(cls, d, "unknown mtp config fields")
 
 
@@ -103,8 +103,8 @@ def depth_losses(module, tokens_BT, depths: int):
   results = []
   for k, logits_BNV in enumerate(mtp_lib.forward_train(module, hidden, tokens_BT, depths), start=1):
     n = t - k - 1
-    truth_BN = tokens_BT[:, k + 1:]
-    p_logits_BNV = target_logits_BTV[:, k:k + n]
+    truth_BN = tokens_BT[:, k + 1 :]
+    p_logits_BNV = target_logits_BTV[:, k : k + n]
     logq_BNV = jax.nn.log_softmax(logits_BNV.astype(jnp.float32), axis=-1)
     p_BNV = jax.nn.softmax(p_logits_BNV, axis=-1)
     ce = jnp.mean(losses.cross_entropy(logits_BNV, truth_BN))
@@ -118,9 +118,11 @@ def depth_losses(module, tokens_BT, depths: int):
 def make_optimizer(tc: MTPTrainConfig) -> optax.GradientTransformation:
   warmup = min(tc.warmup_steps, tc.steps - 1)
   schedule = optax.warmup_cosine_decay_schedule(
-      0.0, tc.learning_rate, warmup, max(tc.steps, warmup + 1), tc.learning_rate * tc.min_lr_ratio)
-  return optax.chain(optax.clip_by_global_norm(tc.grad_clip),
-                     optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=tc.weight_decay))
+    0.0, tc.learning_rate, warmup, max(tc.steps, warmup + 1), tc.learning_rate * tc.min_lr_ratio
+  )
+  return optax.chain(
+    optax.clip_by_global_norm(tc.grad_clip), optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=tc.weight_decay)
+  )
 
 
 def _loss_fn(heads, rest, batch_BT, graphdef, tc: MTPTrainConfig):
@@ -149,13 +151,19 @@ def eval_step(graphdef, depths: int, heads, rest, batch_BT):
 def evaluate(graphdef, heads, rest, val_tokens, tc: MTPTrainConfig) -> list[dict[str, float]]:
   """Teacher-forced per-depth figures on held-out windows."""
   rows = []
-  for vb in batches_lib.validation_batches(val_tokens, tc.batch_size, tc.seq_len - 1,
-                                           max_batches=tc.eval_batches):
+  for vb in batches_lib.validation_batches(val_tokens, tc.batch_size, tc.seq_len - 1, max_batches=tc.eval_batches):
     rows.append(np.asarray(eval_step(graphdef, tc.num_mtp_modules, heads, rest, jnp.asarray(vb.tokens))))
   mean = np.mean(rows, axis=0)
-  return [{"depth": k + 1, "ce": float(m[0]), "distill_ce": float(m[1]),
-           "greedy_acceptance": float(m[2]), "expected_acceptance_t1": float(m[3])}
-          for k, m in enumerate(mean)]
+  return [
+    {
+      "depth": k + 1,
+      "ce": float(m[0]),
+      "distill_ce": float(m[1]),
+      "greedy_acceptance": float(m[2]),
+      "expected_acceptance_t1": float(m[3]),
+    }
+    for k, m in enumerate(mean)
+  ]
 
 
 def train(target: Model, tc: MTPTrainConfig, workdir, *, log=print) -> tuple[Model, dict[str, Any]]:
@@ -166,8 +174,7 @@ def train(target: Model, tc: MTPTrainConfig, workdir, *, log=print) -> tuple[Mod
   workdir = pathlib.Path(workdir)
   workdir.mkdir(parents=True, exist_ok=True)
   if tc.seq_len > target.config.max_seq_len:
-    raise ValueError(f"mtp.seq_len ({tc.seq_len}) exceeds the model's max_seq_len "
-                     f"({target.config.max_seq_len})")
+    raise ValueError(f"mtp.seq_len ({tc.seq_len}) exceeds the model's max_seq_len ({target.config.max_seq_len})")
   tokenizer = target.tokenizer
   train_tokens = batches_lib.corpus_tokens(tokenizer, "train")
   val_tokens = batches_lib.corpus_tokens(tokenizer, "validation")
@@ -177,13 +184,13 @@ def train(target: Model, tc: MTPTrainConfig, workdir, *, log=print) -> tuple[Mod
   opt_state = make_optimizer(tc).init(heads)
 
   metrics: dict[str, Any] = {"train_config": dataclasses.asdict(tc), "train_curve": []}
-  manager = checkpoint.CheckpointManager(workdir / "checkpoints", max_to_keep=2,
-                                         save_interval_steps=tc.checkpoint_every)
+  manager = checkpoint.CheckpointManager(
+    workdir / "checkpoints", max_to_keep=2, save_interval_steps=tc.checkpoint_every
+  )
   start = 0
   if manager.latest_step() is not None:
     start = manager.latest_step()
-    state = manager.restore(start, checkpoint.abstract_tree(
-        {"heads": heads, "opt_state": opt_state, "step": 0}))
+    state = manager.restore(start, checkpoint.abstract_tree({"heads": heads, "opt_state": opt_state, "step": 0}))
     heads, opt_state = state["heads"], state["opt_state"]
     prev = workdir / "metrics.json"
     if prev.exists():
@@ -192,8 +199,7 @@ def train(target: Model, tc: MTPTrainConfig, workdir, *, log=print) -> tuple[Mod
     log(f"resuming MTP training from step {start}")
 
   tokens_per_step = tc.batch_size * tc.seq_len
-  progress = Progress(tc.steps, desc="mtp", unit="tokens", every_s=tc.log_every_seconds,
-                          start_step=start, emit=log)
+  progress = Progress(tc.steps, desc="mtp", unit="tokens", every_s=tc.log_every_seconds, start_step=start, emit=log)
   began = time.perf_counter()
   step = start
   for step in range(start + 1, tc.steps + 1):
@@ -222,18 +228,27 @@ def train(target: Model, tc: MTPTrainConfig, workdir, *, log=print) -> tuple[Mod
   return model, metrics
 
 
-def decoding_acceptance(model: Model, *, num_draft: int = 4, n_prompts: int = 8,
-                        max_new_tokens: int = 96) -> dict[str, Any]:
+def decoding_acceptance(
+  model: Model, *, num_draft: int = 4, n_prompts: int = 8, max_new_tokens: int = 96
+) -> dict[str, Any]:
   """Acceptance by depth measured by speculative decoding of held-out code prompts."""
   import moespec_jax as msj
   from moespec_jax.data import corpus
+
   prompts = corpus.held_out_prompts(n_prompts, prompt_bytes=192, seed=1)
   out = {}
   for name, sampling in (("greedy", msj.SamplingParams()), ("t1", msj.SamplingParams(temperature=1.0))):
-    res = msj.generate(model, prompts, max_new_tokens=max_new_tokens, sampling=sampling,
-                       spec=msj.SpecParams(drafter="mtp", num_draft=num_draft))
-    out[name] = {"acceptance_by_depth": res.stats["acceptance_by_depth"],
-                 "mean_accepted_length": res.stats["mean_accepted_length"]}
+    res = msj.generate(
+      model,
+      prompts,
+      max_new_tokens=max_new_tokens,
+      sampling=sampling,
+      spec=msj.SpecParams(drafter="mtp", num_draft=num_draft),
+    )
+    out[name] = {
+      "acceptance_by_depth": res.stats["acceptance_by_depth"],
+      "mean_accepted_length": res.stats["mean_accepted_length"],
+    }
   return out
 
 

@@ -20,10 +20,10 @@ from moespec_jax.config import ModelConfig, dataclass_from_dict
 from moespec_jax.data import batches as batches_lib
 from moespec_jax.data import tokenizer as tokenizer_lib
 from moespec_jax.io import atomic, checkpoint, plots
+from moespec_jax.io.progress import Progress
 from moespec_jax.model import Transformer
 from moespec_jax.model.moe import RouterBias
 from moespec_jax.training import losses
-from moespec_jax.io.progress import Progress
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,19 +54,24 @@ class TrainConfig:
       raise ValueError(f"train.learning_rate must be > 0, got {self.learning_rate}")
 
   @classmethod
-  def from_dict(cls, d) -> "TrainConfig":
+  def from_dict(cls, d) -> TrainConfig:
     return dataclass_from_dict(cls, d, "unknown train config fields")
 
 
 def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
   warmup = min(tc.warmup_steps, tc.steps - 1)
   schedule = optax.warmup_cosine_decay_schedule(
-      init_value=0.0, peak_value=tc.learning_rate, warmup_steps=warmup,
-      decay_steps=max(tc.steps, warmup + 1), end_value=tc.learning_rate * tc.min_lr_ratio)
+    init_value=0.0,
+    peak_value=tc.learning_rate,
+    warmup_steps=warmup,
+    decay_steps=max(tc.steps, warmup + 1),
+    end_value=tc.learning_rate * tc.min_lr_ratio,
+  )
   decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
   return optax.chain(
-      optax.clip_by_global_norm(tc.grad_clip),
-      optax.adamw(schedule, b1=tc.b1, b2=tc.b2, weight_decay=tc.weight_decay, mask=decay_mask))
+    optax.clip_by_global_norm(tc.grad_clip),
+    optax.adamw(schedule, b1=tc.b1, b2=tc.b2, weight_decay=tc.weight_decay, mask=decay_mask),
+  )
 
 
 def split_module(module: Transformer):
@@ -113,14 +118,16 @@ def make_eval_step(graphdef):
     module = nnx.merge(graphdef, params, biases)
     out = module(batch_BT1[:, :-1])
     return jnp.sum(losses.cross_entropy(out.logits, batch_BT1[:, 1:]))
+
   return eval_step
 
 
 def evaluate(eval_step, params, biases, val_tokens, tc: TrainConfig, byte_lengths) -> float:
   """Validation bits per byte over `eval_batches` fixed batches."""
   nats, n_bytes = 0.0, 0
-  for vb in batches_lib.validation_batches(val_tokens, tc.batch_size, tc.seq_len,
-                                           max_batches=tc.eval_batches, byte_lengths=byte_lengths):
+  for vb in batches_lib.validation_batches(
+    val_tokens, tc.batch_size, tc.seq_len, max_batches=tc.eval_batches, byte_lengths=byte_lengths
+  ):
     nats += float(eval_step(params, biases, jnp.asarray(vb.tokens)))
     n_bytes += vb.n_bytes
   return tokenizer_lib.bits_per_byte(nats, n_bytes)
@@ -139,8 +146,9 @@ def plot_curves(metrics: dict, path: pathlib.Path) -> None:
   plots.save(fig, path)
 
 
-def train(config: ModelConfig, tc: TrainConfig, workdir, *, config_name: str = "",
-          log=print) -> tuple[Model, dict[str, Any]]:
+def train(
+  config: ModelConfig, tc: TrainConfig, workdir, *, config_name: str = "", log=print
+) -> tuple[Model, dict[str, Any]]:
   """Trains (or resumes) a target model in `workdir`; returns the model and its metrics.
 
   `workdir/checkpoints` holds resumable state; `workdir/model` the final model;
@@ -150,8 +158,9 @@ def train(config: ModelConfig, tc: TrainConfig, workdir, *, config_name: str = "
   workdir.mkdir(parents=True, exist_ok=True)
   tokenizer = tokenizer_lib.load_tokenizer(config.tokenizer)
   if tokenizer.vocab_size > config.vocab_size:
-    raise ValueError(f"tokenizer {config.tokenizer!r} needs vocab_size >= {tokenizer.vocab_size}, "
-                     f"config has {config.vocab_size}")
+    raise ValueError(
+      f"tokenizer {config.tokenizer!r} needs vocab_size >= {tokenizer.vocab_size}, config has {config.vocab_size}"
+    )
   if tc.seq_len > config.max_seq_len:
     raise ValueError(f"train.seq_len ({tc.seq_len}) exceeds model max_seq_len ({config.max_seq_len})")
   log(f"tokenizing the corpus ({tokenizer!r}) ...")
@@ -165,12 +174,18 @@ def train(config: ModelConfig, tc: TrainConfig, workdir, *, config_name: str = "
   optimizer = make_optimizer(tc)
   opt_state = optimizer.init(params)
   state = {"params": params, "biases": biases, "opt_state": opt_state, "step": 0}
-  metrics: dict[str, Any] = {"config_name": config_name, "model_config": config.to_dict(),
-                             "train_config": dataclasses.asdict(tc), "params": config.param_counts(),
-                             "train_curve": [], "val_curve": []}
+  metrics: dict[str, Any] = {
+    "config_name": config_name,
+    "model_config": config.to_dict(),
+    "train_config": dataclasses.asdict(tc),
+    "params": config.param_counts(),
+    "train_curve": [],
+    "val_curve": [],
+  }
 
-  manager = checkpoint.CheckpointManager(workdir / "checkpoints", max_to_keep=2,
-                                         save_interval_steps=tc.checkpoint_every)
+  manager = checkpoint.CheckpointManager(
+    workdir / "checkpoints", max_to_keep=2, save_interval_steps=tc.checkpoint_every
+  )
   start = 0
   if manager.latest_step() is not None:
     start = manager.latest_step()
@@ -178,6 +193,7 @@ def train(config: ModelConfig, tc: TrainConfig, workdir, *, config_name: str = "
     prev = workdir / "metrics.json"
     if prev.exists():
       import json
+
       old = json.loads(prev.read_text())
       metrics["train_curve"] = [r for r in old.get("train_curve", []) if r["step"] <= start]
       metrics["val_curve"] = [r for r in old.get("val_curve", []) if r["step"] <= start]
@@ -187,8 +203,7 @@ def train(config: ModelConfig, tc: TrainConfig, workdir, *, config_name: str = "
   train_step = make_train_step(graphdef, optimizer, tc, config)
   eval_step = make_eval_step(graphdef)
   tokens_per_step = tc.batch_size * tc.seq_len
-  progress = Progress(tc.steps, desc="train", unit="tokens", every_s=tc.log_every_seconds,
-                          start_step=start, emit=log)
+  progress = Progress(tc.steps, desc="train", unit="tokens", every_s=tc.log_every_seconds, start_step=start, emit=log)
   step_times = []
   step = start
   for step in range(start + 1, tc.steps + 1):
@@ -209,8 +224,7 @@ def train(config: ModelConfig, tc: TrainConfig, workdir, *, config_name: str = "
       metrics["val_curve"].append({"step": step, "bits_per_byte": bpb})
       log(f"step {step}: validation {bpb:.4f} bits/byte")
     if manager.should_save(step) or step == tc.steps:
-      manager.save(step, {"params": params, "biases": biases, "opt_state": opt_state, "step": step},
-                   force=True)
+      manager.save(step, {"params": params, "biases": biases, "opt_state": opt_state, "step": step}, force=True)
       atomic.write_json_atomic(workdir / "metrics.json", metrics)
   manager.close()
 
@@ -227,12 +241,9 @@ def train(config: ModelConfig, tc: TrainConfig, workdir, *, config_name: str = "
   return model, metrics
 
 
-def validation_bits_per_byte(model: Model, *, batch_size: int = 8, seq_len: int = 256,
-                             max_batches: int = 8) -> float:
+def validation_bits_per_byte(model: Model, *, batch_size: int = 8, seq_len: int = 256, max_batches: int = 8) -> float:
   """Bits per byte of `model` on the first `max_batches` validation windows."""
   graphdef, params, biases = split_module(model.module())
-  tc = TrainConfig(batch_size=batch_size, seq_len=min(seq_len, model.config.max_seq_len),
-                   eval_batches=max_batches)
+  tc = TrainConfig(batch_size=batch_size, seq_len=min(seq_len, model.config.max_seq_len), eval_batches=max_batches)
   val_tokens = batches_lib.corpus_tokens(model.tokenizer, "validation")
-  return evaluate(make_eval_step(graphdef), params, biases, val_tokens, tc,
-                  model.tokenizer.token_byte_lengths())
+  return evaluate(make_eval_step(graphdef), params, biases, val_tokens, tc, model.tokenizer.token_byte_lengths())

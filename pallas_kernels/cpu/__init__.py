@@ -4,12 +4,41 @@ the KV cache (GQA; MLA against its compressed cache) and a clock read inside com
 `build.py` compiles and loads the library (csrc/), `ffi.py` holds the calls, `packing.py` the
 weight layout of the packed products."""
 
-from pallas_kernels.cpu.build import (CpuKernelUnavailable, available, cache_dir, ensure_built, library_path,
-                                      reset_for_tests, unavailable_reason)
-from pallas_kernels.cpu.ffi import (MODES, cached_attention, clock_after, elapsed_ms, expert_ffn_cpu, mla_attention,
-                                    packed_matmul)
+from pallas_kernels.cpu.build import (
+  CpuKernelUnavailable,
+  available,
+  cache_dir,
+  ensure_built,
+  library_path,
+  reset_for_tests,
+  unavailable_reason,
+)
+from pallas_kernels.cpu.ffi import (
+  MODES,
+  cached_attention,
+  clock_after,
+  elapsed_ms,
+  expert_ffn_cpu,
+  mla_attention,
+  packed_matmul,
+)
 from pallas_kernels.cpu.packing import PACK_COLUMNS, pack_columns
 
-__all__ = ["CpuKernelUnavailable", "MODES", "PACK_COLUMNS", "available", "cache_dir", "cached_attention",
-           "clock_after", "elapsed_ms", "ensure_built", "expert_ffn_cpu", "library_path", "mla_attention",
-           "pack_columns", "packed_matmul", "reset_for_tests", "unavailable_reason"]
+__all__ = [
+  "CpuKernelUnavailable",
+  "MODES",
+  "PACK_COLUMNS",
+  "available",
+  "cache_dir",
+  "cached_attention",
+  "clock_after",
+  "elapsed_ms",
+  "ensure_built",
+  "expert_ffn_cpu",
+  "library_path",
+  "mla_attention",
+  "pack_columns",
+  "packed_matmul",
+  "reset_for_tests",
+  "unavailable_reason",
+]

@@ -23,13 +23,19 @@ import threading
 import jax
 
 _CSRC = pathlib.Path(__file__).parent / "csrc"
-_SOURCES = tuple(_CSRC / name for name in ("moe_ffn_cpu.cc", "dense_cpu.cc", "attention_cpu.cc", "mla_attention_cpu.cc",
-                                          "clock_cpu.cc"))
+_SOURCES = tuple(
+  _CSRC / name
+  for name in ("moe_ffn_cpu.cc", "dense_cpu.cc", "attention_cpu.cc", "mla_attention_cpu.cc", "clock_cpu.cc")
+)
 _HEADERS = (_CSRC / "gemv.h", _CSRC / "slots.h", _CSRC / "vmath.h")
 # FFI target -> the handler symbol the library exports.
-_TARGETS = {"moespec_moe_ffn_f32": "MoespecMoeFfnF32", "moespec_dense_f32": "MoespecDenseF32",
-            "moespec_attention_f32": "MoespecAttentionF32", "moespec_mla_attention_f32": "MoespecMlaAttentionF32",
-            "moespec_clock_cpu": "MoespecClockCpu"}
+_TARGETS = {
+  "moespec_moe_ffn_f32": "MoespecMoeFfnF32",
+  "moespec_dense_f32": "MoespecDenseF32",
+  "moespec_attention_f32": "MoespecAttentionF32",
+  "moespec_mla_attention_f32": "MoespecMlaAttentionF32",
+  "moespec_clock_cpu": "MoespecClockCpu",
+}
 _FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno", "-ffp-contract=fast")
 
 _lock = threading.Lock()
@@ -47,7 +53,7 @@ def cache_dir():
 def _cpu_signature():
   try:
     with open("/proc/cpuinfo") as f:
-      flags = next((l for l in f if l.startswith("flags")), "")
+      flags = next((line for line in f if line.startswith("flags")), "")
   except OSError:
     flags = ""
   return platform.machine() + flags
@@ -58,8 +64,9 @@ def _compiler():
   path = shutil.which(cxx)
   if path is None:
     raise CpuKernelUnavailable(
-        f"C++ compiler {cxx!r} not found (set MOESPEC_CXX or install g++); the C++ CPU expert "
-        "kernels (dedup/per_slot) are unavailable")
+      f"C++ compiler {cxx!r} not found (set MOESPEC_CXX or install g++); the C++ CPU expert "
+      "kernels (dedup/per_slot) are unavailable"
+    )
   return path
 
 
@@ -68,8 +75,7 @@ def library_path():
   cxx = _compiler()
   h = hashlib.sha256()
   sources = tuple(src.read_bytes() for src in (*_SOURCES, *_HEADERS))
-  for part in (*sources, " ".join(_FLAGS).encode(), cxx.encode(), _cpu_signature().encode(),
-               jax.__version__.encode()):
+  for part in (*sources, " ".join(_FLAGS).encode(), cxx.encode(), _cpu_signature().encode(), jax.__version__.encode()):
     h.update(part)
   return cache_dir() / "build" / f"moe_ffn_cpu-{h.hexdigest()[:16]}.so"
 

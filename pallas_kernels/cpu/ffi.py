@@ -26,8 +26,14 @@ def expert_ffn_cpu(x_TD, expert_ids_TK, gates_TK, w_gate_EDF, w_up_EDF, w_down_E
   ensure_built()
   f32 = jnp.float32
   out = jax.ffi.ffi_call("moespec_moe_ffn_f32", jax.ShapeDtypeStruct(x_TD.shape, f32), vmap_method="sequential")(
-      x_TD.astype(f32), expert_ids_TK.astype(jnp.int32), gates_TK.astype(f32), w_gate_EDF.astype(f32),
-      w_up_EDF.astype(f32), w_down_EFD.astype(f32), mode=np.int32(MODES[method]))
+    x_TD.astype(f32),
+    expert_ids_TK.astype(jnp.int32),
+    gates_TK.astype(f32),
+    w_gate_EDF.astype(f32),
+    w_up_EDF.astype(f32),
+    w_down_EFD.astype(f32),
+    mode=np.int32(MODES[method]),
+  )
   return out.astype(x_TD.dtype)
 
 
@@ -38,13 +44,18 @@ def packed_matmul(x_MD, w_NDC, n_cols: int | None = None):
   for all M rows, and a row's result does not depend on the other rows."""
   ensure_built()
   grouped = x_MD.ndim == 3
-  if not ((x_MD.ndim == 2 and w_NDC.ndim == 3) or (grouped and w_NDC.ndim == 4 and w_NDC.shape[0] == x_MD.shape[0])) \
-      or x_MD.shape[-1] != w_NDC.shape[-2]:
-    raise ValueError(f"packed_matmul needs x [M, D] and W [N, D, C], or x [G, M, D] and W [G, N, D, C], "
-                     f"got {x_MD.shape} and {w_NDC.shape}")
+  if (
+    not ((x_MD.ndim == 2 and w_NDC.ndim == 3) or (grouped and w_NDC.ndim == 4 and w_NDC.shape[0] == x_MD.shape[0]))
+    or x_MD.shape[-1] != w_NDC.shape[-2]
+  ):
+    raise ValueError(
+      f"packed_matmul needs x [M, D] and W [N, D, C], or x [G, M, D] and W [G, N, D, C], "
+      f"got {x_MD.shape} and {w_NDC.shape}"
+    )
   n, _, c = w_NDC.shape[-3:]
-  y = jax.ffi.ffi_call("moespec_dense_f32", jax.ShapeDtypeStruct((*x_MD.shape[:-1], n * c), jnp.float32),
-                       vmap_method="sequential")(x_MD.astype(jnp.float32), w_NDC.astype(jnp.float32))
+  y = jax.ffi.ffi_call(
+    "moespec_dense_f32", jax.ShapeDtypeStruct((*x_MD.shape[:-1], n * c), jnp.float32), vmap_method="sequential"
+  )(x_MD.astype(jnp.float32), w_NDC.astype(jnp.float32))
   return y if n_cols is None or n_cols == n * c else y[..., :n_cols]
 
 
@@ -56,11 +67,14 @@ def cached_attention(q_NQD, keys_NDS, values_NSD, limit_NQ):
   ensure_built()
   n, q, d = q_NQD.shape
   if keys_NDS.shape[:2] != (n, d) or values_NSD.shape != (n, keys_NDS.shape[2], d) or limit_NQ.shape != (n, q):
-    raise ValueError(f"cached_attention needs q [N, Q, D], keys [N, D, S], values [N, S, D], limit [N, Q]; "
-                     f"got {q_NQD.shape}, {keys_NDS.shape}, {values_NSD.shape}, {limit_NQ.shape}")
+    raise ValueError(
+      f"cached_attention needs q [N, Q, D], keys [N, D, S], values [N, S, D], limit [N, Q]; "
+      f"got {q_NQD.shape}, {keys_NDS.shape}, {values_NSD.shape}, {limit_NQ.shape}"
+    )
   f32 = jnp.float32
   return jax.ffi.ffi_call("moespec_attention_f32", jax.ShapeDtypeStruct((n, q, d), f32), vmap_method="sequential")(
-      q_NQD.astype(f32), keys_NDS.astype(f32), values_NSD.astype(f32), limit_NQ.astype(jnp.int32))
+    q_NQD.astype(f32), keys_NDS.astype(f32), values_NSD.astype(f32), limit_NQ.astype(jnp.int32)
+  )
 
 
 def mla_attention(q_lat_BQC, q_rope_BQR, latent_BSC, rope_BSR, limit_BQ):
@@ -73,16 +87,25 @@ def mla_attention(q_lat_BQC, q_rope_BQR, latent_BSC, rope_BSR, limit_BQ):
   b, q, c = q_lat_BQC.shape
   r = q_rope_BQR.shape[-1]
   s = latent_BSC.shape[1] if latent_BSC.ndim == 3 else -1
-  if (q_rope_BQR.shape != (b, q, r) or latent_BSC.shape != (b, s, c) or rope_BSR.shape != (b, s, r)
-      or limit_BQ.shape != (b, q)):
-    raise ValueError(f"mla_attention needs q_lat [B, Q, C], q_rope [B, Q, R], latent [B, S, C], rope [B, S, R], "
-                     f"limit [B, Q]; got {q_lat_BQC.shape}, {q_rope_BQR.shape}, {latent_BSC.shape}, "
-                     f"{rope_BSR.shape}, {limit_BQ.shape}")
+  if (
+    q_rope_BQR.shape != (b, q, r)
+    or latent_BSC.shape != (b, s, c)
+    or rope_BSR.shape != (b, s, r)
+    or limit_BQ.shape != (b, q)
+  ):
+    raise ValueError(
+      f"mla_attention needs q_lat [B, Q, C], q_rope [B, Q, R], latent [B, S, C], rope [B, S, R], "
+      f"limit [B, Q]; got {q_lat_BQC.shape}, {q_rope_BQR.shape}, {latent_BSC.shape}, "
+      f"{rope_BSR.shape}, {limit_BQ.shape}"
+    )
   f32 = jnp.float32
-  return jax.ffi.ffi_call("moespec_mla_attention_f32", jax.ShapeDtypeStruct((b, q, c), f32),
-                          vmap_method="sequential")(
-      q_lat_BQC.astype(f32), q_rope_BQR.astype(f32), latent_BSC.astype(f32), rope_BSR.astype(f32),
-      limit_BQ.astype(jnp.int32))
+  return jax.ffi.ffi_call("moespec_mla_attention_f32", jax.ShapeDtypeStruct((b, q, c), f32), vmap_method="sequential")(
+    q_lat_BQC.astype(f32),
+    q_rope_BQR.astype(f32),
+    latent_BSC.astype(f32),
+    rope_BSR.astype(f32),
+    limit_BQ.astype(jnp.int32),
+  )
 
 
 def clock_after(x):
@@ -91,9 +114,12 @@ def clock_after(x):
   nanoseconds). Inside a compiled CPU program, no host round trip; see `elapsed_ms`."""
   ensure_built()
   x = jnp.asarray(x, jnp.int32)
-  return jax.ffi.ffi_call("moespec_clock_cpu", (jax.ShapeDtypeStruct(x.shape, jnp.int32),
-                                                jax.ShapeDtypeStruct((2,), jnp.int32)),
-                          has_side_effect=True, vmap_method="sequential")(x)
+  return jax.ffi.ffi_call(
+    "moespec_clock_cpu",
+    (jax.ShapeDtypeStruct(x.shape, jnp.int32), jax.ShapeDtypeStruct((2,), jnp.int32)),
+    has_side_effect=True,
+    vmap_method="sequential",
+  )(x)
 
 
 def elapsed_ms(start_2, end_2):

@@ -52,6 +52,7 @@ def _dot(a, b):
 
 # ---- deduplicated (grouped rows, tl.dot tiles) ----
 
+
 def _dedup_up_kernel(be_ref, used_ref, x_ref, wg_ref, wu_ref, h_ref, *, bd):
   b = pl.program_id(0)
   f0 = pl.program_id(1) * h_ref.shape[1]
@@ -90,8 +91,18 @@ def _dedup_down_kernel(be_ref, used_ref, h_ref, wd_ref, o_ref, *, tf):
     o_ref[...] = lax.fori_loop(0, F // tf, body, jnp.zeros((bm, td), jnp.float32)).astype(o_ref.dtype)
 
 
-def dedup_rows(x_TD, expert_ids_TK, w_gate_EDF, w_up_EDF, w_down_EFD, *, block_rows=None,
-               hidden_tile=None, interpret=False, num_warps=4):
+def dedup_rows(
+  x_TD,
+  expert_ids_TK,
+  w_gate_EDF,
+  w_up_EDF,
+  w_down_EFD,
+  *,
+  block_rows=None,
+  hidden_tile=None,
+  interpret=False,
+  num_warps=4,
+):
   """Per-(token, slot) expert outputs y_RD, rows grouped by expert (each expert read once)."""
   T, D = x_TD.shape
   K = expert_ids_TK.shape[1]
@@ -109,27 +120,28 @@ def dedup_rows(x_TD, expert_ids_TK, w_gate_EDF, w_up_EDF, w_down_EFD, *, block_r
   used = meta.num_used_blocks.reshape(1)
   params = plgpu.CompilerParams(num_warps=num_warps, num_stages=2)
   h_MF = pl.pallas_call(
-      functools.partial(_dedup_up_kernel, bd=bd),
-      grid=(n_blocks, F // tf),
-      in_specs=[_WHOLE, _WHOLE, pl.BlockSpec((bm, D), lambda b, j: (b, 0)), _WHOLE, _WHOLE],
-      out_specs=pl.BlockSpec((bm, tf), lambda b, j: (b, j)),
-      out_shape=jax.ShapeDtypeStruct((n_blocks * bm, F), w_gate_EDF.dtype),
-      compiler_params=params,
-      interpret=interpret,
+    functools.partial(_dedup_up_kernel, bd=bd),
+    grid=(n_blocks, F // tf),
+    in_specs=[_WHOLE, _WHOLE, pl.BlockSpec((bm, D), lambda b, j: (b, 0)), _WHOLE, _WHOLE],
+    out_specs=pl.BlockSpec((bm, tf), lambda b, j: (b, j)),
+    out_shape=jax.ShapeDtypeStruct((n_blocks * bm, F), w_gate_EDF.dtype),
+    compiler_params=params,
+    interpret=interpret,
   )(meta.block_expert_N, used, xs_MD, w_gate_EDF, w_up_EDF)
   out_MD = pl.pallas_call(
-      functools.partial(_dedup_down_kernel, tf=tf),
-      grid=(n_blocks, D // td),
-      in_specs=[_WHOLE, _WHOLE, pl.BlockSpec((bm, F), lambda b, j: (b, 0)), _WHOLE],
-      out_specs=pl.BlockSpec((bm, td), lambda b, j: (b, j)),
-      out_shape=jax.ShapeDtypeStruct((n_blocks * bm, D), jnp.float32),
-      compiler_params=params,
-      interpret=interpret,
+    functools.partial(_dedup_down_kernel, tf=tf),
+    grid=(n_blocks, D // td),
+    in_specs=[_WHOLE, _WHOLE, pl.BlockSpec((bm, F), lambda b, j: (b, 0)), _WHOLE],
+    out_specs=pl.BlockSpec((bm, td), lambda b, j: (b, j)),
+    out_shape=jax.ShapeDtypeStruct((n_blocks * bm, D), jnp.float32),
+    compiler_params=params,
+    interpret=interpret,
   )(meta.block_expert_N, used, h_MF, w_down_EFD)
   return out_MD[meta.slot_of_row_R]
 
 
 # ---- per-slot (one row per program, broadcast-multiply-reduce GEMV) ----
+
 
 def _per_slot_up_kernel(ids_ref, x_ref, wg_ref, wu_ref, h_ref, *, bd):
   r = pl.program_id(0)
@@ -164,8 +176,9 @@ def _per_slot_down_kernel(ids_ref, h_ref, wd_ref, o_ref, *, tf):
   o_ref[...] = lax.fori_loop(0, F // tf, body, jnp.zeros((td,), jnp.float32)).astype(o_ref.dtype)
 
 
-def per_slot_rows(x_TD, expert_ids_TK, w_gate_EDF, w_up_EDF, w_down_EFD, *, hidden_tile=None,
-                  interpret=False, num_warps=4):
+def per_slot_rows(
+  x_TD, expert_ids_TK, w_gate_EDF, w_up_EDF, w_down_EFD, *, hidden_tile=None, interpret=False, num_warps=4
+):
   """Per-(token, slot) expert outputs y_RD, one weight read per pair."""
   T, D = x_TD.shape
   K = expert_ids_TK.shape[1]
@@ -178,29 +191,51 @@ def per_slot_rows(x_TD, expert_ids_TK, w_gate_EDF, w_up_EDF, w_down_EFD, *, hidd
   x_RD = jnp.repeat(x_TD, K, axis=0).astype(w_gate_EDF.dtype)  # row r = t*K + k holds x_t
   params = plgpu.CompilerParams(num_warps=num_warps, num_stages=2)
   h_RF = pl.pallas_call(
-      functools.partial(_per_slot_up_kernel, bd=bd),
-      grid=(T * K, F // tf),
-      in_specs=[_WHOLE, pl.BlockSpec((None, D), lambda r, j: (r, 0)), _WHOLE, _WHOLE],
-      out_specs=pl.BlockSpec((None, tf), lambda r, j: (r, j)),
-      out_shape=jax.ShapeDtypeStruct((T * K, F), w_gate_EDF.dtype),
-      compiler_params=params,
-      interpret=interpret,
+    functools.partial(_per_slot_up_kernel, bd=bd),
+    grid=(T * K, F // tf),
+    in_specs=[_WHOLE, pl.BlockSpec((None, D), lambda r, j: (r, 0)), _WHOLE, _WHOLE],
+    out_specs=pl.BlockSpec((None, tf), lambda r, j: (r, j)),
+    out_shape=jax.ShapeDtypeStruct((T * K, F), w_gate_EDF.dtype),
+    compiler_params=params,
+    interpret=interpret,
   )(ids_R, x_RD, w_gate_EDF, w_up_EDF)
   return pl.pallas_call(
-      functools.partial(_per_slot_down_kernel, tf=tf),
-      grid=(T * K, D // td),
-      in_specs=[_WHOLE, pl.BlockSpec((None, F), lambda r, j: (r, 0)), _WHOLE],
-      out_specs=pl.BlockSpec((None, td), lambda r, j: (r, j)),
-      out_shape=jax.ShapeDtypeStruct((T * K, D), jnp.float32),
-      compiler_params=params,
-      interpret=interpret,
+    functools.partial(_per_slot_down_kernel, tf=tf),
+    grid=(T * K, D // td),
+    in_specs=[_WHOLE, pl.BlockSpec((None, F), lambda r, j: (r, 0)), _WHOLE],
+    out_specs=pl.BlockSpec((None, td), lambda r, j: (r, j)),
+    out_shape=jax.ShapeDtypeStruct((T * K, D), jnp.float32),
+    compiler_params=params,
+    interpret=interpret,
   )(ids_R, h_RF, w_down_EFD)
 
 
 @functools.partial(jax.jit, static_argnames=("method", "interpret", "block_rows", "hidden_tile"))
-def expert_ffn_gpu(x_TD, expert_ids_TK, gates_TK, w_gate_EDF, w_up_EDF, w_down_EFD, *, method="dedup",
-                   interpret=False, block_rows=None, hidden_tile=None):
+def expert_ffn_gpu(
+  x_TD,
+  expert_ids_TK,
+  gates_TK,
+  w_gate_EDF,
+  w_up_EDF,
+  w_down_EFD,
+  *,
+  method="dedup",
+  interpret=False,
+  block_rows=None,
+  hidden_tile=None,
+):
   """Routed SwiGLU expert FFN with the Pallas GPU kernel of `method` ('dedup' or 'per_slot')."""
-  return metadata.routed_ffn(dedup_rows, per_slot_rows, x_TD, expert_ids_TK, gates_TK, w_gate_EDF, w_up_EDF,
-                             w_down_EFD, method=method, interpret=interpret, block_rows=block_rows,
-                             hidden_tile=hidden_tile)
+  return metadata.routed_ffn(
+    dedup_rows,
+    per_slot_rows,
+    x_TD,
+    expert_ids_TK,
+    gates_TK,
+    w_gate_EDF,
+    w_up_EDF,
+    w_down_EFD,
+    method=method,
+    interpret=interpret,
+    block_rows=block_rows,
+    hidden_tile=hidden_tile,
+  )

@@ -19,8 +19,8 @@ weight blocks are (D, tf) and (tf, D) with tf a multiple of 128 dividing F, or F
 import functools
 
 import jax
-from jax import lax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
@@ -66,8 +66,9 @@ def _dedup_kernel(block_expert_ref, used_ref, x_ref, wg_ref, wu_ref, wd_ref, o_r
     o_ref[...] = acc_ref[...].astype(o_ref.dtype)
 
 
-def dedup_rows(x_TD, expert_ids_TK, w_gate_EDF, w_up_EDF, w_down_EFD, *, block_rows=None,
-               hidden_tile=None, interpret=False):
+def dedup_rows(
+  x_TD, expert_ids_TK, w_gate_EDF, w_up_EDF, w_down_EFD, *, block_rows=None, hidden_tile=None, interpret=False
+):
   """Per-(token, slot) expert outputs y_RD (R = T*K, row t*K + k), deduplicated kernel."""
   T, D = x_TD.shape
   K = expert_ids_TK.shape[1]
@@ -81,23 +82,23 @@ def dedup_rows(x_TD, expert_ids_TK, w_gate_EDF, w_up_EDF, w_down_EFD, *, block_r
   tok_M = jnp.where(meta.row_of_slot_M < T * K, meta.row_of_slot_M // K, T)
   xs_MD = x_ext[tok_M].astype(w_gate_EDF.dtype)
   grid_spec = pltpu.PrefetchScalarGridSpec(
-      num_scalar_prefetch=2,
-      grid=(n_blocks, F // tf),
-      in_specs=[
-          pl.BlockSpec((bm, D), lambda b, j, be, u: (b, 0)),
-          pl.BlockSpec((None, D, tf), lambda b, j, be, u: (be[b], 0, j)),
-          pl.BlockSpec((None, D, tf), lambda b, j, be, u: (be[b], 0, j)),
-          pl.BlockSpec((None, tf, D), lambda b, j, be, u: (be[b], j, 0)),
-      ],
-      out_specs=pl.BlockSpec((bm, D), lambda b, j, be, u: (b, 0)),
-      scratch_shapes=[pltpu.VMEM((bm, D), jnp.float32)],
+    num_scalar_prefetch=2,
+    grid=(n_blocks, F // tf),
+    in_specs=[
+      pl.BlockSpec((bm, D), lambda b, j, be, u: (b, 0)),
+      pl.BlockSpec((None, D, tf), lambda b, j, be, u: (be[b], 0, j)),
+      pl.BlockSpec((None, D, tf), lambda b, j, be, u: (be[b], 0, j)),
+      pl.BlockSpec((None, tf, D), lambda b, j, be, u: (be[b], j, 0)),
+    ],
+    out_specs=pl.BlockSpec((bm, D), lambda b, j, be, u: (b, 0)),
+    scratch_shapes=[pltpu.VMEM((bm, D), jnp.float32)],
   )
   out_MD = pl.pallas_call(
-      _dedup_kernel,
-      grid_spec=grid_spec,
-      out_shape=jax.ShapeDtypeStruct((n_blocks * bm, D), jnp.float32),
-      compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
-      interpret=interpret,
+    _dedup_kernel,
+    grid_spec=grid_spec,
+    out_shape=jax.ShapeDtypeStruct((n_blocks * bm, D), jnp.float32),
+    compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
+    interpret=interpret,
   )(meta.block_expert_N, meta.num_used_blocks.reshape(1), xs_MD, w_gate_EDF, w_up_EDF, w_down_EFD)
   return out_MD[meta.slot_of_row_R]
 
@@ -118,8 +119,7 @@ def _per_slot_kernel(ids_ref, x_ref, wg_ref, wu_ref, wd_ref, o_ref, acc_ref):
     o_ref[...] = acc_ref[...].astype(o_ref.dtype)
 
 
-def per_slot_rows(x_TD, expert_ids_TK, w_gate_EDF, w_up_EDF, w_down_EFD, *, hidden_tile=None,
-                  interpret=False):
+def per_slot_rows(x_TD, expert_ids_TK, w_gate_EDF, w_up_EDF, w_down_EFD, *, hidden_tile=None, interpret=False):
   """Per-(token, slot) expert outputs y_RD, one weight read per pair."""
   T, D = x_TD.shape
   K = expert_ids_TK.shape[1]
@@ -128,31 +128,53 @@ def per_slot_rows(x_TD, expert_ids_TK, w_gate_EDF, w_up_EDF, w_down_EFD, *, hidd
   ids_R = expert_ids_TK.reshape(-1).astype(jnp.int32)
   x_T1D = x_TD.astype(w_gate_EDF.dtype).reshape(T, 1, D)
   grid_spec = pltpu.PrefetchScalarGridSpec(
-      num_scalar_prefetch=1,
-      grid=(T * K, F // tf),
-      in_specs=[
-          pl.BlockSpec((None, 1, D), lambda r, j, ids: (lax.div(r, K), 0, 0)),  # no floor-div: needs sign
-          pl.BlockSpec((None, D, tf), lambda r, j, ids: (ids[r], 0, j)),
-          pl.BlockSpec((None, D, tf), lambda r, j, ids: (ids[r], 0, j)),
-          pl.BlockSpec((None, tf, D), lambda r, j, ids: (ids[r], j, 0)),
-      ],
-      out_specs=pl.BlockSpec((None, 1, D), lambda r, j, ids: (r, 0, 0)),
-      scratch_shapes=[pltpu.VMEM((1, D), jnp.float32)],
+    num_scalar_prefetch=1,
+    grid=(T * K, F // tf),
+    in_specs=[
+      pl.BlockSpec((None, 1, D), lambda r, j, ids: (lax.div(r, K), 0, 0)),  # no floor-div: needs sign
+      pl.BlockSpec((None, D, tf), lambda r, j, ids: (ids[r], 0, j)),
+      pl.BlockSpec((None, D, tf), lambda r, j, ids: (ids[r], 0, j)),
+      pl.BlockSpec((None, tf, D), lambda r, j, ids: (ids[r], j, 0)),
+    ],
+    out_specs=pl.BlockSpec((None, 1, D), lambda r, j, ids: (r, 0, 0)),
+    scratch_shapes=[pltpu.VMEM((1, D), jnp.float32)],
   )
   out_R1D = pl.pallas_call(
-      _per_slot_kernel,
-      grid_spec=grid_spec,
-      out_shape=jax.ShapeDtypeStruct((T * K, 1, D), jnp.float32),
-      compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
-      interpret=interpret,
+    _per_slot_kernel,
+    grid_spec=grid_spec,
+    out_shape=jax.ShapeDtypeStruct((T * K, 1, D), jnp.float32),
+    compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
+    interpret=interpret,
   )(ids_R, x_T1D, w_gate_EDF, w_up_EDF, w_down_EFD)
   return out_R1D.reshape(T * K, D)
 
 
 @functools.partial(jax.jit, static_argnames=("method", "interpret", "block_rows", "hidden_tile"))
-def expert_ffn_tpu(x_TD, expert_ids_TK, gates_TK, w_gate_EDF, w_up_EDF, w_down_EFD, *, method="dedup",
-                   interpret=False, block_rows=None, hidden_tile=None):
+def expert_ffn_tpu(
+  x_TD,
+  expert_ids_TK,
+  gates_TK,
+  w_gate_EDF,
+  w_up_EDF,
+  w_down_EFD,
+  *,
+  method="dedup",
+  interpret=False,
+  block_rows=None,
+  hidden_tile=None,
+):
   """Routed SwiGLU expert FFN with the Pallas TPU kernel of `method` ('dedup' or 'per_slot')."""
-  return metadata.routed_ffn(dedup_rows, per_slot_rows, x_TD, expert_ids_TK, gates_TK, w_gate_EDF, w_up_EDF,
-                             w_down_EFD, method=method, interpret=interpret, block_rows=block_rows,
-                             hidden_tile=hidden_tile)
+  return metadata.routed_ffn(
+    dedup_rows,
+    per_slot_rows,
+    x_TD,
+    expert_ids_TK,
+    gates_TK,
+    w_gate_EDF,
+    w_up_EDF,
+    w_down_EFD,
+    method=method,
+    interpret=interpret,
+    block_rows=block_rows,
+    hidden_tile=hidden_tile,
+  )

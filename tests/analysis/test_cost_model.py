@@ -64,7 +64,9 @@ def test_crossover_and_amdahl():
 
 def test_quality_figures():
   import jax.numpy as jnp
+
   from moespec_jax.decoding import quality
+
   exact = jnp.asarray([[2.0, 1.0, 0.0], [0.0, 3.0, 1.0]])
   agree, kl, n = quality.logit_agreement(exact, exact, jnp.asarray([True, True]))
   assert float(agree) == 2 and float(kl) == pytest.approx(0.0, abs=1e-6) and float(n) == 2

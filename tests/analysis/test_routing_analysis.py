@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 
 from moespec_jax.analysis import ipf, routing
-from moespec_jax.research import routing_report
 from moespec_jax.analysis.routing import RoutingTrace
+from moespec_jax.research import routing_report
 
 
 def _trace(ids_NK, n_experts):
@@ -48,7 +48,7 @@ def test_ipf_meets_its_constraints():
   p = np.array([0.3, 0.05, 0.6])
   # A feasible target: a stationary Markov chain's co-activations p (p + (1 - p) rho^d).
   rho = 0.6
-  co = np.stack([p * (p + (1 - p) * rho ** d) for d in range(1, 6)], axis=1)  # [E, D]
+  co = np.stack([p * (p + (1 - p) * rho**d) for d in range(1, 6)], axis=1)  # [E, D]
   n = 5
   prob = ipf.fit_joint(p, co, n)
   states = ipf._states(n)
@@ -80,7 +80,7 @@ def test_ipf_predicts_unique_experts_of_a_correlated_router():
     w = weights[rest] / weights[rest].sum()
     ids.append(np.array(keep + list(rng.choice(rest, k - len(keep), replace=False, p=w))))
   ids = np.array(ids)
-  trace = RoutingTrace([ids[None, i:i + 500] for i in range(0, n_tokens, 500)], e, {})
+  trace = RoutingTrace([ids[None, i : i + 500] for i in range(0, n_tokens, 500)], e, {})
   stats = routing_report.routing_stats(trace, max_tokens=8, ipf_max_tokens=6, max_distance=5)
   assert stats["ipf_mean_abs_rel_error"] < 0.03
   # Correlation makes the independence model overestimate clearly more than IPF's error.

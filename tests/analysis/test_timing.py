@@ -10,10 +10,32 @@ from moespec_jax.analysis import timing
 def test_interleaved_seconds_runs_every_function_once_per_round_in_the_balanced_order():
   calls = []
   fns = {name: (lambda name=name: calls.append(name) or name) for name in ("a", "b", "c")}
-  seconds, last = timing.interleaved_seconds(fns, 3, before=lambda: calls.append("flush"),
-                                               on_round=lambda r: calls.append(f"round {r}"))
-  assert calls == ["flush", "a", "flush", "b", "flush", "c", "round 0", "flush", "b", "flush", "c", "flush", "a",
-                   "round 1", "flush", "c", "flush", "a", "flush", "b", "round 2"]
+  seconds, last = timing.interleaved_seconds(
+    fns, 3, before=lambda: calls.append("flush"), on_round=lambda r: calls.append(f"round {r}")
+  )
+  assert calls == [
+    "flush",
+    "a",
+    "flush",
+    "b",
+    "flush",
+    "c",
+    "round 0",
+    "flush",
+    "b",
+    "flush",
+    "c",
+    "flush",
+    "a",
+    "round 1",
+    "flush",
+    "c",
+    "flush",
+    "a",
+    "flush",
+    "b",
+    "round 2",
+  ]
   assert last == {"a": "a", "b": "b", "c": "c"} and all(len(v) == 3 for v in seconds.values())
 
 

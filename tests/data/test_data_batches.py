@@ -75,6 +75,7 @@ def test_corpus_tokens_cached_atomically(tmp_path):
   assert isinstance(second, np.memmap)  # read back, not recomputed
   np.testing.assert_array_equal(first, second)
   assert int((first == tok.eos_id).sum()) == len(
-      [f for f in root.iterdir() if batches.corpus.split_of(f.name) == "train"])
+    [f for f in root.iterdir() if batches.corpus.split_of(f.name) == "train"]
+  )
   uncached = batches.corpus_tokens(tok, "train", cache=False, root=root)
   np.testing.assert_array_equal(first, uncached)

@@ -14,8 +14,7 @@ def _make_tree(root, n=60):
   for i in range(n):
     sub = root / f"pkg{i % 4}"
     sub.mkdir(exist_ok=True)
-    (sub / f"mod{i}.py").write_text(f"# módulo {i}\ndef f{i}(x):\n    return x + {i}\n",
-                                    encoding="utf-8")
+    (sub / f"mod{i}.py").write_text(f"# módulo {i}\ndef f{i}(x):\n    return x + {i}\n", encoding="utf-8")
   (root / "bad.py").write_bytes(b"s = '\xe9t\xe9'\n")  # Latin-1, not UTF-8
   for skipped in ("site-packages", "dist-packages", "__pycache__"):
     (root / skipped).mkdir()

@@ -8,7 +8,7 @@ import pytest
 from moespec_jax.data import corpus
 from moespec_jax.data import tokenizer as tok_lib
 
-TEXT = "naïve café — 日本語 \U0001F600\n\tdef f(x):\n        return x  # ∑\n"
+TEXT = "naïve café — 日本語 \U0001f600\n\tdef f(x):\n        return x  # ∑\n"
 
 
 @pytest.fixture(scope="module")
@@ -88,8 +88,7 @@ def test_bpe_save_load_and_named_cache(bpe, tmp_path, monkeypatch):
   assert isinstance(loaded, tok_lib.BpeTokenizer)
   assert loaded.encode(TEXT) == bpe.encode(TEXT)
   assert loaded.cache_key == bpe.cache_key and loaded.cache_key.startswith("bpe-403-")
-  assert (loaded.eos_id, loaded.bos_id, loaded.vocab_size) == (bpe.eos_id, bpe.bos_id,
-                                                               bpe.vocab_size)
+  assert (loaded.eos_id, loaded.bos_id, loaded.vocab_size) == (bpe.eos_id, bpe.bos_id, bpe.vocab_size)
   # A named BPE loads from the cache without training.
   monkeypatch.setenv("MOESPEC_CACHE", str(tmp_path / "cache"))
   bpe.save(tmp_path / "cache" / "tokenizers" / "bpe-403")
@@ -114,6 +113,7 @@ def test_byte_tokenizer_for_hugging_face_is_one_id_per_byte():
   """hf_tokenizer(): every byte its own id (GPT-2's byte characters), EOS first as in prompt_ids,
   special tokens' text kept as bytes, decoding back to the text."""
   from tokenizers import pre_tokenizers
+
   chars = tok_lib.byte_level_chars()
   assert len(set(chars)) == 256 and set(chars) == set(pre_tokenizers.ByteLevel.alphabet())
   byte = tok_lib.ByteTokenizer()

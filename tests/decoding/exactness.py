@@ -133,8 +133,7 @@ def chi_square_test(counts_C, probs_C, min_expected: float = MIN_EXPECTED) -> Ch
   probs_C = probs_C / probs_C.sum()
   n = counts_C.sum()
   impossible = bool(np.any(counts_C[probs_C <= 0.0] > 0))
-  return _generalised_pearson(counts_C, n * probs_C, n * np.outer(probs_C, probs_C), int(n), impossible,
-                              min_expected)
+  return _generalised_pearson(counts_C, n * probs_C, n * np.outer(probs_C, probs_C), int(n), impossible, min_expected)
 
 
 def pooled_chi_square_test(cells_R, probs_RC, min_expected: float = MIN_EXPECTED) -> Check:

@@ -18,11 +18,11 @@ from moespec_jax.decoding import sampling as sampling_lib
 
 # Faults of the verification itself (None: the real rule).
 FAULTS = {
-    "accept_inflated": "accepts with u q < 1.1 p: drafts accepted 10% too often",
-    "accept_le": "accepts with u q <= p: a zero-probability draft passes when u q is 0",
-    "residual_unnormalised": "draws the residual max(p - q, 0) by inverse CDF without normalising it",
-    "residual_is_p": "draws the token after a rejection from p, not from max(p - q, 0)",
-    "bonus_from_q": "draws the bonus token from the last draft's q, not from p",
+  "accept_inflated": "accepts with u q < 1.1 p: drafts accepted 10% too often",
+  "accept_le": "accepts with u q <= p: a zero-probability draft passes when u q is 0",
+  "residual_unnormalised": "draws the residual max(p - q, 0) by inverse CDF without normalising it",
+  "residual_is_p": "draws the token after a rejection from p, not from max(p - q, 0)",
+  "bonus_from_q": "draws the bonus token from the last draft's q, not from p",
 }
 
 
@@ -44,8 +44,7 @@ def verify_variant(keys_B, logp_BSV, drafts_BK, q_BKV, valid_BK, fault: str | No
   else:
     accept_BK = valid_BK & (u_BK * q_draft_BK < p_draft_BK)
   n_B = rejection.accepted_count(accept_BK)
-  q_BSV = jnp.concatenate([jnp.where(valid_BK[..., None], q_BKV, 0.0),
-                           jnp.zeros((b, 1, vocab), q_BKV.dtype)], axis=1)
+  q_BSV = jnp.concatenate([jnp.where(valid_BK[..., None], q_BKV, 0.0), jnp.zeros((b, 1, vocab), q_BKV.dtype)], axis=1)
   p_n_BV, q_n_BV = _at(p_BSV, n_B), _at(q_BSV, n_B)
   if fault == "bonus_from_q":
     p_n_BV = jnp.where((n_B == k)[:, None], q_BKV[:, k - 1], p_n_BV)

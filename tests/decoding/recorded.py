@@ -91,8 +91,16 @@ class LoopRun:
   eos: int
 
 
-def generate(instrumented: Instrumented, fault: str | None, model, prompts, max_new_tokens: int,
-             sampling: msj.SamplingParams, spec: msj.SpecParams, seed: int) -> LoopRun:
+def generate(
+  instrumented: Instrumented,
+  fault: str | None,
+  model,
+  prompts,
+  max_new_tokens: int,
+  sampling: msj.SamplingParams,
+  spec: msj.SpecParams,
+  seed: int,
+) -> LoopRun:
   """`msj.generate` with `fault` planted (None: the real rule), its verifications recorded."""
   instrumented.fault, instrumented.calls = fault, []
   out = msj.generate(model, prompts, max_new_tokens=max_new_tokens, sampling=sampling, spec=spec, seed=seed)
@@ -132,7 +140,7 @@ def replay(run: LoopRun) -> Records:
     first_eos = np.min(np.where((cand_BS == run.eos) & (j_S[None] <= call.n_B[:, None]), j_S[None], k + 1), axis=1)
     n_commit = np.where(active, np.minimum(np.minimum(call.n_B + 1, first_eos + 1), max_new - gen), 0)
     for b in np.flatnonzero(n_commit):
-      out[b, gen[b]:gen[b] + n_commit[b]] = cand_BS[b, :n_commit[b]]
+      out[b, gen[b] : gen[b] + n_commit[b]] = cand_BS[b, : n_commit[b]]
     kept.append((np.flatnonzero(active), gen.copy()))
     done = done | (active & (first_eos < n_commit)) | (gen + n_commit >= max_new)
     gen = gen + n_commit
@@ -142,10 +150,16 @@ def replay(run: LoopRun) -> Records:
   def pick(name):
     return np.concatenate([getattr(call, name)[rows] for call, (rows, _) in zip(run.calls, kept)])
 
-  return Records(p_RSV=np.exp(pick("logp_BSV").astype(np.float64)), q_RKV=pick("q_BKV").astype(np.float64),
-                 drafts_RK=pick("drafts_BK"), accept_RK=pick("accept_BK"), n_R=pick("n_B"), next_R=pick("next_B"),
-                 row_R=np.concatenate([rows for rows, _ in kept]),
-                 start_R=np.concatenate([start[rows] for rows, start in kept]))
+  return Records(
+    p_RSV=np.exp(pick("logp_BSV").astype(np.float64)),
+    q_RKV=pick("q_BKV").astype(np.float64),
+    drafts_RK=pick("drafts_BK"),
+    accept_RK=pick("accept_BK"),
+    n_R=pick("n_B"),
+    next_R=pick("next_B"),
+    row_R=np.concatenate([rows for rows, _ in kept]),
+    start_R=np.concatenate([start[rows] for rows, start in kept]),
+  )
 
 
 def acceptance_checks(rec: Records) -> dict[str, exactness.Check]:
@@ -178,8 +192,10 @@ def emitted_checks(rec: Records) -> dict[str, exactness.Check]:
     probs.append(probs_RC)
     over.append(np.take_along_axis(over_RV, token[:, None], axis=1)[:, 0])
     over_mass.append(np.sum(p_RV * over_RV, axis=1))
-  return {"emitted": exactness.pooled_chi_square_test(np.concatenate(cells), np.concatenate(probs)),
-          "q>p mass": exactness.acceptance_test(np.concatenate(over), np.concatenate(over_mass))}
+  return {
+    "emitted": exactness.pooled_chi_square_test(np.concatenate(cells), np.concatenate(probs)),
+    "q>p mass": exactness.acceptance_test(np.concatenate(over), np.concatenate(over_mass)),
+  }
 
 
 def drafts_check(rec: Records) -> exactness.Check:

@@ -41,25 +41,25 @@ from tests.decoding import exactness, faults
 V, K, N = 16, 2, 1 << 16
 SEED = 0
 CASES = {
-    "t1": SamplingParams(temperature=1.0),
-    "top_k6": SamplingParams(temperature=1.0, top_k=6),
-    "t0.8_top_p0.8": SamplingParams(temperature=0.8, top_p=0.8),
+  "t1": SamplingParams(temperature=1.0),
+  "top_k6": SamplingParams(temperature=1.0, top_k=6),
+  "t0.8_top_p0.8": SamplingParams(temperature=0.8, top_p=0.8),
 }
 # Faults of the verification's inputs (those of its own rule are faults.FAULTS).
 INPUT_FAULTS = {
-    "q_bf16": "drafts drawn from bf16 logits, q in the ratio from the same logits in f32",
-    "filter_p_only": "drafts drawn from the filtered q, q in the ratio without the top-k / top-p filter",
-    "filter_bonus_only": "the target's filter applied at the bonus position only, not at the verified ones",
+  "q_bf16": "drafts drawn from bf16 logits, q in the ratio from the same logits in f32",
+  "filter_p_only": "drafts drawn from the filtered q, q in the ratio without the top-k / top-p filter",
+  "filter_bonus_only": "the target's filter applied at the bonus position only, not at the verified ones",
 }
 # fault -> (case, the checks that must reject it).
 PLANTED = {
-    "accept_inflated": ("t1", ("accept@1", "accept@2")),
-    "q_bf16": ("t1", ("residual@1", "residual@2")),
-    "filter_p_only": ("top_k6", ("accept@1", "token@1")),
-    "filter_bonus_only": ("top_k6", ("token@1", "token@2")),
-    "residual_unnormalised": ("t1", ("residual@1", "token@1")),
-    "residual_is_p": ("t1", ("residual@1", "token@1")),
-    "bonus_from_q": ("t1", ("bonus",)),
+  "accept_inflated": ("t1", ("accept@1", "accept@2")),
+  "q_bf16": ("t1", ("residual@1", "residual@2")),
+  "filter_p_only": ("top_k6", ("accept@1", "token@1")),
+  "filter_bonus_only": ("top_k6", ("token@1", "token@2")),
+  "residual_unnormalised": ("t1", ("residual@1", "token@1")),
+  "residual_is_p": ("t1", ("residual@1", "token@1")),
+  "bonus_from_q": ("t1", ("bonus",)),
 }
 
 
@@ -93,8 +93,9 @@ def case_rows(case: str, fault: str | None = None) -> Rows:
   logits_p, logits_q = case_logits()
   unfiltered = SamplingParams(temperature=params.temperature)
   logp_SV, logq_KV = _logprobs(logits_p, params), _logprobs(logits_q, params)
-  rows = Rows(logp_SV, jnp.exp(logq_KV), logq_KV, np.exp(np.asarray(logp_SV, np.float64)),
-              np.exp(np.asarray(logq_KV, np.float64)))
+  rows = Rows(
+    logp_SV, jnp.exp(logq_KV), logq_KV, np.exp(np.asarray(logp_SV, np.float64)), np.exp(np.asarray(logq_KV, np.float64))
+  )
   if fault == "q_bf16":
     draw_KV = _logprobs(jnp.asarray(logits_q, jnp.bfloat16), params)
     rows = dataclasses.replace(rows, logq_draw_KV=draw_KV, q_KV=np.exp(np.asarray(draw_KV, np.float64)))
@@ -124,8 +125,13 @@ def draw_and_verify(verify, key, logp_SV, q_ratio_KV, logq_draw_KV, valid):
   cdf_KV = jnp.cumsum(jnp.exp(logq_draw_KV), axis=-1)
   u_NK = jax.random.uniform(key_draft, (N, K), jnp.float32, minval=jnp.finfo(jnp.float32).tiny, maxval=1.0)
   drafts_NK = jnp.sum(cdf_KV[None] < u_NK[..., None] * cdf_KV[None, :, -1:], axis=-1).astype(jnp.int32)
-  accept_NK, n_N, next_N = verify(jax.random.split(key_verify, N), jnp.broadcast_to(logp_SV, (N, K + 1, V)),
-                                  drafts_NK, jnp.broadcast_to(q_ratio_KV, (N, K, V)), jnp.full((N, K), valid))
+  accept_NK, n_N, next_N = verify(
+    jax.random.split(key_verify, N),
+    jnp.broadcast_to(logp_SV, (N, K + 1, V)),
+    drafts_NK,
+    jnp.broadcast_to(q_ratio_KV, (N, K, V)),
+    jnp.full((N, K), valid),
+  )
   return accept_NK, n_N, next_N, drafts_NK
 
 
@@ -168,13 +174,15 @@ def law_checks(out: Outcome, p_SV, q_KV) -> dict[str, exactness.Check]:
   for j in range(1, K + 2):
     if j <= K:
       reached = out.n_N >= j - 1
-      checks[f"accept@{j}"] = exactness.acceptance_test(out.accept_NK[reached, j - 1],
-                                                        np.minimum(p_SV[j - 1], q_KV[j - 1]).sum())
+      checks[f"accept@{j}"] = exactness.acceptance_test(
+        out.accept_NK[reached, j - 1], np.minimum(p_SV[j - 1], q_KV[j - 1]).sum()
+      )
       checks[f"token@{j}"] = exactness.chi_square_test(np.bincount(emitted(out, j), minlength=V), p_SV[j - 1])
       residual_V = np.maximum(p_SV[j - 1] - q_KV[j - 1], 0.0)
       if residual_V.sum() > 0:
         checks[f"residual@{j}"] = exactness.chi_square_test(
-            np.bincount(out.next_N[out.n_N == j - 1], minlength=V), residual_V)
+          np.bincount(out.next_N[out.n_N == j - 1], minlength=V), residual_V
+        )
     else:
       checks["bonus"] = exactness.chi_square_test(np.bincount(out.next_N[out.n_N == K], minlength=V), p_SV[K])
   return checks
@@ -205,8 +213,9 @@ def zero_probability_run(fault: str | None) -> int:
   logits_p, logits_q = case_logits()
   logp_SV = _logprobs(logits_p, CASES["top_k6"])
   logq_KV = _logprobs(logits_q, SamplingParams(temperature=1.0))
-  rows = Rows(logp_SV, jnp.exp(logq_KV), logq_KV, np.exp(np.asarray(logp_SV, np.float64)),
-              np.exp(np.asarray(logq_KV, np.float64)))
+  rows = Rows(
+    logp_SV, jnp.exp(logq_KV), logq_KV, np.exp(np.asarray(logp_SV, np.float64)), np.exp(np.asarray(logq_KV, np.float64))
+  )
   # A fresh program: traced now, under the patched uniforms.
   out = run(jax.jit(functools.partial(draw_and_verify, verification(fault))), rows)
   return zero_probability_emissions(out, rows.p_SV)

@@ -37,8 +37,9 @@ def _pinned(step_ms_K):
 
 
 def _choice(accepted, tried, step_ms, shadow=False):
-  k, passes = auto_draft.choose_k(jnp.asarray([accepted, tried], jnp.float32),
-                                  jnp.asarray(step_ms, jnp.float32), shadow=shadow)
+  k, passes = auto_draft.choose_k(
+    jnp.asarray([accepted, tried], jnp.float32), jnp.asarray(step_ms, jnp.float32), shadow=shadow
+  )
   return int(k), int(passes)
 
 
@@ -57,8 +58,7 @@ def test_choice_follows_the_cost_model():
   for accepted, tried in [(30, 100), (60, 100), (80, 100), (95, 100)]:
     a = float(auto_draft.optimistic_acceptance(jnp.asarray([accepted, tried], jnp.float32)))
     assert a > accepted / tried
-    best, _ = cost_model.best_k(a, 5, steps[0], lambda k: 0.0,
-                                lambda n: steps[n - 1] * (margin if n > 1 else 1.0))
+    best, _ = cost_model.best_k(a, 5, steps[0], lambda k: 0.0, lambda n: steps[n - 1] * (margin if n > 1 else 1.0))
     assert _k(accepted, tried, steps) == best
   # Drafting predicted to gain less than the margin stays plain.
   tpp = 1.0 + 0.25  # a = 0.25 (estimate settled), K = 1
@@ -81,12 +81,16 @@ def test_choice_follows_the_cost_model():
 def test_tokens_per_pass_from_depths():
   """A constant rate gives the geometric formula; a profile, 1 + sum_j prod_{i<=j} a_i."""
   a = 0.7
-  np.testing.assert_allclose(np.asarray(auto_draft.tokens_per_pass_depths(jnp.full((1, 5), a), 6)),
-                             np.asarray(auto_draft.tokens_per_pass_K(jnp.float32([a]), 6)), rtol=1e-6)
+  np.testing.assert_allclose(
+    np.asarray(auto_draft.tokens_per_pass_depths(jnp.full((1, 5), a), 6)),
+    np.asarray(auto_draft.tokens_per_pass_K(jnp.float32([a]), 6)),
+    rtol=1e-6,
+  )
   profile = [0.5, 0.8, 1.0, 0.9]
   expected = [1.0, 1.5, 1.5 + 0.4, 1.5 + 0.4 + 0.4, 1.5 + 0.4 + 0.4 + 0.36]
-  np.testing.assert_allclose(np.asarray(auto_draft.tokens_per_pass_depths(jnp.float32(profile), 5)), expected,
-                             rtol=1e-6)
+  np.testing.assert_allclose(
+    np.asarray(auto_draft.tokens_per_pass_depths(jnp.float32(profile), 5)), expected, rtol=1e-6
+  )
 
 
 def test_depth_acceptance_continues_the_depth_before_and_follows_its_own_evidence():
@@ -123,7 +127,8 @@ def test_choice_follows_the_depth_profile():
   geo_depth = jnp.asarray(np.stack([a * reach, reach], axis=-1))[None]
   geo_pooled = jnp.float32([(a * reach).sum(), reach.sum()])
   assert int(auto_draft.choose_k(geo_pooled, steps, shadow=True)[0]) == int(
-      auto_draft.choose_k(geo_pooled, steps, shadow=True, depth_evidence_BJ2=geo_depth)[0])
+    auto_draft.choose_k(geo_pooled, steps, shadow=True, depth_evidence_BJ2=geo_depth)[0]
+  )
 
 
 def test_batch_choice_follows_its_slowest_row():
@@ -132,16 +137,18 @@ def test_batch_choice_follows_its_slowest_row():
   steps = jnp.asarray([1.0, 1.25, 1.5, 1.75, 2.0, 2.25, 2.5, 2.75, 3.0], jnp.float32)
   good, poor = [1900.0, 2000.0], [300.0, 1000.0]  # a ~ 0.95 and ~ 0.3
   alone, _ = auto_draft.choose_k(jnp.asarray(good), steps, shadow=True)
-  both, _ = auto_draft.choose_k(jnp.asarray([good, poor]), steps, shadow=True,
-                                remaining_B=jnp.asarray([100.0, 100.0]))
-  poor_done, _ = auto_draft.choose_k(jnp.asarray([good, poor]), steps, shadow=True,
-                                     remaining_B=jnp.asarray([100.0, 0.0]))
+  both, _ = auto_draft.choose_k(jnp.asarray([good, poor]), steps, shadow=True, remaining_B=jnp.asarray([100.0, 100.0]))
+  poor_done, _ = auto_draft.choose_k(
+    jnp.asarray([good, poor]), steps, shadow=True, remaining_B=jnp.asarray([100.0, 0.0])
+  )
   assert int(alone) == 8 and int(both) < int(alone) and int(poor_done) == int(alone)
   # The rule is the predicted finishing time: check it against a direct evaluation.
   a_B = auto_draft.optimistic_acceptance(jnp.asarray([good, poor]))
   margin = lambda k: 1.0 + (auto_draft.DRAFT_MARGIN if k else 0.0)
-  want = min(range(9), key=lambda k: max(100.0 / sum(float(a) ** j for j in range(k + 1)) for a in a_B)
-             * float(steps[k]) * margin(k))
+  want = min(
+    range(9),
+    key=lambda k: max(100.0 / sum(float(a) ** j for j in range(k + 1)) for a in a_B) * float(steps[k]) * margin(k),
+  )
   assert int(both) == want
 
 
@@ -196,8 +203,9 @@ def test_nonnegative_lstsq_meets_the_optimality_conditions():
 @pytest.mark.parametrize("drafter", ["ngram", "mtp", "controlled"])
 def test_auto_greedy_tokens_equal_plain_greedy(auto_model, auto_plain, drafter):
   spec = msj.SpecParams(drafter=drafter, num_draft="auto", max_draft=3, research=_controlled(0.8))
-  out = msj.generate(auto_model, RAGGED, max_new_tokens=20, spec=spec,
-                     reference_tokens=auto_plain if drafter == "controlled" else None)
+  out = msj.generate(
+    auto_model, RAGGED, max_new_tokens=20, spec=spec, reference_tokens=auto_plain if drafter == "controlled" else None
+  )
   np.testing.assert_array_equal(out.tokens, auto_plain)
   s = out.stats
   assert s["num_draft"] == "auto" and s["max_draft"] == 3
@@ -268,8 +276,9 @@ def test_plain_passes_bring_shadow_evidence(auto_model, auto_plain, monkeypatch)
   where plain passes are fast against verification passes, they can make K = 0 the best choice
   even at acceptance 1 (it failed so once in a clean run). Each rate is still calibrated once."""
   monkeypatch.setattr(auto_draft, "PRIOR_ACCEPTANCE", 0.0)
-  monkeypatch.setattr(calibration, "measure_held_step_ms",
-                      lambda num_draft, run, rounds: np.array([1.0, 1.2, 1.4, 1.6], np.float32))
+  monkeypatch.setattr(
+    calibration, "measure_held_step_ms", lambda num_draft, run, rounds: np.array([1.0, 1.2, 1.4, 1.6], np.float32)
+  )
   programs.PROGRAMS.forget()  # the prior is read when the loop is traced
   calibrated = len(programs.PROGRAMS.calibration_keys())
   try:
@@ -295,15 +304,25 @@ def test_controlled_acceptance_is_geometric(auto_model, auto_plain):
   a, k = 0.6, 3
   prompts = [RAGGED[i % 4] for i in range(32)]
   plain = msj.generate(auto_model, prompts, max_new_tokens=20).tokens
-  out = msj.generate(auto_model, prompts, max_new_tokens=20, reference_tokens=plain,
-                     spec=msj.SpecParams(drafter="controlled", num_draft=k, research=_controlled(a)))
+  out = msj.generate(
+    auto_model,
+    prompts,
+    max_new_tokens=20,
+    reference_tokens=plain,
+    spec=msj.SpecParams(drafter="controlled", num_draft=k, research=_controlled(a)),
+  )
   np.testing.assert_array_equal(out.tokens, plain)
   depth = out.stats["acceptance_by_depth"]
   # ~190 first-depth trials: 4 standard deviations is about 0.14.
   assert abs(depth[0] - a) < 0.14 and abs(np.mean(depth) - a) < 0.14
   for alpha, expected in ((0.0, 1.0), (1.0, k + 1.0)):
-    out = msj.generate(auto_model, prompts, max_new_tokens=20, reference_tokens=plain,
-                       spec=msj.SpecParams(drafter="controlled", num_draft=k, research=_controlled(alpha)))
+    out = msj.generate(
+      auto_model,
+      prompts,
+      max_new_tokens=20,
+      reference_tokens=plain,
+      spec=msj.SpecParams(drafter="controlled", num_draft=k, research=_controlled(alpha)),
+    )
     if alpha == 0.0:
       assert out.stats["mean_accepted_length"] == expected
     else:  # every draft accepted, except where a row's remaining tokens cut the pass short
@@ -311,25 +330,27 @@ def test_controlled_acceptance_is_geometric(auto_model, auto_plain):
 
 
 def test_step_times_grow_with_pass_size(auto_model):
-  times = loop.step_times_ms(auto_model, RAGGED, 8, spec=msj.SpecParams(drafter="ngram", num_draft=2),
-                             repeats=2)
+  times = loop.step_times_ms(auto_model, RAGGED, 8, spec=msj.SpecParams(drafter="ngram", num_draft=2), repeats=2)
   assert times.shape == (3,) and np.all(times > 0)
   with_K, without_K = loop.step_times_with_and_without_experts_ms(
-      auto_model, RAGGED, 8, spec=msj.SpecParams(drafter="ngram", num_draft=2), repeats=2)
+    auto_model, RAGGED, 8, spec=msj.SpecParams(drafter="ngram", num_draft=2), repeats=2
+  )
   assert with_K.shape == without_K.shape == (3,) and np.all(with_K > 0) and np.all(without_K > 0)
 
 
 def test_passes_without_routed_experts_read_none(auto_model):
   """LoopSpec(routed_experts=False), what the cost model times as a pass's non-expert part: the
   verification pass skips every routed expert (none counted, and the tokens change)."""
-  _, ls, args = loop._prepare(auto_model, RAGGED, 8, msj.SamplingParams(), msj.SpecParams(drafter="ngram", num_draft=2),
-                              0, None)
+  _, ls, args = loop._prepare(
+    auto_model, RAGGED, 8, msj.SamplingParams(), msj.SpecParams(drafter="ngram", num_draft=2), 0, None
+  )
   state0 = programs.PROGRAMS.compiled(calibration.init_program, ls, *args)(*args[1:])
   out = {}
   for experts in (True, False):
     run_ls = dataclasses.replace(ls, routed_experts=experts)
-    run = programs.PROGRAMS.compiled(calibration.passes_program, run_ls, args[0], args[1], state0, jnp.int32(0),
-                                     jnp.int32(0))
+    run = programs.PROGRAMS.compiled(
+      calibration.passes_program, run_ls, args[0], args[1], state0, jnp.int32(0), jnp.int32(0)
+    )
     # (The program may be step_times_ms's own, compiled to take over its state: pass a copy.)
     out[experts] = run(args[1], jax.tree.map(jnp.copy, state0), jnp.int32(2), jnp.int32(3))
   assert float(jnp.sum(out[True].stats.unique_L)) > 0
@@ -350,8 +371,14 @@ def test_bad_auto_and_controlled_arguments(auto_model, auto_plain):
   with pytest.raises(ValueError, match="reference_tokens"):
     msj.generate(auto_model, RAGGED, max_new_tokens=4, spec=controlled)
   with pytest.raises(ValueError, match="greedy"):
-    msj.generate(auto_model, RAGGED, max_new_tokens=4, sampling=msj.SamplingParams(temperature=1.0),
-                 spec=controlled, reference_tokens=auto_plain)
+    msj.generate(
+      auto_model,
+      RAGGED,
+      max_new_tokens=4,
+      sampling=msj.SamplingParams(temperature=1.0),
+      spec=controlled,
+      reference_tokens=auto_plain,
+    )
   with pytest.raises(ValueError, match=r"reference_tokens must be an int array \[4, >= 30\]"):
     msj.generate(auto_model, RAGGED, max_new_tokens=30, spec=controlled, reference_tokens=auto_plain)
   with pytest.raises(ValueError, match="drafter='controlled' only"):
@@ -366,14 +393,14 @@ def test_settled_choice_changes_k_only_where_the_gain_exceeds_the_switch_cost():
   step_ms = jnp.asarray([1.0, 1.2], jnp.float32)
   settled = jnp.asarray([8.0, 20.0], jnp.float32)  # a ~ 0.41, optimistic ~ 0.46
   young = jnp.asarray([2.0, 4.0], jnp.float32)
-  choose = lambda ev, cur, left=1.0: int(auto_draft.choose_k(
-      ev, step_ms, shadow=True, current_k=jnp.int32(cur), remaining_B=jnp.asarray([left]))[0])
+  choose = lambda ev, cur, left=1.0: int(
+    auto_draft.choose_k(ev, step_ms, shadow=True, current_k=jnp.int32(cur), remaining_B=jnp.asarray([left]))[0]
+  )
   assert int(auto_draft.choose_k(settled, step_ms, shadow=True)[0]) == 1
   assert choose(settled, 0) == 0 and choose(settled, 1) == 1
   assert choose(settled, 0, left=40.0) == 1 and choose(settled, 1, left=40.0) == 1
   assert choose(young, 0) == 1
-  time_K = auto_draft.finish_ms(auto_draft.optimistic_acceptance(settled[None]), jnp.asarray([1.0]),
-                                step_ms)
+  time_K = auto_draft.finish_ms(auto_draft.optimistic_acceptance(settled[None]), jnp.asarray([1.0]), step_ms)
   gain_passes = float(time_K[0] - time_K[1] * (1.0 + auto_draft.DRAFT_MARGIN)) / float(step_ms[0])
   assert 0.0 < gain_passes < auto_draft.SWITCH_COST_PASSES < 40.0 * gain_passes
 
@@ -480,23 +507,27 @@ def test_auto_timing_measures_passes_in_the_loop(auto_model, auto_plain, calibra
   the tiny model: every K the loop ran (and, pooled, every other) is corrected by the clipped
   factor, so the clock inside the program measured something between those bounds."""
   monkeypatch.setattr(loop, "calibrate_step_ms", _pinned(np.full((4,), calibrated_ms)))
-  spec = msj.SpecParams(drafter="controlled", num_draft="auto", max_draft=3,
-                        research=_controlled(0.8, auto_timing=True))
+  spec = msj.SpecParams(
+    drafter="controlled", num_draft="auto", max_draft=3, research=_controlled(0.8, auto_timing=True)
+  )
   out = msj.generate(auto_model, RAGGED, max_new_tokens=20, spec=spec, reference_tokens=auto_plain)
   np.testing.assert_array_equal(out.tokens, auto_plain)
   assert out.stats["auto_timing"] is True
   factor = auto_draft.MAX_TIMING_RATIO if calibrated_ms < 1 else 1 / auto_draft.MAX_TIMING_RATIO
   np.testing.assert_allclose(out.stats["corrected_step_ms"], np.full(4, calibrated_ms * factor), rtol=1e-4)
-  untimed = msj.generate(auto_model, RAGGED, max_new_tokens=20, reference_tokens=auto_plain,
-                         spec=msj.SpecParams(drafter="controlled", num_draft="auto", max_draft=3,
-                                             research=_controlled(0.8)))
+  untimed = msj.generate(
+    auto_model,
+    RAGGED,
+    max_new_tokens=20,
+    reference_tokens=auto_plain,
+    spec=msj.SpecParams(drafter="controlled", num_draft="auto", max_draft=3, research=_controlled(0.8)),
+  )
   assert untimed.stats["auto_timing"] is False and "corrected_step_ms" not in untimed.stats
 
 
 def test_pass_trace_records_the_k_auto_chose_each_pass(auto_model, auto_plain, monkeypatch):
   monkeypatch.setattr(loop, "calibrate_step_ms", _pinned([1.0, 1.2, 1.4, 1.6]))
-  spec = msj.SpecParams(drafter="controlled", num_draft="auto", max_draft=3,
-                        research=_controlled(0.9, pass_trace=True))
+  spec = msj.SpecParams(drafter="controlled", num_draft="auto", max_draft=3, research=_controlled(0.9, pass_trace=True))
   out = msj.generate(auto_model, RAGGED, max_new_tokens=20, spec=spec, reference_tokens=auto_plain)
   np.testing.assert_array_equal(out.tokens, auto_plain)
   ks = out.stats["pass_trace"]["num_draft"]
@@ -508,8 +539,11 @@ def test_auto_calibrates_on_its_own_program(auto_model, auto_plain, monkeypatch)
   often enough at every K (no loops of passes timed), and in loops where they do not."""
   programs.PROGRAMS.forget()
   loops = []
-  monkeypatch.setattr(calibration, "measure_step_ms",
-                      lambda ls, args, rounds: loops.append(ls.max_new_tokens) or np.array([1.0, 1.2, 1.4]))
+  monkeypatch.setattr(
+    calibration,
+    "measure_step_ms",
+    lambda ls, args, rounds: loops.append(ls.max_new_tokens) or np.array([1.0, 1.2, 1.4]),
+  )
   monkeypatch.setattr(calibration, "CALIBRATION_ROUNDS", 2)
   try:
     for max_new in (20, 3):

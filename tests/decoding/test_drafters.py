@@ -24,6 +24,7 @@ class ReplayDrafter(drafters.Drafter):
   """A drafter defined outside the package: it proposes a given continuation (generate's
   `reference_tokens`, drawn into its state before the program) as a chain. Its proposals cost
   nothing, so it also shadow-drafts on auto K's plain passes."""
+
   shadows: ClassVar[bool] = True
   takes_reference: ClassVar[bool] = True
 
@@ -59,8 +60,11 @@ def registered(monkeypatch):
 def test_registry_maps_the_users_names_to_drafters():
   assert drafters.names() == ("none", "mtp", "ngram", "controlled")
   assert all(issubclass(drafters.lookup(name), drafters.Drafter) for name in drafters.names())
-  with pytest.raises(ValueError, match=r"drafter must be one of \('none', 'mtp', 'ngram', 'controlled'\), "
-                                       r"got 'replay'"):
+  with pytest.raises(
+    ValueError,
+    match=r"drafter must be one of \('none', 'mtp', 'ngram', 'controlled'\), "
+    r"got 'replay'",
+  ):
     msj.SpecParams(drafter="replay")
 
 
@@ -76,10 +80,18 @@ def test_a_drafter_registered_in_one_place_runs_through_the_loop(tiny_model, reg
   assert fixed.stats["mean_accepted_length"] > 2.5
   with pytest.raises(ValueError, match="reference_tokens is used by drafter='controlled' or drafter='replay'"):
     msj.generate(tiny_model, PROMPTS, max_new_tokens=12, reference_tokens=plain.tokens)
-  monkeypatch.setattr(loop, "calibrate_step_ms", lambda ls, args, run, progress: Calibration(
-      np.array([1.0, 1.2, 1.4], np.float32), "held_runs"))
-  auto = msj.generate(tiny_model, PROMPTS, max_new_tokens=12, reference_tokens=plain.tokens,
-                      spec=msj.SpecParams(drafter="replay", num_draft="auto", max_draft=2))
+  monkeypatch.setattr(
+    loop,
+    "calibrate_step_ms",
+    lambda ls, args, run, progress: Calibration(np.array([1.0, 1.2, 1.4], np.float32), "held_runs"),
+  )
+  auto = msj.generate(
+    tiny_model,
+    PROMPTS,
+    max_new_tokens=12,
+    reference_tokens=plain.tokens,
+    spec=msj.SpecParams(drafter="replay", num_draft="auto", max_draft=2),
+  )
   np.testing.assert_array_equal(auto.tokens, plain.tokens)
   assert sum(auto.stats["passes_by_num_draft"]) == auto.stats["verify_passes"]
   assert auto.stats["passes_by_num_draft"][2] > 0 and auto.stats["acceptance_estimate"] > 0.5
@@ -87,8 +99,13 @@ def test_a_drafter_registered_in_one_place_runs_through_the_loop(tiny_model, reg
 
 def test_verification_refuses_a_draft_tree_that_is_not_a_chain(tiny_model, registered):
   with pytest.raises(NotImplementedError, match="chains of K drafts only"):
-    msj.generate(tiny_model, PROMPTS, max_new_tokens=4, spec=msj.SpecParams(drafter="fork", num_draft=2),
-                 reference_tokens=np.zeros((len(PROMPTS), 4), np.int32))
+    msj.generate(
+      tiny_model,
+      PROMPTS,
+      max_new_tokens=4,
+      spec=msj.SpecParams(drafter="fork", num_draft=2),
+      reference_tokens=np.zeros((len(PROMPTS), 4), np.int32),
+    )
 
 
 def test_a_chain_is_the_tree_whose_nodes_follow_the_one_before():
@@ -102,9 +119,13 @@ def test_a_chain_is_the_tree_whose_nodes_follow_the_one_before():
 
 
 def test_ngram_proposes_what_followed_the_longest_earlier_match():
-  seq = jnp.asarray([[1, 2, 3, 9, 2, 3, 7, 8, 1, 2, 3, 0, 0, 0],
-                     [5, 6, 7, 8, 5, 6, 0, 0, 0, 0, 0, 0, 0, 0],
-                     [1, 2, 3, 4, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]])
+  seq = jnp.asarray(
+    [
+      [1, 2, 3, 9, 2, 3, 7, 8, 1, 2, 3, 0, 0, 0],
+      [5, 6, 7, 8, 5, 6, 0, 0, 0, 0, 0, 0, 0, 0],
+      [1, 2, 3, 4, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0],
+    ]
+  )
   n = jnp.asarray([11, 6, 4])
   d, valid = ngram.prompt_lookup(seq, n, 3)
   # Row 0: suffix [1, 2, 3] occurred at 0..2 (longest), followed by 9, 2, 3.
@@ -142,9 +163,6 @@ def test_controlled_draft_table_is_drawn_from_each_rows_key_before_the_program()
   keys = jax.vmap(lambda k: jax.random.fold_in(k, controlled.TABLE_STREAM))(state_lib.row_keys(seed, 2))
   padded = np.pad(ref, ((0, 0), (0, 3)))
   np.testing.assert_array_equal(table, controlled.controlled_table(jnp.asarray(padded), keys, 0.5, 264))
-  np.testing.assert_array_equal(
-      controlled.draw_table(ref, seed, np.float32(0.5), length=7, vocab_size=264), table)
-  assert not np.array_equal(
-      controlled.draw_table(ref, np.uint32(4), np.float32(0.5), length=7, vocab_size=264), table)
-  np.testing.assert_array_equal(
-      controlled.draw_table(ref, seed, np.float32(1.0), length=3, vocab_size=264), ref[:, :3])
+  np.testing.assert_array_equal(controlled.draw_table(ref, seed, np.float32(0.5), length=7, vocab_size=264), table)
+  assert not np.array_equal(controlled.draw_table(ref, np.uint32(4), np.float32(0.5), length=7, vocab_size=264), table)
+  np.testing.assert_array_equal(controlled.draw_table(ref, seed, np.float32(1.0), length=3, vocab_size=264), ref[:, :3])

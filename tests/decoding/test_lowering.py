@@ -12,12 +12,11 @@ import moespec_jax as msj
 from moespec_jax.decoding import loop, programs
 from moespec_jax.model import PackedWeights
 
-MLA = dict(attention_type="mla", n_kv_heads=2, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16,
-           v_head_dim=16)
+MLA = dict(attention_type="mla", n_kv_heads=2, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16)
 SPECS = {
-    "plain": msj.SpecParams(kernel="dedup"),
-    "mtp3": msj.SpecParams(drafter="mtp", num_draft=3, kernel="dedup"),
-    "budgeted": msj.SpecParams(drafter="mtp", num_draft=3, kernel="dedup", mode="budgeted", expert_budget=3),
+  "plain": msj.SpecParams(kernel="dedup"),
+  "mtp3": msj.SpecParams(drafter="mtp", num_draft=3, kernel="dedup"),
+  "budgeted": msj.SpecParams(drafter="mtp", num_draft=3, kernel="dedup", mode="budgeted", expert_budget=3),
 }
 # What each platform's Pallas lowering leaves in the program text.
 PALLAS_MARK = {"tpu": "tpu_custom_call", "cuda": "triton"}
@@ -26,9 +25,22 @@ PALLAS_MARK = {"tpu": "tpu_custom_call", "cuda": "triton"}
 @pytest.fixture(scope="module", params=["gqa", "mla"])
 def model(request):
   # Powers of two for the Triton blocks (d_model, expert_hidden); two heads sharing one KV head (GQA).
-  config = msj.ModelConfig(vocab_size=264, d_model=64, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=32,
-                           max_seq_len=64, n_routed_experts=8, top_k=2, n_shared_experts=1, expert_hidden=32,
-                           dense_hidden=64, first_k_dense=1, num_mtp_modules=1)
+  config = msj.ModelConfig(
+    vocab_size=264,
+    d_model=64,
+    n_layers=2,
+    n_heads=2,
+    n_kv_heads=1,
+    head_dim=32,
+    max_seq_len=64,
+    n_routed_experts=8,
+    top_k=2,
+    n_shared_experts=1,
+    expert_hidden=32,
+    dense_hidden=64,
+    first_k_dense=1,
+    num_mtp_modules=1,
+  )
   if request.param == "mla":
     config = config.replace(**MLA)
   return msj.Model.init(config, seed=0)

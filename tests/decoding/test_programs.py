@@ -50,13 +50,20 @@ def test_program_cache_key_hashes_a_graphdef_once(tiny_model, mtp_model, monkeyp
   twin = msj.Model.init(tiny_model.config, seed=1)  # other weights, same structure
   assert twin.graphdef is not graphdef and definition(twin) == first
   assert definition(mtp_model) != first  # MTP heads: another structure
-  ls = LoopSpec(max_new_tokens=4, cache_len=64, sampling=msj.SamplingParams(), kernels=KernelPolicy(expert_method="xla"),
-                drafter=NoDrafter(), max_k=0)
+  ls = LoopSpec(
+    max_new_tokens=4,
+    cache_len=64,
+    sampling=msj.SamplingParams(),
+    kernels=KernelPolicy(expert_method="xla"),
+    drafter=NoDrafter(),
+    max_k=0,
+  )
   x = jnp.zeros((1, 8), jnp.int32)
   hashed = len(calls)  # one per graphdef object so far
   assert hashed == 3
-  assert (programs.signature(loop._generate_spec, ls, definition(tiny_model), x)
-          == programs.signature(loop._generate_spec, ls, definition(twin), x))
+  assert programs.signature(loop._generate_spec, ls, definition(tiny_model), x) == programs.signature(
+    loop._generate_spec, ls, definition(twin), x
+  )
   assert len(calls) == hashed
 
 

@@ -5,8 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moespec_jax.decoding.params import SamplingParams, SpecParams
 from moespec_jax.decoding import sampling as sampling_lib
+from moespec_jax.decoding.params import SamplingParams, SpecParams
 from moespec_jax.decoding.sampling import filtered_logprobs, sample
 
 LOGITS = jnp.asarray([[2.0, 1.0, 1.0, 0.5, -1.0, 3.0]], jnp.float32)
@@ -68,8 +68,9 @@ def test_argmax_equals_jnp_argmax_with_ties_infinities_and_nans():
   x[2, 2, [3, 5]] = np.nan
   x[3, 3, :] = np.nan
   for axis in (0, 1, -1):
-    np.testing.assert_array_equal(np.asarray(sampling_lib.argmax(jnp.asarray(x), axis=axis)),
-                                  np.asarray(jnp.argmax(jnp.asarray(x), axis=axis)))
+    np.testing.assert_array_equal(
+      np.asarray(sampling_lib.argmax(jnp.asarray(x), axis=axis)), np.asarray(jnp.argmax(jnp.asarray(x), axis=axis))
+    )
 
 
 def test_categorical_draws_what_jax_random_categorical_draws():
@@ -93,17 +94,29 @@ def test_sample_frequencies_match_filtered_distribution():
   assert np.all(np.abs(freq - want) <= tolerance), (freq, want)
 
 
-@pytest.mark.parametrize("kwargs,name", [
-    (dict(temperature=-0.1), "temperature"), (dict(top_k=-1), "top_k"),
-    (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p")])
+@pytest.mark.parametrize(
+  "kwargs,name",
+  [
+    (dict(temperature=-0.1), "temperature"),
+    (dict(top_k=-1), "top_k"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+  ],
+)
 def test_bad_sampling_params_name_the_argument(kwargs, name):
   with pytest.raises(ValueError, match=name):
     SamplingParams(**kwargs)
 
 
-@pytest.mark.parametrize("kwargs,name", [
-    (dict(drafter="bogus"), "drafter"), (dict(mode="fast"), "mode"),
-    (dict(kernel="cuda"), "kernel"), (dict(num_draft=-1), "num_draft")])
+@pytest.mark.parametrize(
+  "kwargs,name",
+  [
+    (dict(drafter="bogus"), "drafter"),
+    (dict(mode="fast"), "mode"),
+    (dict(kernel="cuda"), "kernel"),
+    (dict(num_draft=-1), "num_draft"),
+  ],
+)
 def test_bad_spec_params_name_the_argument(kwargs, name):
   with pytest.raises(ValueError, match=name):
     SpecParams(**kwargs)

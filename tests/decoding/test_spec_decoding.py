@@ -13,7 +13,6 @@ import moespec_jax as msj
 from moespec_jax.decoding import loop, passes, programs, rejection
 from moespec_jax.decoding import state as state_lib
 from moespec_jax.decoding.drafters.none import NoDrafter
-from moespec_jax.model import layers
 from moespec_jax.model import Kernels
 from moespec_jax.model import mtp as mtp_lib
 from pallas_kernels.policy import KernelPolicy
@@ -98,8 +97,7 @@ def test_cpu_decoding_pass_gives_a_token_the_bits_of_a_plain_step(tiny_config, a
   (batch 8)."""
   config = tiny_config.replace(d_model=256, n_routed_experts=16, n_shared_experts=1, shared_expert_gate=True)
   if attention == "mla":
-    config = config.replace(attention_type="mla", kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
-                            v_head_dim=8)
+    config = config.replace(attention_type="mla", kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8)
   model = msj.Model.init(config, seed=3)
   policy = programs.kernel_policy(model, msj.SpecParams(kernel="dedup"))
   leaves = jax.tree.leaves(model.state)
@@ -111,18 +109,18 @@ def test_cpu_decoding_pass_gives_a_token_the_bits_of_a_plain_step(tiny_config, a
   next_BT = jnp.asarray(rng.integers(0, config.vocab_size, (batch, steps)), jnp.int32)
   positions_BT = jnp.broadcast_to(jnp.arange(prompt_len, prompt_len + steps, dtype=jnp.int32), (batch, steps))
 
-  ls = state_lib.LoopSpec(max_new_tokens=steps, cache_len=32, sampling=msj.SamplingParams(), kernels=policy,
-                          drafter=NoDrafter(), max_k=0)
+  ls = state_lib.LoopSpec(
+    max_new_tokens=steps, cache_len=32, sampling=msj.SamplingParams(), kernels=policy, drafter=NoDrafter(), max_k=0
+  )
 
   @jax.jit
   def pass_and_steps(params):
     m = programs.merge(definition, params, ls)
-    cache = m(prompt_BT, None, m.new_cache(batch, 32), kernels=m.kernels, compute_logits=False,
-              fresh_cache=True).cache
+    cache = m(prompt_BT, None, m.new_cache(batch, 32), kernels=m.kernels, compute_logits=False, fresh_cache=True).cache
     together = m(next_BT, positions_BT, cache, kernels=m.kernels).logits
     alone = []
     for i in range(steps):
-      out = m(next_BT[:, i:i + 1], positions_BT[:, i:i + 1], cache, kernels=m.kernels)
+      out = m(next_BT[:, i : i + 1], positions_BT[:, i : i + 1], cache, kernels=m.kernels)
       alone.append(out.logits[:, 0])
       cache = out.cache
     return together, jnp.stack(alone, axis=1)
@@ -139,16 +137,23 @@ def test_mla_greedy_speculative_tokens_equal_plain_greedy(tiny_config):
   XLA's tokens, and greedy speculative decoding (MTP heads, from every prompt position and from a
   window of the last 3; prompt lookup, whose repetitive prompts get drafts accepted) emits the
   same tokens as plain."""
-  config = tiny_config.replace(attention_type="mla", kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
-                               v_head_dim=8, num_mtp_modules=1)
+  config = tiny_config.replace(
+    attention_type="mla", kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, num_mtp_modules=1
+  )
   model = msj.Model.init(config, seed=2)
   plain = msj.generate(model, RAGGED + REPEATS, max_new_tokens=16).tokens
-  xla = msj.generate(model, RAGGED + REPEATS, max_new_tokens=16,
-                     spec=msj.SpecParams(research=msj.ResearchOptions(attention_kernel="xla")))
+  xla = msj.generate(
+    model,
+    RAGGED + REPEATS,
+    max_new_tokens=16,
+    spec=msj.SpecParams(research=msj.ResearchOptions(attention_kernel="xla")),
+  )
   np.testing.assert_array_equal(xla.tokens, plain)
-  for spec in (msj.SpecParams(drafter="mtp", num_draft=3),
-               msj.SpecParams(drafter="mtp", num_draft=2, research=msj.ResearchOptions(mtp_prompt_window=3)),
-               msj.SpecParams(drafter="ngram", num_draft=2)):
+  for spec in (
+    msj.SpecParams(drafter="mtp", num_draft=3),
+    msj.SpecParams(drafter="mtp", num_draft=2, research=msj.ResearchOptions(mtp_prompt_window=3)),
+    msj.SpecParams(drafter="ngram", num_draft=2),
+  ):
     out = msj.generate(model, RAGGED + REPEATS, max_new_tokens=16, spec=spec)
     np.testing.assert_array_equal(out.tokens, plain)
     if spec.drafter == "ngram":
@@ -176,9 +181,14 @@ def test_accepted_runs_take_the_bonus_stop_at_eos_and_at_max_new_tokens(constant
   first EOS, and the others after exactly max_new_tokens (1 + 9 runs of 4, then 3 of 4)."""
   eos = constant_model.config.eos_id
   n, k = 40, 3
-  out = msj.generate(constant_model, [[5, 6]] * 48, max_new_tokens=n,
-                     sampling=msj.SamplingParams(temperature=1.0),
-                     spec=msj.SpecParams(drafter="mtp", num_draft=k), seed=3)
+  out = msj.generate(
+    constant_model,
+    [[5, 6]] * 48,
+    max_new_tokens=n,
+    sampling=msj.SamplingParams(temperature=1.0),
+    spec=msj.SpecParams(drafter="mtp", num_draft=k),
+    seed=3,
+  )
   assert out.stats["acceptance_by_depth"] == [1.0] * k
   assert out.stats["mean_accepted_length"] == pytest.approx(k + 1)
   assert out.tokens.shape == (48, n)
@@ -187,7 +197,7 @@ def test_accepted_runs_take_the_bonus_stop_at_eos_and_at_max_new_tokens(constant
     if eos in row:
       rows_with_eos += 1
       first = row.index(eos)
-      assert all(t == -1 for t in row[first + 1:]) and all(t >= 0 for t in row[:first])
+      assert all(t == -1 for t in row[first + 1 :]) and all(t >= 0 for t in row[:first])
     else:
       assert all(t >= 0 for t in row)
   assert 3 <= rows_with_eos < 48  # about 48 * (1 - (263/264)^40) = 6.6 expected
@@ -240,23 +250,24 @@ def test_rolled_back_caches_match_a_fresh_forward(mtp_model):
     out = model(prompt, None, model.new_cache(1, cache_len))
     y = jnp.argmax(out.logits[:, -1], axis=-1).astype(jnp.int32)
     next_tokens = jnp.concatenate([prompt[:, 1:], y[:, None]], axis=1)
-    _, _, mcache = mtp_lib.fill(model, out.hidden, next_tokens, jnp.arange(plen)[None],
-                                mtp_lib.new_cache(config, 1, cache_len), kernels=XLA)
+    _, _, mcache = mtp_lib.fill(
+      model, out.hidden, next_tokens, jnp.arange(plen)[None], mtp_lib.new_cache(config, 1, cache_len), kernels=XLA
+    )
     # Verify pass: [y, d1, d2, d3] at positions plen..plen+3; d1 accepted, then y2 sampled.
     positions = plen + jnp.arange(k + 1)[None]
     vout = model(jnp.concatenate([y[:, None], drafts], axis=1), positions, out.cache)
     fill_next = jnp.concatenate([drafts[:, :a], jnp.broadcast_to(y2, (1, k + 1 - a))], axis=1)
     _, logits1, mcache = mtp_lib.fill(model, vout.hidden, fill_next, positions, mcache, kernels=XLA)
     # Next pass from the rolled-back cache (stale entries at positions >= plen + a + 1).
-    nout = model(jnp.concatenate([y2, drafts[:, :2]], axis=1), plen + a + 1 + jnp.arange(3)[None],
-                 vout.cache)
+    nout = model(jnp.concatenate([y2, drafts[:, :2]], axis=1), plen + a + 1 + jnp.arange(3)[None], vout.cache)
     committed = jnp.concatenate([prompt, y[:, None], drafts[:, :a], y2], axis=1)
     fresh = model(committed)
     tf = mtp_lib.forward_train(model, fresh.hidden, jnp.pad(committed, ((0, 0), (0, 1))), 1)[0]
     return nout.logits[0, 0], fresh.logits[0, -1], logits1[0, a], tf[0, plen + a]
 
-  got, want, mtp_got, mtp_want = run(mtp_model.state, jnp.asarray([[4, 8, 15, 16, 23]]),
-                                     jnp.asarray([[77, 78, 79]]), jnp.asarray([[200]]))
+  got, want, mtp_got, mtp_want = run(
+    mtp_model.state, jnp.asarray([[4, 8, 15, 16, 23]]), jnp.asarray([[77, 78, 79]]), jnp.asarray([[200]])
+  )
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(np.asarray(mtp_got), np.asarray(mtp_want), rtol=1e-5, atol=1e-5)
 
@@ -286,11 +297,25 @@ def test_fill_at_one_index_runs_the_last_module_there_only(mtp_model, two_module
   @jax.jit
   def run(state):
     m = nnx.merge(model.graphdef, state)
-    fills = [mtp_lib.fill(m, hidden, seq, positions, mtp_lib.new_cache(config, b, cache_len), kernels=XLA,
-                          valid_BT=valid, at_B=at_B) for at_B in (None, at)]
+    fills = [
+      mtp_lib.fill(
+        m, hidden, seq, positions, mtp_lib.new_cache(config, b, cache_len), kernels=XLA, valid_BT=valid, at_B=at_B
+      )
+      for at_B in (None, at)
+    ]
     last = modules - 1
-    one_index, _, _ = run_module(m, last, hidden, seq[:, last:last + t], positions, None,
-                                         kernels=XLA, compute_logits=False, valid_BT=valid, output_at_B=at)
+    one_index, _, _ = run_module(
+      m,
+      last,
+      hidden,
+      seq[:, last : last + t],
+      positions,
+      None,
+      kernels=XLA,
+      compute_logits=False,
+      valid_BT=valid,
+      output_at_B=at,
+    )
     return fills, one_index
 
   ((h_all, logits_all, cache_all), (h1, logits1, cache_one)), one_index = run(model.state)
@@ -305,10 +330,13 @@ def test_fill_at_one_index_runs_the_last_module_there_only(mtp_model, two_module
   assert output_at == [False] * modules + [False] * (modules - 1) + [True]
 
 
-@pytest.mark.parametrize("drafter,window,reads_every_index", [
-    ("none", None, False), ("ngram", None, False), ("mtp", None, True), ("mtp", 3, False)])
-def test_prefill_computes_hidden_states_where_they_are_read(two_module_model, monkeypatch, drafter, window,
-                                                             reads_every_index):
+@pytest.mark.parametrize(
+  "drafter,window,reads_every_index",
+  [("none", None, False), ("ngram", None, False), ("mtp", None, True), ("mtp", 3, False)],
+)
+def test_prefill_computes_hidden_states_where_they_are_read(
+  two_module_model, monkeypatch, drafter, window, reads_every_index
+):
   """The prompt prefill asks the target for its last position's hidden state alone
   (`hidden_at_B`: the last layer's queries and FFN run there only), except for the MTP drafter,
   whose fill reads every position's, or its prompt window's (`hidden_at_B` [B, W])."""
@@ -320,12 +348,17 @@ def test_prefill_computes_hidden_states_where_they_are_read(two_module_model, mo
     return call(self, *args, **kwargs)
 
   monkeypatch.setattr(type(two_module_model.module()), "__call__", recording_call)
-  spec = msj.SpecParams() if drafter == "none" else msj.SpecParams(
-      drafter=drafter, num_draft=2, research=msj.ResearchOptions(mtp_prompt_window=window))
+  spec = (
+    msj.SpecParams()
+    if drafter == "none"
+    else msj.SpecParams(drafter=drafter, num_draft=2, research=msj.ResearchOptions(mtp_prompt_window=window))
+  )
   _, ls, (definition, params, tokens, lengths, seed, inputs) = loop._prepare(
-      two_module_model, RAGGED, 8, None, spec, 0, None)
-  jax.eval_shape(lambda p: passes.init_state(programs.merge(definition, p, ls), tokens, lengths, seed,
-                                             inputs, ls).out_BN, params)
+    two_module_model, RAGGED, 8, None, spec, 0, None
+  )
+  jax.eval_shape(
+    lambda p: passes.init_state(programs.merge(definition, p, ls), tokens, lengths, seed, inputs, ls).out_BN, params
+  )
   assert asked == [not reads_every_index]
 
 
@@ -347,8 +380,7 @@ def test_mtp_prompt_window_drafts_from_the_window_stream(mtp_model):
   window, k = 5, 2
   prompts = [[4, 8, 15, 16, 23, 42, 7, 9, 11, 13, 17, 19], [3, 1, 4]]
   spec = msj.SpecParams(drafter="mtp", num_draft=k, research=msj.ResearchOptions(mtp_prompt_window=window))
-  _, ls, (definition, params, tokens, lengths, seed, inputs) = loop._prepare(
-      mtp_model, prompts, 8, None, spec, 0, None)
+  _, ls, (definition, params, tokens, lengths, seed, inputs) = loop._prepare(mtp_model, prompts, 8, None, spec, 0, None)
   assert ls.drafter.prompt_window == window
 
   @jax.jit
@@ -369,12 +401,17 @@ def test_mtp_prompt_window_drafts_from_the_window_stream(mtp_model):
     m = nnx.merge(mtp_model.graphdef, state)
     hidden = m(committed[None]).hidden[:, offset:-1]
     positions = jnp.arange(hidden.shape[1] + 1)[None]
-    h, logits, _ = mtp_lib.run_module(m, 0, hidden, committed[None, offset + 1:], positions[:, :-1], None,
-                                      kernels=XLA)
+    h, logits, _ = mtp_lib.run_module(m, 0, hidden, committed[None, offset + 1 :], positions[:, :-1], None, kernels=XLA)
     draft1 = jnp.argmax(logits[0, -1]).astype(jnp.int32)
-    _, logits2, _ = mtp_lib.run_module(m, 0, jnp.concatenate([hidden, h[:, -1:]], axis=1),
-                                       jnp.concatenate([committed[offset + 1:], draft1[None]])[None], positions,
-                                       None, kernels=XLA)
+    _, logits2, _ = mtp_lib.run_module(
+      m,
+      0,
+      jnp.concatenate([hidden, h[:, -1:]], axis=1),
+      jnp.concatenate([committed[offset + 1 :], draft1[None]])[None],
+      positions,
+      None,
+      kernels=XLA,
+    )
     return logits[0, -1], jnp.stack([draft1, jnp.argmax(logits2[0, -1]).astype(jnp.int32)])
 
   states = prefill_and_pass(params)
@@ -406,10 +443,13 @@ def test_mtp_prompt_window_must_be_a_positive_int():
       msj.ResearchOptions(mtp_prompt_window=bad)
 
 
-@pytest.mark.parametrize("kwargs,match", [
+@pytest.mark.parametrize(
+  "kwargs,match",
+  [
     (dict(spec=msj.SpecParams(drafter="mtp", num_draft=2)), "drafter 'mtp'"),
     (dict(max_new_tokens=58, spec=msj.SpecParams(drafter="ngram", num_draft=4)), "num_draft"),
-])
+  ],
+)
 def test_spec_validation_errors(tiny_model, kwargs, match):
   with pytest.raises(ValueError, match=match):
     msj.generate(tiny_model, [[1, 2, 3]], **kwargs)
@@ -424,8 +464,9 @@ def test_programs_take_the_state_flat_and_the_seed_as_jax_random_key_does(tiny_m
   assert jax.tree.structure(tiny_model.state) == definition.state_treedef
   assert all(isinstance(x, np.ndarray) for x in (tokens, lengths, seed)) and int(seed) == 7
   for s in (0, 7, -3, 2**31, 2**32 + 7):
-    np.testing.assert_array_equal(jax.random.key_data(jax.random.key(np.uint32(s & 0xFFFFFFFF))),
-                                  jax.random.key_data(jax.random.key(s)))
+    np.testing.assert_array_equal(
+      jax.random.key_data(jax.random.key(np.uint32(s & 0xFFFFFFFF))), jax.random.key_data(jax.random.key(s))
+    )
   sampling = msj.SamplingParams(temperature=1.0)
   a = msj.generate(tiny_model, [[1, 2, 3]], max_new_tokens=6, sampling=sampling, seed=7).tokens
   b = msj.generate(tiny_model, [[1, 2, 3]], max_new_tokens=6, sampling=sampling, seed=2**32 + 7).tokens
@@ -440,8 +481,13 @@ def test_pass_trace_times_every_pass_and_keeps_the_tokens(two_module_model, plai
   out = msj.generate(two_module_model, RAGGED + REPEATS, max_new_tokens=24, spec=spec)
   np.testing.assert_array_equal(out.tokens, plain_greedy)
   trace, stats = out.stats["pass_trace"], out.stats
-  assert len(trace["ms"]) == len(trace["num_draft"]) == len(trace["tokens"]) == len(trace["experts"]) == (
-      stats["verify_passes"])
+  assert (
+    len(trace["ms"])
+    == len(trace["num_draft"])
+    == len(trace["tokens"])
+    == len(trace["experts"])
+    == (stats["verify_passes"])
+  )
   assert set(trace["num_draft"]) == {3}
   assert sum(trace["tokens"]) == stats["generated_tokens"] - len(RAGGED + REPEATS)
   config = two_module_model.config
@@ -457,5 +503,6 @@ def test_pass_trace_needs_the_clock_of_the_cpu_library(tiny_model, monkeypatch):
     msj.ResearchOptions(pass_trace=1)
   monkeypatch.setattr(loop.cpu_ffi, "available", lambda: False)
   with pytest.raises(ValueError, match="pass_trace reads a clock inside the compiled program"):
-    msj.generate(tiny_model, [[1, 2, 3]], max_new_tokens=4,
-                 spec=msj.SpecParams(research=msj.ResearchOptions(pass_trace=True)))
+    msj.generate(
+      tiny_model, [[1, 2, 3]], max_new_tokens=4, spec=msj.SpecParams(research=msj.ResearchOptions(pass_trace=True))
+    )

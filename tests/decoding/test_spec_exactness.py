@@ -49,15 +49,15 @@ N_TOKENS, K, N_ROWS = 4, 2, 6000
 MAX_NEW_TOKENS = 6
 SEED = 11
 SETTINGS = {
-    "t1": msj.SamplingParams(temperature=1.0),
-    "t0.7_top_p0.9": msj.SamplingParams(temperature=0.7, top_p=0.9),
-    "top_k5": msj.SamplingParams(temperature=1.0, top_k=5),
+  "t1": msj.SamplingParams(temperature=1.0),
+  "t0.7_top_p0.9": msj.SamplingParams(temperature=0.7, top_p=0.9),
+  "top_k5": msj.SamplingParams(temperature=1.0, top_k=5),
 }
 # Planted faults run in the loop (setting t1) -> the checks that must reject them.
 PLANTED = {
-    "residual_is_p": ("emitted", "q>p mass", "t2 given t1"),
-    "bonus_from_q": ("emitted", "q>p mass"),
-    "accept_inflated": ("accept@1", "q>p mass"),
+  "residual_is_p": ("emitted", "q>p mass", "t2 given t1"),
+  "bonus_from_q": ("emitted", "q>p mass"),
+  "accept_inflated": ("accept@1", "q>p mass"),
 }
 
 
@@ -77,16 +77,16 @@ def enumerate_prefix_logits(model):
   out = {}
   for level in range(N_TOKENS):
     combos = np.array(list(itertools.product(range(VOCAB), repeat=level)), np.int32)
-    combos = combos.reshape(VOCAB ** level, level)
+    combos = combos.reshape(VOCAB**level, level)
     rows = np.zeros((len(combos), width), np.int32)
-    rows[:, :len(PROMPT)] = PROMPT
-    rows[:, len(PROMPT):len(PROMPT) + level] = combos
+    rows[:, : len(PROMPT)] = PROMPT
+    rows[:, len(PROMPT) : len(PROMPT) + level] = combos
     logits = []
     for start in range(0, len(rows), chunk):
       block = np.zeros((chunk, width), np.int32)
-      part = rows[start:start + chunk]
-      block[:len(part)] = part
-      got = np.asarray(model.forward(block))[:len(part), len(PROMPT) + level - 1]
+      part = rows[start : start + chunk]
+      block[: len(part)] = part
+      got = np.asarray(model.forward(block))[: len(part), len(PROMPT) + level - 1]
       logits.append(got)
     out[level] = np.concatenate(logits)
   return out
@@ -94,8 +94,10 @@ def enumerate_prefix_logits(model):
 
 def prefix_probabilities(prefix_logits) -> dict[str, dict[int, np.ndarray]]:
   """The exact target after every prefix, per setting: {setting: {level: [V^l, V]}} (float64)."""
-  return {name: {level: _probs(logits, sampling) for level, logits in prefix_logits.items()}
-          for name, sampling in SETTINGS.items()}
+  return {
+    name: {level: _probs(logits, sampling) for level, logits in prefix_logits.items()}
+    for name, sampling in SETTINGS.items()
+  }
 
 
 @pytest.fixture(scope="module")
@@ -151,8 +153,7 @@ def conditional_checks(tokens, probs_by_level) -> dict[str, exactness.Check]:
     running = np.all((tokens[:, :i] >= 0) & (tokens[:, :i] != EOS), axis=1)
     index = np.ravel_multi_index(tuple(tokens[running, :i].T), (VOCAB,) * i)
     given = ",".join(f"t{g + 1}" for g in range(i))
-    checks[f"t{i + 1} given {given}"] = exactness.pooled_chi_square_test(
-        tokens[running, i], probs_by_level[i][index])
+    checks[f"t{i + 1} given {given}"] = exactness.pooled_chi_square_test(tokens[running, i], probs_by_level[i][index])
   return checks
 
 
@@ -170,8 +171,16 @@ def loop_check_results(loop_runs, prefix_probs):
 
 
 def generate_recorded(model, instrumented: recorded.Instrumented, setting: str, fault: str | None) -> recorded.LoopRun:
-  return recorded.generate(instrumented, fault, model, [PROMPT] * N_ROWS, MAX_NEW_TOKENS, SETTINGS[setting],
-                           msj.SpecParams(drafter="mtp", num_draft=K), SEED)
+  return recorded.generate(
+    instrumented,
+    fault,
+    model,
+    [PROMPT] * N_ROWS,
+    MAX_NEW_TOKENS,
+    SETTINGS[setting],
+    msj.SpecParams(drafter="mtp", num_draft=K),
+    SEED,
+  )
 
 
 def loop_checks(run: recorded.LoopRun, probs_by_level) -> dict[str, exactness.Check]:
@@ -187,7 +196,7 @@ def first_tokens(run: recorded.LoopRun) -> np.ndarray:
 def plain_sampling_logits(model, run: recorded.LoopRun) -> np.ndarray:
   """Logits of every output index from `Model.forward` over the prompt and the tokens before it: [B, N, V]."""
   seq = np.concatenate([np.tile(PROMPT, (run.tokens.shape[0], 1)), np.maximum(run.tokens[:, :-1], 0)], axis=1)
-  return np.asarray(model.forward(seq))[:, len(PROMPT) - 1:]
+  return np.asarray(model.forward(seq))[:, len(PROMPT) - 1 :]
 
 
 def near_filter_cut(logits_RV, sampling, tol: float = 1e-5) -> np.ndarray:
@@ -253,8 +262,11 @@ def test_loop_verifies_plain_samplings_p_against_the_drafts_q(stat_model, loop_r
     unfiltered = msj.SamplingParams(temperature=run.sampling.temperature)
     assert p_wiring_error(stat_model, run, unfiltered)[0] > 1e-2
   checks = {key: loop_check_results(name)[key] for key in ("emitted", "q>p mass", "drafts")}
-  print(name, f"p error {error:.2g} ({near_ties:.2%} at a near tie)",
-        {key: check.describe() for key, check in checks.items()})
+  print(
+    name,
+    f"p error {error:.2g} ({near_ties:.2%} at a near tie)",
+    {key: check.describe() for key, check in checks.items()},
+  )
   assert not [key for key, check in checks.items() if check.rejects], checks
 
 

@@ -17,10 +17,21 @@ from pallas_kernels.policy import KernelPolicy
 
 XLA_POLICY = KernelPolicy(expert_method="xla")
 
-FULL = LoopSpec(max_new_tokens=4, cache_len=64, sampling=msj.SamplingParams(), kernels=XLA_POLICY,
-                drafter=NgramDrafter(), max_k=3, auto=True, timed=True, measure_quality=True, trace_passes=True)
-PLAIN = LoopSpec(max_new_tokens=4, cache_len=64, sampling=msj.SamplingParams(), kernels=XLA_POLICY,
-                 drafter=NoDrafter(), max_k=0)
+FULL = LoopSpec(
+  max_new_tokens=4,
+  cache_len=64,
+  sampling=msj.SamplingParams(),
+  kernels=XLA_POLICY,
+  drafter=NgramDrafter(),
+  max_k=3,
+  auto=True,
+  timed=True,
+  measure_quality=True,
+  trace_passes=True,
+)
+PLAIN = LoopSpec(
+  max_new_tokens=4, cache_len=64, sampling=msj.SamplingParams(), kernels=XLA_POLICY, drafter=NoDrafter(), max_k=0
+)
 
 
 def test_statistics_start_in_their_declared_shapes():
@@ -28,10 +39,24 @@ def test_statistics_start_in_their_declared_shapes():
   stats = Stats.zeros(FULL, batch=2, n_moe_layers=5)
   shapes = {name: getattr(stats, name).shape for name in (f.name for f in dataclasses.fields(Stats))}
   assert shapes == {
-      "verify_passes": (), "row_passes": (), "accepted_tokens": (), "reached_K": (3,), "accepted_K": (3,),
-      "unique_L": (5,), "passes_by_K": (4,), "acceptance_evidence_B2": (2, 2), "depth_evidence_BK2": (2, 3, 2),
-      "auto_k": (), "pass_timing_K2": (4, 2), "segment_clock_2": (2,), "segment_start_passes": (),
-      "trace_clock_2": (2,), "pass_trace_P4": (4, 4), "trace_end_ms_1": (1,), "quality_3": (3,)}
+    "verify_passes": (),
+    "row_passes": (),
+    "accepted_tokens": (),
+    "reached_K": (3,),
+    "accepted_K": (3,),
+    "unique_L": (5,),
+    "passes_by_K": (4,),
+    "acceptance_evidence_B2": (2, 2),
+    "depth_evidence_BK2": (2, 3, 2),
+    "auto_k": (),
+    "pass_timing_K2": (4, 2),
+    "segment_clock_2": (2,),
+    "segment_start_passes": (),
+    "trace_clock_2": (2,),
+    "pass_trace_P4": (4, 4),
+    "trace_end_ms_1": (1,),
+    "quality_3": (3,),
+  }
   assert int(stats.segment_start_passes) == -1 and stats.verify_passes.dtype == jnp.int32
   assert all(not np.any(np.asarray(getattr(stats, name))) for name in shapes if name != "segment_start_passes")
   assert Stats.zeros(PLAIN, batch=2, n_moe_layers=5).pass_trace_P4.shape == (0, 4)
@@ -40,8 +65,14 @@ def test_statistics_start_in_their_declared_shapes():
 def test_only_what_a_program_reads_is_reported():
   always = ("verify_passes", "row_passes", "accepted_tokens", "reached_K", "accepted_K", "unique_L")
   assert Stats.reported_fields(PLAIN) == always
-  assert Stats.reported_fields(FULL) == always + ("passes_by_K", "acceptance_evidence_B2", "pass_timing_K2",
-                                                  "pass_trace_P4", "trace_end_ms_1", "quality_3")
+  assert Stats.reported_fields(FULL) == always + (
+    "passes_by_K",
+    "acceptance_evidence_B2",
+    "pass_timing_K2",
+    "pass_trace_P4",
+    "trace_end_ms_1",
+    "quality_3",
+  )
 
 
 def test_statistics_leave_the_program_as_one_vector_in_their_shapes(tiny_model):
@@ -50,12 +81,15 @@ def test_statistics_leave_the_program_as_one_vector_in_their_shapes(tiny_model):
   reports, and None for the others."""
   _, _, args = loop._prepare(tiny_model, [[1, 2, 3], [4, 5]], 4, None, msj.SpecParams(), 0, None)
   definition, params, tokens, lengths, seed, inputs = args
-  state = jax.eval_shape(lambda *a: calibration.init_program(definition, *a, ls=FULL), params, tokens, lengths, seed,
-                         inputs)
+  state = jax.eval_shape(
+    lambda *a: calibration.init_program(definition, *a, ls=FULL), params, tokens, lengths, seed, inputs
+  )
   assert isinstance(state, LoopState)
   keys = Stats.reported_fields(FULL)
-  values = {k: np.arange(np.prod(getattr(state.stats, k).shape), dtype=np.float32).reshape(
-      getattr(state.stats, k).shape) + i for i, k in enumerate(keys)}
+  values = {
+    k: np.arange(np.prod(getattr(state.stats, k).shape), dtype=np.float32).reshape(getattr(state.stats, k).shape) + i
+    for i, k in enumerate(keys)
+  }
   record = Stats.zeros(FULL, batch=2, n_moe_layers=tiny_model.config.n_moe_layers).replace(**values)
   packed = jax.jit(lambda r: r.pack(FULL))(record)
   assert packed.ndim == 1 and packed.dtype == jnp.float32
@@ -68,29 +102,70 @@ def test_statistics_leave_the_program_as_one_vector_in_their_shapes(tiny_model):
 
 
 # out.stats's keys (DESIGN.md section 2, README), by what a call turns on.
-BASE_KEYS = {"passes", "verify_passes", "generated_tokens", "mean_accepted_length", "acceptance_by_depth",
-             "tokens_per_second", "seconds", "unique_experts_per_pass", "drafter", "num_draft", "expert_method",
-             "mode", "approximate", "expert_budget"}
-AUTO_KEYS = {"max_draft", "passes_by_num_draft", "chosen_num_draft", "mean_num_draft", "calibrated_step_ms",
-             "calibration", "calibration_seconds", "auto_timing", "acceptance_estimate"}
+BASE_KEYS = {
+  "passes",
+  "verify_passes",
+  "generated_tokens",
+  "mean_accepted_length",
+  "acceptance_by_depth",
+  "tokens_per_second",
+  "seconds",
+  "unique_experts_per_pass",
+  "drafter",
+  "num_draft",
+  "expert_method",
+  "mode",
+  "approximate",
+  "expert_budget",
+}
+AUTO_KEYS = {
+  "max_draft",
+  "passes_by_num_draft",
+  "chosen_num_draft",
+  "mean_num_draft",
+  "calibrated_step_ms",
+  "calibration",
+  "calibration_seconds",
+  "auto_timing",
+  "acceptance_estimate",
+}
 
 
 def test_out_stats_keys_are_the_documented_ones(tiny_model, monkeypatch):
-  monkeypatch.setattr(loop, "calibrate_step_ms", lambda ls, args, run, progress: calibration.Calibration(
-      np.array([1.0, 1.2, 1.4], np.float32), "held_runs", 0.25))
+  monkeypatch.setattr(
+    loop,
+    "calibrate_step_ms",
+    lambda ls, args, run, progress: calibration.Calibration(np.array([1.0, 1.2, 1.4], np.float32), "held_runs", 0.25),
+  )
   prompts = [[3, 3, 3, 3], [5, 6, 7]]
   plain = msj.generate(tiny_model, prompts, max_new_tokens=6)
   assert set(plain.stats) == BASE_KEYS
   fixed = msj.generate(tiny_model, prompts, max_new_tokens=6, spec=msj.SpecParams(drafter="ngram", num_draft=2))
   assert set(fixed.stats) == BASE_KEYS
-  auto = msj.generate(tiny_model, prompts, max_new_tokens=6,
-                      spec=msj.SpecParams(drafter="ngram", num_draft="auto", max_draft=2))
+  auto = msj.generate(
+    tiny_model, prompts, max_new_tokens=6, spec=msj.SpecParams(drafter="ngram", num_draft="auto", max_draft=2)
+  )
   assert set(auto.stats) == BASE_KEYS | AUTO_KEYS and auto.stats["calibration_seconds"] == 0.25
-  budgeted = msj.generate(tiny_model, prompts, max_new_tokens=6, spec=msj.SpecParams(
-      drafter="ngram", num_draft=2, mode="budgeted", expert_budget=tiny_model.config.top_k,
-      research=msj.ResearchOptions(measure_quality=True)))
-  assert set(budgeted.stats) == BASE_KEYS | {"budget_policy", "budget_scope", "top1_agreement", "mean_kl",
-                                             "quality_positions"}
-  traced = msj.generate(tiny_model, prompts, max_new_tokens=6,
-                        spec=msj.SpecParams(research=msj.ResearchOptions(pass_trace=True)))
+  budgeted = msj.generate(
+    tiny_model,
+    prompts,
+    max_new_tokens=6,
+    spec=msj.SpecParams(
+      drafter="ngram",
+      num_draft=2,
+      mode="budgeted",
+      expert_budget=tiny_model.config.top_k,
+      research=msj.ResearchOptions(measure_quality=True),
+    ),
+  )
+  assert set(budgeted.stats) == BASE_KEYS | {
+    "budget_policy",
+    "budget_scope",
+    "top1_agreement",
+    "mean_kl",
+    "quality_positions",
+  }
+  traced = msj.generate(
+    tiny_model, prompts, max_new_tokens=6, spec=msj.SpecParams(research=msj.ResearchOptions(pass_trace=True))
+  )
   assert set(traced.stats) == BASE_KEYS | {"pass_trace"}

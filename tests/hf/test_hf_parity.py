@@ -10,11 +10,12 @@ import pytest
 torch = pytest.importorskip("torch", reason="the HF parity tests need torch (dev extra)")
 transformers = pytest.importorskip("transformers", reason="the HF parity tests need transformers (dev extra)")
 
-import moespec_jax as msj  # noqa: E402
 from flax import nnx  # noqa: E402
+
+import moespec_jax as msj  # noqa: E402
+from moespec_jax import hf  # noqa: E402
 from moespec_jax.model import Kernels  # noqa: E402
 from moespec_jax.model import mtp as mtp_lib  # noqa: E402
-from moespec_jax import hf  # noqa: E402
 from moespec_jax.research import tiny_families  # noqa: E402
 from pallas_kernels.policy import KernelPolicy  # noqa: E402
 
@@ -61,7 +62,7 @@ def test_cached_decoding_matches_transformers(pairs, family):
   # Passes of 4 tokens (the verify-pass shape of speculative decoding), one compiled program.
   for start in range(0, SEQ, 4):
     pos = jnp.broadcast_to(jnp.arange(start, start + 4, dtype=jnp.int32), (2, 4))
-    out = step(jnp.asarray(tokens[:, start:start + 4]), pos, cache)
+    out = step(jnp.asarray(tokens[:, start : start + 4]), pos, cache)
     got.append(np.asarray(out.logits))
     cache = out.cache
   diff = np.abs(np.concatenate(got, axis=1) - want).max()
@@ -80,7 +81,7 @@ def test_batch_one_cached_mla_matches_transformers(pairs, family):
   cache, got = module.new_cache(1, 32), []
   for start in range(0, SEQ, 3):
     n = min(3, SEQ - start)
-    out = step(jnp.asarray(tokens[:, start:start + n]), jnp.arange(start, start + n, dtype=jnp.int32)[None], cache)
+    out = step(jnp.asarray(tokens[:, start : start + n]), jnp.arange(start, start + n, dtype=jnp.int32)[None], cache)
     got.append(np.asarray(out.logits))
     cache = out.cache
   diff = np.abs(np.concatenate(got, axis=1) - want).max()
@@ -93,18 +94,18 @@ def test_greedy_tokens_match_transformers(pairs, family):
   prompts = _tokens(batch=2, seq=10, seed=2)
   ours = msj.generate(model, [list(p) for p in prompts], max_new_tokens=16).tokens
   with torch.no_grad():
-    theirs = ref.generate(torch.tensor(prompts, dtype=torch.long), max_new_tokens=16, do_sample=False,
-                          eos_token_id=None, pad_token_id=0)[:, prompts.shape[1]:].numpy()
+    theirs = ref.generate(
+      torch.tensor(prompts, dtype=torch.long), max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=0
+    )[:, prompts.shape[1] :].numpy()
   for row in range(2):
     valid = ours[row][ours[row] >= 0]  # -1 after our EOS
     assert len(valid) >= 1
-    np.testing.assert_array_equal(valid, theirs[row, :len(valid)], err_msg=family)
+    np.testing.assert_array_equal(valid, theirs[row, : len(valid)], err_msg=family)
 
 
 def test_mapped_config_fields(pairs):
   c = pairs["deepseek_v3"][1].config
-  assert (c.attention_type, c.score_func, c.use_score_bias, c.n_groups, c.topk_groups) == (
-      "mla", "sigmoid", True, 4, 2)
+  assert (c.attention_type, c.score_func, c.use_score_bias, c.n_groups, c.topk_groups) == ("mla", "sigmoid", True, 4, 2)
   assert c.first_k_dense == 1 and c.routed_scaling_factor == 2.5 and c.rope_scaling == "yarn"
   c2 = pairs["deepseek_v2"][1].config
   assert c2.q_lora_rank == 0 and c2.score_func == "softmax" and c2.n_shared_experts == 2
@@ -125,6 +126,7 @@ def test_mla_cache_holds_latent_and_rope_key(pairs):
 
 def test_sharded_and_fused_checkpoints_load_identically(pairs, tmp_path):
   from safetensors.torch import save_file
+
   ref, model, path = pairs["qwen2_moe"]
   want = np.asarray(model.forward(_tokens()))
   sharded = tmp_path / "sharded"
@@ -152,15 +154,18 @@ def test_bfloat16_cast_option(pairs):
 
 
 def test_tokenizer_json_and_missing_tokenizer(pairs, tmp_path):
-  from tokenizers import Tokenizer, models, pre_tokenizers, decoders, trainers
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
   _, model, path = pairs["olmoe"]
   with pytest.raises(ValueError, match="tokenizer.json"):
     model.tokenizer.encode("def f(x):")
   tok = Tokenizer(models.BPE())
   tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
   tok.decoder = decoders.ByteLevel()
-  tok.train_from_iterator(["def f(x):\n    return x + 1\n"] * 20, trainers.BpeTrainer(
-      vocab_size=120, special_tokens=["<|endoftext|>"], show_progress=False))
+  tok.train_from_iterator(
+    ["def f(x):\n    return x + 1\n"] * 20,
+    trainers.BpeTrainer(vocab_size=120, special_tokens=["<|endoftext|>"], show_progress=False),
+  )
   with_tok = tmp_path / "with_tok"
   with_tok.mkdir()
   for f in path.iterdir():
@@ -178,16 +183,14 @@ def test_tokenizer_json_and_missing_tokenizer(pairs, tmp_path):
   # tokenizer(text) does): no special token here; a BOS where its post-processor adds one.
   assert loaded.tokenizer.prompt_ids(text) == ids
   from tokenizers import processors
+
   bos = tok.token_to_id("<|endoftext|>")
-  tok.post_processor = processors.TemplateProcessing(single="<|endoftext|> $A",
-                                                     special_tokens=[("<|endoftext|>", bos)])
+  tok.post_processor = processors.TemplateProcessing(single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", bos)])
   tok.save(str(with_tok / "tokenizer.json"))
   framed = msj.Model.load(with_tok)
   assert framed.tokenizer.prompt_ids(text) == [bos] + ids
   out = msj.generate(framed, [text], max_new_tokens=3)
   np.testing.assert_array_equal(out.tokens, msj.generate(framed, [[bos] + ids], max_new_tokens=3).tokens)
-
-
 
 
 def test_unsupported_layouts_are_refused(pairs):
@@ -213,18 +216,24 @@ def test_unsupported_layouts_are_refused(pairs):
 @pytest.mark.slow
 def test_deepseek_v3_mtp_layer_is_loaded(pairs, tmp_path):
   from safetensors.numpy import load_file, save_file
+
   _, model, path = pairs["deepseek_v3"]
   c = model.config
   tensors = load_file(str(path / "model.safetensors"))
   rng = np.random.default_rng(0)
   last, mtp = f"model.layers.{c.n_layers - 1}.", f"model.layers.{c.n_layers}."
   for name in [n for n in tensors if n.startswith(last)]:
-    tensors[mtp + name[len(last):]] = tensors[name].copy()
+    tensors[mtp + name[len(last) :]] = tensors[name].copy()
   d, v = c.d_model, c.vocab_size
-  tensors.update({mtp + "enorm.weight": np.ones(d, np.float32), mtp + "hnorm.weight": np.ones(d, np.float32),
-                  mtp + "eh_proj.weight": rng.normal(size=(d, 2 * d)).astype(np.float32),
-                  mtp + "shared_head.norm.weight": np.ones(d, np.float32),
-                  mtp + "shared_head.head.weight": rng.normal(size=(v, d)).astype(np.float32)})
+  tensors.update(
+    {
+      mtp + "enorm.weight": np.ones(d, np.float32),
+      mtp + "hnorm.weight": np.ones(d, np.float32),
+      mtp + "eh_proj.weight": rng.normal(size=(d, 2 * d)).astype(np.float32),
+      mtp + "shared_head.norm.weight": np.ones(d, np.float32),
+      mtp + "shared_head.head.weight": rng.normal(size=(v, d)).astype(np.float32),
+    }
+  )
   out = tmp_path / "v3_mtp"
   out.mkdir()
   save_file(tensors, str(out / "model.safetensors"))
@@ -258,10 +267,11 @@ def test_deepseek_v3_mtp_layer_is_loaded(pairs, tmp_path):
   n = x.shape[0]
   positions = jnp.arange(n, dtype=jnp.int32)[None]
   rope = module.rope(positions)
-  y, _, _ = module.layers[c.n_layers - 1](jnp.asarray(x[None], jnp.float32), positions, rope, None,
-                                          kernels=Kernels(KernelPolicy(expert_method="xla")))
+  y, _, _ = module.layers[c.n_layers - 1](
+    jnp.asarray(x[None], jnp.float32), positions, rope, None, kernels=Kernels(KernelPolicy(expert_method="xla"))
+  )
   want = rms(np.asarray(y)[0]) @ tensors[mtp + "shared_head.head.weight"].T
-  np.testing.assert_allclose(np.asarray(got)[0], want[:n - 1], atol=1e-4, rtol=1e-4)
+  np.testing.assert_allclose(np.asarray(got)[0], want[: n - 1], atol=1e-4, rtol=1e-4)
   # Usable by the mtp drafter: greedy speculation reproduces plain greedy decoding.
   prompts = [list(range(3, 19)), list(range(40, 52))]
   plain = msj.generate(loaded, prompts, max_new_tokens=12).tokens

@@ -16,8 +16,11 @@ def test_host_fingerprint_is_stable_and_short():
   assert compile_cache.compilation_cache_dir().parent.name == "xla"
 
 
-_SETTINGS = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
-             "jax_compilation_cache_max_size")
+_SETTINGS = (
+  "jax_compilation_cache_dir",
+  "jax_persistent_cache_min_compile_time_secs",
+  "jax_compilation_cache_max_size",
+)
 
 
 @pytest.fixture
@@ -55,8 +58,11 @@ def test_a_second_command_line_run_loads_what_the_first_compiled(tiny_model, tmp
   cache.mkdir()
   os.symlink(cpu.cache_dir() / "build", cache / "build")  # the built kernels, not a rebuild
   model = str(tiny_model.save(tmp_path / "model"))
-  env = {"JAX_COMPILATION_CACHE_DIR": "", "MOESPEC_CACHE": str(cache),
-         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+  env = {
+    "JAX_COMPILATION_CACHE_DIR": "",
+    "MOESPEC_CACHE": str(cache),
+    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+  }
   args = (f"--model={model}", "--prompt=def f(x):", "--max_new_tokens=5")
   first = run_module("experiments.generate", *args, env=env)
   assert first.returncode == 0, first.stderr

@@ -19,12 +19,23 @@ def test_paths_follow_env(monkeypatch, tmp_path):
 
 
 def test_write_json_converts_numpy(tmp_path):
-  obj = {"a": np.float32(1.5), "b": np.arange(3, dtype=np.int64), "c": (1, np.bool_(True)),
-         "d": float("nan"), "e": tmp_path, 3: np.array([[1.0, 2.0]])}
+  obj = {
+    "a": np.float32(1.5),
+    "b": np.arange(3, dtype=np.int64),
+    "c": (1, np.bool_(True)),
+    "d": float("nan"),
+    "e": tmp_path,
+    3: np.array([[1.0, 2.0]]),
+  }
   path = atomic.write_json_atomic(tmp_path / "sub" / "m.json", obj)
   assert json.loads(path.read_text()) == {
-      "a": 1.5, "b": [0, 1, 2], "c": [1, True], "d": None, "e": str(tmp_path),
-      "3": [[1.0, 2.0]]}
+    "a": 1.5,
+    "b": [0, 1, 2],
+    "c": [1, True],
+    "d": None,
+    "e": str(tmp_path),
+    "3": [[1.0, 2.0]],
+  }
   assert os.listdir(tmp_path / "sub") == ["m.json"]
 
 
@@ -33,8 +44,10 @@ def test_failed_write_keeps_old_file_and_leaves_nothing(tmp_path, monkeypatch):
   atomic.write_json_atomic(path, {"v": 1})
   with pytest.raises(TypeError):
     atomic.write_json_atomic(path, {"v": object()})
+
   def broken_replace(src, dst):
     raise OSError("disk full")
+
   monkeypatch.setattr(os, "replace", broken_replace)
   with pytest.raises(OSError, match="disk full"):
     atomic.write_bytes_atomic(path, b"new content")

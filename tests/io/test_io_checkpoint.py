@@ -14,16 +14,16 @@ from moespec_jax.io import checkpoint
 def _state(seed=0):
   rng = np.random.default_rng(seed)
   return {
-      "params": {
-          "w_f32": jnp.asarray(rng.standard_normal((4, 5)), jnp.float32),
-          "w_bf16": jnp.asarray(rng.standard_normal((3, 2)), jnp.bfloat16),
-          "np_bf16": rng.standard_normal(7).astype(ml_dtypes.bfloat16),
-          "ids": np.arange(-3, 3, dtype=np.int32),
-          "i8": np.asarray([-128, 0, 127], np.int8),
-      },
-      "opt_state": [jnp.zeros(3), jnp.asarray(seed, jnp.int32)],
-      "step": 3,
-      "rng": jax.random.key_data(jax.random.key(seed)),
+    "params": {
+      "w_f32": jnp.asarray(rng.standard_normal((4, 5)), jnp.float32),
+      "w_bf16": jnp.asarray(rng.standard_normal((3, 2)), jnp.bfloat16),
+      "np_bf16": rng.standard_normal(7).astype(ml_dtypes.bfloat16),
+      "ids": np.arange(-3, 3, dtype=np.int32),
+      "i8": np.asarray([-128, 0, 127], np.int8),
+    },
+    "opt_state": [jnp.zeros(3), jnp.asarray(seed, jnp.int32)],
+    "step": 3,
+    "rng": jax.random.key_data(jax.random.key(seed)),
   }
 
 
@@ -47,9 +47,10 @@ def test_manager_resume_in_new_manager(tmp_path):
   assert fresh.latest_step() == 3
   _assert_bit_exact(fresh.restore(3, _state(0)), state)
   _assert_bit_exact(fresh.restore(None, _state(0)), state)
-  restored = fresh.restore(3, jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype)
-      if hasattr(x, "dtype") else x, state))
+  restored = fresh.restore(
+    3,
+    jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype) if hasattr(x, "dtype") else x, state),
+  )
   _assert_bit_exact(restored, state)
   with pytest.raises(FileNotFoundError):
     fresh.restore(4, state)
@@ -97,7 +98,7 @@ def test_save_load_pytree_bit_exact(tmp_path):
 def test_save_pytree_failure_keeps_previous(tmp_path):
   target = tmp_path / "params"
   checkpoint.save_pytree(target, {"a": np.ones(3, np.float32)})
-  with pytest.raises(Exception):
+  with pytest.raises(Exception):  # noqa: B017 - whatever the writer raises on an unstorable leaf
     checkpoint.save_pytree(target, {"a": np.zeros(3, np.float32), "bad": object()})
   _assert_bit_exact(checkpoint.load_pytree(target), {"a": np.ones(3, np.float32)})
   assert os.listdir(tmp_path) == ["params"]

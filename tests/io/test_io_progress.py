@@ -17,6 +17,7 @@ def test_parts_are_reused_by_a_rerun_with_the_same_settings(tmp_path):
   run = progress.RunProgress(path, {"a": (1, 2)}, log=logs.append)
   fresh = run.cached("x", lambda: compute(0.5))
   assert fresh == {"1": 0.5, "pair": [0.5, 0.5]}  # the JSON form, as a resumed run reads it
+
   def interrupted():
     raise RuntimeError("killed")
 

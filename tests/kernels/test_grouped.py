@@ -19,12 +19,15 @@ def _problem(seed, n_tokens, n_experts, top_k, d_model=16, hidden=8, routing="ra
     ids_TK = jnp.zeros((n_tokens, top_k), jnp.int32)
   else:
     ids_TK = jax.vmap(lambda kk: jax.random.choice(kk, n_experts - 1, (top_k,), replace=False))(
-        jax.random.split(k[1], n_tokens)).astype(jnp.int32)  # expert E-1 is never chosen
+      jax.random.split(k[1], n_tokens)
+    ).astype(jnp.int32)  # expert E-1 is never chosen
   gates_TK = jax.nn.softmax(jax.random.normal(k[2], (n_tokens, top_k)), axis=-1)
   s = 1.0 / np.sqrt(d_model)
-  w = (jax.random.normal(k[3], (n_experts, d_model, hidden)) * s,
-       jax.random.normal(k[4], (n_experts, d_model, hidden)) * s,
-       jax.random.normal(k[5], (n_experts, hidden, d_model)) / np.sqrt(hidden))
+  w = (
+    jax.random.normal(k[3], (n_experts, d_model, hidden)) * s,
+    jax.random.normal(k[4], (n_experts, d_model, hidden)) * s,
+    jax.random.normal(k[5], (n_experts, hidden, d_model)) / np.sqrt(hidden),
+  )
   return x_TD, ids_TK, gates_TK, w
 
 
@@ -32,16 +35,20 @@ def _loss(fn, ids_TK):
   def loss(x_TD, gates_TK, wg, wu, wd):
     y_TD = fn(x_TD, ids_TK, gates_TK, wg, wu, wd)
     return jnp.sum(y_TD * jnp.cos(jnp.arange(y_TD.size, dtype=jnp.float32).reshape(y_TD.shape)))
+
   return jax.grad(loss, argnums=(0, 1, 2, 3, 4))
 
 
-@pytest.mark.parametrize("n_tokens,n_experts,top_k,block_rows,routing", [
-    (37, 8, 2, 8, "random"),     # n not a multiple of the block, expert 7 unused
-    (40, 8, 1, 16, "random"),    # top_k = 1
-    (24, 16, 8, 8, "random"),    # top_k = 8
-    (33, 8, 4, 8, "one"),        # all tokens on one expert
-    (1, 8, 2, 8, "random"),      # n = 1
-])
+@pytest.mark.parametrize(
+  "n_tokens,n_experts,top_k,block_rows,routing",
+  [
+    (37, 8, 2, 8, "random"),  # n not a multiple of the block, expert 7 unused
+    (40, 8, 1, 16, "random"),  # top_k = 1
+    (24, 16, 8, 8, "random"),  # top_k = 8
+    (33, 8, 4, 8, "one"),  # all tokens on one expert
+    (1, 8, 2, 8, "random"),  # n = 1
+  ],
+)
 def test_grouped_matches_reference_value_and_grad(n_tokens, n_experts, top_k, block_rows, routing):
   x_TD, ids_TK, gates_TK, w = _problem(n_tokens, n_tokens, n_experts, top_k, routing=routing)
   fn = functools.partial(grouped.expert_ffn_grouped, block_rows=block_rows)
@@ -65,7 +72,7 @@ def test_block_groups_static_bound_and_layout():
   # Each used block holds rows of one expert only.
   flat = np.asarray(ids_TK).reshape(-1)
   for b, e in enumerate(np.asarray(meta.block_expert_N)[: int(meta.num_used_blocks)]):
-    rs = rows[2 * b: 2 * b + 2]
+    rs = rows[2 * b : 2 * b + 2]
     assert all(flat[r] == e for r in rs if r < 8)
 
 

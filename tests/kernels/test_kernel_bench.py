@@ -23,8 +23,10 @@ def test_kernel_bench_quick(tmp_path):
 
 def test_crossover_is_where_dedup_stays_faster():
   def row(n, method, ms):
-    return dict(shape="tiny", routing="uniform", n_tokens=n, method=method, time_ms=ms, bytes_requested=n,
-                effective_gbps=1.0 / ms)
+    return dict(
+      shape="tiny", routing="uniform", n_tokens=n, method=method, time_ms=ms, bytes_requested=n, effective_gbps=1.0 / ms
+    )
+
   times = {1: (0.9, 1.0), 2: (1.1, 1.0), 3: (1.0, 1.2), 4: (1.0, 1.5)}  # dedup, per-slot
   rows = [row(n, m, t) for n, pair in times.items() for m, t in zip(("dedup", "per_slot"), pair)]
   _, crossover = kernel_report.summarize(rows, stream_gbps=1.0)

@@ -13,8 +13,9 @@ from pallas_kernels.policy import KernelPolicy, platform_family, resolve_backend
 def test_auto_on_this_cpu_runs_the_cpp_kernels():
   assert jax.default_backend() == "cpu" and cpu.available()
   policy = KernelPolicy.resolve()
-  assert policy == KernelPolicy(expert_method="auto", platform="cpu", head="cpu", dense="cpu", attention="cpu",
-                                row_invariant_norms=True)
+  assert policy == KernelPolicy(
+    expert_method="auto", platform="cpu", head="cpu", dense="cpu", attention="cpu", row_invariant_norms=True
+  )
   assert policy.backend == "cpu" and policy.on_cpu
   assert KernelPolicy.resolve(platform="cpu") == policy
   assert hash(KernelPolicy.resolve()) == hash(policy)  # programs are cached per policy

@@ -9,16 +9,27 @@ from moespec_jax.model.budget import ExpertBudget, kept_experts
 from moespec_jax.model.moe import route
 
 CFGS = {
-    "softmax_renorm": dict(score_func="softmax", norm_topk_prob=True),
-    "softmax_plain": dict(score_func="softmax", norm_topk_prob=False, routed_scaling_factor=1.5),
-    "sigmoid_bias_groups": dict(score_func="sigmoid", norm_topk_prob=True, n_groups=4, topk_groups=2,
-                                use_score_bias=True, routed_scaling_factor=2.5),
+  "softmax_renorm": dict(score_func="softmax", norm_topk_prob=True),
+  "softmax_plain": dict(score_func="softmax", norm_topk_prob=False, routed_scaling_factor=1.5),
+  "sigmoid_bias_groups": dict(
+    score_func="sigmoid", norm_topk_prob=True, n_groups=4, topk_groups=2, use_score_bias=True, routed_scaling_factor=2.5
+  ),
 }
 
 
 def _cfg(name):
-  return ModelConfig(vocab_size=264, d_model=16, n_layers=1, n_heads=1, n_kv_heads=1, head_dim=8,
-                     n_routed_experts=16, top_k=3, first_k_dense=0, **CFGS[name])
+  return ModelConfig(
+    vocab_size=264,
+    d_model=16,
+    n_layers=1,
+    n_heads=1,
+    n_kv_heads=1,
+    head_dim=8,
+    n_routed_experts=16,
+    top_k=3,
+    first_k_dense=0,
+    **CFGS[name],
+  )
 
 
 def _inputs(seed, b=2, t=5, e=16):
@@ -107,9 +118,15 @@ def test_budgeted_model_pass(tiny_model, tiny_config):
   assert not np.array_equal(np.asarray(tight.logits), np.asarray(exact.logits))
 
 
-@pytest.mark.parametrize("kwargs,name", [(dict(budget=0), "expert_budget"), (dict(budget=2.5), "expert_budget"),
-                                         (dict(budget=3, policy="x"), "budget_policy"),
-                                         (dict(budget=3, scope="x"), "budget_scope")])
+@pytest.mark.parametrize(
+  "kwargs,name",
+  [
+    (dict(budget=0), "expert_budget"),
+    (dict(budget=2.5), "expert_budget"),
+    (dict(budget=3, policy="x"), "budget_policy"),
+    (dict(budget=3, scope="x"), "budget_scope"),
+  ],
+)
 def test_bad_budgets_name_the_argument(kwargs, name):
   with pytest.raises(ValueError, match=name):
     ExpertBudget(**kwargs)

@@ -13,8 +13,12 @@ from pallas_kernels.policy import KernelPolicy
 def test_modules_hold_the_mathematics_only(tiny_config):
   """No packed weights, backend flags or packing methods on any module: a model is its parameters
   and its configuration, whatever program it runs in."""
-  module = Transformer(tiny_config.replace(num_mtp_modules=1, attention_type="mla", kv_lora_rank=16,
-                                           qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8), rngs=nnx.Rngs(0))
+  module = Transformer(
+    tiny_config.replace(
+      num_mtp_modules=1, attention_type="mla", kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8
+    ),
+    rngs=nnx.Rngs(0),
+  )
   for path, sub in nnx.iter_modules(module):
     names = set(vars(sub))
     assert not {n for n in names if n.startswith(("packed", "cpu_")) or n == "row_invariant"}, (path, names)

@@ -102,15 +102,26 @@ def test_fresh_cache_prefill_equals_cached_prefill_and_skips_nothing_it_needs(ti
   assert fresh.cache.values[0].shape == (2 * module.config.n_kv_heads, 16, module.config.head_dim)
   pos = jnp.broadcast_to(jnp.arange(6, 10), (2, 4))
   nxt = module(jnp.asarray(tokens[:, 6:]), pos, fresh.cache)
-  np.testing.assert_allclose(np.asarray(nxt.logits), np.asarray(module(jnp.asarray(tokens)).logits)[:, 6:],
-                             atol=2e-5, rtol=2e-5)
+  np.testing.assert_allclose(
+    np.asarray(nxt.logits), np.asarray(module(jnp.asarray(tokens)).logits)[:, 6:], atol=2e-5, rtol=2e-5
+  )
 
 
-@pytest.mark.parametrize("attention,cpu_attention,fresh,batch", [
-    ("gqa", False, True, 2), ("gqa", True, True, 2), ("gqa", True, False, 1),
-    ("mla", False, True, 2), ("mla", False, False, 2), ("mla", False, False, 1), ("mla", True, False, 2)])
-def test_hidden_at_one_index_gives_the_full_pass_there(tiny_config, monkeypatch, attention, cpu_attention, fresh,
-                                                       batch):
+@pytest.mark.parametrize(
+  "attention,cpu_attention,fresh,batch",
+  [
+    ("gqa", False, True, 2),
+    ("gqa", True, True, 2),
+    ("gqa", True, False, 1),
+    ("mla", False, True, 2),
+    ("mla", False, False, 2),
+    ("mla", False, False, 1),
+    ("mla", True, False, 2),
+  ],
+)
+def test_hidden_at_one_index_gives_the_full_pass_there(
+  tiny_config, monkeypatch, attention, cpu_attention, fresh, batch
+):
   """`hidden_at_B` (a prefill whose last prompt position alone is read; the MTP fill's last
   module) gives the hidden state and logits of the pass over every index there and every cache
   entry bit for bit, into a fresh cache and against one with earlier entries, on XLA's products
@@ -130,6 +141,7 @@ def test_hidden_at_one_index_gives_the_full_pass_there(tiny_config, monkeypatch,
     def call(q_NQK, *args):
       kernel_rows.append(q_NQK.shape[1])
       return kernel(q_NQK, *args)
+
     return call
 
   monkeypatch.setattr(type(module.layers[0]), "__call__", recording_block)
@@ -141,8 +153,9 @@ def test_hidden_at_one_index_gives_the_full_pass_there(tiny_config, monkeypatch,
   at = jnp.asarray([7, 4])[:batch]
   cache, start = module.new_cache(batch, 16), 0
   if not fresh:  # earlier entries at positions 0..3
-    cache = module(jnp.asarray(rng.integers(0, 256, size=(batch, 4)).astype(np.int32)), None, cache,
-                   kernels=kernels).cache
+    cache = module(
+      jnp.asarray(rng.integers(0, 256, size=(batch, 4)).astype(np.int32)), None, cache, kernels=kernels
+    ).cache
     start = 4
   positions = jnp.broadcast_to(jnp.arange(start, start + 8), (batch, 8))
   at_block.clear(), kernel_rows.clear()
@@ -204,8 +217,9 @@ def test_a_masked_pass_keeps_the_valid_tokens_outputs(tiny_model):
   valid = jnp.asarray([[True, True, False, False], [True, True, True, True]])
   full = module(tokens, positions, cache)
   masked = module(tokens, positions, cache, valid_BT=valid)
-  np.testing.assert_allclose(np.asarray(masked.logits)[np.asarray(valid)],
-                             np.asarray(full.logits)[np.asarray(valid)], atol=1e-6, rtol=1e-6)
+  np.testing.assert_allclose(
+    np.asarray(masked.logits)[np.asarray(valid)], np.asarray(full.logits)[np.asarray(valid)], atol=1e-6, rtol=1e-6
+  )
   moe_block = next(block for block in module.layers if block.is_moe)
   h = jnp.asarray(rng.normal(size=(2, 4, module.config.d_model)), jnp.float32)
   y, _ = moe_block.ffn(h, kernels=Kernels(KernelPolicy(expert_method="xla")), valid_BT=valid)
@@ -216,6 +230,7 @@ def test_a_masked_pass_keeps_the_valid_tokens_outputs(tiny_model):
 @pytest.mark.parametrize("tied", [False, True])
 def test_packed_head_gives_the_xla_head_logits(tiny_config, tied):
   import moespec_jax as msj  # pylint: disable=g-import-not-at-top
+
   model = msj.Model.init(tiny_config.replace(tie_embeddings=tied), seed=3)
   module = model.module()
   hidden_BTD = jax.random.normal(jax.random.key(0), (2, 3, tiny_config.d_model))
@@ -236,6 +251,7 @@ def test_cpu_mla_attention_equals_full_forward(tiny_config, batch):
   """MLA passes against the compressed cache on the C++ kernel: a 7-token pass into the cache,
   then 5 more (row 1 re-feeding positions 5..9: a rollback), against the full forward."""
   import moespec_jax as msj  # pylint: disable=g-import-not-at-top
+
   module = msj.Model.init(tiny_config.replace(**MLA), seed=6).module()
   tokens = np.random.default_rng(1).integers(0, 256, size=(batch, 12)).astype(np.int32)
   full = np.asarray(module(jnp.asarray(tokens)).logits)
@@ -246,13 +262,14 @@ def test_cpu_mla_attention_equals_full_forward(tiny_config, batch):
   np.testing.assert_allclose(np.asarray(out1.logits), full[:, :7], atol=2e-5, rtol=2e-5)
   starts = [7, 5][:batch]
   pos = jnp.asarray([np.arange(s0, s0 + 5) for s0 in starts])
-  out2 = step(jnp.asarray(np.stack([tokens[b, s0:s0 + 5] for b, s0 in enumerate(starts)])), pos, out1.cache)
+  out2 = step(jnp.asarray(np.stack([tokens[b, s0 : s0 + 5] for b, s0 in enumerate(starts)])), pos, out1.cache)
   for b, s0 in enumerate(starts):
-    np.testing.assert_allclose(np.asarray(out2.logits)[b], full[b, s0:s0 + 5], atol=2e-5, rtol=2e-5)
+    np.testing.assert_allclose(np.asarray(out2.logits)[b], full[b, s0 : s0 + 5], atol=2e-5, rtol=2e-5)
 
 
-@pytest.mark.parametrize("change", [{}, {"qkv_bias": True, "qk_norm": "head"}, {"qk_norm": "full"}, MLA,
-                                    dict(MLA, q_lora_rank=24)])
+@pytest.mark.parametrize(
+  "change", [{}, {"qkv_bias": True, "qk_norm": "head"}, {"qk_norm": "full"}, MLA, dict(MLA, q_lora_rank=24)]
+)
 def test_packed_dense_projections_give_the_xla_pass(tiny_config, change):
   """Decoding programs on CPU read the attention projections and the dense / shared SwiGLUs
   packed (`Model.packed_weights`, handed to the model as `Kernels`): prefill and cached pass give
@@ -260,6 +277,7 @@ def test_packed_dense_projections_give_the_xla_pass(tiny_config, change):
   latent) too. (A row's products do not depend on the other rows of the pass:
   tests/kernels/cpu/test_cpu_ffi.py.)"""
   import moespec_jax as msj  # pylint: disable=g-import-not-at-top
+
   config = tiny_config.replace(n_shared_experts=1, **change)
   model = msj.Model.init(config, seed=4)
   packed = model.packed_weights(head=False)
@@ -286,6 +304,7 @@ def test_packed_mtp_module_gives_the_xla_logits(tiny_config, own_head):
   """An MTP module's W_p, own head and block are packed with the target's."""
   import moespec_jax as msj  # pylint: disable=g-import-not-at-top
   from moespec_jax.model.layers import rope_tables  # pylint: disable=g-import-not-at-top
+
   config = tiny_config.replace(num_mtp_modules=1, mtp_own_head=own_head, mtp_head_norm=own_head)
   model = msj.Model.init(config, seed=5)
   packed = model.packed_weights(head=False)
@@ -351,14 +370,14 @@ def _route_by_hand(logits, cfg: ModelConfig, bias=None):
       size = len(row) // cfg.n_groups
       group_scores = []
       for g in range(cfg.n_groups):
-        members = np.sort(choice[g * size:(g + 1) * size])[::-1]
+        members = np.sort(choice[g * size : (g + 1) * size])[::-1]
         group_scores.append(members[:2].sum() if bias is not None else members[0])
-      keep = np.argsort(group_scores)[::-1][:cfg.topk_groups]
+      keep = np.argsort(group_scores)[::-1][: cfg.topk_groups]
       masked = np.full_like(choice, -np.inf)
       for g in keep:
-        masked[g * size:(g + 1) * size] = choice[g * size:(g + 1) * size]
+        masked[g * size : (g + 1) * size] = choice[g * size : (g + 1) * size]
       choice = masked
-    ids = np.argsort(-choice, kind="stable")[:cfg.top_k]
+    ids = np.argsort(-choice, kind="stable")[: cfg.top_k]
     gates = scores[ids]
     if cfg.norm_topk_prob:
       gates = gates / gates.sum()
@@ -368,20 +387,32 @@ def _route_by_hand(logits, cfg: ModelConfig, bias=None):
 
 
 ROUTERS = {
-    "mixtral_softmax_renorm": dict(score_func="softmax", norm_topk_prob=True),
-    "qwen_olmoe_softmax_no_renorm": dict(score_func="softmax", norm_topk_prob=False),
-    "deepseek_v2_group_limited": dict(score_func="softmax", norm_topk_prob=False, n_groups=4,
-                                      topk_groups=2, routed_scaling_factor=1.5),
-    "deepseek_v3_sigmoid_bias_groups": dict(score_func="sigmoid", norm_topk_prob=True, n_groups=4,
-                                            topk_groups=2, use_score_bias=True, routed_scaling_factor=2.5),
-    "sigmoid_no_groups": dict(score_func="sigmoid", norm_topk_prob=True),
+  "mixtral_softmax_renorm": dict(score_func="softmax", norm_topk_prob=True),
+  "qwen_olmoe_softmax_no_renorm": dict(score_func="softmax", norm_topk_prob=False),
+  "deepseek_v2_group_limited": dict(
+    score_func="softmax", norm_topk_prob=False, n_groups=4, topk_groups=2, routed_scaling_factor=1.5
+  ),
+  "deepseek_v3_sigmoid_bias_groups": dict(
+    score_func="sigmoid", norm_topk_prob=True, n_groups=4, topk_groups=2, use_score_bias=True, routed_scaling_factor=2.5
+  ),
+  "sigmoid_no_groups": dict(score_func="sigmoid", norm_topk_prob=True),
 }
 
 
 @pytest.mark.parametrize("name", sorted(ROUTERS))
 def test_router_variants_match_hand_written_reference(name):
-  cfg = ModelConfig(vocab_size=264, d_model=16, n_layers=1, n_heads=1, n_kv_heads=1, head_dim=8,
-                    n_routed_experts=16, top_k=3, first_k_dense=0, **ROUTERS[name])
+  cfg = ModelConfig(
+    vocab_size=264,
+    d_model=16,
+    n_layers=1,
+    n_heads=1,
+    n_kv_heads=1,
+    head_dim=8,
+    n_routed_experts=16,
+    top_k=3,
+    first_k_dense=0,
+    **ROUTERS[name],
+  )
   rng = np.random.default_rng(3)
   logits = rng.normal(size=(50, 16)).astype(np.float32) * 2
   bias = rng.normal(size=(16,)).astype(np.float32) * 0.3 if cfg.use_score_bias else None

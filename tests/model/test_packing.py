@@ -16,8 +16,13 @@ def _unpacked(w_NDC, n_cols):
   return np.concatenate(list(np.asarray(w_NDC)), axis=1)[:, :n_cols]
 
 
-@pytest.mark.parametrize("change", [{}, dict(attention_type="mla", kv_lora_rank=16, qk_nope_head_dim=8,
-                                             qk_rope_head_dim=4, v_head_dim=8, q_lora_rank=24)])
+@pytest.mark.parametrize(
+  "change",
+  [
+    {},
+    dict(attention_type="mla", kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, q_lora_rank=24),
+  ],
+)
 def test_pack_weights_follows_the_module_tree(tiny_config, change):
   config = tiny_config.replace(num_mtp_modules=1, mtp_own_head=True, shared_expert_gate=True, **change)
   module = msj.Model.init(config, seed=2).module()

@@ -30,8 +30,14 @@ def _fake_generate(calls):
     tokens = np.zeros((len(prompts), max_new_tokens), np.int32)
     if spec.expert_budget == 2:
       tokens[1, -1] = 7
-    stats = {"tokens_per_second": rate, "mean_accepted_length": 2.0, "approximate": spec.mode == "budgeted",
-             "unique_experts_per_pass": [3.0], "top1_agreement": 0.9, "mean_kl": 0.01}
+    stats = {
+      "tokens_per_second": rate,
+      "mean_accepted_length": 2.0,
+      "approximate": spec.mode == "budgeted",
+      "unique_experts_per_pass": [3.0],
+      "top1_agreement": 0.9,
+      "mean_kl": 0.01,
+    }
     return msj.GenerateOutput(tokens=tokens, stats=stats)
 
   return generate
@@ -45,8 +51,18 @@ def test_speedups_compare_warm_runs_only(tiny_config, tmp_path, monkeypatch, rep
   monkeypatch.setattr(msj, "generate", _fake_generate(calls))
   model = types.SimpleNamespace(config=tiny_config)
   result = compare_modes.run_compare_modes(
-      model, tmp_path, drafter="ngram", num_drafts=(2,), budget_multipliers=(1.0, 2.0, None), policies=("truncate",),
-      batch_sizes=(2,), temperatures=(0.0,), max_new_tokens=N_NEW, repeats=repeats, log=lambda *_: None)
+    model,
+    tmp_path,
+    drafter="ngram",
+    num_drafts=(2,),
+    budget_multipliers=(1.0, 2.0, None),
+    policies=("truncate",),
+    batch_sizes=(2,),
+    temperatures=(0.0,),
+    max_new_tokens=N_NEW,
+    repeats=repeats,
+    log=lambda *_: None,
+  )
   rows = result["compare_modes"]["rows"]
   assert [(r["mode"], r["expert_budget"]) for r in rows] == [("exact", None), ("budgeted", 2), ("budgeted", 4)]
   assert rows[0]["tokens_per_second"] == 1000.0
@@ -68,10 +84,16 @@ def test_divergence_of_every_row_at_the_last_token_is_not_never():
   exact = np.zeros((1, N_NEW), np.int32)
   last = exact.copy()
   last[0, -1] = 1
-  assert compare_modes.divergence(exact, exact) == {"first_divergence_by_row": [None], "diverged_rows": 0,
-                                                    "first_divergence": None}
-  assert compare_modes.divergence(exact, last) == {"first_divergence_by_row": [N_NEW - 1], "diverged_rows": 1,
-                                                   "first_divergence": N_NEW - 1}
+  assert compare_modes.divergence(exact, exact) == {
+    "first_divergence_by_row": [None],
+    "diverged_rows": 0,
+    "first_divergence": None,
+  }
+  assert compare_modes.divergence(exact, last) == {
+    "first_divergence_by_row": [N_NEW - 1],
+    "diverged_rows": 1,
+    "first_divergence": N_NEW - 1,
+  }
   assert compare_modes.divergence_text(compare_modes.divergence(exact, exact)) == "never"
   assert compare_modes.divergence_text(compare_modes.divergence(exact, last)) == f"{N_NEW - 1:.1f}"
 
@@ -80,8 +102,10 @@ def test_pareto_points_name_their_budget_with_intervals(monkeypatch, tmp_path):
   figures = []
   monkeypatch.setattr(compare_modes.plots, "save", lambda fig, path: figures.append(fig))
   base = dict(mode="budgeted", policy="truncate", num_draft=2, batch_size=1, temperature=0.0, top1_agreement=0.9)
-  rows = [dict(base, expert_budget=2, speedup_vs_exact=1.1, speedup_interval=[1.0, 1.2]),
-          dict(base, expert_budget=4, speedup_vs_exact=1.05, speedup_interval=None, policy="substitute")]
+  rows = [
+    dict(base, expert_budget=2, speedup_vs_exact=1.1, speedup_interval=[1.0, 1.2]),
+    dict(base, expert_budget=4, speedup_vs_exact=1.05, speedup_interval=None, policy="substitute"),
+  ]
   compare_modes.plot_pareto(rows, tmp_path / "pareto.png")
   ax = figures[0].axes[0]
   assert sorted(t.get_text() for t in ax.texts) == ["B=2", "B=4"]
@@ -94,8 +118,16 @@ def test_pareto_points_name_their_budget_with_intervals(monkeypatch, tmp_path):
 @pytest.mark.slow
 def test_quick_run_keeps_the_flags_given_and_writes_the_plot(tiny_config, tmp_path):
   msj.Model.init(tiny_config.replace(max_seq_len=512), seed=0).save(tmp_path / "m")
-  proc = run_module("experiments.compare_modes", f"--workdir={tmp_path / 'out'}", f"--model={tmp_path / 'm'}",
-                    "--quick", "--repeats=2", "--drafter=ngram", "--policies=truncate", timeout=900)
+  proc = run_module(
+    "experiments.compare_modes",
+    f"--workdir={tmp_path / 'out'}",
+    f"--model={tmp_path / 'm'}",
+    "--quick",
+    "--repeats=2",
+    "--drafter=ngram",
+    "--policies=truncate",
+    timeout=900,
+  )
   assert proc.returncode == 0, proc.stderr
   cm = json.loads((tmp_path / "out" / "metrics.json").read_text())["compare_modes"]
   assert (cm["repeats"], cm["max_new_tokens"]) == (2, 32)  # --repeats given; --quick's max_new_tokens

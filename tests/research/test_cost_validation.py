@@ -13,8 +13,10 @@ from tests.cli_run import run_module
 
 
 def test_predicted_expert_time_follows_bytes(tiny_config):
-  fits = {"dedup": cost_model.KernelFit(gbps=10.0, fixed_ms=0.01),
-          "per_slot": cost_model.KernelFit(gbps=20.0, fixed_ms=0.02)}
+  fits = {
+    "dedup": cost_model.KernelFit(gbps=10.0, fixed_ms=0.01),
+    "per_slot": cost_model.KernelFit(gbps=20.0, fixed_ms=0.02),
+  }
   e_bytes = kbytes.expert_bytes(tiny_config.d_model, tiny_config.expert_hidden, 4)
   act = kbytes.activation_bytes(3, tiny_config.top_k, tiny_config.d_model, 4)
   assert cost_validation.layer_bytes(tiny_config, 4.0, 3, "dedup") == 4 * e_bytes + act
@@ -28,18 +30,28 @@ def test_predicted_expert_time_follows_bytes(tiny_config):
 
 def test_auto_goals_count_medians_and_interval_ends():
   def row(vs_plain, vs_plain_hi, vs_best, vs_best_hi):
-    return {"speedup_vs_plain": vs_plain, "speedup_vs_plain_interval": (vs_plain - 0.05, vs_plain_hi),
-            "vs_best_fixed": vs_best, "vs_best_fixed_interval": (vs_best - 0.05, vs_best_hi)}
+    return {
+      "speedup_vs_plain": vs_plain,
+      "speedup_vs_plain_interval": (vs_plain - 0.05, vs_plain_hi),
+      "vs_best_fixed": vs_best,
+      "vs_best_fixed_interval": (vs_best - 0.05, vs_best_hi),
+    }
+
   rows = [row(1.0, 1.02, 0.96, 0.99), row(0.95, 0.98, 0.9, 0.93), row(0.9, 0.92, 0.99, 1.0)]
   assert cost_validation.auto_goals(rows) == {
-      "rows": 3, "within_plain": 1, "not_measurably_below_plain": 2,
-      "within_best_fixed": 2, "not_measurably_below_best_fixed": 2}
+    "rows": 3,
+    "within_plain": 1,
+    "not_measurably_below_plain": 2,
+    "within_best_fixed": 2,
+    "not_measurably_below_best_fixed": 2,
+  }
 
 
 def test_flat_kernel_timings_give_an_overhead_bound_fit(tiny_config, monkeypatch):
   times = iter([0.06, 0.05, 0.04])  # n = 1, 2, 4; both methods: faster with n
-  monkeypatch.setattr(cost_validation, "time_layer_pair",
-                      lambda *a, **k: dict.fromkeys(cost_validation.FITTED_METHODS, next(times)))
+  monkeypatch.setattr(
+    cost_validation, "time_layer_pair", lambda *a, **k: dict.fromkeys(cost_validation.FITTED_METHODS, next(times))
+  )
   fits, rows = cost_validation.fit_kernels(tiny_config, (1, 2, 4), repeats=1)
   assert len(rows) == 6
   for fit in fits.values():
@@ -64,14 +76,24 @@ def test_quick_run_writes_the_documented_metrics(tiny_config, tmp_path):
   # A run interrupted after one acceptance rate of the sweep: the rerun resumes it, not re-measures it.
   settings = cost_validation.progress_settings(msj.Model.load(tmp_path / "m"), cost_validation.QUICK_CONFIG)
   # Its prefill (99 s) is far above any real one: the prefill range's top shows it was kept.
-  done = {"prefills": [99.0], "round_speedups": [[1.2345], [1.2345]],
-          "rows": [{"num_draft": k, "speedup": 1.2345, "tokens_per_second": 99.0,
-                    "mean_accepted_length": 1.5} for k in (1, 2)]}
+  done = {
+    "prefills": [99.0],
+    "round_speedups": [[1.2345], [1.2345]],
+    "rows": [
+      {"num_draft": k, "speedup": 1.2345, "tokens_per_second": 99.0, "mean_accepted_length": 1.5} for k in (1, 2)
+    ],
+  }
   (tmp_path / "out").mkdir()
   (tmp_path / "out" / "progress.json").write_text(json.dumps({"settings": settings, "parts": {"sweep/0.5": done}}))
   env = {"JAX_PLATFORMS": "cpu"}
-  res = run_module("experiments.cost_model", f"--workdir={tmp_path / 'out'}", f"--model={tmp_path / 'm'}",
-                   "--quick", env=env, timeout=600)
+  res = run_module(
+    "experiments.cost_model",
+    f"--workdir={tmp_path / 'out'}",
+    f"--model={tmp_path / 'm'}",
+    "--quick",
+    env=env,
+    timeout=600,
+  )
   assert res.returncode == 0, res.stderr
   assert "resuming: 1 finished part(s)" in res.stdout + res.stderr
   # One round per comparison: the run says its figures are a pipeline check, not results.
@@ -86,11 +108,14 @@ def test_quick_run_writes_the_documented_metrics(tiny_config, tmp_path):
   assert all((f["gbps"] is None or f["gbps"] > 0) and f["fixed_ms"] >= 0 for f in cm["fitted"])
   assert len(cm["best_k"]) == 5 and all({"alpha", "predicted", "measured"} <= set(r) for r in cm["best_k"])
   assert all(0 <= r["predicted"] <= 2 and 0 <= r["measured"] <= 2 for r in cm["best_k"])
-  assert all(0.0 <= cm["best_k_within_one_fraction" + suffix] <= 1.0
-             for suffix, _ in cost_validation.PREDICTORS.values())
+  assert all(
+    0.0 <= cm["best_k_within_one_fraction" + suffix] <= 1.0 for suffix, _ in cost_validation.PREDICTORS.values()
+  )
   assert set(cm["speedup_at_predicted_over_best"]) == set(cost_validation.PREDICTORS)
-  assert all(0.0 <= c["within_5pct"] <= 1.0 and 0.0 < c["worst"] <= c["median"] <= 1.0
-             for c in cm["speedup_at_predicted_over_best"].values())
+  assert all(
+    0.0 <= c["within_5pct"] <= 1.0 and 0.0 < c["worst"] <= c["median"] <= 1.0
+    for c in cm["speedup_at_predicted_over_best"].values()
+  )
   assert set(cm["crossover"]) >= {"predicted_n", "measured_n", "measured_first_faster_n"}
   # Measured dedup faster from measured_n on, and first faster no later than that.
   cross = cm["crossover"]
@@ -101,8 +126,10 @@ def test_quick_run_writes_the_documented_metrics(tiny_config, tmp_path):
     shares = r["measured_best_k_bootstrap_shares"]
     assert len(shares) == 3 and sum(shares) == pytest.approx(1.0) and shares[r["measured"]] == 1.0
   assert cm["measured_best_k_self_agreement"] == 1.0
-  assert all(cm["best_k_within_one_resampled" + suffix] == cm["best_k_within_one_fraction" + suffix]
-             for suffix, _ in cost_validation.PREDICTORS.values())
+  assert all(
+    cm["best_k_within_one_resampled" + suffix] == cm["best_k_within_one_fraction" + suffix]
+    for suffix, _ in cost_validation.PREDICTORS.values()
+  )
   assert [r["n_tokens"] for r in cm["verify_time"]] == [1, 2, 3]
   # The passes timed without their routed experts, and the prediction with their measured growth.
   assert all(r["nonexpert_measured_ms"] > 0 and r["predicted_measured_nonexpert_ms"] > 0 for r in cm["verify_time"])
@@ -112,7 +139,8 @@ def test_quick_run_writes_the_documented_metrics(tiny_config, tmp_path):
   growth = vt[-1]["measured_ms"] - vt[0]["measured_ms"]
   if growth > 0:
     assert cm["nonexpert_share_of_pass_growth"] == pytest.approx(
-        (vt[-1]["nonexpert_measured_ms"] - vt[0]["nonexpert_measured_ms"]) / growth)
+      (vt[-1]["nonexpert_measured_ms"] - vt[0]["nonexpert_measured_ms"]) / growth
+    )
   else:
     assert cm["nonexpert_share_of_pass_growth"] is None
   assert {r["drafter"] for r in cm["auto"]} == {"controlled", "ngram"}
@@ -153,7 +181,11 @@ def test_pass_costs_from_sweep_invert_the_speedup():
 def test_auto_rows_run_auto_k_up_to_max_k_with_the_configured_timing():
   spec = cost_validation.auto_spec(cost_validation.CostValidationConfig(max_k=5), "controlled", 0.7)
   assert (spec.num_draft, spec.max_draft, spec.research.controlled_acceptance, spec.research.auto_timing) == (
-      "auto", 5, 0.7, False)
+    "auto",
+    5,
+    0.7,
+    False,
+  )
   timed = cost_validation.auto_spec(cost_validation.CostValidationConfig(auto_timing=True), "mtp")
   assert (timed.drafter, timed.max_draft, timed.research.auto_timing) == ("mtp", 8, True)
 
@@ -165,22 +197,33 @@ def test_accepted_lengths_are_pooled_over_every_round():
 
 
 def test_auto_row_text_says_where_the_passes_went():
-  row = {"drafter": "controlled", "alpha": 0.7, "best_fixed_num_draft": 2, "mean_num_draft": 2.18,
-         "passes_by_num_draft": [1236, 6, 3, 353, 106, 132, 1, 2, 316],
-         **{name: 1.0 for name in ("speedup_vs_plain", "vs_best_fixed", "plain_vs_plain")},
-         **{f"{name}_interval": (0.9, 1.1) for name in ("speedup_vs_plain", "vs_best_fixed", "plain_vs_plain")}}
+  row = {
+    "drafter": "controlled",
+    "alpha": 0.7,
+    "best_fixed_num_draft": 2,
+    "mean_num_draft": 2.18,
+    "passes_by_num_draft": [1236, 6, 3, 353, 106, 132, 1, 2, 316],
+    **{name: 1.0 for name in ("speedup_vs_plain", "vs_best_fixed", "plain_vs_plain")},
+    **{f"{name}_interval": (0.9, 1.1) for name in ("speedup_vs_plain", "vs_best_fixed", "plain_vs_plain")},
+  }
   text = cost_validation.describe_auto(row)
   assert "57% of passes plain, drafting mostly at K=3, mean K 2.18" in text
   assert text.startswith("auto controlled a=0.70:")
-  assert cost_validation.describe_auto(dict(row, drafter="mtp", alpha=None, prompts=8)).startswith("auto mtp (8 prompts):")
+  assert cost_validation.describe_auto(dict(row, drafter="mtp", alpha=None, prompts=8)).startswith(
+    "auto mtp (8 prompts):"
+  )
   assert "100% of passes plain, never drafting" in cost_validation.describe_auto(
-      dict(row, passes_by_num_draft=[40, 0, 0], mean_num_draft=0.0))
+    dict(row, passes_by_num_draft=[40, 0, 0], mean_num_draft=0.0)
+  )
   simulated = {"plain_over_auto": 1.25, "best_fixed_num_draft": 3, "best_fixed_over_auto": 0.97}
   assert "simulated: 1.250x plain, 0.970 of best fixed K=3" in cost_validation.describe_auto(
-      dict(row, simulated=simulated))
+    dict(row, simulated=simulated)
+  )
   paid = dict(simulated, best_fixed_over_auto=0.91, pass_time_ratios=[1.0, 1.3, 1.6, 1.9])
-  assert ("choosing on its calibration, paying the sweep's pass times: 1.250x plain, 0.910 of best fixed K=3"
-          in cost_validation.describe_auto(dict(row, simulated=simulated, simulated_on_measured_pass_times=paid)))
+  assert (
+    "choosing on its calibration, paying the sweep's pass times: 1.250x plain, 0.910 of best fixed K=3"
+    in cost_validation.describe_auto(dict(row, simulated=simulated, simulated_on_measured_pass_times=paid))
+  )
 
 
 def test_sweep_round_settings_are_checked():
@@ -192,11 +235,14 @@ def test_sweep_round_settings_are_checked():
 
 def _verify_times(tiny_config, step_ms_K, nonexpert_ms_K=None):
   fits = {m: cost_model.KernelFit(gbps=10.0, fixed_ms=0.01) for m in cost_validation.FITTED_METHODS}
-  unique_by_n = {n: [min(n * tiny_config.top_k, tiny_config.n_routed_experts) * 0.8] * tiny_config.n_moe_layers
-                 for n in range(1, len(step_ms_K) + 1)}
+  unique_by_n = {
+    n: [min(n * tiny_config.top_k, tiny_config.n_routed_experts) * 0.8] * tiny_config.n_moe_layers
+    for n in range(1, len(step_ms_K) + 1)
+  }
   nonexpert_ms_K = [0.5] * len(step_ms_K) if nonexpert_ms_K is None else nonexpert_ms_K
-  return cost_validation.verify_times(tiny_config, fits, unique_by_n, np.asarray(step_ms_K),
-                                      np.asarray(nonexpert_ms_K), len(step_ms_K) - 1)
+  return cost_validation.verify_times(
+    tiny_config, fits, unique_by_n, np.asarray(step_ms_K), np.asarray(nonexpert_ms_K), len(step_ms_K) - 1
+  )
 
 
 def test_verify_times_fit_the_fixed_time_at_one_token_and_the_linear_term_at_both_ends(tiny_config):
@@ -255,13 +301,19 @@ def test_verify_times_carry_the_nonexpert_share_of_growth(tiny_config):
 def test_best_k_comparison_counts_rates_within_one_of_the_measured_best(tiny_config):
   alphas, max_k = (0.2, 0.5, 0.8, 0.95), 6
   step_ms = [1.0 + 0.15 * k for k in range(max_k + 1)]
-  passes = cost_validation.PassTimes(reference=None, step_ms_K=np.asarray(step_ms),
-                                     step_ms_by_end={0.0: np.asarray(step_ms), 1.0: np.asarray(step_ms)},
-                                     verify=_verify_times(tiny_config, step_ms))
+  passes = cost_validation.PassTimes(
+    reference=None,
+    step_ms_K=np.asarray(step_ms),
+    step_ms_by_end={0.0: np.asarray(step_ms), 1.0: np.asarray(step_ms)},
+    verify=_verify_times(tiny_config, step_ms),
+  )
   # Measured speedups that follow these pass times exactly: every predictor from the pass times
   # finds the measured best K.
-  speedups = {(a, k): float(cost_model.speedup(a, k, 1.0, lambda _: 0.0, lambda n: step_ms[n - 1]))
-              for a in alphas for k in range(max_k + 1)}
+  speedups = {
+    (a, k): float(cost_model.speedup(a, k, 1.0, lambda _: 0.0, lambda n: step_ms[n - 1]))
+    for a in alphas
+    for k in range(max_k + 1)
+  }
   shares = {a: np.eye(max_k + 1)[max(range(max_k + 1), key=lambda k, a=a: speedups[(a, k)])] for a in alphas}
   sweep = cost_validation.SpeedupSweep(speedups, {}, [], [], shares, {a: 3 for a in alphas})
   best = cost_validation.best_k_comparison(alphas, max_k, sweep, passes)

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 
 from moespec_jax.analysis import cost_model
-from moespec_jax.research import draft_policy_sim as sim
 from moespec_jax.decoding import auto_draft
+from moespec_jax.research import draft_policy_sim as sim
 
 # Pass times of the default model on the development machine (ms, K = 0..8: plain, then K drafts
 # verified; experiments/cost_model's measurement, every draft wrong and every draft right
@@ -77,7 +77,8 @@ def test_a_calibration_that_underrates_long_passes_costs_auto_time():
   assert misled.mean_ms > true.mean_ms
   regret = sim.auto_regret(0.7, STEP_MS, runs=40, calibrated_ms_K=underrated)
   assert regret["best_fixed_over_auto"] == pytest.approx(
-      min(sim.simulate(0.7, STEP_MS, num_draft=k, runs=40).mean_ms for k in range(9)) / misled.mean_ms)
+    min(sim.simulate(0.7, STEP_MS, num_draft=k, runs=40).mean_ms for k in range(9)) / misled.mean_ms
+  )
 
 
 def test_bad_arguments_are_refused():

@@ -7,8 +7,8 @@ import pytest
 
 import configs
 from moespec_jax.analysis import cost_model
-from moespec_jax.research import projection, roofline, routing_report
 from moespec_jax.analysis import routing as routing_lib
+from moespec_jax.research import projection, roofline, routing_report
 from pallas_kernels import bytes as kbytes
 from tests.cli_run import run_module
 
@@ -43,13 +43,18 @@ def test_crossover_follows_the_bandwidth_ratio():
   """Dedup is faster exactly where its share u(n) of per-slot expert bytes is below r."""
   config = _config("qwen3_30b_a3b")
   for r in (1.0, 0.6, 0.3):
-    result = projection.project(config, projection.Machine(read_gbps=3000.0, dedup_bandwidth_ratio=r),
-                                context=0, max_tokens=16)
-    expected = next((row["n_tokens"] for row in result["passes"]
-                     if row["dedup_ms"] < row["per_slot_ms"]), None)
+    result = projection.project(
+      config, projection.Machine(read_gbps=3000.0, dedup_bandwidth_ratio=r), context=0, max_tokens=16
+    )
+    expected = next((row["n_tokens"] for row in result["passes"] if row["dedup_ms"] < row["per_slot_ms"]), None)
     assert result["crossover_n"] == expected
-    u = [(projection.pass_bytes(config, n, method="dedup")["experts"]
-          / projection.pass_bytes(config, n, method="per_slot")["experts"]) for n in range(1, 17)]
+    u = [
+      (
+        projection.pass_bytes(config, n, method="dedup")["experts"]
+        / projection.pass_bytes(config, n, method="per_slot")["experts"]
+      )
+      for n in range(1, 17)
+    ]
     assert expected == next((n for n, share in enumerate(u, 1) if share < r), None)
   # r = 1: any overlap helps, from two tokens on.
   assert projection.project(config, projection.Machine(3000.0), max_tokens=16)["crossover_n"] == 2
@@ -57,8 +62,13 @@ def test_crossover_follows_the_bandwidth_ratio():
 
 def test_staircase_is_monotone_with_the_limits():
   config = _config("mixtral_8x7b")
-  result = projection.project(config, projection.Machine(read_gbps=2000.0, fixed_ms=0.5), context=512,
-                              draft_cost=0.03, alphas=np.linspace(0, 1, 41))
+  result = projection.project(
+    config,
+    projection.Machine(read_gbps=2000.0, fixed_ms=0.5),
+    context=512,
+    draft_cost=0.03,
+    alphas=np.linspace(0, 1, 41),
+  )
   ks = [b["best_k"] for b in result["best_k"]]
   assert ks == sorted(ks) and ks[0] == 0 and ks[-1] == 8
   assert result["best_k"][0]["speedup"] == 1.0 and result["best_k"][-1]["speedup"] > 1.0
@@ -89,7 +99,7 @@ def _sticky_routing_stats(path, n_experts=64, top_k=8, n_tokens=2000, seed=0):
     rest = np.setdiff1d(np.arange(n_experts), keep)
     ids.append(np.array(keep + list(rng.choice(rest, top_k - len(keep), replace=False))))
   ids = np.stack(ids)
-  trace = routing_lib.RoutingTrace([ids[None, i:i + 250] for i in range(0, n_tokens, 250)], n_experts, {})
+  trace = routing_lib.RoutingTrace([ids[None, i : i + 250] for i in range(0, n_tokens, 250)], n_experts, {})
   stats = routing_report.routing_stats(trace, max_tokens=16, ipf_max_tokens=3, max_distance=2)
   path.write_text(json.dumps({"routing_stats": stats}))
   return stats
@@ -111,7 +121,8 @@ def test_measured_routing_replaces_the_uniform_bound(tmp_path):
   u4 = curve.unique_by_n[3]
   assert curve.unique(4, batch=3) == pytest.approx(64 * (1 - (1 - u4 / 64) ** 3))
   assert projection.pass_bytes(config, 4, method="per_slot", routing=curve) == projection.pass_bytes(
-      config, 4, method="per_slot")
+    config, 4, method="per_slot"
+  )
   result = projection.project(config, projection.Machine(3000.0), routing=curve)
   assert result["routing"].startswith("measured") and "measured" in projection.describe(result)
   with pytest.raises(ValueError, match="covers passes up to 16 tokens, not 17"):
@@ -126,8 +137,14 @@ def test_measured_routing_replaces_the_uniform_bound(tmp_path):
 def test_cli_writes_the_projection(tmp_path):
   workdir = tmp_path / "proj"
   _sticky_routing_stats(tmp_path / "routing.json")
-  proc = run_module("experiments.project", "--config=configs/olmoe_1b_7b.py", "--read_gbps=3350", "--fixed_ms=0.2",
-                    f"--workdir={workdir}", f"--routing_stats={tmp_path / 'routing.json'}")
+  proc = run_module(
+    "experiments.project",
+    "--config=configs/olmoe_1b_7b.py",
+    "--read_gbps=3350",
+    "--fixed_ms=0.2",
+    f"--workdir={workdir}",
+    f"--routing_stats={tmp_path / 'routing.json'}",
+  )
   assert proc.returncode == 0, proc.stderr[-2000:]
   assert "PROJECTED" in proc.stdout and "best K by acceptance" in proc.stdout
   assert "distinct experts per pass: measured" in proc.stdout
@@ -135,8 +152,13 @@ def test_cli_writes_the_projection(tmp_path):
   assert metrics["config_name"] == "olmoe_1b_7b" and len(metrics["passes"]) == 16
   assert metrics["routing"].startswith("measured")
   assert (workdir / "projection.png").stat().st_size > 0
-  mismatch = run_module("experiments.project", "--config=configs/deepseek_v2_lite.py", "--read_gbps=3350",
-                        f"--workdir={workdir}3", f"--routing_stats={tmp_path / 'routing.json'}")
+  mismatch = run_module(
+    "experiments.project",
+    "--config=configs/deepseek_v2_lite.py",
+    "--read_gbps=3350",
+    f"--workdir={workdir}3",
+    f"--routing_stats={tmp_path / 'routing.json'}",
+  )
   assert mismatch.returncode == 2 and len(mismatch.stderr.strip().splitlines()) == 1
   assert "top-8" in mismatch.stderr and not (workdir.parent / "proj3" / "metrics.json").exists()
   bad = run_module("experiments.project", "--read_gbps=-1", f"--workdir={workdir}2")

@@ -63,11 +63,14 @@ def test_cache_bytes_are_the_cache_arrays_per_position(tiny_config, mla):
   """One row of 40 positions reads what a 40-position cache holds, every layer (MLA: latent and
   rotary key); 8 rows of 40 read 8 times as much."""
   import dataclasses
+
   from moespec_jax.model.cache import KVCache
+
   config = tiny_config
   if mla:
-    config = dataclasses.replace(config, attention_type="mla", kv_lora_rank=16, qk_nope_head_dim=8,
-                                 qk_rope_head_dim=4, v_head_dim=8)
+    config = dataclasses.replace(
+      config, attention_type="mla", kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8
+    )
   cache = KVCache.for_config(config, batch=1, max_len=40)
   held = sum(a.nbytes for a in (*cache.keys, *cache.values))
   assert roofline.decode_cache_bytes(config, 40) == held
@@ -82,11 +85,19 @@ def test_a_one_token_prefill_multiplies_each_active_weight_once(tiny_config, mla
   multiply-add, plus one (query, key) pair per layer (MLA: its latent expanded, the cheaper form
   for one position)."""
   import dataclasses
+
   config = dataclasses.replace(tiny_config, tie_embeddings=tie, use_score_bias=True)
   c = config
   if mla:
-    config = dataclasses.replace(config, attention_type="mla", q_lora_rank=24, kv_lora_rank=16,
-                                 qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8)
+    config = dataclasses.replace(
+      config,
+      attention_type="mla",
+      q_lora_rank=24,
+      kv_lora_rank=16,
+      qk_nope_head_dim=8,
+      qk_rope_head_dim=4,
+      v_head_dim=8,
+    )
     c = config
     norms = c.n_layers * (2 * c.d_model + c.kv_lora_rank + c.q_lora_rank) + c.d_model
     pair = c.n_heads * (c.qk_nope_head_dim + c.qk_rope_head_dim + c.v_head_dim)
@@ -104,9 +115,23 @@ def test_a_prefill_counts_causal_pairs_and_the_last_layer_at_its_last_position()
   position in both; queries, attention pairs (6 causal, then 3 for the last position) and FFN at
   every position, then at the last one only; the head once per row."""
   from moespec_jax.config import ModelConfig
-  config = ModelConfig(vocab_size=10, d_model=8, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=4,
-                       n_routed_experts=4, top_k=2, n_shared_experts=1, expert_hidden=3, dense_hidden=6,
-                       first_k_dense=1, eos_id=0, bos_id=1)
+
+  config = ModelConfig(
+    vocab_size=10,
+    d_model=8,
+    n_layers=2,
+    n_heads=2,
+    n_kv_heads=1,
+    head_dim=4,
+    n_routed_experts=4,
+    top_k=2,
+    n_shared_experts=1,
+    expert_hidden=3,
+    dense_hidden=6,
+    first_k_dense=1,
+    eos_id=0,
+    bos_id=1,
+  )
   kv, qo, pair = 8 * 2 * 4, 2 * 8 * 2 * 4, 2 * 2 * 4  # per position, per query, per pair
   dense_layer = 3 * kv + 3 * qo + 6 * pair + 3 * (3 * 8 * 6)
   moe_last = 3 * kv + qo + 3 * pair + (8 * 4 + 2 * 3 * 8 * 3 + 3 * 8 * 3)

@@ -71,8 +71,19 @@ def test_round_robin_balances_order_and_pairs_each_round(monkeypatch):
   monkeypatch.setattr(msj, "generate", fake_generate)
   specs = {1: msj.SpecParams(drafter="ngram", num_draft=1), 2: msj.SpecParams(drafter="ngram", num_draft=2)}
   speedup, _, _, prefills, per_round = rounds.round_robin_speedups(None, [[1]], 4, specs, rounds=2)
-  assert calls == [(0, "prefill"), (0, "prefill"), (0, "none"), (0, "a"), (0, "b"), (0, "prefill"),
-                   (1, "prefill"), (1, "a"), (1, "b"), (1, "none"), (1, "prefill")]
+  assert calls == [
+    (0, "prefill"),
+    (0, "prefill"),
+    (0, "none"),
+    (0, "a"),
+    (0, "b"),
+    (0, "prefill"),
+    (1, "prefill"),
+    (1, "a"),
+    (1, "b"),
+    (1, "none"),
+    (1, "prefill"),
+  ]
   assert prefills == pytest.approx([0.1, 0.3])
   # Exact only with each round's own prefill subtracted (0.1 in round 0, 0.3 in round 1).
   assert speedup[1] == pytest.approx(2.0) and speedup[2] == pytest.approx(0.5)
@@ -89,8 +100,8 @@ def _fake_rounds(speedups_by_round):
     calls.append((first, n))
     rows = [speedups_by_round(r) for r in range(first, first + n)]
     seconds = {None: [1.0] * n, **{k: [1.0 / row[k - 1] for row in rows] for k in range(1, len(rows[0]) + 1)}}
-    return rounds.RoundRobin(seconds, {k: [{"round": r} for r in range(first, first + n)] for k in seconds},
-                                      [0.01] * n)
+    return rounds.RoundRobin(seconds, {k: [{"round": r} for r in range(first, first + n)] for k in seconds}, [0.01] * n)
+
   return more, calls
 
 
@@ -119,8 +130,14 @@ def test_prompt_sets_are_taken_in_turn_and_each_checked_against_its_own_referenc
   def fake_generate(model, prompts, max_new_tokens, spec=None, seed=0, reference_tokens=None):
     tokens = np.full((1, 4), len(prompts[0]), np.int32)
     if max_new_tokens > 1:
-      seen.append((seed, prompts[0], None if spec is None else spec.drafter,
-                   None if reference_tokens is None else int(reference_tokens[0, 0])))
+      seen.append(
+        (
+          seed,
+          prompts[0],
+          None if spec is None else spec.drafter,
+          None if reference_tokens is None else int(reference_tokens[0, 0]),
+        )
+      )
     return types.SimpleNamespace(tokens=tokens, stats={"seconds": 1.0, "tokens_per_second": 4.0})
 
   monkeypatch.setattr(msj, "generate", fake_generate)
@@ -133,8 +150,9 @@ def test_prompt_sets_are_taken_in_turn_and_each_checked_against_its_own_referenc
     assert sorted(eight.index(r) for r in range(8 * turn, 8 * turn + 8)) == list(range(8))
   # Against an order of runs that cycles every 4 rounds, each batch meets all four over 4 turns.
   assert all(sorted(r % 4 for r in range(32) if eight.index(r) == b) == [0, 1, 2, 3] for b in range(8))
-  specs = {"c": msj.SpecParams(drafter="controlled", num_draft=1,
-                               research=msj.ResearchOptions(controlled_acceptance=0.5))}
+  specs = {
+    "c": msj.SpecParams(drafter="controlled", num_draft=1, research=msj.ResearchOptions(controlled_acceptance=0.5))
+  }
   runs = rounds.round_robin_runs(None, sets, 4, specs, rounds=4, first_round=2)
   assert len(runs.prefill_s) == 4
   assert sorted((s, p) for s, p, d, _ in seen if d == "none") == [(2, "ccc"), (3, "bb"), (4, "ccc"), (5, "a")]
@@ -159,8 +177,10 @@ def test_warm_up_runs_plain_and_each_spec_once_on_the_first_batch(monkeypatch):
 
   monkeypatch.setattr(msj, "generate", fake_generate)
   controlled = msj.ResearchOptions(controlled_acceptance=0.5)
-  specs = {1: msj.SpecParams(drafter="controlled", num_draft=1, research=controlled),
-           2: msj.SpecParams(drafter="ngram", num_draft=2)}
+  specs = {
+    1: msj.SpecParams(drafter="controlled", num_draft=1, research=controlled),
+    2: msj.SpecParams(drafter="ngram", num_draft=2),
+  }
   sets = rounds.PromptSets(([[1]], [[2]]), ([7], [8]))
   rounds.warm_up(None, sets, 4, specs)
   assert calls == [("none", 3, [[1]], None), ("controlled", 1, [[1]], 7), ("ngram", 2, [[1]], None)]

@@ -21,10 +21,12 @@ def _legend(stats, monkeypatch, tmp_path) -> list[str]:
 def test_overlap_curves_name_the_model_layer(monkeypatch, tmp_path):
   """A trace holds the MoE layers only: the legend says which model layer each is (first layers dense)."""
   rng = np.random.default_rng(0)
-  segments = [np.stack([np.stack([rng.choice(8, 2, replace=False) for _ in range(24)]) for _ in range(2)])
-              for _ in range(4)]
-  stats = routing_report.routing_stats(RoutingTrace(segments, 8, {"model_layers": [1, 3]}), max_tokens=4,
-                                       ipf_max_tokens=3)
+  segments = [
+    np.stack([np.stack([rng.choice(8, 2, replace=False) for _ in range(24)]) for _ in range(2)]) for _ in range(4)
+  ]
+  stats = routing_report.routing_stats(
+    RoutingTrace(segments, 8, {"model_layers": [1, 3]}), max_tokens=4, ipf_max_tokens=3
+  )
   assert stats["model_layers"] == [1, 3]
   labels = _legend(stats, monkeypatch, tmp_path)
   assert "layer 1 (MoE)" in labels and "layer 3 (MoE)" in labels and not any("MoE layer 0" in t for t in labels)
@@ -41,8 +43,9 @@ def test_traces_record_the_model_layers(tiny_config):
 def test_quick_run_names_every_file_it_wrote(tiny_config, tmp_path):
   msj.Model.init(tiny_config, seed=0).save(tmp_path / "m")
   out = tmp_path / "out"
-  proc = run_module("experiments.routing_stats", f"--workdir={out}", f"--model={tmp_path / 'm'}", "--quick",
-                    "--max_tokens=6")
+  proc = run_module(
+    "experiments.routing_stats", f"--workdir={out}", f"--model={tmp_path / 'm'}", "--quick", "--max_tokens=6"
+  )
   assert proc.returncode == 0, proc.stderr
   wrote = [line for line in proc.stdout.splitlines() if line.startswith("wrote ")]
   assert wrote == [f"wrote {out / 'trace.npz'}, {out / 'metrics.json'}, {out / 'routing.png'}"]

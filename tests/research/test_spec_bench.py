@@ -8,13 +8,24 @@ def test_paired_reverses_the_order_within_each_pair(monkeypatch):
   """Pairs alternate plain-first and speculative-first, each pair on its own seed, and the speedup
   is the median of the ratios within pairs (not the ratio of the medians)."""
   calls = []
-  rates = {("none", 0): 100.0, ("ngram", 0): 150.0, ("ngram", 1): 180.0, ("none", 1): 100.0,
-           ("none", 2): 50.0, ("ngram", 2): 100.0}
+  rates = {
+    ("none", 0): 100.0,
+    ("ngram", 0): 150.0,
+    ("ngram", 1): 180.0,
+    ("none", 1): 100.0,
+    ("none", 2): 50.0,
+    ("ngram", 2): 100.0,
+  }
 
   def fake_generate(model, prompts, *, max_new_tokens, sampling, spec, seed):
     calls.append((spec.drafter, seed))
-    return msj.GenerateOutput(tokens=None, stats={"tokens_per_second": rates[(spec.drafter, seed)],
-                                                  "mean_accepted_length": 2.0 if spec.drafter == "ngram" else 1.0})
+    return msj.GenerateOutput(
+      tokens=None,
+      stats={
+        "tokens_per_second": rates[(spec.drafter, seed)],
+        "mean_accepted_length": 2.0 if spec.drafter == "ngram" else 1.0,
+      },
+    )
 
   monkeypatch.setattr(msj, "generate", fake_generate)
   spec = msj.SpecParams(drafter="ngram", num_draft=2)
@@ -28,7 +39,9 @@ def test_every_program_runs_once_untimed_before_it_is_timed(monkeypatch, tmp_pat
   """A program's first run (slower than its later ones) never enters a row: plain and each K are run
   once before their timed runs, whatever the repeats (--quick's were one)."""
   import types
+
   from moespec_jax.data.tokenizer import ByteTokenizer
+
   seen = set()
 
   def fake_generate(model, prompts, *, max_new_tokens, sampling, spec, seed):
@@ -36,15 +49,33 @@ def test_every_program_runs_once_untimed_before_it_is_timed(monkeypatch, tmp_pat
     if (spec.drafter, spec.num_draft) not in seen:
       seen.add((spec.drafter, spec.num_draft))
       rate /= 10.0
-    return msj.GenerateOutput(tokens=None, stats={"tokens_per_second": rate, "mean_accepted_length": 1.5,
-                                                  "acceptance_by_depth": [0.5], "unique_experts_per_pass": [2.0]})
+    return msj.GenerateOutput(
+      tokens=None,
+      stats={
+        "tokens_per_second": rate,
+        "mean_accepted_length": 1.5,
+        "acceptance_by_depth": [0.5],
+        "unique_experts_per_pass": [2.0],
+      },
+    )
 
   monkeypatch.setattr(msj, "generate", fake_generate)
   model = types.SimpleNamespace(config=tiny_config, tokenizer=ByteTokenizer())
-  result = spec_bench.run_spec_bench(model, tmp_path, batch_sizes=(1,), temperatures=(0.0,), drafters=("ngram",),
-                                     num_drafts=(1, 2), max_new_tokens=8, repeats=1, prompt_bytes=32,
-                                     log=lambda *_: None)
+  result = spec_bench.run_spec_bench(
+    model,
+    tmp_path,
+    batch_sizes=(1,),
+    temperatures=(0.0,),
+    drafters=("ngram",),
+    num_drafts=(1, 2),
+    max_new_tokens=8,
+    repeats=1,
+    prompt_bytes=32,
+    log=lambda *_: None,
+  )
   bench = result["spec_bench"]
   assert bench["plain"][0]["tokens_per_second"] == 100.0
   assert [(r["tokens_per_second"], r["plain_tokens_per_second"], r["speedup"]) for r in bench["rows"]] == [
-      (150.0, 100.0, 1.5), (150.0, 100.0, 1.5)]
+    (150.0, 100.0, 1.5),
+    (150.0, 100.0, 1.5),
+  ]

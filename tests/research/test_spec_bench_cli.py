@@ -19,8 +19,16 @@ def test_quick_sweep_writes_the_documented_metrics(tiny_config, tmp_path):
   rows = json.loads((tmp_path / "out" / "metrics.json").read_text())["spec_bench"]["rows"]
   assert {r["drafter"] for r in rows} == {"mtp", "ngram"}
   for r in rows:
-    for key in ("drafter", "num_draft", "batch_size", "temperature", "tokens_per_second",
-                "plain_tokens_per_second", "speedup", "mean_accepted_length"):
+    for key in (
+      "drafter",
+      "num_draft",
+      "batch_size",
+      "temperature",
+      "tokens_per_second",
+      "plain_tokens_per_second",
+      "speedup",
+      "mean_accepted_length",
+    ):
       assert key in r
   assert (tmp_path / "out" / "speedup_vs_k.png").stat().st_size > 0
 
@@ -32,8 +40,9 @@ def test_bad_flag_is_one_line_and_exit_2(tmp_path):
 
 def test_a_checkpoint_without_tokenizer_gets_byte_prompts(tiny_config):
   from moespec_jax.data import corpus  # pylint: disable=g-import-not-at-top
-  from moespec_jax.research import spec_bench  # pylint: disable=g-import-not-at-top
   from moespec_jax.data.tokenizer import MissingTokenizer  # pylint: disable=g-import-not-at-top
+  from moespec_jax.research import spec_bench  # pylint: disable=g-import-not-at-top
+
   model = msj.Model.init(tiny_config, seed=0)
   text, encoding = spec_bench.bench_prompts(model, 2, 64, log=lambda *_: None)
   assert encoding == "tokenizer" and text == corpus.held_out_prompts(2, prompt_bytes=64, seed=0)

@@ -13,8 +13,17 @@ from moespec_jax.training import mtp
 
 @pytest.mark.slow
 def test_mtp_training_saves_heads_with_the_model_and_resumes(tiny_model, tmp_path):
-  tc = mtp.MTPTrainConfig(num_mtp_modules=2, loss="distill", batch_size=2, seq_len=24, steps=3,
-                          warmup_steps=1, eval_batches=1, checkpoint_every=2, log_every_seconds=1e9)
+  tc = mtp.MTPTrainConfig(
+    num_mtp_modules=2,
+    loss="distill",
+    batch_size=2,
+    seq_len=24,
+    steps=3,
+    warmup_steps=1,
+    eval_batches=1,
+    checkpoint_every=2,
+    log_every_seconds=1e9,
+  )
   logs = []
   model, metrics = mtp.train(tiny_model, tc, tmp_path, log=logs.append)
   assert model.config.num_mtp_modules == 2
@@ -50,15 +59,24 @@ def test_quick_train_mtp_writes_its_plot_and_keeps_the_flags_given(tiny_config, 
   """`experiments.train_mtp --quick --model=DIR`: a few short steps (--quick's), a --config field given
   kept, the loss and acceptance plot written; --save_default refused with --quick."""
   from tests.cli_run import assert_one_line_error, run_module  # pylint: disable=g-import-not-at-top
+
   msj.Model.init(tiny_config.replace(max_seq_len=512), seed=0).save(tmp_path / "m")
   out = tmp_path / "out"
-  proc = run_module("experiments.train_mtp", f"--workdir={out}", f"--target={tmp_path / 'm'}", "--quick",
-                    "--config.mtp.steps=6", timeout=900)
+  proc = run_module(
+    "experiments.train_mtp",
+    f"--workdir={out}",
+    f"--target={tmp_path / 'm'}",
+    "--quick",
+    "--config.mtp.steps=6",
+    timeout=900,
+  )
   assert proc.returncode == 0, proc.stderr
   metrics = json.loads((out / "metrics.json").read_text())["train_mtp"]
   assert metrics["steps_done"] == 6 and metrics["train_config"]["seq_len"] == 64
   assert set(metrics["decoding"]) == {"greedy", "t1"}
   assert (out / "mtp.png").stat().st_size > 0 and (out / "model" / "config.json").exists()
   assert f"wrote {out / 'metrics.json'}, {out / 'mtp.png'}" in proc.stdout
-  assert_one_line_error(run_module("experiments.train_mtp", f"--workdir={tmp_path / 'x'}", "--quick", "--save_default"),
-                        "--save_default does not go with --quick")
+  assert_one_line_error(
+    run_module("experiments.train_mtp", f"--workdir={tmp_path / 'x'}", "--quick", "--save_default"),
+    "--save_default does not go with --quick",
+  )

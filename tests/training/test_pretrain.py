@@ -12,8 +12,17 @@ from moespec_jax.training import losses, pretrain
 from pallas_kernels import cpu
 from tests.conftest import TINY
 
-TC = dict(batch_size=2, seq_len=16, steps=4, warmup_steps=1, eval_every=2, eval_batches=1,
-          checkpoint_every=2, log_every_seconds=1000.0, learning_rate=1e-2)
+TC = dict(
+  batch_size=2,
+  seq_len=16,
+  steps=4,
+  warmup_steps=1,
+  eval_every=2,
+  eval_batches=1,
+  checkpoint_every=2,
+  log_every_seconds=1000.0,
+  learning_rate=1e-2,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -78,13 +87,17 @@ def test_quick_pretrain_runs_few_short_steps_and_keeps_the_fields_given(tmp_path
   """`experiments.pretrain --quick`: --quick's short steps, a --config field given kept; --export_default
   refused with it (a smoke run's model is not the default model)."""
   from tests.cli_run import assert_one_line_error, run_module  # pylint: disable=g-import-not-at-top
+
   small = [f"--config.model.{k}={v}" for k, v in TINY.items() if k != "vocab_size"]
   out = tmp_path / "out"
-  proc = run_module("experiments.pretrain", f"--workdir={out}", "--quick", "--config.train.steps=4", *small,
-                    timeout=900)
+  proc = run_module(
+    "experiments.pretrain", f"--workdir={out}", "--quick", "--config.train.steps=4", *small, timeout=900
+  )
   assert proc.returncode == 0, proc.stderr
   metrics = json.loads((out / "metrics.json").read_text())
   assert metrics["train_config"]["steps"] == 4 and metrics["train_config"]["seq_len"] == 64
   assert (out / "loss.png").stat().st_size > 0 and (out / "model" / "config.json").exists()
-  assert_one_line_error(run_module("experiments.pretrain", f"--workdir={tmp_path / 'x'}", "--quick",
-                                   "--export_default"), "--export_default does not go with --quick")
+  assert_one_line_error(
+    run_module("experiments.pretrain", f"--workdir={tmp_path / 'x'}", "--quick", "--export_default"),
+    "--export_default does not go with --quick",
+  )

@@ -12,11 +12,11 @@ from moespec_jax.decoding.drafters.base import Drafter, DraftTree, Verified
 __all__ = ["REGISTRY", "Drafter", "DraftTree", "Verified", "lookup", "names"]
 
 REGISTRY: dict[str, type[Drafter]] = {
-    "none": none.NoDrafter,
-    "mtp": mtp.MtpDrafter,
-    "ngram": ngram.NgramDrafter,
-    # Research drafter with controllable acceptance, for cost-model validation.
-    "controlled": controlled.ControlledDrafter,
+  "none": none.NoDrafter,
+  "mtp": mtp.MtpDrafter,
+  "ngram": ngram.NgramDrafter,
+  # Research drafter with controllable acceptance, for cost-model validation.
+  "controlled": controlled.ControlledDrafter,
 }
 
 

@@ -24,6 +24,7 @@ from moespec_jax.decoding.state import LoopSpec, LoopState
 class DraftTree:
   """One pass's proposal: per row N nodes, each a token that follows its parent node, or the row's
   pending token (the root, parent -1). A chain is the tree with parent[j] = j - 1."""
+
   tokens_BN: jax.Array
   """int32 [B, N]: each node's token (0 where not valid)."""
   parent_BN: jax.Array
@@ -60,6 +61,7 @@ class DraftTree:
 class Verified:
   """What a verification pass found: what the drafter's `update`, the commit and the statistics
   read. S = N + 1 verified positions per row: the pending token, then the drafts."""
+
   tree: DraftTree
   """The drafts verified."""
   pos_B: jax.Array
@@ -100,6 +102,7 @@ class Drafter:
     per_depth: auto K reads its acceptance per draft depth (`auto_draft.depth_acceptance`).
     takes_reference: generate's `reference_tokens` are its input.
   """
+
   drafts: ClassVar[bool] = True
   shadows: ClassVar[bool] = False
   per_depth: ClassVar[bool] = False
@@ -118,8 +121,9 @@ class Drafter:
     del spec, config, sampling, prompt_len
     return cls()
 
-  def host_inputs(self, spec, *, reference_tokens, seed_u32, n_rows: int, max_new_tokens: int, length: int,
-                  vocab_size: int) -> Any:
+  def host_inputs(
+    self, spec, *, reference_tokens, seed_u32, n_rows: int, max_new_tokens: int, length: int, vocab_size: int
+  ) -> Any:
     """Arrays drawn before the program (a pytree, the program's `inputs` argument; None).
     `length`: output indices a pass may read (max_new_tokens + max_k + 1)."""
     del spec, reference_tokens, seed_u32, n_rows, max_new_tokens, length, vocab_size
@@ -135,8 +139,9 @@ class Drafter:
   def prefill(self, model, tokens_BT, lengths_B, prompt_BT, cache, ls: LoopSpec) -> tuple[Any, jax.Array, Any]:
     """The target's pass over the prompts: (its output, the last prompt position's logits [B, V],
     a note `start` reads). By default only the last position's hidden state is computed."""
-    out = model(tokens_BT, None, cache, kernels=model.kernels, valid_BT=prompt_BT, fresh_cache=True,
-                hidden_at_B=lengths_B - 1)
+    out = model(
+      tokens_BT, None, cache, kernels=model.kernels, valid_BT=prompt_BT, fresh_cache=True, hidden_at_B=lengths_B - 1
+    )
     return out, out.logits[:, 0], None
 
   def start(self, model, tokens_BT, lengths_B, prompt_BT, prefilled, note, first_B, inputs, ls: LoopSpec) -> Any:

@@ -64,6 +64,7 @@ def controlled_propose(table_BN, gen_B, num_draft: int):
 @struct.dataclass(kw_only=True)
 class ControlledInputs:
   """What generate() draws before the program."""
+
   table_BN: np.ndarray
   """int32 [B, max_new_tokens + max_k + 1]: the proposal at every output index."""
   acceptance: np.ndarray
@@ -79,38 +80,53 @@ class ControlledState:
 @dataclasses.dataclass(frozen=True)
 class ControlledDrafter(Drafter):
   """Needs `ResearchOptions(controlled_acceptance=a)`, greedy sampling and `reference_tokens`."""
+
   shadows: ClassVar[bool] = True
   takes_reference: ClassVar[bool] = True
 
   @classmethod
   def check_spec(cls, spec) -> None:
     if spec.research.controlled_acceptance is None:
-      raise ValueError("drafter='controlled' needs research=ResearchOptions(controlled_acceptance=a), "
-                       "a in [0, 1]: the probability that it proposes the target's greedy token")
+      raise ValueError(
+        "drafter='controlled' needs research=ResearchOptions(controlled_acceptance=a), "
+        "a in [0, 1]: the probability that it proposes the target's greedy token"
+      )
 
   @classmethod
   def for_call(cls, spec, *, config, sampling, prompt_len: int) -> ControlledDrafter:
     if not sampling.greedy:
-      raise ValueError("drafter='controlled' needs greedy sampling (temperature 0): its acceptance is "
-                       "geometric in controlled_acceptance only against the target's greedy tokens")
+      raise ValueError(
+        "drafter='controlled' needs greedy sampling (temperature 0): its acceptance is "
+        "geometric in controlled_acceptance only against the target's greedy tokens"
+      )
     return cls()
 
-  def host_inputs(self, spec, *, reference_tokens, seed_u32, n_rows: int, max_new_tokens: int, length: int,
-                  vocab_size: int) -> ControlledInputs:
+  def host_inputs(
+    self, spec, *, reference_tokens, seed_u32, n_rows: int, max_new_tokens: int, length: int, vocab_size: int
+  ) -> ControlledInputs:
     """The table, drawn and fetched to the host (dispatch is asynchronous: a table still being
     drawn would be timed with the program)."""
     if reference_tokens is None:
-      raise ValueError("drafter='controlled' needs reference_tokens: the plain greedy output "
-                       "(generate(...).tokens) for the same prompts")
+      raise ValueError(
+        "drafter='controlled' needs reference_tokens: the plain greedy output "
+        "(generate(...).tokens) for the same prompts"
+      )
     ref = np.asarray(reference_tokens)
-    if (ref.ndim != 2 or ref.shape[0] != n_rows or ref.shape[1] < max_new_tokens
-        or not np.issubdtype(ref.dtype, np.integer)):
-      raise ValueError(f"reference_tokens must be an int array [{n_rows}, >= {max_new_tokens}], got "
-                       f"shape {ref.shape} and dtype {ref.dtype}")
+    if (
+      ref.ndim != 2
+      or ref.shape[0] != n_rows
+      or ref.shape[1] < max_new_tokens
+      or not np.issubdtype(ref.dtype, np.integer)
+    ):
+      raise ValueError(
+        f"reference_tokens must be an int array [{n_rows}, >= {max_new_tokens}], got "
+        f"shape {ref.shape} and dtype {ref.dtype}"
+      )
     # The rate is an input, not a static setting: every rate runs one program.
     acceptance = np.float32(spec.research.controlled_acceptance)
-    table = draw_table(ref[:, :max_new_tokens].astype(np.int32), seed_u32, acceptance, length=length,
-                       vocab_size=vocab_size)
+    table = draw_table(
+      ref[:, :max_new_tokens].astype(np.int32), seed_u32, acceptance, length=length, vocab_size=vocab_size
+    )
     return ControlledInputs(table_BN=np.asarray(table), acceptance=acceptance)
 
   def calibration_key(self, inputs: ControlledInputs) -> float:

@@ -15,8 +15,8 @@ from moespec_jax.decoding.drafters.base import Drafter, DraftTree, Verified
 from moespec_jax.decoding.sampling_params import SamplingParams
 from moespec_jax.decoding.state import LoopSpec, LoopState
 from moespec_jax.model import mtp as mtp_lib
-from moespec_jax.model.kernels import Kernels
 from moespec_jax.model.cache import KVCache
+from moespec_jax.model.kernels import Kernels
 from moespec_jax.model.layers import at_index
 
 
@@ -29,8 +29,19 @@ def choose(key_B, logits_BV, sampling: SamplingParams):
   return tok_B, jnp.exp(logq_BV)
 
 
-def mtp_propose(model, cache, h1_BD, logits1_BV, index_B, keys_BK, num_draft: int,
-                sampling: SamplingParams, *, kernels: Kernels, active_B=None):
+def mtp_propose(
+  model,
+  cache,
+  h1_BD,
+  logits1_BV,
+  index_B,
+  keys_BK,
+  num_draft: int,
+  sampling: SamplingParams,
+  *,
+  kernels: Kernels,
+  active_B=None,
+):
   """K drafts from the MTP heads: depth 1 from the last fill, deeper depths one step each.
 
   `index_B` is the stream index of depth 1 (the position before the pending token). Depths
@@ -45,8 +56,15 @@ def mtp_propose(model, cache, h1_BD, logits1_BV, index_B, keys_BK, num_draft: in
   def step(m, offset, hidden_BD, prev_B, key_B, cache):
     pos_B1 = (index_B + offset)[:, None]
     h_B1D, logits_B1V, cache = mtp_lib.run_module(
-        model, m, hidden_BD[:, None], prev_B[:, None], pos_B1, cache, kernels=kernels,
-        valid_BT=None if active_B is None else active_B[:, None])
+      model,
+      m,
+      hidden_BD[:, None],
+      prev_B[:, None],
+      pos_B1,
+      cache,
+      kernels=kernels,
+      valid_BT=None if active_B is None else active_B[:, None],
+    )
     tok_B, q_BV = choose(key_B, logits_B1V[:, 0], sampling)
     return h_B1D[:, 0], tok_B, q_BV, cache
 
@@ -57,6 +75,7 @@ def mtp_propose(model, cache, h1_BD, logits1_BV, index_B, keys_BK, num_draft: in
     qs.append(q_BV)
   first_recursive = max(2, m_total + 1)
   if num_draft >= first_recursive:
+
     def scan_body(carry, xs):
       hidden_BD, prev_B, cache = carry
       offset, key_B = xs
@@ -64,9 +83,8 @@ def mtp_propose(model, cache, h1_BD, logits1_BV, index_B, keys_BK, num_draft: in
       return (hidden_BD, tok_B, cache), (tok_B, q_BV)
 
     offsets = jnp.arange(first_recursive, num_draft + 1, dtype=jnp.int32) - m_total
-    keys_KB = jnp.moveaxis(keys_BK[:, first_recursive - 1:], 1, 0)
-    (_, _, cache), (toks_KB, qs_KBV) = jax.lax.scan(scan_body, (hidden_BD, drafts[-1], cache),
-                                                    (offsets, keys_KB))
+    keys_KB = jnp.moveaxis(keys_BK[:, first_recursive - 1 :], 1, 0)
+    (_, _, cache), (toks_KB, qs_KBV) = jax.lax.scan(scan_body, (hidden_BD, drafts[-1], cache), (offsets, keys_KB))
     drafts.extend(list(toks_KB))
     if qs_KBV is not None:
       qs.extend(list(qs_KBV))
@@ -97,13 +115,16 @@ class MtpDrafter(Drafter):
   them), shifted to stream index 0 (RoPE is relative, so shifting a row's positions by a constant
   leaves its attention unchanged); the prefill computes the target's hidden states there only.
   """
+
   prompt_window: int = 0
 
   @classmethod
   def for_call(cls, spec, *, config, sampling, prompt_len: int) -> MtpDrafter:
     if config.num_mtp_modules == 0:
-      raise ValueError("drafter 'mtp' needs MTP heads, but the model has num_mtp_modules=0 "
-                       "(train them with experiments.train_mtp, or use drafter='ngram' or 'none')")
+      raise ValueError(
+        "drafter 'mtp' needs MTP heads, but the model has num_mtp_modules=0 "
+        "(train them with experiments.train_mtp, or use drafter='ngram' or 'none')"
+      )
     # 0: every prompt position (a window as long as the padded prompt is all of it).
     window = spec.research.mtp_prompt_window or 0
     return cls(prompt_window=window if window < prompt_len else 0)
@@ -113,8 +134,16 @@ class MtpDrafter(Drafter):
     window = self.prompt_window or tokens_BT.shape[1]
     offset_B = jnp.maximum(lengths_B - window, 0)
     window_BW = offset_B[:, None] + jnp.arange(window, dtype=jnp.int32)[None]
-    out = model(tokens_BT, None, cache, kernels=model.kernels, valid_BT=prompt_BT, compute_logits=False,
-                fresh_cache=True, hidden_at_B=window_BW if self.prompt_window else None)
+    out = model(
+      tokens_BT,
+      None,
+      cache,
+      kernels=model.kernels,
+      valid_BT=prompt_BT,
+      compute_logits=False,
+      fresh_cache=True,
+      hidden_at_B=window_BW if self.prompt_window else None,
+    )
     last_logits_BV = model.head(at_index(out.hidden, lengths_B - 1 - offset_B), model.kernels)[:, 0]
     return out, last_logits_BV, (window, offset_B, window_BW)
 
@@ -129,18 +158,34 @@ class MtpDrafter(Drafter):
     next_BP = jnp.where(j_P[None] < (lengths_B - 1)[:, None], shifted_BP, first_B[:, None])
     next_BW = at_index(next_BP, offset_B[:, None] + jnp.arange(window + m_total - 1, dtype=jnp.int32)[None])
     positions_BW = jnp.broadcast_to(jnp.arange(window, dtype=jnp.int32), (batch, window))
-    h1_BD, logits1_BV, mcache = mtp_lib.fill(model, prefilled.hidden, next_BW, positions_BW,
-                                             mtp_lib.new_cache(config, batch, ls.cache_len),
-                                             kernels=model.kernels, at_B=lengths_B - 1 - offset_B,
-                                             valid_BT=at_index(prompt_BT, window_BW), fresh_cache=True)
+    h1_BD, logits1_BV, mcache = mtp_lib.fill(
+      model,
+      prefilled.hidden,
+      next_BW,
+      positions_BW,
+      mtp_lib.new_cache(config, batch, ls.cache_len),
+      kernels=model.kernels,
+      at_B=lengths_B - 1 - offset_B,
+      valid_BT=at_index(prompt_BT, window_BW),
+      fresh_cache=True,
+    )
     return MtpState(cache=mcache, h1_BD=h1_BD, logits1_BV=logits1_BV, offset_B=offset_B)
 
   def propose(self, model, state: LoopState, k: int, keys_B, ls: LoopSpec):
     mtp = state.draft_state
     keys_BK = jax.vmap(lambda key: jax.random.split(key, k))(keys_B)
     drafts_BK, q_BKV, mcache = mtp_propose(
-        model, mtp.cache, mtp.h1_BD, mtp.logits1_BV, state.pos_B - 1 - mtp.offset_B, keys_BK, k,
-        ls.sampling, kernels=model.kernels, active_B=state.active_B)
+      model,
+      mtp.cache,
+      mtp.h1_BD,
+      mtp.logits1_BV,
+      state.pos_B - 1 - mtp.offset_B,
+      keys_BK,
+      k,
+      ls.sampling,
+      kernels=model.kernels,
+      active_B=state.active_B,
+    )
     return DraftTree.chain(drafts_BK, q_BKV), mtp.replace(cache=mcache)
 
   def update(self, model, draft_state, verified: Verified, ls: LoopSpec):
@@ -157,8 +202,14 @@ class MtpDrafter(Drafter):
     # Indices past the accepted ones are rolled back: they read no experts.
     j_S = jnp.arange(k + 1, dtype=jnp.int32)
     kept_BS = verified.active_B[:, None] & (j_S[None] <= n_acc_B[:, None])
-    h1_BD, logits1_BV, mcache = mtp_lib.fill(model, verified.output.hidden, next_BT,
-                                             verified.positions_BS - draft_state.offset_B[:, None],
-                                             draft_state.cache, kernels=model.kernels, at_B=n_acc_B,
-                                             valid_BT=kept_BS)
+    h1_BD, logits1_BV, mcache = mtp_lib.fill(
+      model,
+      verified.output.hidden,
+      next_BT,
+      verified.positions_BS - draft_state.offset_B[:, None],
+      draft_state.cache,
+      kernels=model.kernels,
+      at_B=n_acc_B,
+      valid_BT=kept_BS,
+    )
     return draft_state.replace(cache=mcache, h1_BD=h1_BD, logits1_BV=logits1_BV)

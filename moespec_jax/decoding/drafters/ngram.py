@@ -70,6 +70,7 @@ class NgramDrafter(Drafter):
   """Prompt lookup. Its drafts cost next to nothing, so plain passes check the draft it would
   have proposed (`shadows`). Auto K reads its acceptance per draft depth (`per_depth`): its
   drafts are often wrong at the first token and then right for a long run."""
+
   shadows: ClassVar[bool] = True
   per_depth: ClassVar[bool] = True
 

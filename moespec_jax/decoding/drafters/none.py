@@ -11,4 +11,5 @@ from moespec_jax.decoding.drafters.base import Drafter
 @dataclasses.dataclass(frozen=True)
 class NoDrafter(Drafter):
   """Proposes nothing: the plain pass verifies the pending token alone."""
+
   drafts: ClassVar[bool] = False

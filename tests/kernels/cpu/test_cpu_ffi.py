@@ -38,12 +38,14 @@ def test_cpu_kernel_uneven_shapes_and_threads(cpu_kernel, monkeypatch, threads):
   # threads (one token, top-1); groups of 2-8 pairs on rows wider than their tile's register
   # panel (the first token streams whole rows, the others read them from cache: the decoding
   # shape of the peer_bench checkpoints, D = 256 and F = 320).
-  problems = [problem(13, 4, 2, "random", d_model=40, hidden=200),
-              problem(20, 3, 3, "random", d_model=24, hidden=120),
-              problem(8, 2, 2, "random", d_model=256, hidden=320),
-              problem(5, 4, 2, "random", d_model=256, hidden=320),
-              problem(3, 4, 2, "random", d_model=32, hidden=2100),
-              problem(1, 4, 1, "random", d_model=16, hidden=48)]
+  problems = [
+    problem(13, 4, 2, "random", d_model=40, hidden=200),
+    problem(20, 3, 3, "random", d_model=24, hidden=120),
+    problem(8, 2, 2, "random", d_model=256, hidden=320),
+    problem(5, 4, 2, "random", d_model=256, hidden=320),
+    problem(3, 4, 2, "random", d_model=32, hidden=2100),
+    problem(1, 4, 1, "random", d_model=16, hidden=48),
+  ]
   for args in problems:
     ref = expert_ffn_reference(*args)
     for method in ("dedup", "per_slot"):
@@ -62,8 +64,8 @@ def test_cpu_kernel_token_results_do_not_depend_on_the_pass(cpu_kernel, monkeypa
     x, ids, g, wg, wu, wd = problem(t_, e, k, "random", d_model=d, hidden=f, seed=t_)
     together = np.asarray(cpu.expert_ffn_cpu(x, ids, g, wg, wu, wd, method=method))
     for t in range(t_):
-      alone = cpu.expert_ffn_cpu(x[t:t + 1], ids[t:t + 1], g[t:t + 1], wg, wu, wd, method=method)
-      np.testing.assert_array_equal(np.asarray(alone), together[t:t + 1], err_msg=f"token {t} of {t_}, F={f}")
+      alone = cpu.expert_ffn_cpu(x[t : t + 1], ids[t : t + 1], g[t : t + 1], wg, wu, wd, method=method)
+      np.testing.assert_array_equal(np.asarray(alone), together[t : t + 1], err_msg=f"token {t} of {t_}, F={f}")
 
 
 def test_cpu_kernel_long_passes_sum_per_slot(cpu_kernel, monkeypatch):
@@ -72,8 +74,10 @@ def test_cpu_kernel_long_passes_sum_per_slot(cpu_kernel, monkeypatch):
   del cpu_kernel
   monkeypatch.setenv("MOESPEC_PAIR_OUTPUT_BYTES", "0")
   monkeypatch.setenv("MOESPEC_FFI_THREADS", "2")
-  for args in (problem(20, 3, 3, "random", d_model=24, hidden=120),
-               problem(5, 8, 2, "random", d_model=64, hidden=2100)):
+  for args in (
+    problem(20, 3, 3, "random", d_model=24, hidden=120),
+    problem(5, 8, 2, "random", d_model=64, hidden=2100),
+  ):
     ref = expert_ffn_reference(*args)
     for method in ("dedup", "per_slot"):
       first = np.asarray(cpu.expert_ffn_cpu(*args, method=method))
@@ -147,7 +151,7 @@ def test_packed_matmul_rows_do_not_depend_on_the_pass(cpu_kernel, block):
   x_MD = jnp.asarray(rng.normal(size=(18, 256)), jnp.float32)
   together = np.asarray(cpu.packed_matmul(x_MD, w_NDC))
   for m in (0, 5, 17):
-    np.testing.assert_array_equal(np.asarray(cpu.packed_matmul(x_MD[m:m + 1], w_NDC)), together[m:m + 1])
+    np.testing.assert_array_equal(np.asarray(cpu.packed_matmul(x_MD[m : m + 1], w_NDC)), together[m : m + 1])
 
 
 @pytest.mark.parametrize("threads", ["1", "3"])
@@ -221,10 +225,10 @@ def test_cached_attention_rows_do_not_depend_on_the_pass(cpu_kernel, first):
   limit_NQ = jnp.asarray(np.broadcast_to(np.arange(first, first + 18)[None], (2, 18)), jnp.int32)
   together = np.asarray(cpu.cached_attention(q_NQD, keys_NDS, values_NSD, limit_NQ))
   for i in range(18):
-    alone = cpu.cached_attention(q_NQD[:, i:i + 1], keys_NDS, values_NSD, limit_NQ[:, i:i + 1])
-    np.testing.assert_array_equal(np.asarray(alone), together[:, i:i + 1])
-  keys_NDS[:, :, first + 18:] = np.nan
-  values_NSD[:, first + 18:] = np.nan
+    alone = cpu.cached_attention(q_NQD[:, i : i + 1], keys_NDS, values_NSD, limit_NQ[:, i : i + 1])
+    np.testing.assert_array_equal(np.asarray(alone), together[:, i : i + 1])
+  keys_NDS[:, :, first + 18 :] = np.nan
+  values_NSD[:, first + 18 :] = np.nan
   np.testing.assert_array_equal(np.asarray(cpu.cached_attention(q_NQD, keys_NDS, values_NSD, limit_NQ)), together)
   with pytest.raises(ValueError, match="cached_attention needs"):
     cpu.cached_attention(q_NQD, keys_NDS[:, :16], values_NSD, limit_NQ)
@@ -246,12 +250,13 @@ def test_cached_attention_prefill_blocks(cpu_kernel, monkeypatch, threads):
   together = np.asarray(cpu.cached_attention(*map(jnp.asarray, (q_NQD, keys_NDS, values_NSD, limit_NQ))))
   np.testing.assert_allclose(together, _attention_reference(q_NQD, keys_NDS, values_NSD, limit_NQ), atol=2e-5)
   for i in (0, 1, 63, 64, 200, 299):
-    alone = cpu.cached_attention(q_NQD[:, i:i + 1], keys_NDS, values_NSD, limit_NQ[:, i:i + 1])
-    np.testing.assert_array_equal(np.asarray(alone), together[:, i:i + 1])
+    alone = cpu.cached_attention(q_NQD[:, i : i + 1], keys_NDS, values_NSD, limit_NQ[:, i : i + 1])
+    np.testing.assert_array_equal(np.asarray(alone), together[:, i : i + 1])
   keys_NDS[:, :, t:] = np.nan
   values_NSD[:, t:] = np.nan
   np.testing.assert_array_equal(
-      np.asarray(cpu.cached_attention(*map(jnp.asarray, (q_NQD, keys_NDS, values_NSD, limit_NQ)))), together)
+    np.asarray(cpu.cached_attention(*map(jnp.asarray, (q_NQD, keys_NDS, values_NSD, limit_NQ)))), together
+  )
 
 
 def _mla_reference(q_lat_BQC, q_rope_BQR, latent_BSC, rope_BSR, limit_BQ):
@@ -259,7 +264,7 @@ def _mla_reference(q_lat_BQC, q_rope_BQR, latent_BSC, rope_BSR, limit_BQ):
   keys_BDS = np.concatenate([latent_BSC, rope_BSR], -1).swapaxes(1, 2)
   q_BQD = np.concatenate([q_lat_BQC, q_rope_BQR], -1)
   out = _attention_reference(q_BQD, keys_BDS, np.concatenate([latent_BSC, 0 * rope_BSR], -1), limit_BQ)
-  return out[..., :latent_BSC.shape[-1]]
+  return out[..., : latent_BSC.shape[-1]]
 
 
 @pytest.mark.parametrize("threads", ["1", "2", "3"])
@@ -270,8 +275,13 @@ def test_mla_attention_matches_numpy(cpu_kernel, monkeypatch, threads):
   del cpu_kernel
   monkeypatch.setenv("MOESPEC_FFI_THREADS", threads)
   rng = np.random.default_rng(4)
-  for b, q, c, r, s, spread in ((8, 8, 32, 16, 256, 1.0), (1, 72, 64, 8, 100, 1.0), (3, 5, 24, 6, 37, 8.0),
-                                (2, 17, 16, 0, 20, 1.0), (1, 1, 16, 4, 1, 1.0)):
+  for b, q, c, r, s, spread in (
+    (8, 8, 32, 16, 256, 1.0),
+    (1, 72, 64, 8, 100, 1.0),
+    (3, 5, 24, 6, 37, 8.0),
+    (2, 17, 16, 0, 20, 1.0),
+    (1, 1, 16, 4, 1, 1.0),
+  ):
     q_lat = (spread * rng.normal(size=(b, q, c))).astype(np.float32)
     q_rope = (spread * rng.normal(size=(b, q, r))).astype(np.float32)
     latent = rng.normal(size=(b, s, c)).astype(np.float32)
@@ -297,10 +307,10 @@ def test_mla_attention_rows_do_not_depend_on_the_pass(cpu_kernel, monkeypatch, t
   limit = jnp.asarray(np.repeat(np.arange(200, 200 + t), h)[None].repeat(b, 0), jnp.int32)
   together = np.asarray(cpu.mla_attention(q_lat, q_rope, latent, rope, limit))
   for i in (0, 7, 8, 71):
-    alone = cpu.mla_attention(q_lat[:, i:i + 1], q_rope[:, i:i + 1], latent, rope, limit[:, i:i + 1])
-    np.testing.assert_array_equal(np.asarray(alone), together[:, i:i + 1])
-  latent[:, 200 + t:] = np.nan
-  rope[:, 200 + t:] = np.nan
+    alone = cpu.mla_attention(q_lat[:, i : i + 1], q_rope[:, i : i + 1], latent, rope, limit[:, i : i + 1])
+    np.testing.assert_array_equal(np.asarray(alone), together[:, i : i + 1])
+  latent[:, 200 + t :] = np.nan
+  rope[:, 200 + t :] = np.nan
   np.testing.assert_array_equal(np.asarray(cpu.mla_attention(q_lat, q_rope, latent, rope, limit)), together)
   with pytest.raises(ValueError, match="mla_attention needs"):
     cpu.mla_attention(q_lat, q_rope, latent[:, :, :16], rope, limit)
@@ -310,6 +320,7 @@ def test_clock_inside_a_compiled_loop(cpu_kernel):
   """clock_after passes its operand through and reads a clock ordered by data: readings around
   each of 3 loop iterations of real work never go back and add up to the loop's time."""
   del cpu_kernel
+
   def body(i, state):
     x_I, a_DD, elapsed_3 = state
     x_I, start_2 = cpu.clock_after(x_I)

@@ -18,8 +18,11 @@ def test_gpu_interpret_f32(method, case):
 
 @pytest.mark.parametrize("method", ["dedup", "per_slot"])
 def test_gpu_interpret_bf16(method):
-  check(functools.partial(gpu.expert_ffn_gpu, method=method, interpret=True),
-        "unused_expert_n_not_block_multiple", jnp.bfloat16)
+  check(
+    functools.partial(gpu.expert_ffn_gpu, method=method, interpret=True),
+    "unused_expert_n_not_block_multiple",
+    jnp.bfloat16,
+  )
 
 
 @pytest.mark.parametrize("method", ["dedup", "per_slot"])

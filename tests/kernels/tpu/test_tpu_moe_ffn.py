@@ -18,8 +18,11 @@ def test_tpu_interpret_f32(method, case):
 
 @pytest.mark.parametrize("method", ["dedup", "per_slot"])
 def test_tpu_interpret_bf16(method):
-  check(functools.partial(tpu.expert_ffn_tpu, method=method, interpret=True),
-        "unused_expert_n_not_block_multiple", jnp.bfloat16)
+  check(
+    functools.partial(tpu.expert_ffn_tpu, method=method, interpret=True),
+    "unused_expert_n_not_block_multiple",
+    jnp.bfloat16,
+  )
 
 
 @pytest.mark.parametrize("method", ["dedup", "per_slot"])
