@@ -27,10 +27,12 @@ def mtp_workdir() -> pathlib.Path:
 
 
 def ensure_default_model(log=print, *, train_heads: bool = True) -> Model:
-  """Loads the default model, training it first (about 6-10 minutes on 2 CPU cores) if missing.
+  """Loads the default model, training it first if missing (minutes on 2 CPU cores; the
+  durations: docs/findings/2026-12-04-make-demo.md).
 
-  With `train_heads`, a cached model without MTP heads gets them trained (about 3 minutes,
-  configs/tiny.py `mtp` section) and saved with it, atomically, in the same directory.
+  With `train_heads`, a cached model without MTP heads gets them trained (configs/tiny.py `mtp`
+  section, within the demo's time budget below) and saved with it, atomically, in the same
+  directory.
   """
   target = paths.default_model_dir()
   cfg = default_config()

@@ -31,9 +31,8 @@ def round_order(labels: Sequence[Any], r: int) -> list:
   Over a cycle of len(labels) rounds (twice that for an odd count) every label runs at every
   position equally often and right after every other label equally often. A comparison against a
   label always run first and last (right after the round's untimed setup, or never after a long
-  speculative run) would carry what running after another program costs here: plain decoding
-  run a second time in the middle of such rounds measured 2-5% slower than itself at the ends
-  (default model, batch 1, 128 tokens, after K = 4 and K = 8 runs). Two labels alternate.
+  speculative run) would carry what running after another program costs here, which measured a
+  few percent (docs/findings/2026-12-04-balanced-round-order.md). Two labels alternate.
   """
   n = len(labels)
   if n == 0:

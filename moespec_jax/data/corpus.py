@@ -1,12 +1,12 @@
 """The embedded corpus: the Python standard library's own `.py` sources.
 
-Every machine with Python has it (about 31 MB in 1,800 files for CPython 3.11),
-so training needs no download. Choices:
+Every machine with Python has it, so training needs no download (its size:
+docs/findings/2026-11-29-corpus-size.md). Choices:
 
 - Files: every `*.py` under `sysconfig.get_paths()["stdlib"]`, walked in sorted
   order, except anything below `site-packages`, `dist-packages` or
   `__pycache__` (installed third-party code differs between machines). The
-  `test/` packages are kept: they are real code (about 60% of the bytes), and
+  `test/` packages are kept: they are real code (a large share of the corpus), and
   the split below is per file, so no file is in both splits.
 - Encoding: files that are not valid UTF-8 (a handful of deliberately
   mis-encoded test modules) are skipped, so the corpus is valid UTF-8 and every

@@ -31,23 +31,15 @@ NO_MATCH_PASSES plain passes (nothing to verify; transformers' prompt lookup als
 plainly without a match).
 
 The calibrated pass times are a snapshot, and on a shared machine the ratios between K's pass
-times drift by 10-20% within minutes (memory bandwidth taken by others slows long passes more
-than short ones). So with SpecParams(auto_timing=True), on CPU, the loop also times its own
+times drift within minutes (memory bandwidth taken by others slows long passes more than short
+ones). So with ResearchOptions(auto_timing=True), on CPU, the loop also times its own
 segments (a clock read inside the program, pallas_kernels.cpu.clock_after, no host round
 trip): `record_pass_time` keeps, per K, decayed evidence of the log ratio of measured to
 calibrated time per pass, and `corrected_step_ms` scales each K's calibrated time by it (K's
 not yet run take the level of all K's run so far): a K chosen on a wrong calibration is thus
 meant to be measured and corrected within a few segments. Experimental, off by default: it has
-not yet been shown faster than the calibration alone, even where the calibration was off (the
-calibration then timed loops of passes, which put drafting passes at a = 0.95 4-22% below their
-cost in decoding: calibration.py). Default model, batch 1, 128 tokens, controlled a = 0.8, 0.9,
-0.95, with that calibration: whole runs at 0.959, 1.156, 1.239x plain against the calibration
-alone's 1.052, 1.301, 1.397x, and 0.837, 1.108, 1.340x against 0.998, 1.246, 1.483x in a second
-run (15 interleaved rounds each; its K's differ from run to run, K = 2-3 in the first, K = 8 at
-a = 0.8 in the second). Against the held-run calibration (experiments/cost_model --auto_timing, one
-run): 8 of 11 auto rows within 3% of plain decoding (a = 0 at 0.946: the segments' clock reads
-cost) and 3 of 11 within 5% of the best fixed K, against 10-11 and 7-9 of 11 without it in the
-runs just before.
+not yet been shown faster than the calibration alone, even where the calibration was off, and its
+clock reads cost time of their own (docs/findings/2026-12-01-auto-timing.md).
 """
 
 from __future__ import annotations
@@ -73,44 +65,28 @@ YOUNG_PLAIN_PASSES = 4  # passes per K = 0 choice while the estimate is young (s
 NO_MATCH_PASSES = 4  # plain passes when no row has an n-gram match (each choice costs a little)
 MAX_ACCEPTANCE = 0.999
 # Reached drafts at which a depth's own acceptance weighs as much as the depth before it; standard
-# errors added to a depth's estimate while it has no evidence of its own (fading with it). In
-# simulation (analysis/draft_policy_sim, the default model's pass times, 127 tokens, 100 runs)
-# this took auto from 0.79 to 0.85 of the best fixed K under the default model's prompt-lookup
-# profile at batch 4 (0.77 to 0.80 at batch 1); under geometric acceptance, where the pooled
-# rate suffices, it would cost 0.6% on average.
+# errors added to a depth's estimate while it has no evidence of its own (fading with it).
+# Simulated, they bring auto closer to the best fixed K under prompt lookup's depth profile and
+# cost little under geometric acceptance (docs/findings/2026-12-02-auto-k-depth-acceptance.md).
 DEPTH_PRIOR_WEIGHT = 4.0
 DEPTH_OPTIMISM = 0.5
 # Drafting is chosen only where it is predicted at least this much faster than plain decoding:
 # calibrated pass times carry about this much noise, and near the break-even acceptance a
-# drafting pass chosen on noise (or on a lucky early estimate) costs more than it can gain.
+# drafting pass chosen on noise (or on a lucky early estimate) costs more than it can gain
+# (docs/findings/2026-11-30-auto-k-margins.md).
 DRAFT_MARGIN = 0.1
 # The final K = 0 of drafters without shadow drafts needs plain decoding faster than every K by
-# this margin at the acceptance's high bound. Simulated (analysis/draft_policy_sim.simulate,
-# shadow=False, 127 tokens, 100 runs, this constant set in turn; MTP-like pass costs 1, 1.85, 2.65,
-# 3.4, ... plain passes, calibrations 0.9-1.1x those; acceptance constant at 0.5-0.98, or 0.75 for
-# 12 tokens then 0.98 as the default model's heads on held-out code): margins of 0.1, 0.07, 0.05,
-# 0.03 and 0 gave auto 0.974, 0.975, 0.977, 0.978 and 0.977 of the best fixed K on average and
-# missed 3% of plain or 5% of the best fixed K in 7, 7, 6, 7 and 7 of 40 cases. A smaller margin
-# recovers a weak start (0.75 then 0.98, exact calibration: 0.93 of the best fixed K at 0.1, 0.99
-# at 0) and drafts at a loss where the calibration is low (7% low, a = 0.7: 0.98 of plain at 0.1,
-# 0.93 at 0): the calibration's noise, not the margin, decides; kept at DRAFT_MARGIN.
+# this margin at the acceptance's high bound. A smaller margin recovers a weak start and drafts at
+# a loss where the calibration is low; simulated with smaller margins down to none, the
+# calibration's noise, not the margin, decided, so it is kept at DRAFT_MARGIN
+# (docs/findings/2026-11-30-auto-k-margins.md).
 STOP_MARGIN = DRAFT_MARGIN
 # A change of K, once the estimate is settled, is charged SWITCH_COST_PASSES plain passes: after a
-# change, passes run slower for a few passes (default model, a = 0.7, plain and K = 2 passes
-# alternating every 8 tokens: 12-18% more time than the same passes unmixed; every 32 tokens:
-# none). Timed inside the program (clock reads as in SpecParams.pass_trace; K forced in one-pass
-# segments, alternating or constant, controlled drafter, 128 tokens, medians over 30 runs at a = 1
-# and 10 at a = 0), the pass after a change cost 0.02-0.03 ms more than in a run of its own K at
-# a = 1 and 0.03-0.13 ms more at a = 0 (up to half a plain pass), the most where a short pass
-# follows a long one: the long pass's experts evicted what the short one reads. The charge is a
-# time, not a fraction of the remaining time: a relative margin (0.15 before) held a K that was
-# slower over a long remainder and let K flip near the end, where a change cannot pay back.
-# Simulated (analysis/draft_policy_sim, 200 runs of 127 tokens, controlled a = 0.4-1.0, pass
-# times and calibrations of three cost_model runs; mean best fixed K's time over auto's): 0.4
-# passes and no margin gave 0.969-0.971 against 0.963-0.969 with the margin, 0.955-0.963 against
-# 0.950-0.952 where the policy chose on a calibration and paid the run's measured pass times,
-# and 0.983 against 0.942 at a = 1 (the ramp K = 1, 2, 3, 5 no longer stops short of the
-# longest K); 0.25 passes did the same, 0.6 lost the a = 1 gain.
+# change, the next pass runs slower, the most where a short pass follows a long one (the long
+# pass's experts evicted what the short one reads). The charge is a time, not a fraction of the
+# remaining time: a relative margin held a K that was slower over a long remainder and let K flip
+# near the end, where a change cannot pay back. Measured and simulated:
+# docs/findings/2026-11-30-auto-k-margins.md.
 SWITCH_COST_PASSES = 0.4
 # Pass times measured in the loop: evidence per K decays by TIMING_DECAY per segment run at that
 # K; a K's own evidence outweighs the level pooled over all K's once it has more than
@@ -144,9 +120,10 @@ def acceptance_upper_bound(evidence_2, standard_errors: float):
   """The Wilson score bound `standard_errors` above the estimate (prior included in the counts).
 
   Near a = 1, where the binomial standard error shrinks with the estimate, the normal bound
-  a + z SE overshoots: 27 of 30 accepted gives 1.0 at z = 2 where Wilson gives 0.966, and with
-  pass times that pay only above ~0.985 (MTP heads at batch 8 on CPU) the normal bound kept
-  drafting at a loss for the whole generation.
+  a + z SE overshoots (27 of 30 accepted reaches 1 at z = 2; Wilson's bound stays below it), and
+  where drafting pays only at an acceptance close to 1 (the MTP heads at batch 8 on CPU) the
+  normal bound kept drafting at a loss for the whole generation
+  (docs/findings/2026-11-30-auto-k-margins.md).
   """
   evidence_2 = jnp.asarray(evidence_2)
   a = acceptance_estimate(evidence_2)
@@ -231,9 +208,9 @@ def choose_k(evidence_B2, step_ms_K, *, shadow: bool, remaining_B=None, current_
   (accepted, reached) counts per draft depth; the tokens a pass commits then follow each depth's
   own acceptance (`depth_acceptance`, depth 0 shrunk towards the optimistic pooled rate, each
   deeper one towards the one before it) instead of a geometric run at the pooled rate: a
-  prompt-lookup draft is often wrong at its first token and then right for a long run (the
-  default model on code: 0.45-0.48 at depth 0, 0.8-0.86 at depth 1, 0.95-1.0 beyond),
-  where the geometric model overrates short drafts against long ones."""
+  prompt-lookup draft is often wrong at its first token and then right for a long run
+  (docs/findings/2026-12-02-auto-k-depth-acceptance.md), where the geometric model overrates
+  short drafts against long ones."""
   evidence_B2 = jnp.atleast_2d(jnp.asarray(evidence_B2, jnp.float32))
   remaining_B = (
     jnp.ones(evidence_B2.shape[0], jnp.float32) if remaining_B is None else jnp.asarray(remaining_B, jnp.float32)
@@ -315,19 +292,11 @@ def smooth_step_times(step_ms_K, routing: tuple[int, int] = (0, 0)) -> np.ndarra
   the longest drafts look nearly free; here the cost of one more drafted token can only shrink
   as far as the expert term saturates.
 
-  The fit cannot follow a step: on CPU, default model, the loops' pass times of two cost_model
-  runs rose by 0.10-0.37 ms from K = 5 to K = 6, against 0.04-0.15 ms per K from K = 1 to 5;
-  passes timed inside whole runs (SpecParams.pass_trace, controlled a = 1, two runs) rose by
-  0.08-0.14 ms there, against 0.06-0.13 ms per K from K = 1 to 5. The dense products do step at
-  7 rows with their weights in cache (a second register tile, csrc/gemv.h), but a build with one
-  tile for 7-8 rows left decoding's pass times the same within noise: the cause is not
-  established. It lies outside the routed experts: the same passes timed without them
-  (cost_model's verify_time rows) rose by 0.12-0.22 ms from n = 6 to 7 in eight of nine runs
-  (0.08 in the ninth), against 0.01-0.11 ms per n from n = 2 to 6. Judged across runs (simulated
-  choices on one cost_model run's pass times, paid at another's, controlled a = 0-1, the two runs
-  each way), this fit gave 0.953 of the best fixed K on average; with a step term [K >= 6] added
-  0.955, the raw times 0.942, the times only made non-decreasing 0.944. Two runs' pass times
-  differ by more than the fit's bias: kept without the step.
+  The fit cannot follow a step: on CPU the pass times rise more from K = 5 to K = 6 than per K
+  below, outside the routed experts, for a cause not established. Judged across runs (choices on
+  one run's pass times, paid at another's), a step term gained next to nothing: two runs' pass
+  times differ by more than the fit's bias, so it is kept without the step
+  (docs/findings/2026-12-05-pass-time-step-and-fit.md).
   """
   t = np.asarray(step_ms_K, float)
   k = np.arange(t.size, dtype=float)

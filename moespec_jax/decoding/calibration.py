@@ -32,7 +32,7 @@ def passes_program(definition, params, state: LoopState, k, n_passes, *, ls: Loo
 
   Passes must verify what decoding verifies: replaying the same tokens from the same position
   every pass keeps their experts' weights in the processor's caches, which made drafting passes
-  look 25-45% cheaper than in decoding (default model, batch 1 and 8).
+  look far cheaper than in decoding (docs/findings/2026-12-04-calibration-held-runs-vs-loops.md).
   """
   model = programs.merge(definition, params, ls)
   start = state
@@ -55,17 +55,11 @@ def passes_program(definition, params, state: LoopState, k, n_passes, *, ls: Loo
 # Passes per timed loop: the per-pass time is the difference of the two loops' times over the
 # difference in passes, so the program call's fixed cost (dispatch, the carry's buffers) cancels.
 # The long loop covers the generation's passes (`calibration_passes`): the first passes after a
-# prompt are not typical of the rest. On the default model (batch 1, 128 tokens, controlled drafter
-# at a = 0 and 0.4) a long loop of 24 passes put the K = 1..8 pass times at 0.84-0.95 of their
-# ratios to a plain pass in decoding (fixed-K programs, the decode phase of whole runs) and its
-# plain pass at 1.14x decoding's; one of 127 passes at 0.91-0.99 and 1.03x. At high acceptance the
-# ratios are lower still (controlled a = 0.95, 15 interleaved rounds): K = 1, 2, 4, 8 passes cost
-# 1.73, 2.00, 2.94 and 4.70 plain passes in decoding, 1.35-1.45, 1.83-1.93, 2.49-2.57 and 3.94-4.08
-# in two loop calibrations. Not because rows replay their tokens here (a row that reaches its end
-# starts over): loops of 24 passes, where no row replays up to K = 4, gave 2.05-2.18 at K = 4; and
-# not because the programs differ: auto's program held at K = 4 decoded in 0.591 of plain
-# decoding's time, the fixed-K program in 0.598. Hence auto K's calibration times held runs of its
-# own program (`measure_held_step_ms`) and these loops only where those pass too rarely at some K.
+# prompt are not typical of the rest. Even so, loops put drafting passes below their cost in
+# decoding, the most at high acceptance, and neither rows replaying their tokens (a row that
+# reaches its end starts over) nor a different program explains it. Hence auto K's calibration
+# times held runs of its own program (`measure_held_step_ms`) and these loops only where those pass
+# too rarely at some K (docs/findings/2026-12-04-calibration-held-runs-vs-loops.md).
 CALIBRATION_SHORT_PASSES = 4
 CALIBRATION_LONG_PASSES = (24, 127)  # at least, at most
 
@@ -76,14 +70,9 @@ def calibration_passes(max_new_tokens: int) -> tuple[int, int]:
   return CALIBRATION_SHORT_PASSES, int(min(max(max_new_tokens - 1, low), high))
 
 
-# Rounds of `calibrate_step_ms`. On the default model (128 tokens, 5 calibrations of each kind
-# taken in turn, 7 rounds each): at batch 1 with the controlled drafter at a = 0.9, held runs took
-# 2.5 s and put the smoothed K = 1, 4, 8 pass-time ratios at 1.31-1.51, 2.58-2.81 and 3.98-4.23;
-# loops took 6.6 s and put them at 1.23-1.49, 2.47-2.66 and 3.63-4.21. With the MTP heads held runs
-# took 3.2 s (1.77-2.23, 3.53-4.00, 5.71-6.17), loops 9.2 s (1.86-1.97, 3.42-3.95, 5.37-5.97); at
-# batch 8 (3 calibrations each) 21 s against 46 s, and with prompt lookup 22 s against 35 s.
-# Calibrations taken minutes apart differ by 5-25% either way (the machine's load drifts); 11
-# rounds instead of 7 did not narrow that.
+# Rounds of `calibrate_step_ms`. Calibrations taken minutes apart differ by more than further
+# rounds narrow (the machine's load drifts), and held runs take less time than loops for the same
+# spread (docs/findings/2026-12-04-calibration-held-runs-vs-loops.md).
 CALIBRATION_ROUNDS = 7
 
 
@@ -174,8 +163,8 @@ def measure_held_step_ms(max_k: int, run: HeldRun, repeats: int = 7) -> np.ndarr
   None where the held runs make fewer than CALIBRATION_MIN_PASSES passes at some K.
 
   What auto K pays is measured so: the passes of decoding itself, at the positions and with the
-  tokens decoding verifies, and auto's own upkeep. Loops of passes put drafting passes up to 22%
-  below their cost in decoding (`measure_step_ms`, CALIBRATION_LONG_PASSES).
+  tokens decoding verifies, and auto's own upkeep. Loops of passes put drafting passes below their
+  cost in decoding (`measure_step_ms`; docs/findings/2026-12-04-calibration-held-runs-vs-loops.md).
   """
   labels = ["prefill"] + list(range(max_k + 1))
   steps = {k: held_step_ms(max_k, k) for k in range(max_k + 1)}

@@ -49,8 +49,8 @@ class GenerateOutput:
 
 def _bucket(n: int, minimum: int = 16) -> int:
   """Rounds n up so that nearby shapes share one compiled program: to a multiple of a quarter
-  of the power of two below n (at least `minimum`), so at most ~25% of a padded length is
-  padding. (Rounding to a power of two doubled the cache an attention pass reads, and the
+  of the power of two below n (at least `minimum`), so padding stays under a quarter of a padded
+  length. (Rounding to a power of two doubled the cache an attention pass reads, and the
   prefill, whenever the draft lookahead pushed a length just past one.)"""
   step = max(minimum, (1 << max(int(n), 1).bit_length() - 1) // 4)
   return max(step, -(-int(n) // step) * step)

@@ -23,11 +23,11 @@ from pallas_kernels.policy import KernelPolicy
 
 class ModelDefinition:
   """A program's static view of the model: its NNX graphdef and the tree structure of its state,
-  which programs take as a flat list of arrays (flattening an NNX State walks it in Python, about
-  80 us a time, and a call did so four times). Its hash is computed once: hashing a GraphDef
-  walks the whole module tree, and a generate() call looks its program up two to four times
-  (about 1 ms of host time per call, 5% of a 64-token batch-1 call on a tiny model). Equal
-  definitions (models of the same structure) share programs."""
+  which programs take as a flat list of arrays (flattening an NNX State walks it in Python, and a
+  call did so four times). Its hash is computed once: hashing a GraphDef walks the whole module
+  tree, and a generate() call looks its program up two to four times (the host time this saves:
+  docs/findings/2026-12-02-program-cache.md). Equal definitions (models of the same structure)
+  share programs."""
 
   __slots__ = ("graphdef", "state_treedef", "_hash")
 
@@ -100,13 +100,13 @@ def signature(fn, ls: LoopSpec, definition, *args):
   return (fn.__name__, ls, definition, tuple((a.shape, a.dtype) for a in jax.tree.leaves(args)))
 
 
-# XLA:CPU maps each kernel of a compiled program into memory apart: on the default model a plain
-# generate() program held about 370 memory mappings and each of auto K's three programs (the run,
-# its held runs and loops) 1400-1900, and a Linux process may hold at most vm.max_map_count
-# (65530 by default), past which a compilation fails and the process crashes (52 generate()
-# configurations of the default model in one process, with and without drafting: a segmentation
-# fault at 65386 mappings). Where a compilation leaves the process above MAP_HIGH_WATER of its
-# limit, the least recently used programs are dropped until it is below MAP_LOW_WATER.
+# XLA:CPU maps each kernel of a compiled program into memory apart (hundreds of mappings for a
+# plain generate() program, more for each of auto K's three: the run, its held runs and loops), and
+# a Linux process may hold at most vm.max_map_count, past which a compilation fails and the
+# process crashes: a sweep of a few dozen configurations in one process reached it
+# (docs/findings/2026-12-02-program-cache.md). Where a compilation leaves the process above
+# MAP_HIGH_WATER of its limit, the least recently used programs are dropped until it is below
+# MAP_LOW_WATER.
 MAP_HIGH_WATER = 0.5
 MAP_LOW_WATER = 0.25
 

@@ -29,7 +29,8 @@ DISABLE_ENV = "MOESPEC_COMPILATION_CACHE"
 # Programs that compile faster than this are not written (plain decoding's programs compile in
 # about a second, auto K's with the MTP heads in tens).
 MIN_COMPILE_SECONDS = 0.5
-# Least recently used entries are dropped beyond this size (one MTP auto-K program: ~2.5 MB).
+# Least recently used entries are dropped beyond this size: room for hundreds of auto-K programs
+# (docs/findings/2026-12-05-compilation-cache.md).
 MAX_BYTES = 1 << 30
 
 
@@ -82,8 +83,8 @@ def trim(directory: str | os.PathLike, max_bytes: int) -> bool:
 
   For a cache that many processes write at once (the test suite's): JAX's own cap
   (`jax_compilation_cache_max_size`, as `enable` sets it) rescans the whole directory under a
-  file lock on every write, which took `make test` from 4.5 to 11 minutes; this runs once, before
-  the writers start."""
+  file lock on every write, which more than doubled `make test`'s time
+  (docs/findings/2026-12-05-compilation-cache.md); this runs once, before the writers start."""
   directory = pathlib.Path(directory)
   if not directory.is_dir():
     return False

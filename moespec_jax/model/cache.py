@@ -4,11 +4,11 @@ Each layer holds keys and values for `max_len` positions per (row, head) pair, t
 flattened row-major into one leading axis: values [N = B * H, S, D], keys key-major
 [N, D, S]. Attention's per-head products are then batched matmuls over N that read the cache
 as it lies: scores = q [Q, D] @ keys [D, S], out = probs [Q, S] @ values [S, D]. (Keys
-position-major, [N, S, D], made the score product 4.8x slower at batch 8 on XLA:CPU: 0.28 ms
-against 0.058 ms per layer, 8 rows x 4 KV heads x 384 positions; with positions before heads
-XLA:CPU copied the whole cache on every pass to reorder it; with a separate unit batch axis,
-[1, H, S, D], it duplicated the in-place update and copied every cache several times per
-pass inside the decoding loop.) A pass of n tokens at positions [p, p+n) writes its
+position-major, [N, S, D], made the score product several times slower on XLA:CPU; with
+positions before heads XLA:CPU copied the whole cache on every pass to reorder it; with a
+separate unit batch axis, [1, H, S, D], it duplicated the in-place update and copied every
+cache several times per pass inside the decoding loop: docs/findings/2026-11-29-kv-cache-layout.md.)
+A pass of n tokens at positions [p, p+n) writes its
 keys/values there and attends to positions <= its own, so a rollback after rejected drafts
 is only a position change: stale entries beyond the committed length are overwritten
 before any query can see them.

@@ -239,9 +239,9 @@ class MLAttention(nnx.Module):
       ).astype(jnp.float32) * scale
       return jnp.where(visible_BTS[:, None], s_BHTS, -1e30)
 
-    # XLA:CPU's speed for p.c depends on the operand order (the same contraction): with the
-    # latent first it ran 3.7x (batch 1) and 4.3x (batch 8) faster for one query, 1.3x for 9
-    # queries at batch 1, and the same for 9 queries at batch 8 (8 heads, 384 cache positions).
+    # XLA:CPU's speed for p.c depends on the operand order (the same contraction): the latent
+    # first was much faster for one query and no slower for several
+    # (docs/findings/2026-12-01-mla-latent-vs-expanded.md).
     if x_BTD.shape[0] > 1:  # the updated cache (positions <= each query's own)
       latent_BSC, k_rope_BSR = new_cache
       key_pos_S = jnp.arange(latent_BSC.shape[1])
@@ -270,8 +270,9 @@ class MLAttention(nnx.Module):
   def _own_attention(self, q_nope_BTHN, q_rope_BTHR, latent_BTC, k_rope_BTR, visible_BTT, scale):
     """Attention among the pass's own positions (a prefill, or no cache) with per-head keys and
     values expanded from the latent: [B, T, H, V]. Many queries against few keys each: the
-    expanded products are 3-4x smaller than the latent ones (qk_nope_head_dim + qk_rope_head_dim
-    and v_head_dim against kv_lora_rank + qk_rope_head_dim and kv_lora_rank per head)."""
+    expanded products are several times narrower than the latent ones (qk_nope_head_dim +
+    qk_rope_head_dim and v_head_dim against kv_lora_rank + qk_rope_head_dim and kv_lora_rank per
+    head)."""
     k_nope_BTHN = jnp.einsum("btc,chn->bthn", latent_BTC, self.w_uk_CHN[...])
     values_BTHV = jnp.einsum("btc,chv->bthv", latent_BTC, self.w_uv_CHV[...])
     s_BHTS = (

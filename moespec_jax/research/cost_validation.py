@@ -31,16 +31,10 @@ chose with (its own cost), and the policy choosing on them but paying the pass t
 measured in decoding at that rate (`pass_costs_from_sweep`): the gap between the two is what the
 calibration's error costs, the rest of the measured gap execution and timing noise. Part of the
 execution: the simulations charge every pass at K the same time, but a pass's time follows the
-distinct experts it reads, and the first tokens after a prompt route to more of them (default
-model, controlled a = 1 and 0.7, K = 3 and 7, four 192-byte prompts, 128 tokens: the first pass
-read 31-76 experts over the MoE layers where the later passes' median was 19-66); beyond that
-only the first two passes cost more, the first by 0.23-0.41 ms and the second by 0.04-0.22 ms
-over a line in the experts read fitted to the passes after the eighth (about 10 us per expert; 7
-runs each, analysis/pass_times). Auto spends these passes at small K while its estimate grows, or
-at a K a lucky start overrated. One controlled table (seed 0), in-program times, 7 runs: at a = 0.9
-auto ran K = 1, 2, 4, 6, 8 then K = 4, and its first 32 tokens took 8.2 ms against 6.3 at the best
-fixed K (5), its whole decode 0.875 of that K's; at a = 0.7 and 0.8, K = 6 and 8 after 7 accepted
-drafts in a row, then K = 2 (0.86 and 0.87 of the best fixed K).
+distinct experts it reads, and the first tokens after a prompt route to more of them; beyond that
+only the first two passes cost more than the experts they read predict (research/pass_times).
+Auto spends these passes at small K while its estimate grows, or at a K a lucky start overrated
+(measured: docs/findings/2026-12-05-in-program-pass-times.md).
 """
 
 from __future__ import annotations
@@ -105,9 +99,8 @@ class CostValidationConfig:
   real_drafters: tuple[str, ...] = ("mtp", "ngram")
   # Held-out prompts the model drafters' rows take in turn, round by round (rounds.PromptSets;
   # their rounds are rounded up to whole turns): under greedy decoding each prompt's rounds repeat
-  # one acceptance trajectory. On one prompt, auto with the MTP heads ran at 0.90-0.99 of the best
-  # fixed K over five runs; on each of eight held-out prompts apart (K = 2, 4, 6, 8 and auto, 5
-  # rounds each) at 0.90-1.08 of that prompt's best.
+  # one acceptance trajectory, and auto against the best fixed K varies from prompt to prompt
+  # (docs/findings/2026-12-02-cost-model-validation.md).
   drafter_prompts: int = 8
   # The auto rows with ResearchOptions(auto_timing=True) (experimental): the calibration corrected by
   # the loop's own clock as it decodes.

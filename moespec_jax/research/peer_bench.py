@@ -509,11 +509,10 @@ def earlier_samples(path: pathlib.Path, key: str = "stream_read_gbps_samples") -
 
 
 # Rounds per family. The n-gram comparison's ratios sit near 1 on the random-weight families
-# (prompt lookup rarely pays there): at 5 rounds qwen2_moe's ours/transformers came out 0.94 with a
-# 90% interval of [0.92, 1.01] and ours alone at 0.91x plain, where 12 rounds of the same runs
-# (ours, transformers, their first tokens) gave ours 0.980x and 1.016 over transformers. 12 is a
-# whole number of timing.round_order's balanced cycles for both batch sizes' calls (6 at batch 1,
-# 4 at batch 8): every call follows every other equally often.
+# (prompt lookup rarely pays there), where a few rounds left them to timing noise
+# (docs/findings/2026-12-05-peer-bench.md). 12 is a whole number of timing.round_order's balanced
+# cycles for both batch sizes' calls (6 at batch 1, 4 at batch 8): every call follows every other
+# equally often.
 DEFAULT_REPEATS = 12
 # What --quick runs on its tiny checkpoints, where a setting is not given: a smoke run, timed as a
 # full run is (warm-up excluded, a few rounds).

@@ -38,9 +38,9 @@ MATMUL_SIZE = 2048  # a square product far from the small shapes' overheads
 def matmul_gflops(repeats: int = 5, size: int = MATMUL_SIZE) -> float:
   """The machine's f32 matrix-product rate (GFLOP/s, 2 per multiply-add): a jitted [size, size] @
   [size, size], median of repeats. The rate of a large product, not the processor's peak: the
-  prefills' products of 192-1536 rows ran at 0.5-1.1x it here, so operations over it are an
-  approximate floor on their time (the rate itself drifted between 157 and 246 GFLOP/s within
-  minutes: peer_bench takes the median of samples spread over its run)."""
+  prefills' own products ran near it, below and above, so operations over it are an approximate
+  floor on their time; the rate itself drifts within minutes, so peer_bench takes the median of
+  samples spread over its run (docs/findings/2026-12-05-peer-bench.md)."""
   a = jnp.ones((size, size), jnp.float32)
   t_ms = timing.median_time_ms(jax.jit(jnp.matmul), (a, a), repeats)
   return 2 * size**3 / (t_ms / 1e3) / 1e9

@@ -108,8 +108,9 @@ class MtpState:
 class MtpDrafter(Drafter):
   """The model's MTP heads. They are not run on plain passes (their state goes stale there), so
   they bring auto K no evidence at K = 0: no shadow drafts. Auto K reads their acceptance
-  geometrically, not per depth: on the default model it is about flat in depth, where the depth
-  model's optimism about rarely reached depths chose longer drafts than paid at batch 8.
+  geometrically, not per depth: it was measured about flat in depth, where the depth model's
+  optimism about rarely reached depths chose longer drafts than paid at batch 8
+  (docs/findings/2026-12-02-auto-k-depth-acceptance.md).
 
   prompt_window: the heads' cache starts from each prompt's last this many positions (0: all of
   them), shifted to stream index 0 (RoPE is relative, so shifting a row's positions by a constant
