@@ -36,7 +36,7 @@ def _resolve_dtype(hf: dict, dtype: str | None) -> str:
       raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {dtype!r}")
     return dtype
   if jax.default_backend() == "cpu":
-    return "float32"  # bf16 matmuls are ~10x slower than f32 on CPU.
+    return "float32"  # bf16 matmuls are far slower on CPU (docs/findings/2026-11-29-cpu-f32-over-bf16.md).
   stored = str(hf.get("dtype") or hf.get("torch_dtype") or "float32")
   return _DTYPES.get(stored, "float32")
 
