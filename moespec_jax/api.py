@@ -10,10 +10,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import numpy.typing as npt
 from flax import nnx
 
 from moespec_jax.config import ModelConfig
 from moespec_jax.data import tokenizer as tokenizer_lib
+from moespec_jax.data.tokenizer import Tokenizer
 from moespec_jax.io import atomic, checkpoint
 from moespec_jax.model import ForwardOutput, Kernels, PackedWeights, Transformer, pack_weights
 from pallas_kernels.policy import KernelPolicy
@@ -23,12 +25,12 @@ FORMAT_VERSION = 1
 
 
 @functools.partial(jax.jit, static_argnums=(0,), static_argnames=("policy",))
-def _forward(graphdef, state, tokens_BT, *, policy: KernelPolicy):
+def _forward(graphdef: nnx.GraphDef, state: nnx.State, tokens_BT: jax.Array, *, policy: KernelPolicy) -> ForwardOutput:
   return nnx.merge(graphdef, state)(tokens_BT, kernels=Kernels(policy))
 
 
 @functools.partial(jax.jit, static_argnums=(0,), static_argnames=("head", "dense"))
-def _pack(graphdef, state, *, head: bool, dense: bool) -> PackedWeights:
+def _pack(graphdef: nnx.GraphDef, state: nnx.State, *, head: bool, dense: bool) -> PackedWeights:
   return pack_weights(nnx.merge(graphdef, state), head=head, dense=dense)
 
 
@@ -39,7 +41,7 @@ class Model:
   parameters as an explicit pytree.
   """
 
-  def __init__(self, config: ModelConfig, graphdef, state, tokenizer):
+  def __init__(self, config: ModelConfig, graphdef: nnx.GraphDef, state: nnx.State, tokenizer: Tokenizer) -> None:
     self.config = config
     self.graphdef = graphdef
     self.state = state
@@ -51,7 +53,7 @@ class Model:
 
   # Construction -----------------------------------------------------------------------
   @classmethod
-  def init(cls, config: ModelConfig, seed: int = 0, tokenizer=None) -> Model:
+  def init(cls, config: ModelConfig, seed: int = 0, tokenizer: Tokenizer | None = None) -> Model:
     """A randomly initialised model."""
     if not isinstance(config, ModelConfig):
       raise ValueError(f"config must be a ModelConfig, got {type(config).__name__}")
@@ -60,11 +62,13 @@ class Model:
     return cls(config, graphdef, state, tokenizer)
 
   @classmethod
-  def from_module(cls, module: Transformer, tokenizer) -> Model:
+  def from_module(cls, module: Transformer, tokenizer: Tokenizer) -> Model:
     graphdef, state = nnx.split(module)
     return cls(module.config, graphdef, state, tokenizer)
 
-  def packed_weights(self, *, head: bool = True, dense: bool = True, leaves=None) -> PackedWeights:
+  def packed_weights(
+    self, *, head: bool = True, dense: bool = True, leaves: list[jax.Array] | None = None
+  ) -> PackedWeights:
     """The weights the C++ CPU products of decoding read (`model.pack_weights`: the output head
     where `head`, the dense projections where `dense`), packed once per parameter set and reused by
     every generate call until the parameters change. `leaves`: `jax.tree.leaves(self.state)`, where
@@ -92,7 +96,7 @@ class Model:
     return nnx.merge(self.graphdef, self.state)
 
   # Persistence ------------------------------------------------------------------------
-  def save(self, path) -> pathlib.Path:
+  def save(self, path: atomic.PathLike) -> pathlib.Path:
     """Writes config, tokenizer and parameters to `path` atomically (replacing it)."""
     path = pathlib.Path(path)
     with atomic.atomic_dir(path) as tmp:
@@ -102,7 +106,7 @@ class Model:
       checkpoint.save_pytree(tmp / "params", nnx.to_pure_dict(self.state))
     return path
 
-  def save_hf(self, path) -> pathlib.Path:
+  def save_hf(self, path: atomic.PathLike) -> pathlib.Path:
     """Writes a Hugging Face checkpoint in the Qwen2-MoE layout to `path` atomically (config.json,
     model.safetensors, the tokenizer and generation_config.json; transformers loads it, as does
     `load`): `AutoTokenizer`'s `tokenizer(text)` gives `self.tokenizer.prompt_ids(text)`, and BOS
@@ -113,7 +117,7 @@ class Model:
     return export.export_qwen2_moe(self, path)
 
   @classmethod
-  def load(cls, path, dtype: str | None = None) -> Model:
+  def load(cls, path: atomic.PathLike, dtype: str | None = None) -> Model:
     """Loads a directory written by `save`, or a Hugging Face model directory.
 
     A Hugging Face directory (config.json with a `model_type`, safetensors weights) is
@@ -149,7 +153,7 @@ class Model:
     """The expert-FFN method a `SpecParams.kernel` choice resolves to."""
     return self.config.expert_method if kernel == "auto" else kernel
 
-  def validate_tokens(self, tokens) -> np.ndarray:
+  def validate_tokens(self, tokens: npt.ArrayLike) -> np.ndarray:
     tokens = np.asarray(tokens)
     if tokens.ndim != 2 or tokens.shape[1] == 0 or not np.issubdtype(tokens.dtype, np.integer):
       raise ValueError(f"tokens must be a non-empty int array [B, T], got shape {tokens.shape} dtype {tokens.dtype}")
@@ -159,13 +163,13 @@ class Model:
       raise ValueError(f"tokens length {tokens.shape[1]} exceeds max_seq_len {self.config.max_seq_len}")
     return tokens.astype(np.int32)
 
-  def forward_full(self, tokens, *, kernel: str = "auto") -> ForwardOutput:
+  def forward_full(self, tokens: npt.ArrayLike, *, kernel: str = "auto") -> ForwardOutput:
     """Full-sequence forward without cache: logits, final hidden states and routing."""
     tokens = self.validate_tokens(tokens)
     policy = KernelPolicy(expert_method=self.expert_method(kernel))
     return _forward(self.graphdef, self.state, jnp.asarray(tokens), policy=policy)
 
-  def forward(self, tokens, *, kernel: str = "auto") -> jax.Array:
+  def forward(self, tokens: npt.ArrayLike, *, kernel: str = "auto") -> jax.Array:
     """tokens int [B, T] -> float32 logits [B, T, V]."""
     return self.forward_full(tokens, kernel=kernel).logits
 

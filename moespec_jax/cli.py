@@ -25,9 +25,12 @@ import math
 import re
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from absl import app, flags
+
+if TYPE_CHECKING:
+  from moespec_jax.api import Model
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
@@ -57,7 +60,9 @@ def parse_flags(argv: Sequence[str]) -> list[str]:
     raise  # unreachable
 
 
-def _number_list(flag: str, values: Sequence[str], cast, noun: str, bound: str, minimum) -> list:
+def _number_list(
+  flag: str, values: Sequence[str], cast: Callable[[str], float], noun: str, bound: str, minimum: float
+) -> list:
   """A list flag's values through `cast`, finite and >= `minimum`; ValueError naming --flag otherwise
   (`noun`: what the values must be; `bound`: how the lower bound is said)."""
   try:
@@ -144,7 +149,7 @@ def apply_quick() -> None:
       flags.FLAGS[name].value = value
 
 
-def load_model(path: str | None, *, train_heads: bool = True):
+def load_model(path: str | None, *, train_heads: bool = True) -> Model:
   """`Model.load(path)`, or without a path the default trained model (trained on first use;
   `train_heads`: with its MTP heads)."""
   if path:

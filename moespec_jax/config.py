@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 ScoreFunc = Literal["softmax", "sigmoid"]
 
@@ -78,7 +78,7 @@ class ModelConfig:
   shared_expert_hidden: int = 0
   shared_expert_gate: bool = False
 
-  def __post_init__(self):
+  def __post_init__(self) -> None:
     def need(cond: bool, msg: str):
       if not cond:
         raise ValueError(f"ModelConfig: {msg}")
@@ -201,7 +201,10 @@ class ModelConfig:
     return {"total": total, "active": active}
 
 
-def dataclass_from_dict(cls, d: Any, unknown_message: str):
+_D = TypeVar("_D")
+
+
+def dataclass_from_dict(cls: type[_D], d: Any, unknown_message: str) -> _D:
   """`cls(**d)` from a mapping or ConfigDict, refusing fields `cls` does not have."""
   d = d.to_dict() if hasattr(d, "to_dict") else dict(d)
   unknown = sorted(set(d) - {f.name for f in dataclasses.fields(cls)})

@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import dataclasses
 import pathlib
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from moespec_jax.api import Model
 from moespec_jax.config import model_config_from
 from moespec_jax.io import paths
 
+if TYPE_CHECKING:
+  import ml_collections
 
-def default_config():
+
+def default_config() -> ml_collections.ConfigDict:
   from configs import tiny
 
   return tiny.get_config()
@@ -26,7 +31,7 @@ def mtp_workdir() -> pathlib.Path:
   return paths.cache_dir() / "runs" / "train-mtp-tiny"
 
 
-def ensure_default_model(log=print, *, train_heads: bool = True) -> Model:
+def ensure_default_model(log: Callable[[str], None] = print, *, train_heads: bool = True) -> Model:
   """Loads the default model, training it first if missing (minutes on 2 CPU cores; the
   durations: docs/findings/2026-12-04-make-demo.md).
 

@@ -23,8 +23,11 @@ What a whole program runs (this method, and the C++ or XLA head, dense projectio
 is one frozen `KernelPolicy` (policy.py), resolved once per program for a platform.
 """
 
+from __future__ import annotations
+
 import functools
 import logging
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -55,13 +58,20 @@ __all__ = [
 GROUPED_MIN_ROWS = 256
 
 
-def default_block_rows(n_rows, n_experts):
+def default_block_rows(n_rows: int, n_experts: int) -> int:
   """Rows per block of the grouped path: the mean group size as a power of two, in [8, 256]."""
   mean = max(1, n_rows // max(1, n_experts))
   return int(min(256, max(8, 1 << (mean - 1).bit_length())))
 
 
-def expert_ffn_pairs(x_TD, expert_ids_TK, gates_TK, w_gate_EDF, w_up_EDF, w_down_EFD):
+def expert_ffn_pairs(
+  x_TD: jax.Array,
+  expert_ids_TK: jax.Array,
+  gates_TK: jax.Array,
+  w_gate_EDF: jax.Array,
+  w_up_EDF: jax.Array,
+  w_down_EFD: jax.Array,
+) -> jax.Array:
   """One matrix-vector product per (token, slot) pair, pairs sorted by expert (XLA, small T).
 
   The fastest XLA:CPU formulation measured: a single-row product reads the weight slice in place,
@@ -73,7 +83,7 @@ def expert_ffn_pairs(x_TD, expert_ids_TK, gates_TK, w_gate_EDF, w_up_EDF, w_down
   order_R = jnp.argsort(ids_R, stable=True)
   x = x_TD.astype(jnp.float32)
 
-  def body(i, y_TD):
+  def body(i: jax.Array, y_TD: jax.Array):
     r = order_R[i]
     e, t = ids_R[r], r // K
     x_D = lax.dynamic_index_in_dim(x, t, keepdims=False)
@@ -87,7 +97,14 @@ def expert_ffn_pairs(x_TD, expert_ids_TK, gates_TK, w_gate_EDF, w_up_EDF, w_down
   return y_TD.astype(x_TD.dtype)
 
 
-def expert_ffn_xla(x_TD, expert_ids_TK, gates_TK, w_gate_EDF, w_up_EDF, w_down_EFD):
+def expert_ffn_xla(
+  x_TD: jax.Array,
+  expert_ids_TK: jax.Array,
+  gates_TK: jax.Array,
+  w_gate_EDF: jax.Array,
+  w_up_EDF: jax.Array,
+  w_down_EFD: jax.Array,
+) -> jax.Array:
   """Pure-XLA path: per-pair products for small passes, sorted grouped matmul for large T."""
   n_rows = expert_ids_TK.size
   if n_rows < GROUPED_MIN_ROWS:
@@ -99,7 +116,7 @@ def expert_ffn_xla(x_TD, expert_ids_TK, gates_TK, w_gate_EDF, w_up_EDF, w_down_E
 _warned = set()
 
 
-def _forward(method, backend, interpret):
+def _forward(method: str, backend: str, interpret: bool) -> Callable[..., jax.Array]:
   """The (non-differentiable) forward of a kernel method on a resolved backend."""
   if backend == "cpu":
     try:
@@ -120,16 +137,23 @@ def _forward(method, backend, interpret):
 
 
 @functools.cache
-def _with_grouped_vjp(method, backend, interpret):
+def _with_grouped_vjp(method: str, backend: str, interpret: bool) -> Callable[..., jax.Array]:
   """Kernel forward + the grouped XLA path's VJP (so every method trains)."""
   fwd_fn = _forward(method, backend, interpret)
 
   @jax.custom_vjp
-  def f(x_TD, expert_ids_TK, gates_TK, w_gate_EDF, w_up_EDF, w_down_EFD):
+  def f(
+    x_TD: jax.Array,
+    expert_ids_TK: jax.Array,
+    gates_TK: jax.Array,
+    w_gate_EDF: jax.Array,
+    w_up_EDF: jax.Array,
+    w_down_EFD: jax.Array,
+  ):
     return fwd_fn(x_TD, expert_ids_TK, gates_TK, w_gate_EDF, w_up_EDF, w_down_EFD)
 
-  def fwd(x_TD, expert_ids_TK, gates_TK, wg, wu, wd):
-    def diff(x, g, a, b, c):
+  def fwd(x_TD: jax.Array, expert_ids_TK: jax.Array, gates_TK: jax.Array, wg: jax.Array, wu: jax.Array, wd: jax.Array):
+    def diff(x: jax.Array, g: jax.Array, a: jax.Array, b: jax.Array, c: jax.Array):
       return (
         expert_ffn_xla(x, expert_ids_TK, g, a, b, c)
         if expert_ids_TK.size >= GROUPED_MIN_ROWS
@@ -138,7 +162,7 @@ def _with_grouped_vjp(method, backend, interpret):
 
     return jax.vjp(diff, x_TD, gates_TK, wg, wu, wd)
 
-  def bwd(vjp, dy_TD):
+  def bwd(vjp: Callable[[jax.Array], tuple[jax.Array, ...]], dy_TD: jax.Array):
     dx, dg, dwg, dwu, dwd = vjp(dy_TD)
     return dx, None, dg, dwg, dwu, dwd
 
@@ -146,7 +170,7 @@ def _with_grouped_vjp(method, backend, interpret):
   return f
 
 
-def choose_method(n_tokens, top_k, backend="auto"):
+def choose_method(n_tokens: int, top_k: int, backend: str = "auto") -> str:
   """What `auto` runs for a pass of n_tokens: 'xla' (grouped, large T), 'dedup' or 'per_slot'."""
   resolved = resolve_backend(backend)
   cpu_kernel = resolved == "cpu" and cpu.available()
@@ -156,8 +180,17 @@ def choose_method(n_tokens, top_k, backend="auto"):
 
 
 def expert_ffn(
-  x_TD, expert_ids_TK, gates_TK, w_gate_EDF, w_up_EDF, w_down_EFD, *, method="xla", backend="auto", interpret=False
-):
+  x_TD: jax.Array,
+  expert_ids_TK: jax.Array,
+  gates_TK: jax.Array,
+  w_gate_EDF: jax.Array,
+  w_up_EDF: jax.Array,
+  w_down_EFD: jax.Array,
+  *,
+  method: str = "xla",
+  backend: str = "auto",
+  interpret: bool = False,
+) -> jax.Array:
   """y_t = sum_k gates[t, k] * SwiGLU_{expert_ids[t, k]}(x_t); shapes: x [T, D], ids/gates [T, K]."""
   if method not in METHODS:
     raise ValueError(f"method must be one of {METHODS}, got {method!r}")

@@ -7,6 +7,8 @@ row count is bounded by T*K + E*(block_rows - 1) (rounded up to a whole block), 
 dropped. Gradients come from JAX autodiff (gathers transpose to scatter-adds).
 """
 
+from __future__ import annotations
+
 import functools
 
 import jax
@@ -16,7 +18,16 @@ from pallas_kernels import metadata
 
 
 @functools.partial(jax.jit, static_argnames=("block_rows",))
-def expert_ffn_grouped(x_TD, expert_ids_TK, gates_TK, w_gate_EDF, w_up_EDF, w_down_EFD, *, block_rows=128):
+def expert_ffn_grouped(
+  x_TD: jax.Array,
+  expert_ids_TK: jax.Array,
+  gates_TK: jax.Array,
+  w_gate_EDF: jax.Array,
+  w_up_EDF: jax.Array,
+  w_down_EFD: jax.Array,
+  *,
+  block_rows: int = 128,
+) -> jax.Array:
   """y_t = sum_k g_tk * FFN_{e_tk}(x_t) via expert-sorted, block-padded batched matmuls."""
   n_tokens, top_k = expert_ids_TK.shape
   n_experts = w_gate_EDF.shape[0]

@@ -4,10 +4,14 @@ Shared by the XLA grouped path, the Pallas kernels and the byte accounting. Row 
 the (token t, slot k) pair; rows are stably sorted by expert.
 """
 
+from __future__ import annotations
+
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.typing import DTypeLike
 
 
 class SortedRows(NamedTuple):
@@ -19,7 +23,7 @@ class SortedRows(NamedTuple):
   starts_E: jax.Array  # int32 [E], exclusive cumsum of counts_E
 
 
-def sort_rows(expert_ids_TK, n_experts):
+def sort_rows(expert_ids_TK: jax.Array, n_experts: int) -> SortedRows:
   """Stable sort of the flattened (token, slot) rows by expert id."""
   ids_R = expert_ids_TK.reshape(-1).astype(jnp.int32)
   order_R = jnp.argsort(ids_R, stable=True).astype(jnp.int32)
@@ -28,7 +32,7 @@ def sort_rows(expert_ids_TK, n_experts):
   return SortedRows(order_R, ids_R[order_R], counts_E, starts_E)
 
 
-def num_padded_blocks(n_rows, n_experts, block_rows):
+def num_padded_blocks(n_rows: int, n_experts: int, block_rows: int) -> int:
   """Static bound on row blocks when each expert group is padded to a multiple of block_rows."""
   max_rows = n_rows + min(n_experts, n_rows) * (block_rows - 1)
   return -(-max_rows // block_rows)
@@ -49,7 +53,7 @@ class BlockGroups(NamedTuple):
   num_used_blocks: jax.Array
 
 
-def block_groups(expert_ids_TK, n_experts, block_rows):
+def block_groups(expert_ids_TK: jax.Array, n_experts: int, block_rows: int) -> BlockGroups:
   """Pads each expert's sorted group of rows to a multiple of block_rows (static shapes)."""
   n_rows = expert_ids_TK.size
   s = sort_rows(expert_ids_TK, n_experts)
@@ -70,7 +74,7 @@ def block_groups(expert_ids_TK, n_experts, block_rows):
   return BlockGroups(slot_of_row_R, row_of_slot_M, block_expert_N, used.astype(jnp.int32))
 
 
-def combine(y_RD, gates_TK, out_dtype):
+def combine(y_RD: jax.Array, gates_TK: jax.Array, out_dtype: DTypeLike) -> jax.Array:
   """y_t = sum_k g_tk * y_(t*K+k): the gated sum of per-(token, slot) expert outputs."""
   T, K = gates_TK.shape
   y_TKD = y_RD.reshape(T, K, -1)
@@ -78,20 +82,20 @@ def combine(y_RD, gates_TK, out_dtype):
 
 
 def routed_ffn(
-  dedup_rows,
-  per_slot_rows,
-  x_TD,
-  expert_ids_TK,
-  gates_TK,
-  w_gate_EDF,
-  w_up_EDF,
-  w_down_EFD,
+  dedup_rows: Callable[..., jax.Array],
+  per_slot_rows: Callable[..., jax.Array],
+  x_TD: jax.Array,
+  expert_ids_TK: jax.Array,
+  gates_TK: jax.Array,
+  w_gate_EDF: jax.Array,
+  w_up_EDF: jax.Array,
+  w_down_EFD: jax.Array,
   *,
-  method,
-  interpret,
-  block_rows,
-  hidden_tile,
-):
+  method: str,
+  interpret: bool,
+  block_rows: int | None,
+  hidden_tile: int | None,
+) -> jax.Array:
   """A backend's routed SwiGLU expert FFN from its two row kernels: each (token, slot) row's
   expert output by `method` ('dedup': `dedup_rows`, 'per_slot': `per_slot_rows`), then `combine`."""
   if method == "dedup":

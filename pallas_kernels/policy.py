@@ -65,7 +65,7 @@ class KernelPolicy:
   # RMSNorm sums its squares by halving, so that a row's result does not depend on the other rows.
   row_invariant_norms: bool = False
 
-  def __post_init__(self):
+  def __post_init__(self) -> None:
     if self.expert_method is not None and self.expert_method not in METHODS:
       raise ValueError(f"expert_method must be one of {METHODS} or None, got {self.expert_method!r}")
     if self.platform is not None and self.platform not in PLATFORMS:

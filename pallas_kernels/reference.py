@@ -1,10 +1,19 @@
 """Pure-XLA reference of the routed SwiGLU expert FFN."""
 
+from __future__ import annotations
+
 import jax
 import jax.numpy as jnp
 
 
-def expert_ffn_reference(x_TD, expert_ids_TK, gates_TK, w_gate_EDF, w_up_EDF, w_down_EFD):
+def expert_ffn_reference(
+  x_TD: jax.Array,
+  expert_ids_TK: jax.Array,
+  gates_TK: jax.Array,
+  w_gate_EDF: jax.Array,
+  w_up_EDF: jax.Array,
+  w_down_EFD: jax.Array,
+) -> jax.Array:
   """y_t = sum_k g_tk * FFN_{e_tk}(x_t), one gathered weight set per (token, slot).
 
   Simple and exact; gathers copies of the weights, so it is for tests and small shapes.
@@ -18,7 +27,14 @@ def expert_ffn_reference(x_TD, expert_ids_TK, gates_TK, w_gate_EDF, w_up_EDF, w_
   return jnp.einsum("tk,tkd->td", gates_TK.astype(jnp.float32), y_TKD).astype(x_TD.dtype)
 
 
-def expert_ffn_dense(x_TD, expert_ids_TK, gates_TK, w_gate_EDF, w_up_EDF, w_down_EFD):
+def expert_ffn_dense(
+  x_TD: jax.Array,
+  expert_ids_TK: jax.Array,
+  gates_TK: jax.Array,
+  w_gate_EDF: jax.Array,
+  w_up_EDF: jax.Array,
+  w_down_EFD: jax.Array,
+) -> jax.Array:
   """Every expert on every token, weighted by a dense [T, E] gate matrix (zero where unchosen)."""
   n_experts = w_gate_EDF.shape[0]
   gates_TE = jnp.zeros((x_TD.shape[0], n_experts), jnp.float32)

@@ -7,8 +7,10 @@ tpu/gpu: not measured yet (no accelerator); dedup pads rows to a tile, per-slot 
 per-slot at n = 1 and dedup from 2 until experiments/gpu_check.sh measures the crossover.
 """
 
+from __future__ import annotations
+
 DEDUP_MIN_TOKENS = {"cpu": 1, "tpu": 2, "gpu": 2, "interpret": 2}
 
 
-def dedup_min_tokens(backend):
+def dedup_min_tokens(backend: str) -> int:
   return DEDUP_MIN_TOKENS.get(backend, 2)

@@ -17,6 +17,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 
 import numpy as np
+import numpy.typing as npt
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,7 +27,7 @@ class KernelFit:
   gbps: float
   fixed_ms: float
 
-  def time_ms(self, n_bytes):
+  def time_ms(self, n_bytes: npt.ArrayLike) -> np.ndarray:
     return np.asarray(n_bytes, float) / (self.gbps * 1e6) + self.fixed_ms
 
 
@@ -78,7 +79,7 @@ def amdahl_fraction(t1_ms: float, expert_t1_ms: float) -> float:
   return float(np.clip(expert_t1_ms / t1_ms, 0.0, 1.0))
 
 
-def tokens_per_pass(a, k: int):
+def tokens_per_pass(a: npt.ArrayLike, k: int) -> np.ndarray:
   """Expected committed tokens per pass with K drafts under geometric acceptance a."""
   a = np.asarray(a, float)
   if k == 0:
@@ -88,26 +89,38 @@ def tokens_per_pass(a, k: int):
   return np.where(np.isclose(a, 1.0), k + 1.0, out)
 
 
-def speedup(a, k: int, t_plain_ms: float, t_draft_ms: Callable[[int], float], t_verify_ms: Callable[[int], float]):
+def speedup(
+  a: npt.ArrayLike, k: int, t_plain_ms: float, t_draft_ms: Callable[[int], float], t_verify_ms: Callable[[int], float]
+) -> np.ndarray:
   """Tokens per pass * T_plain / (T_draft(K) + T_verify(K + 1)); K = 0 is plain decoding (1.0)."""
   if k == 0:
     return np.ones_like(np.asarray(a, float))
   return tokens_per_pass(a, k) * t_plain_ms / (t_draft_ms(k) + t_verify_ms(k + 1))
 
 
-def best_k(a, max_k: int, t_plain_ms: float, t_draft_ms, t_verify_ms) -> tuple[int, float]:
+def best_k(
+  a: float, max_k: int, t_plain_ms: float, t_draft_ms: Callable[[int], float], t_verify_ms: Callable[[int], float]
+) -> tuple[int, float]:
   """(argmax_K speedup, that speedup) over K = 0..max_k; K = 0 when speculation does not pay."""
   values = [float(speedup(a, k, t_plain_ms, t_draft_ms, t_verify_ms)) for k in range(max_k + 1)]
   k = int(np.argmax(values))
   return k, values[k]
 
 
-def staircase(alphas: Sequence[float], max_k: int, t_plain_ms: float, t_draft_ms, t_verify_ms) -> list[int]:
+def staircase(
+  alphas: Sequence[float],
+  max_k: int,
+  t_plain_ms: float,
+  t_draft_ms: Callable[[int], float],
+  t_verify_ms: Callable[[int], float],
+) -> list[int]:
   """The best K for each acceptance rate."""
   return [best_k(a, max_k, t_plain_ms, t_draft_ms, t_verify_ms)[0] for a in alphas]
 
 
-def break_even_acceptance(k: int, t_plain_ms: float, t_draft_ms, t_verify_ms, tol: float = 1e-6) -> float | None:
+def break_even_acceptance(
+  k: int, t_plain_ms: float, t_draft_ms: Callable[[int], float], t_verify_ms: Callable[[int], float], tol: float = 1e-6
+) -> float | None:
   """The acceptance rate above which K drafts beat plain decoding (None if never below a = 1)."""
   lo, hi = 0.0, 1.0
   if speedup(hi, k, t_plain_ms, t_draft_ms, t_verify_ms) <= 1.0:

@@ -40,7 +40,7 @@ class RoutingTrace:
       RoutingTrace(self.segments[cut:], self.n_experts, {**self.meta, "part": "eval"}),
     )
 
-  def save(self, path) -> None:
+  def save(self, path: atomic.PathLike) -> None:
     """An .npz with the segments and a JSON metadata entry, written atomically."""
     path = pathlib.Path(path)
     arrays = {f"segment_{i}": s for i, s in enumerate(self.segments)}
@@ -52,7 +52,7 @@ class RoutingTrace:
     atomic.write_bytes_atomic(path, buf.getvalue())
 
   @classmethod
-  def load(cls, path) -> RoutingTrace:
+  def load(cls, path: atomic.PathLike) -> RoutingTrace:
     with np.load(path) as z:
       meta = json.loads(bytes(z["meta"]).decode())
       n = sum(1 for k in z.files if k.startswith("segment_"))

@@ -80,7 +80,7 @@ def decode_ms_per_step(seconds: Sequence[float], first_token_seconds: Sequence[f
   return [(t - t1) * 1e3 / (max_new - 1) for t, t1 in zip(seconds, first_token_seconds)]
 
 
-def median_time_ms(fn, args, repeats: int) -> float:
+def median_time_ms(fn: Callable[..., Any], args: Sequence[Any], repeats: int) -> float:
   """Median wall time (ms) of `fn(*args)` after one warm-up call."""
   return median_times_alternating_ms({"call": lambda: fn(*args)}, repeats)["call"]
 

@@ -15,17 +15,22 @@ import os
 import pathlib
 import time
 from collections.abc import Iterator
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
 from moespec_jax.data import corpus
 from moespec_jax.io import atomic, paths
 
+if TYPE_CHECKING:
+  from moespec_jax.data.tokenizer import Tokenizer
+
 PathLike = str | os.PathLike
 
 
-def cache_path(tokenizer, split: str, cache_dir: PathLike | None = None, root: PathLike | None = None) -> pathlib.Path:
+def cache_path(
+  tokenizer: Tokenizer, split: str, cache_dir: PathLike | None = None, root: PathLike | None = None
+) -> pathlib.Path:
   """Where `corpus_tokens` caches the ids of `split` for `tokenizer`."""
   base = pathlib.Path(cache_dir) if cache_dir is not None else paths.data_cache_dir()
   name = (
@@ -36,7 +41,7 @@ def cache_path(tokenizer, split: str, cache_dir: PathLike | None = None, root: P
 
 
 def corpus_tokens(
-  tokenizer,
+  tokenizer: Tokenizer,
   split: str = "train",
   *,
   cache: bool = True,

@@ -23,7 +23,7 @@ import math
 import os
 import pathlib
 from collections.abc import Iterable
-from typing import Protocol
+from typing import NoReturn, Protocol
 
 import numpy as np
 from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors, trainers
@@ -58,7 +58,7 @@ def byte_level_chars() -> list[str]:
   return chars
 
 
-def _eos_first(tok, eos_id: int) -> None:
+def _eos_first(tok: HfTokenizer, eos_id: int) -> None:
   """Frames `tok`'s encodings with special tokens as our prompts are: EOS (the document boundary)
   first, and between the two texts of a pair."""
   tok.post_processor = processors.TemplateProcessing(
@@ -169,7 +169,7 @@ class BpeTokenizer:
   Decoding is lossless: `decode(encode(s)) == s` for any string.
   """
 
-  def __init__(self, hf_tokenizer, name: str | None = None):
+  def __init__(self, hf_tokenizer: HfTokenizer, name: str | None = None) -> None:
     self._tok = hf_tokenizer
     self.eos_id = self._tok.token_to_id(EOS_TOKEN)
     self.bos_id = self._tok.token_to_id(BOS_TOKEN)
@@ -277,7 +277,7 @@ class BpeTokenizer:
     return f"BpeTokenizer(name={self.name!r}, vocab_size={self.vocab_size})"
 
 
-def bytes_per_token(tokenizer, split: str = "validation", root: PathLike | None = None) -> float:
+def bytes_per_token(tokenizer: Tokenizer, split: str = "validation", root: PathLike | None = None) -> float:
   """Corpus bytes per token of `tokenizer` on `split` (EOS included; 1.0 for bytes).
 
   A model's bits per byte equals its bits per token divided by this ratio.
@@ -357,7 +357,7 @@ class PretrainedTokenizer(BpeTokenizer):
   the model config and `vocab_size` is the model's (embedding rows, often padded).
   """
 
-  def __init__(self, hf_tokenizer, *, vocab_size: int, eos_id: int, bos_id: int, name: str = KIND):
+  def __init__(self, hf_tokenizer: HfTokenizer, *, vocab_size: int, eos_id: int, bos_id: int, name: str = KIND) -> None:
     self._tok = hf_tokenizer
     self.eos_id, self.bos_id = int(eos_id), int(bos_id)
     self.base_vocab_size = min(hf_tokenizer.get_vocab_size(with_added_tokens=True), vocab_size)
@@ -378,7 +378,7 @@ class PretrainedTokenizer(BpeTokenizer):
     """The checkpoint's own tokenizer, as it came."""
     return self._tok
 
-  def save(self, directory) -> pathlib.Path:
+  def save(self, directory: PathLike) -> pathlib.Path:
     """Writes `directory/tokenizer.json` and `directory/tokenizer_meta.json`."""
     directory = pathlib.Path(directory)
     atomic.write_text_atomic(directory / BPE_FILE, self._tok.to_str())
@@ -397,7 +397,7 @@ class PretrainedTokenizer(BpeTokenizer):
     return directory
 
   @classmethod
-  def load(cls, directory) -> PretrainedTokenizer:
+  def load(cls, directory: PathLike) -> PretrainedTokenizer:
     """Reads a directory written by `save`."""
     directory = pathlib.Path(directory)
     meta = atomic.read_json(directory / META_FILE)
@@ -417,11 +417,11 @@ class MissingTokenizer:
   name = "missing"
   cache_key = "missing"
 
-  def __init__(self, source, *, vocab_size: int, eos_id: int, bos_id: int):
+  def __init__(self, source: PathLike, *, vocab_size: int, eos_id: int, bos_id: int) -> None:
     self.source = str(source)
     self.vocab_size, self.eos_id, self.bos_id = int(vocab_size), int(eos_id), int(bos_id)
 
-  def _fail(self, *_args, **_kwargs):
+  def _fail(self, *_args: object, **_kwargs: object) -> NoReturn:
     raise ValueError(
       f"the model at {self.source} has no tokenizer.json: pass prompts as token-id "
       "lists, or add the model's tokenizer.json to its directory"
@@ -433,7 +433,7 @@ class MissingTokenizer:
     """None: there is no tokenizer to write."""
     return None
 
-  def save(self, directory) -> pathlib.Path:
+  def save(self, directory: PathLike) -> pathlib.Path:
     directory = pathlib.Path(directory)
     atomic.write_json_atomic(
       directory / META_FILE,
@@ -449,7 +449,7 @@ class MissingTokenizer:
     return directory
 
   @classmethod
-  def load(cls, directory) -> MissingTokenizer:
+  def load(cls, directory: PathLike) -> MissingTokenizer:
     meta = atomic.read_json(pathlib.Path(directory) / META_FILE)
     return cls(
       meta.get("source", directory), vocab_size=meta["vocab_size"], eos_id=meta["eos_id"], bos_id=meta["bos_id"]

@@ -45,10 +45,12 @@ clock reads cost time of their own (docs/findings/2026-12-01-auto-timing.md).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike
 
 from moespec_jax.analysis import routing as routing_lib
 
@@ -97,7 +99,7 @@ TIMING_PRIOR_PASSES = 4.0
 MAX_TIMING_RATIO = 4.0
 
 
-def acceptance_estimate(evidence_2):
+def acceptance_estimate(evidence_2: ArrayLike) -> np.ndarray | jax.Array:
   """(accepted + prior) / (tried + prior weight), from decayed (accepted, tried) counts
   (the last axis; leading axes are rows). NumPy in, NumPy out (generate's statistics, no eager
   dispatch); otherwise jax."""
@@ -107,7 +109,7 @@ def acceptance_estimate(evidence_2):
   return xp.clip(a, 0.0, MAX_ACCEPTANCE)
 
 
-def optimistic_acceptance(evidence_2, standard_errors: float | None = None):
+def optimistic_acceptance(evidence_2: ArrayLike, standard_errors: float | None = None) -> jax.Array:
   """The estimate plus `standard_errors` (default OPTIMISM) binomial standard errors."""
   evidence_2 = jnp.asarray(evidence_2)
   a = acceptance_estimate(evidence_2)
@@ -116,7 +118,7 @@ def optimistic_acceptance(evidence_2, standard_errors: float | None = None):
   return jnp.clip(a + z * spread, 0.0, MAX_ACCEPTANCE)
 
 
-def acceptance_upper_bound(evidence_2, standard_errors: float):
+def acceptance_upper_bound(evidence_2: ArrayLike, standard_errors: float) -> jax.Array:
   """The Wilson score bound `standard_errors` above the estimate (prior included in the counts).
 
   Near a = 1, where the binomial standard error shrinks with the estimate, the normal bound
@@ -133,7 +135,7 @@ def acceptance_upper_bound(evidence_2, standard_errors: float):
   return jnp.clip(bound, 0.0, MAX_ACCEPTANCE)
 
 
-def tokens_per_pass_K(a, num_k: int):
+def tokens_per_pass_K(a: jax.Array, num_k: int) -> jax.Array:
   """Expected committed tokens per pass, (1 - a^(K+1)) / (1 - a), for every K in 0..num_k - 1
   at once (a: any shape, a < 1; the K axis is appended). The traced counterpart of
   analysis/cost_model.tokens_per_pass (NumPy, one K)."""
@@ -142,7 +144,7 @@ def tokens_per_pass_K(a, num_k: int):
   return (1.0 - a ** (k_K + 1.0)) / (1.0 - a)
 
 
-def depth_acceptance(depth_evidence_BJ2, pooled_a_B):
+def depth_acceptance(depth_evidence_BJ2: ArrayLike, pooled_a_B: ArrayLike) -> jax.Array:
   """Each depth's conditional acceptance (draft j accepted, given drafts 0..j-1 were) from that
   depth's decayed (accepted, reached) counts, shrunk with weight DEPTH_PRIOR_WEIGHT towards the
   depth before it (depth 0: towards the row's pooled rate `pooled_a_B`): a depth without
@@ -166,7 +168,7 @@ def depth_acceptance(depth_evidence_BJ2, pooled_a_B):
   return jnp.stack(rates, axis=-1)
 
 
-def tokens_per_pass_depths(a_BJ, num_k: int):
+def tokens_per_pass_depths(a_BJ: ArrayLike, num_k: int) -> jax.Array:
   """Expected committed tokens per pass for every K in 0..num_k - 1 from the conditional
   acceptance at each depth (a_BJ: [..., J], J >= num_k - 1): 1 + sum_{j<K} prod_{i<=j} a_i.
   Constant a gives tokens_per_pass_K."""
@@ -176,7 +178,9 @@ def tokens_per_pass_depths(a_BJ, num_k: int):
   return jnp.concatenate([first, 1.0 + jnp.cumsum(reach_BJ, axis=-1)], axis=-1)
 
 
-def finish_ms(a_B, remaining_B, step_ms_K, tokens_BK=None):
+def finish_ms(
+  a_B: jax.Array, remaining_B: jax.Array, step_ms_K: jax.Array, tokens_BK: jax.Array | None = None
+) -> jax.Array:
   """Predicted time (ms) until every row is done at each K: a batch finishes with its slowest
   row, max_b remaining_b / tokens_per_pass(a_b, K) passes of step_ms[K] each. (For one row,
   the K with the most tokens per millisecond; with ragged acceptance, rows that accept less
@@ -188,7 +192,15 @@ def finish_ms(a_B, remaining_B, step_ms_K, tokens_BK=None):
   return jnp.max(passes_BK, axis=0) * step_ms_K
 
 
-def choose_k(evidence_B2, step_ms_K, *, shadow: bool, remaining_B=None, current_k=None, depth_evidence_BJ2=None):
+def choose_k(
+  evidence_B2: ArrayLike,
+  step_ms_K: ArrayLike,
+  *,
+  shadow: bool,
+  remaining_B: jax.Array | None = None,
+  current_k: jax.Array | None = None,
+  depth_evidence_BJ2: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:
   """(K, passes) for the next segment (int32 scalars).
 
   evidence_B2: each row's decayed (accepted, tried) draft counts ([2] for one row);
@@ -245,7 +257,9 @@ def choose_k(evidence_B2, step_ms_K, *, shadow: bool, remaining_B=None, current_
   return k, jnp.where(k == 0, plain, drafting)
 
 
-def record_pass_time(timing_K2, k, passes, elapsed_ms, step_ms_K):
+def record_pass_time(
+  timing_K2: jax.Array, k: jax.Array, passes: jax.Array, elapsed_ms: jax.Array, step_ms_K: jax.Array
+) -> jax.Array:
   """`timing_K2` (decayed [sum of passes * log(measured / calibrated ms per pass), passes] per K)
   after a segment of `passes` passes at K = k that took `elapsed_ms`; unchanged if passes == 0."""
   passes = jnp.asarray(passes, jnp.float32)
@@ -256,7 +270,7 @@ def record_pass_time(timing_K2, k, passes, elapsed_ms, step_ms_K):
   return jnp.where(passes > 0, updated, timing_K2)
 
 
-def corrected_step_ms(step_ms_K, timing_K2):
+def corrected_step_ms(step_ms_K: jax.Array, timing_K2: jax.Array) -> jax.Array:
   """Calibrated pass times scaled by what the loop measured (`record_pass_time`): each K by its
   own evidence, shrunk towards the level pooled over all K's (K's not yet run: that level),
   then made non-decreasing in K (a longer pass never costs less)."""
@@ -266,7 +280,7 @@ def corrected_step_ms(step_ms_K, timing_K2):
   return jax.lax.cummax(step_ms_K * jnp.exp(log_ratio_K), axis=0)
 
 
-def monotone_step_times(step_ms_K) -> np.ndarray:
+def monotone_step_times(step_ms_K: ArrayLike) -> np.ndarray:
   """The non-decreasing sequence closest to the measured step times (pool adjacent violators).
 
   A longer pass never costs less; measurement noise can say otherwise.
@@ -280,7 +294,7 @@ def monotone_step_times(step_ms_K) -> np.ndarray:
   return np.concatenate([np.full(int(w), m) for m, w in blocks])
 
 
-def smooth_step_times(step_ms_K, routing: tuple[int, int] = (0, 0)) -> np.ndarray:
+def smooth_step_times(step_ms_K: ArrayLike, routing: tuple[int, int] = (0, 0)) -> np.ndarray:
   """Measured per-K pass times, denoised: one noisy measurement must not flip the choice of K.
 
   Where there are enough points, a least-squares fit of the pass's parts,
@@ -311,7 +325,7 @@ def smooth_step_times(step_ms_K, routing: tuple[int, int] = (0, 0)) -> np.ndarra
   return monotone_step_times(t)
 
 
-def nonnegative_lstsq(features_NP, target_N, free=()) -> np.ndarray:
+def nonnegative_lstsq(features_NP: np.ndarray, target_N: np.ndarray, free: Sequence[int] = ()) -> np.ndarray:
   """Least squares with every coefficient but those in `free` non-negative (exact: the best of
   the unconstrained fits over each support that keeps its coefficients non-negative; for the
   handful of columns here)."""

@@ -10,7 +10,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -18,15 +18,33 @@ import numpy as np
 
 from moespec_jax.analysis import timing
 from moespec_jax.decoding import auto_draft, passes, programs
+from moespec_jax.decoding.programs import ModelDefinition, ProgramArgs, ProgramParams
 from moespec_jax.decoding.state import LoopSpec, LoopState
 
 
-def init_program(definition, params, tokens_BT, lengths_B, seed, inputs, *, ls: LoopSpec) -> LoopState:
+def init_program(
+  definition: ModelDefinition,
+  params: ProgramParams,
+  tokens_BT: jax.Array,
+  lengths_B: jax.Array,
+  seed: jax.Array,
+  inputs: Any,
+  *,
+  ls: LoopSpec,
+) -> LoopState:
   """The state after the prefill and first token: where every timed loop starts."""
   return passes.init_state(programs.merge(definition, params, ls), tokens_BT, lengths_B, seed, inputs, ls)
 
 
-def passes_program(definition, params, state: LoopState, k, n_passes, *, ls: LoopSpec) -> LoopState:
+def passes_program(
+  definition: ModelDefinition,
+  params: ProgramParams,
+  state: LoopState,
+  k: jax.Array,
+  n_passes: jax.Array,
+  *,
+  ls: LoopSpec,
+) -> LoopState:
   """`n_passes` passes of real decoding with K = k from `state`; a row that would reach its end
   (or EOS) starts over from its position in `state`, so that no row ever stops.
 
@@ -76,7 +94,7 @@ def calibration_passes(max_new_tokens: int) -> tuple[int, int]:
 CALIBRATION_ROUNDS = 7
 
 
-def measure_step_ms(ls: LoopSpec, args, repeats: int = 7) -> np.ndarray:
+def measure_step_ms(ls: LoopSpec, args: ProgramArgs, repeats: int = 7) -> np.ndarray:
   """Median time (ms) of one pass for each K in 0..ls.max_k.
 
   One pass is what the loop runs per iteration (draft K, verify K + 1, drafter upkeep),
@@ -90,7 +108,7 @@ def measure_step_ms(ls: LoopSpec, args, repeats: int = 7) -> np.ndarray:
   return measure_step_variants_ms([ls], args, repeats)[0]
 
 
-def measure_step_variants_ms(lss: Sequence[LoopSpec], args, repeats: int = 7) -> np.ndarray:
+def measure_step_variants_ms(lss: Sequence[LoopSpec], args: ProgramArgs, repeats: int = 7) -> np.ndarray:
   """`measure_step_ms` for programs that differ only in what a pass does (e.g. `routed_experts`),
   timed side by side: within each round every K of every variant runs (the variants in the
   balanced order of `timing.round_order`), and each time is the median of its ratios to the first
@@ -106,7 +124,7 @@ def measure_step_variants_ms(lss: Sequence[LoopSpec], args, repeats: int = 7) ->
     for variant in lss
   ]
 
-  def timed(run, k: int, n: int) -> float:
+  def timed(run: Callable[..., LoopState], k: int, n: int) -> float:
     state = jax.block_until_ready(jax.tree.map(jnp.copy, state0))
     k_arr, n_arr = jnp.int32(k), jnp.int32(n)
     start = time.perf_counter()
@@ -169,10 +187,10 @@ def measure_held_step_ms(max_k: int, run: HeldRun, repeats: int = 7) -> np.ndarr
   labels = ["prefill"] + list(range(max_k + 1))
   steps = {k: held_step_ms(max_k, k) for k in range(max_k + 1)}
 
-  def call(label):
+  def call(label: str | int):
     return run(steps[0], True) if label == "prefill" else run(steps[label], False)
 
-  def solvable(passes_KK):
+  def solvable(passes_KK: np.ndarray):
     return np.min(passes_KK.sum(axis=0)) >= CALIBRATION_MIN_PASSES and np.linalg.matrix_rank(passes_KK) == max_k + 1
 
   for label in labels:  # warm-up
@@ -202,7 +220,9 @@ class Calibration(NamedTuple):
   seconds: float = 0.0
 
 
-def calibrate_step_ms(ls: LoopSpec, args, run: HeldRun, progress: Callable[[str], None] | None = None) -> Calibration:
+def calibrate_step_ms(
+  ls: LoopSpec, args: ProgramArgs, run: HeldRun, progress: Callable[[str], None] | None = None
+) -> Calibration:
   """Per-K pass times, once per program (kept in `programs.PROGRAMS`, like compilation):
   `measure_held_step_ms` on the program `run` calls (else, logged, `measure_step_ms`), smoothed and
   made non-decreasing in K (`auto_draft.smooth_step_times`). `progress` gets a line as a

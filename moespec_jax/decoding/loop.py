@@ -24,21 +24,38 @@ import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import numpy.typing as npt
 
+from moespec_jax.config import ModelConfig
 from moespec_jax.decoding import drafters as drafters_lib
 from moespec_jax.decoding import passes, programs, report
 from moespec_jax.decoding.calibration import calibrate_step_ms, measure_step_ms, measure_step_variants_ms
 from moespec_jax.decoding.drafters.none import NoDrafter
 from moespec_jax.decoding.params import SamplingParams, SpecParams
-from moespec_jax.decoding.programs import decode_params, kernel_policy, merge
+from moespec_jax.decoding.programs import (
+  ModelDefinition,
+  ProgramArgs,
+  ProgramParams,
+  decode_params,
+  kernel_policy,
+  merge,
+)
 from moespec_jax.decoding.state import LoopSpec, Stats
 from moespec_jax.model.budget import ExpertBudget
 from pallas_kernels import cpu as cpu_ffi
+
+if TYPE_CHECKING:
+  from moespec_jax.data.tokenizer import Tokenizer
+  from moespec_jax.model.handle import ModelHandle
+
+
+# generate()'s prompts: strings (the model's tokenizer encodes them) or token-id lists, mixed or not.
+Prompts = Sequence[str | Sequence[int] | np.ndarray]
 
 
 @dataclasses.dataclass
@@ -56,7 +73,7 @@ def _bucket(n: int, minimum: int = 16) -> int:
   return max(step, -(-int(n) // step) * step)
 
 
-def encode_prompts(prompts, tokenizer, vocab_size: int, eos_id: int) -> list[np.ndarray]:
+def encode_prompts(prompts: Prompts, tokenizer: Tokenizer, vocab_size: int, eos_id: int) -> list[np.ndarray]:
   """Validates prompts (strings or token-id lists) and returns them as int32 token-id arrays.
 
   A string prompt becomes `tokenizer.prompt_ids`: after EOS, the document boundary our models
@@ -92,7 +109,18 @@ def encode_prompts(prompts, tokenizer, vocab_size: int, eos_id: int) -> list[np.
 _FULL_RUN = np.bool_(False)  # _generate_spec's prefill_only in generate()
 
 
-def _generate_spec(definition, params, tokens_BT, lengths_B, seed, inputs, step_ms_K, prefill_only, *, ls: LoopSpec):
+def _generate_spec(
+  definition: ModelDefinition,
+  params: ProgramParams,
+  tokens_BT: jax.Array,
+  lengths_B: jax.Array,
+  seed: jax.Array,
+  inputs: Any,
+  step_ms_K: jax.Array,
+  prefill_only: jax.Array,
+  *,
+  ls: LoopSpec,
+) -> tuple[jax.Array, jax.Array]:
   """Prefill, then one `lax.while_loop` of passes; returns (tokens_BN, the packed statistics).
   `prefill_only` (a bool): stop after the first token (auto K's calibration times the prefill so)."""
   model = merge(definition, params, ls)
@@ -106,7 +134,15 @@ def _generate_spec(definition, params, tokens_BT, lengths_B, seed, inputs, step_
   return state.out_BN[:, : ls.max_new_tokens], state.stats.pack(ls)
 
 
-def _prepare(model, prompts, max_new_tokens, sampling, spec, seed, reference_tokens):
+def _prepare(
+  model: ModelHandle,
+  prompts: Prompts,
+  max_new_tokens: int,
+  sampling: SamplingParams | None,
+  spec: SpecParams | None,
+  seed: int,
+  reference_tokens: npt.ArrayLike | None,
+) -> tuple[SpecParams, LoopSpec, ProgramArgs]:
   """Validates a generate() call; returns its SpecParams, LoopSpec and the compiled program's
   arguments (model definition, parameters, tokens, lengths, seed, the drafter's inputs)."""
   sampling = SamplingParams() if sampling is None else sampling
@@ -210,13 +246,13 @@ def _warn_no_clock(reason: str) -> None:
 
 
 def generate(
-  model,
-  prompts,
+  model: ModelHandle,
+  prompts: Prompts,
   max_new_tokens: int = 64,
   sampling: SamplingParams | None = None,
   spec: SpecParams | None = None,
   seed: int = 0,
-  reference_tokens=None,
+  reference_tokens: npt.ArrayLike | None = None,
   progress: Callable[[str], None] | None = None,
 ) -> GenerateOutput:
   """Generates `max_new_tokens` tokens per prompt (fewer where a row emits EOS: -1 after it).
@@ -239,7 +275,7 @@ def generate(
   fn = programs.PROGRAMS.compiled(_generate_spec, ls, *args, step_ms_K, _FULL_RUN)
   if ls.auto:
 
-    def held_run(held_ms_K, prefill_only):
+    def held_run(held_ms_K: np.ndarray, prefill_only: bool):
       start = time.perf_counter()
       raw = jax.block_until_ready(fn(*args[1:], held_ms_K, np.bool_(prefill_only))[1])
       seconds = time.perf_counter() - start
@@ -256,12 +292,12 @@ def generate(
 
 
 def step_times_ms(
-  model,
-  prompts,
+  model: ModelHandle,
+  prompts: Prompts,
   max_new_tokens: int = 64,
   sampling: SamplingParams | None = None,
   spec: SpecParams | None = None,
-  reference_tokens=None,
+  reference_tokens: npt.ArrayLike | None = None,
   repeats: int = 7,
 ) -> np.ndarray:
   """Measured time (ms) of one loop pass for each K in 0..K of `spec` (raw medians, not smoothed).
@@ -275,12 +311,12 @@ def step_times_ms(
 
 
 def step_times_with_and_without_experts_ms(
-  model,
-  prompts,
+  model: ModelHandle,
+  prompts: Prompts,
   max_new_tokens: int = 64,
   sampling: SamplingParams | None = None,
   spec: SpecParams | None = None,
-  reference_tokens=None,
+  reference_tokens: npt.ArrayLike | None = None,
   repeats: int = 7,
 ) -> tuple[np.ndarray, np.ndarray]:
   """`step_times_ms`, and the same passes with no routed expert read (LoopSpec.routed_experts
@@ -291,7 +327,14 @@ def step_times_with_and_without_experts_ms(
   return with_K, without_K
 
 
-def _step_program(model, prompts, max_new_tokens, sampling, spec, reference_tokens):
+def _step_program(
+  model: ModelHandle,
+  prompts: Prompts,
+  max_new_tokens: int,
+  sampling: SamplingParams | None,
+  spec: SpecParams | None,
+  reference_tokens: npt.ArrayLike | None,
+) -> tuple[LoopSpec, ProgramArgs]:
   """(LoopSpec, arguments) of the program whose passes `step_times_ms` times: auto K at its largest K."""
   spec = SpecParams() if spec is None else spec
   if spec.num_draft == "auto":
@@ -300,7 +343,7 @@ def _step_program(model, prompts, max_new_tokens, sampling, spec, reference_toke
   return ls, args
 
 
-def resolve_budget(spec: SpecParams, config) -> ExpertBudget | None:
+def resolve_budget(spec: SpecParams, config: ModelConfig) -> ExpertBudget | None:
   """The verification-pass expert budget of `spec` for this model (None: exact mode).
 
   expert_budget < top_k is refused; expert_budget >= n_routed_experts cuts nothing and is

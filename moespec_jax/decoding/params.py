@@ -23,7 +23,7 @@ KERNELS = ("auto", "dedup", "per_slot", "xla")
 HEAD_KERNELS = ATTENTION_KERNELS = DENSE_KERNELS = ("auto", "xla")
 
 
-def _is_int(value) -> bool:
+def _is_int(value: object) -> bool:
   return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -56,7 +56,7 @@ class ResearchOptions:
   attention_kernel: str = "auto"
   dense_kernel: str = "auto"
 
-  def __post_init__(self):
+  def __post_init__(self) -> None:
     if self.controlled_acceptance is not None and (
       isinstance(self.controlled_acceptance, bool)
       or not isinstance(self.controlled_acceptance, (int, float))
@@ -103,7 +103,7 @@ class SpecParams:
   budget_scope: str = "batch"
   research: ResearchOptions = ResearchOptions()
 
-  def __post_init__(self):
+  def __post_init__(self) -> None:
     if not isinstance(self.research, ResearchOptions):
       raise ValueError(f"research must be a ResearchOptions, got {type(self.research).__name__}")
     drafters_lib.lookup(self.drafter).check_spec(self)

@@ -10,19 +10,24 @@ Nothing here asks the drafter its name: it goes through its interface (`drafters
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 
+from moespec_jax.config import ModelConfig
 from moespec_jax.decoding import auto_draft, rejection
 from moespec_jax.decoding import quality as quality_lib
 from moespec_jax.decoding import sampling as sampling_lib
 from moespec_jax.decoding.drafters import DraftTree, Verified
-from moespec_jax.decoding.state import LoopSpec, LoopState, Stats, row_keys, stream_keys
+from moespec_jax.decoding.state import LoopSpec, LoopState, ProgramTarget, Stats, row_keys, stream_keys
 from moespec_jax.model import cache as cache_lib
 from pallas_kernels import cpu as cpu_ffi
 
 
-def init_state(model, tokens_BT, lengths_B, seed, inputs, ls: LoopSpec) -> LoopState:
+def init_state(
+  model: ProgramTarget, tokens_BT: jax.Array, lengths_B: jax.Array, seed: jax.Array, inputs: Any, ls: LoopSpec
+) -> LoopState:
   """Prefill, the first token, the drafter's state and zeroed statistics: the loop's first state.
   `seed`: uint32, the PRNG seed (the key is made here: `jax.random.key(seed)` called eagerly
   costs a dispatch per call). `inputs`: the drafter's, drawn before the program (`host_inputs`)."""
@@ -49,7 +54,9 @@ def init_state(model, tokens_BT, lengths_B, seed, inputs, ls: LoopSpec) -> LoopS
   )
 
 
-def draft(model, state: LoopState, k: int, keys_B, ls: LoopSpec) -> tuple[LoopState, DraftTree, tuple | None]:
+def draft(
+  model: ProgramTarget, state: LoopState, k: int, keys_B: jax.Array, ls: LoopSpec
+) -> tuple[LoopState, DraftTree, tuple | None]:
   """The drafter's proposal of k drafts per row (none at k = 0) and its state after drafting; on
   auto K's plain passes, where the drafter shadows, the one draft it would have proposed
   ((token_B, valid_B): evidence for auto K, not verified; else None)."""
@@ -72,7 +79,14 @@ def draft(model, state: LoopState, k: int, keys_B, ls: LoopSpec) -> tuple[LoopSt
   return state, tree, shadow
 
 
-def verify(model, state: LoopState, tree: DraftTree, shadow, keys_B, ls: LoopSpec) -> Verified:
+def verify(
+  model: ProgramTarget,
+  state: LoopState,
+  tree: DraftTree,
+  shadow: tuple[jax.Array, jax.Array] | None,
+  keys_B: jax.Array,
+  ls: LoopSpec,
+) -> Verified:
   """The target's pass over each row's pending token and its drafts, and what it accepts: greedy
   matching, or exact rejection sampling with the residual or bonus token; the shadow draft's
   acceptance; with measure_quality, the exact pass on the same cache against the budgeted one.
@@ -135,7 +149,9 @@ def verify(model, state: LoopState, tree: DraftTree, shadow, keys_B, ls: LoopSpe
   )
 
 
-def commit_counts(cand_BS, n_acc_B, active_B, gen_B, eos_id: int, max_new_tokens: int):
+def commit_counts(
+  cand_BS: jax.Array, n_acc_B: jax.Array, active_B: jax.Array, gen_B: jax.Array, eos_id: int, max_new_tokens: int
+) -> tuple[jax.Array, jax.Array]:
   """How many of the pass's candidate tokens each row keeps (EOS and max_new_tokens cut).
 
   `cand_BS` holds [d_1..d_a, y, ...]: the a accepted drafts then the sampled token.
@@ -168,7 +184,7 @@ def commit(state: LoopState, verified: Verified, eos_id: int, ls: LoopSpec) -> t
   ), n_commit_B
 
 
-def _count_unique_experts(expert_ids_LBTK, active_BT, n_experts: int):
+def _count_unique_experts(expert_ids_LBTK: jax.Array, active_BT: jax.Array, n_experts: int) -> jax.Array:
   """Per MoE layer, the number of distinct experts chosen by the active (row, token) pairs: the
   experts the pass reads (finished rows and empty draft slots read none)."""
   hit_LBTKE = jax.nn.one_hot(expert_ids_LBTK, n_experts, dtype=jnp.bool_)
@@ -176,7 +192,7 @@ def _count_unique_experts(expert_ids_LBTK, active_BT, n_experts: int):
   return jnp.sum(jnp.any(hit_LBTKE, axis=(1, 2, 3)), axis=-1).astype(jnp.float32)
 
 
-def _record_evidence(stats: Stats, verified: Verified, reached_BK, ls: LoopSpec) -> Stats:
+def _record_evidence(stats: Stats, verified: Verified, reached_BK: jax.Array, ls: LoopSpec) -> Stats:
   """Auto K's evidence from a drafting pass, or a plain pass's shadow drafts: each row that brings
   some decays all its counts (every depth's too) and adds its own. An empty draft slot (no
   n-gram match) costs a verified position like a rejected draft."""
@@ -209,7 +225,14 @@ def _record_evidence(stats: Stats, verified: Verified, reached_BK, ls: LoopSpec)
   )
 
 
-def record(state: LoopState, verified: Verified, n_commit_B, config, ls: LoopSpec, started_2=None) -> LoopState:
+def record(
+  state: LoopState,
+  verified: Verified,
+  n_commit_B: jax.Array,
+  config: ModelConfig,
+  ls: LoopSpec,
+  started_2: jax.Array | None = None,
+) -> LoopState:
   """The pass's statistics over its active rows; with pass_trace, its row of the trace (`started_2`:
   the clock as it began)."""
   stats = state.stats
@@ -246,7 +269,7 @@ def record(state: LoopState, verified: Verified, n_commit_B, config, ls: LoopSpe
   return state.replace(stats=stats)
 
 
-def speculative_pass(model, state: LoopState, k: int, ls: LoopSpec) -> LoopState:
+def speculative_pass(model: ProgramTarget, state: LoopState, k: int, ls: LoopSpec) -> LoopState:
   """One speculative pass with K = k drafts: draft, verify k + 1 tokens, commit, update the
   drafter, record."""
   started_2 = None
@@ -281,28 +304,30 @@ def end_trace(state: LoopState, ls: LoopSpec) -> LoopState:
   return state.replace(pos_B=pos_B, stats=state.stats.replace(trace_end_ms_1=end_ms_1))
 
 
-def cache_room(pos_B, done_B, cache_len: int):
+def cache_room(pos_B: jax.Array, done_B: jax.Array, cache_len: int) -> jax.Array:
   """Positions left in the cache after the furthest active row's pending token."""
   return jnp.min(jnp.where(done_B, cache_len, cache_len - 1 - pos_B))
 
 
-def _run_passes(model, state: LoopState, k: int, run_k, n_passes, ls: LoopSpec) -> LoopState:
+def _run_passes(
+  model: ProgramTarget, state: LoopState, k: int, run_k: jax.Array, n_passes: jax.Array, ls: LoopSpec
+) -> LoopState:
   """Up to `n_passes` passes with K = k when `run_k == k` (none otherwise), stopping early
   when every row is done or when the cache has no room for k drafts (auto K's cache has no
   lookahead beyond max_new_tokens)."""
 
-  def cond(loop):
+  def cond(loop: tuple[LoopState, jax.Array]):
     s, i = loop
     return (run_k == k) & (i < n_passes) & ~jnp.all(s.done_B) & (cache_room(s.pos_B, s.done_B, ls.cache_len) >= k)
 
-  def body(loop):
+  def body(loop: tuple[LoopState, jax.Array]):
     s, i = loop
     return speculative_pass(model, s, k, ls), i + 1
 
   return jax.lax.while_loop(cond, body, (state, jnp.int32(0)))[0]
 
 
-def auto_segment(model, state: LoopState, step_ms_K, ls: LoopSpec) -> LoopState:
+def auto_segment(model: ProgramTarget, state: LoopState, step_ms_K: jax.Array, ls: LoopSpec) -> LoopState:
   """A few passes at the K the cost model chooses from the rows' running acceptance estimates
   and remaining tokens (the batch finishes with its slowest row).
 

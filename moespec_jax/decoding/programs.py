@@ -9,15 +9,17 @@ from __future__ import annotations
 import gc
 import itertools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import jax
+import numpy as np
 from flax import nnx
+from jax.tree_util import PyTreeDef
 
 from moespec_jax.decoding.params import SpecParams
 from moespec_jax.decoding.state import LoopSpec
-from moespec_jax.model import Kernels, PackedWeights
+from moespec_jax.model import ForwardOutput, Kernels, ModelHandle, PackedWeights, Transformer
 from pallas_kernels.policy import KernelPolicy
 
 
@@ -31,14 +33,14 @@ class ModelDefinition:
 
   __slots__ = ("graphdef", "state_treedef", "_hash")
 
-  def __init__(self, graphdef, state_treedef):
+  def __init__(self, graphdef: nnx.GraphDef, state_treedef: PyTreeDef) -> None:
     self.graphdef, self.state_treedef = graphdef, state_treedef
     self._hash = hash((graphdef, state_treedef))
 
-  def __hash__(self):
+  def __hash__(self) -> int:
     return self._hash
 
-  def __eq__(self, other):
+  def __eq__(self, other: object) -> bool:
     return isinstance(other, ModelDefinition) and (
       self is other
       or (self._hash == other._hash and self.graphdef == other.graphdef and self.state_treedef == other.state_treedef)
@@ -52,17 +54,24 @@ class ProgramModel:
 
   __slots__ = ("module", "kernels")
 
-  def __init__(self, module, kernels: Kernels):
+  def __init__(self, module: Transformer, kernels: Kernels) -> None:
     self.module, self.kernels = module, kernels
 
-  def __call__(self, *args, **kwargs):
+  def __call__(self, *args: Any, **kwargs: Any) -> ForwardOutput:
     return self.module(*args, **kwargs)
 
-  def __getattr__(self, name):
+  def __getattr__(self, name: str) -> Any:
     return getattr(self.module, name)
 
 
-def merge(definition: ModelDefinition, params, ls: LoopSpec) -> ProgramModel:
+# A program's parameters (`decode_params`: the state's leaves and the packed weights) and its
+# arguments after the static LoopSpec: (definition, parameters, tokens [B, T], lengths [B], the
+# uint32 seed, the drafter's inputs).
+ProgramParams = tuple[list[jax.Array], PackedWeights]
+ProgramArgs = tuple[ModelDefinition, ProgramParams, np.ndarray, np.ndarray, np.ndarray, Any]
+
+
+def merge(definition: ModelDefinition, params: ProgramParams, ls: LoopSpec) -> ProgramModel:
   """The model inside a program. `params`: (the state's leaves, the packed weights: see
   `decode_params`); `ls.kernels`: the program's kernel policy."""
   leaves, packed = params
@@ -70,7 +79,7 @@ def merge(definition: ModelDefinition, params, ls: LoopSpec) -> ProgramModel:
   return ProgramModel(module, Kernels(ls.kernels, packed))
 
 
-def kernel_policy(model, spec: SpecParams, platform: str | None = None) -> KernelPolicy:
+def kernel_policy(model: ModelHandle, spec: SpecParams, platform: str | None = None) -> KernelPolicy:
   """The kernel policy of `spec`'s programs for `model` on `platform` (None: this process's default
   backend; 'tpu', 'gpu' or 'cuda' build a program for another platform): the expert method
   (`SpecParams.kernel`, 'auto' meaning the model config's), and where the output head, the dense
@@ -85,7 +94,7 @@ def kernel_policy(model, spec: SpecParams, platform: str | None = None) -> Kerne
   )
 
 
-def decode_params(model, policy: KernelPolicy, leaves) -> tuple[list, PackedWeights]:
+def decode_params(model: ModelHandle, policy: KernelPolicy, leaves: list[jax.Array]) -> tuple[list, PackedWeights]:
   """What the programs take as parameters: the leaves of the model's state (`leaves`:
   `jax.tree.leaves(model.state)`, flattened once per call by the caller) and the weights the C++
   products of `policy` read (its output head where `policy.head` is 'cpu', its dense projections
@@ -95,7 +104,7 @@ def decode_params(model, policy: KernelPolicy, leaves) -> tuple[list, PackedWeig
   return leaves, model.packed_weights(head=policy.head == "cpu", dense=policy.dense == "cpu", leaves=leaves)
 
 
-def signature(fn, ls: LoopSpec, definition, *args):
+def signature(fn: Callable[..., Any], ls: LoopSpec, definition: ModelDefinition, *args: Any) -> tuple:
   """A program's key: its function, static settings, model definition and argument shapes."""
   return (fn.__name__, ls, definition, tuple((a.shape, a.dtype) for a in jax.tree.leaves(args)))
 
@@ -142,7 +151,7 @@ class ProgramCache:
     mappings: Callable[[], tuple[int, int] | None] = memory_mappings,
     high_water: float = MAP_HIGH_WATER,
     low_water: float = MAP_LOW_WATER,
-  ):
+  ) -> None:
     self.mappings, self.high_water, self.low_water = mappings, high_water, low_water
     self._programs: dict[Any, Any] = {}
     self._last_use: dict[Any, int] = {}  # when each program was last asked for
@@ -155,7 +164,7 @@ class ProgramCache:
   def __len__(self) -> int:
     return len(self._programs)
 
-  def definition(self, graphdef, state_treedef) -> ModelDefinition:
+  def definition(self, graphdef: nnx.GraphDef, state_treedef: PyTreeDef) -> ModelDefinition:
     """The one definition object per (graphdef object, state structure), hashed once."""
     found = self._definitions.get(id(graphdef))
     if found is None or found.graphdef is not graphdef or found.state_treedef != state_treedef:
@@ -165,7 +174,9 @@ class ProgramCache:
   def definitions(self) -> tuple[ModelDefinition, ...]:
     return tuple(self._definitions.values())
 
-  def compiled(self, fn, ls: LoopSpec, *args, donate_argnums=()):
+  def compiled(
+    self, fn: Callable[..., Any], ls: LoopSpec, *args: Any, donate_argnums: tuple[int, ...] = ()
+  ) -> jax.stages.Compiled:
     """`fn` AOT-compiled once per (LoopSpec, argument shapes), so that timing excludes compilation."""
     sig = signature(fn, ls, *args)
     self._last_use[sig] = next(self._uses)
@@ -176,7 +187,7 @@ class ProgramCache:
       self.drop_least_recent()
     return program
 
-  def program(self, sig):
+  def program(self, sig: tuple) -> jax.stages.Compiled | None:
     """The compiled program of a signature, or None."""
     return self._programs.get(sig)
 
@@ -187,17 +198,17 @@ class ProgramCache:
     """The programs' signatures, least recently used first."""
     return tuple(sorted(self._programs, key=lambda sig: self._last_use.get(sig, -1)))
 
-  def calibration(self, key):
+  def calibration(self, key: tuple) -> Any:
     """The calibration kept under `key` ((signature, calibration key)), or None."""
     return self._calibrations.get(key)
 
-  def set_calibration(self, key, value) -> None:
+  def set_calibration(self, key: tuple, value: Any) -> None:
     self._calibrations[key] = value
 
   def calibration_keys(self) -> frozenset:
     return frozenset(self._calibrations)
 
-  def forget(self, keep=frozenset()) -> None:
+  def forget(self, keep: Iterable[tuple] = frozenset()) -> None:
     """Drops the programs whose signatures are not in `keep` (a set of earlier `signatures()`),
     and the models that no remaining program or calibration refers to (their definitions hold
     their graphdefs). Calibrations stay: they are cheap and slow to measure again."""

@@ -9,7 +9,9 @@ import numpy as np
 from moespec_jax.decoding import sampling as sampling_lib
 
 
-def logit_agreement(exact_logits_NV, approx_logits_NV, valid_N):
+def logit_agreement(
+  exact_logits_NV: jax.Array, approx_logits_NV: jax.Array, valid_N: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array]:
   """(top-1 agreements, sum of KL(exact || approx) in nats, count) over the valid rows."""
   exact_lp = jax.nn.log_softmax(exact_logits_NV.astype(jnp.float32), axis=-1)
   approx_lp = jax.nn.log_softmax(approx_logits_NV.astype(jnp.float32), axis=-1)

@@ -21,26 +21,28 @@ import jax.numpy as jnp
 from moespec_jax.decoding import sampling as sampling_lib
 
 
-def uniform_open(key, shape):
+def uniform_open(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
   """Float32 uniforms strictly inside (0, 1)."""
   return jax.random.uniform(key, shape, jnp.float32, minval=jnp.finfo(jnp.float32).tiny, maxval=1.0)
 
 
-def residual_probs(p_BV, q_BV):
+def residual_probs(p_BV: jax.Array, q_BV: jax.Array) -> jax.Array:
   """The (unnormalised) distribution to sample from after rejecting a draft: max(p - q, 0)."""
   return jnp.maximum(p_BV - q_BV, 0.0)
 
 
-def accepted_count(accept_BK):
+def accepted_count(accept_BK: jax.Array) -> jax.Array:
   """Number of leading accepted drafts per row."""
   return jnp.sum(jnp.cumprod(accept_BK.astype(jnp.int32), axis=-1), axis=-1).astype(jnp.int32)
 
 
-def _at(x_BS, n_B):
+def _at(x_BS: jax.Array, n_B: jax.Array) -> jax.Array:
   return jnp.take_along_axis(x_BS, n_B[:, None, None] if x_BS.ndim == 3 else n_B[:, None], axis=1)[:, 0]
 
 
-def verify_greedy(logits_BSV, drafts_BK, valid_BK):
+def verify_greedy(
+  logits_BSV: jax.Array, drafts_BK: jax.Array, valid_BK: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Greedy verification. Returns (accept_BK, n_accepted_B, next_token_B)."""
   k = drafts_BK.shape[1]
   target_BS = sampling_lib.argmax(logits_BSV)
@@ -49,7 +51,9 @@ def verify_greedy(logits_BSV, drafts_BK, valid_BK):
   return accept_BK, n_B, _at(target_BS, n_B)
 
 
-def verify_sampled(keys_B, logp_BSV, drafts_BK, q_BKV, valid_BK):
+def verify_sampled(
+  keys_B: jax.Array, logp_BSV: jax.Array, drafts_BK: jax.Array, q_BKV: jax.Array, valid_BK: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Exact rejection sampling over S = K + 1 target distributions per row.
 
   Args:

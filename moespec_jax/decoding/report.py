@@ -3,7 +3,7 @@ program's statistics record (`state.Stats`, unpacked on the host), and the pass 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 import jax.numpy as jnp
 import numpy as np
@@ -13,7 +13,27 @@ from moespec_jax.decoding.params import SpecParams
 from moespec_jax.decoding.state import LoopSpec, Stats
 
 
-def public_stats(raw: Stats, tokens_BN, seconds: float, spec: SpecParams, ls: LoopSpec, calibration) -> dict[str, Any]:
+class CalibrationRecord(Protocol):
+  """auto K's calibration as the report reads it (`calibration.Calibration`, a layer above)."""
+
+  @property
+  def step_ms_K(self) -> np.ndarray: ...
+
+  @property
+  def method(self) -> str: ...
+
+  @property
+  def seconds(self) -> float: ...
+
+
+def public_stats(
+  raw: Stats,
+  tokens_BN: np.ndarray,
+  seconds: float,
+  spec: SpecParams,
+  ls: LoopSpec,
+  calibration: CalibrationRecord | None,
+) -> dict[str, Any]:
   """`out.stats` from the program's statistics (`Stats.unpack`: NumPy arrays, the reported ones);
   `calibration`: auto K's (`calibration.Calibration`), None without auto."""
   verify_passes = int(raw.verify_passes)
@@ -72,7 +92,7 @@ def public_stats(raw: Stats, tokens_BN, seconds: float, spec: SpecParams, ls: Lo
   return stats
 
 
-def pass_trace(records_P4, end_ms: float) -> dict[str, list]:
+def pass_trace(records_P4: np.ndarray, end_ms: float) -> dict[str, list]:
   """stats["pass_trace"] from the program's per-pass records ([ms from the first token to the
   pass's start, K, tokens, experts]) and the loop's end: each pass's `ms` (from its start to the
   next pass's, the last to the loop's end: the auto K choices between passes included),

@@ -7,13 +7,15 @@ k-th largest; top-p keeps every token whose probability equals the smallest kept
 the result does not depend on the order of equal tokens.
 """
 
+from __future__ import annotations
+
 import jax
 import jax.numpy as jnp
 
 from moespec_jax.decoding.sampling_params import SamplingParams
 
 
-def filtered_logprobs(logits_BV, params: SamplingParams):
+def filtered_logprobs(logits_BV: jax.Array, params: SamplingParams) -> jax.Array:
   """Log-probabilities after temperature, top-k, then top-p (-inf outside the support)."""
   logits_BV = logits_BV.astype(jnp.float32)
   if params.greedy:
@@ -36,7 +38,7 @@ def filtered_logprobs(logits_BV, params: SamplingParams):
   return logprobs_BV
 
 
-def argmax(x, axis: int = -1):
+def argmax(x: jax.Array, axis: int = -1) -> jax.Array:
   """`jnp.argmax` (first maximal index; the first NaN if any) as two vectorised reductions.
 
   XLA:CPU lowers `jnp.argmax` to a scalar (value, index) reduction, several times slower over a
@@ -50,13 +52,13 @@ def argmax(x, axis: int = -1):
   return jnp.min(jnp.where(hit, index, x.shape[axis]), axis=axis)
 
 
-def categorical(key, logits_V):
+def categorical(key: jax.Array, logits_V: jax.Array) -> jax.Array:
   """`jax.random.categorical(key, logits_V)` (the same Gumbel noise, so the same draws) with
   the vectorised `argmax`."""
   return argmax(jax.random.gumbel(key, logits_V.shape, logits_V.dtype) + logits_V)
 
 
-def sample(keys_B, logits_BV, params: SamplingParams):
+def sample(keys_B: jax.Array, logits_BV: jax.Array, params: SamplingParams) -> jax.Array:
   """One token per row; row b uses its own key. Greedy takes the argmax (lowest id on ties)."""
   if params.greedy:
     return argmax(logits_BV)

@@ -17,7 +17,7 @@ class SamplingParams:
   top_k: int = 0
   top_p: float = 1.0
 
-  def __post_init__(self):
+  def __post_init__(self) -> None:
     if not isinstance(self.temperature, (int, float)) or not self.temperature >= 0:
       raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
     if not isinstance(self.top_k, int) or self.top_k < 0:

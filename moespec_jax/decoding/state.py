@@ -9,16 +9,46 @@ import dataclasses
 import functools
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
+from jax.typing import ArrayLike, DTypeLike
 
 from moespec_jax.decoding.sampling_params import SamplingParams
 from moespec_jax.model.budget import ExpertBudget
+from moespec_jax.model.kernels import Kernels
+from moespec_jax.model.mtp import MTPTarget
 from pallas_kernels.policy import KernelPolicy
+
+if TYPE_CHECKING:
+  from moespec_jax.model.cache import KVCache
+  from moespec_jax.model.transformer import ForwardOutput
+
+
+class ProgramTarget(MTPTarget, Protocol):
+  """The target inside a compiled program as the passes and the drafters use it
+  (`programs.ProgramModel`, from a layer above: the `Transformer`'s attributes and the program's kernels)."""
+
+  kernels: Kernels
+
+  def __call__(
+    self,
+    tokens_BT: jax.Array,
+    positions_BT: jax.Array | None = None,
+    cache: KVCache | None = None,
+    *,
+    kernels: Kernels = ...,
+    expert_budget: ExpertBudget | None = None,
+    valid_BT: jax.Array | None = None,
+    compute_logits: bool = True,
+    fresh_cache: bool = False,
+    hidden_at_B: jax.Array | None = None,
+  ) -> ForwardOutput: ...
+
+  def new_cache(self, batch: int, max_len: int) -> KVCache: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,7 +84,9 @@ class LoopSpec:
     return self.max_new_tokens if self.trace_passes else 0
 
 
-def _stat(shape: tuple, dtype=jnp.float32, *, reported: Callable[[LoopSpec], bool] | None = None, init: int = 0):
+def _stat(
+  shape: tuple, dtype: DTypeLike = jnp.float32, *, reported: Callable[[LoopSpec], bool] | None = None, init: int = 0
+) -> Any:
   """A field of `Stats`: its shape in named dimensions (K: max_k, K+1, B: batch, L: MoE layers,
   P: pass-trace rows; or a number), dtype, starting value and whether a program reports it to the
   host (`reported(ls)`; None: never, the loop's own bookkeeping)."""
@@ -131,7 +163,7 @@ class Stats:
     return jnp.concatenate([jnp.ravel(getattr(self, name)).astype(jnp.float32) for name in Stats.reported_fields(ls)])
 
   @classmethod
-  def unpack(cls, packed, ls: LoopSpec, batch: int, n_moe_layers: int) -> Stats:
+  def unpack(cls, packed: ArrayLike, ls: LoopSpec, batch: int, n_moe_layers: int) -> Stats:
     """`pack`'s vector as a record of NumPy arrays in their shapes; None for fields not reported."""
     packed = np.asarray(packed)
     fields, start = dict.fromkeys(_FIELD_NAMES), 0
@@ -193,12 +225,12 @@ class LoopState:
     return ~self.done_B
 
 
-def row_keys(seed, batch: int) -> jax.Array:
+def row_keys(seed: ArrayLike, batch: int) -> jax.Array:
   """Each row's PRNG key, split from `seed` (uint32) by row index."""
   return jax.random.split(jax.random.key(seed), batch)
 
 
-def stream_keys(row_keys_B, stream) -> jax.Array:
+def stream_keys(row_keys_B: jax.Array, stream: int | jax.Array) -> jax.Array:
   """Each row's key for one stream of draws: pass `step` (0: the first token), or a drafter's
   own stream (e.g. the controlled drafter's table)."""
   return jax.vmap(lambda k: jax.random.fold_in(k, stream))(row_keys_B)

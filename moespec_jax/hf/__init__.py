@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import logging
 import pathlib
+from typing import Any
 
 import jax
 from flax import nnx
 
+from moespec_jax.config import ModelConfig
+from moespec_jax.data.tokenizer import Tokenizer
 from moespec_jax.hf.config import FAMILIES, ImportSpec, to_model_config
 from moespec_jax.hf.tokenizer import MissingTokenizer, PretrainedTokenizer, load_for_checkpoint
 from moespec_jax.hf.weights import TensorSource, count_mtp_layers, map_mtp, map_params, mtp_own_head
@@ -41,7 +44,9 @@ def _resolve_dtype(hf: dict, dtype: str | None) -> str:
   return _DTYPES.get(stored, "float32")
 
 
-def load_checkpoint(path, dtype: str | None = None):
+def load_checkpoint(
+  path: atomic.PathLike, dtype: str | None = None
+) -> tuple[ModelConfig, nnx.GraphDef, nnx.State, Tokenizer, dict[str, Any]]:
   """Reads an HF model directory.
 
   Args:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any
+from typing import Any, NoReturn
 
 from moespec_jax.config import ModelConfig
 
@@ -28,11 +28,11 @@ class ImportSpec:
   num_mtp_layers: int  # DeepSeek-V3 next-token-prediction layers after the decoder layers
 
 
-def _refuse(family: str, msg: str):
+def _refuse(family: str, msg: str) -> NoReturn:
   raise ValueError(f"unsupported {family} checkpoint: {msg}")
 
 
-def _first_id(value) -> int | None:
+def _first_id(value: object) -> int | None:
   if isinstance(value, (list, tuple)):
     value = value[0] if value else None
   return None if value is None else int(value)

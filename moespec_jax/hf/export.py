@@ -17,17 +17,23 @@ from __future__ import annotations
 
 import json
 import pathlib
+from typing import TYPE_CHECKING, NoReturn
 
 import numpy as np
 from absl import logging
 from flax import nnx
 from safetensors.numpy import save_file
+from tokenizers import Tokenizer as HfTokenizer
 
 from moespec_jax.config import ModelConfig
+from moespec_jax.data.tokenizer import Tokenizer
 from moespec_jax.io import atomic
 
+if TYPE_CHECKING:
+  from moespec_jax.model.handle import ModelHandle
 
-def _refuse(field: str, value, why: str):
+
+def _refuse(field: str, value: object, why: str) -> NoReturn:
   raise ValueError(f"Qwen2-MoE export: {field}={value!r} {why}")
 
 
@@ -142,7 +148,7 @@ def qwen2_moe_tensors(config: ModelConfig, pure: dict) -> dict[str, np.ndarray]:
   return out
 
 
-def prompt_bos_id(tokenizer, default: int) -> int:
+def prompt_bos_id(tokenizer: Tokenizer, default: int) -> int:
   """The special token the tokenizer's prompts start with (`prompt_ids` against `encode`: EOS for
   our tokenizers), or `default` where prompts start with the text."""
   probe = "x = 1"
@@ -152,7 +158,7 @@ def prompt_bos_id(tokenizer, default: int) -> int:
   return default
 
 
-def tokenizer_files(hf_tok, config: ModelConfig, bos_id: int) -> dict[str, str]:
+def tokenizer_files(hf_tok: HfTokenizer, config: ModelConfig, bos_id: int) -> dict[str, str]:
   """File name -> text: the tokenizer transformers loads (`AutoTokenizer.from_pretrained`) from
   `hf_tok` (`tokenizer.hf_tokenizer()`), and the generation config; `bos_id`: `prompt_bos_id`."""
   special = {
@@ -182,7 +188,7 @@ def tokenizer_files(hf_tok, config: ModelConfig, bos_id: int) -> dict[str, str]:
   }
 
 
-def export_qwen2_moe(model, path) -> pathlib.Path:
+def export_qwen2_moe(model: ModelHandle, path: atomic.PathLike) -> pathlib.Path:
   """Writes `model` (a `moespec_jax.Model`) to `path` as a Qwen2-MoE checkpoint, atomically
   (replacing `path`): config.json and model.safetensors (float32), the tokenizer and the
   generation config (`tokenizer_files`; BOS is the token our prompts start with). A model without

@@ -9,9 +9,12 @@ import pathlib
 from tokenizers import Tokenizer as HfTokenizer
 
 from moespec_jax.data.tokenizer import MissingTokenizer, PretrainedTokenizer
+from moespec_jax.io.atomic import PathLike
 
 
-def load_for_checkpoint(directory, *, vocab_size: int, eos_id: int, bos_id: int):
+def load_for_checkpoint(
+  directory: PathLike, *, vocab_size: int, eos_id: int, bos_id: int
+) -> PretrainedTokenizer | MissingTokenizer:
   """The tokenizer of an HF directory, or a MissingTokenizer when it has no tokenizer.json.
   tokenizer_config.json's `split_special_tokens` is honoured as transformers honours it: special
   tokens' text in the input is then encoded as text."""

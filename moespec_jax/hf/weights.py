@@ -25,7 +25,7 @@ INDEX_FILE = "model.safetensors.index.json"
 class TensorSource:
   """Lazy access to the tensors of a checkpoint directory (single file or sharded)."""
 
-  def __init__(self, directory: pathlib.Path):
+  def __init__(self, directory: pathlib.Path) -> None:
     directory = pathlib.Path(directory)
     index = directory / INDEX_FILE
     if index.is_file():
@@ -74,7 +74,7 @@ def _rope_perm(rope_dim: int) -> np.ndarray:
 class _Mapper:
   """Builds {path tuple: array} for one checkpoint."""
 
-  def __init__(self, src: TensorSource, config: ModelConfig, spec: ImportSpec):
+  def __init__(self, src: TensorSource, config: ModelConfig, spec: ImportSpec) -> None:
     self.src, self.c, self.spec = src, config, spec
 
   def attention(self, p: str) -> dict[tuple, np.ndarray]:
@@ -221,7 +221,7 @@ class _Mapper:
     return out
 
 
-def _fill(abstract: Any, flat: dict[tuple, np.ndarray], path=()) -> Any:
+def _fill(abstract: Any, flat: dict[tuple, np.ndarray], path: tuple = ()) -> Any:
   """A pure dict shaped like `abstract` with the mapped arrays (shape- and completeness-checked)."""
   if isinstance(abstract, dict):
     return {k: _fill(v, flat, path + (k,)) for k, v in abstract.items()}

@@ -19,9 +19,12 @@ import pathlib
 import shutil
 import tempfile
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+  from matplotlib.figure import Figure
 
 PathLike = str | os.PathLike
 
@@ -187,7 +190,7 @@ def atomic_dir(path: PathLike, *, overwrite: bool = True) -> Iterator[pathlib.Pa
     raise
 
 
-def save_figure_atomic(fig, path: PathLike, *, dpi: int = 110) -> pathlib.Path:
+def save_figure_atomic(fig: Figure, path: PathLike, *, dpi: int = 110) -> pathlib.Path:
   """Saves a matplotlib figure as PNG atomically (temporary sibling, then rename) and closes it."""
   import matplotlib.pyplot as plt
 

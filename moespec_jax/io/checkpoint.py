@@ -51,7 +51,7 @@ def abstract_tree(tree: PyTree) -> PyTree:
   """
   device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
 
-  def one(x):
+  def one(x: Any):
     if isinstance(x, jax.ShapeDtypeStruct):
       if x.sharding is None:
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device)
@@ -83,7 +83,7 @@ class CheckpointManager:
 
   def __init__(
     self, directory: PathLike, *, max_to_keep: int = 3, save_interval_steps: int = 1, async_save: bool = False
-  ):
+  ) -> None:
     if max_to_keep < 1:
       raise ValueError(f"max_to_keep must be >= 1, got {max_to_keep}")
     if save_interval_steps < 1:
@@ -166,7 +166,7 @@ class CheckpointManager:
   def __enter__(self) -> CheckpointManager:
     return self
 
-  def __exit__(self, *exc) -> None:
+  def __exit__(self, *exc: object) -> None:
     self.close()
 
 

@@ -24,7 +24,7 @@ def _as_json(value: Any) -> Any:
   return json.loads(json.dumps(atomic.to_jsonable(value), allow_nan=False))
 
 
-def weights_fingerprint(state, values_per_leaf: int = 4096) -> str:
+def weights_fingerprint(state: Any, values_per_leaf: int = 4096) -> str:
   """A short digest of a parameter pytree (shapes and the first values of every leaf): a
   retrained model with the same config must not resume another model's measurements."""
   digest = hashlib.sha256()
@@ -38,7 +38,7 @@ def weights_fingerprint(state, values_per_leaf: int = 4096) -> str:
 class RunProgress:
   """The finished parts of one run (`path`), reused only by a run with equal `settings`."""
 
-  def __init__(self, path, settings: dict, log: Callable[[str], None] = print):
+  def __init__(self, path: atomic.PathLike, settings: dict, log: Callable[[str], None] = print) -> None:
     self.path = pathlib.Path(path)
     self.settings = _as_json(settings)
     self.parts: dict[str, Any] = {}
@@ -112,7 +112,7 @@ class Progress:
     stream: TextIO | None = None,
     emit: Callable[[str], Any] | None = None,
     clock: Callable[[], float] = time.monotonic,
-  ):
+  ) -> None:
     if total < 0:
       raise ValueError(f"total must be >= 0, got {total}")
     if emit is not None and stream is not None:

@@ -4,21 +4,25 @@ Variants of the imported families: q/k/v biases (Qwen2-MoE) and RMSNorm on queri
 before RoPE, per head (Qwen3-MoE) or over the whole projection (OLMoE).
 """
 
+from __future__ import annotations
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.typing import DTypeLike
 
 from moespec_jax.config import ModelConfig
 from moespec_jax.model import cache as cache_lib
-from moespec_jax.model.kernels import PLAIN, Kernels, packed_product, use_packed
-from moespec_jax.model.layers import RMSNorm, apply_rope, at_index, fan_in_init
+from moespec_jax.model.cache import LayerCache
+from moespec_jax.model.kernels import PLAIN, Kernels, PackedAttention, packed_product, use_packed
+from moespec_jax.model.layers import RMSNorm, RopeTables, apply_rope, at_index, fan_in_init
 from pallas_kernels import cpu
 
 
 class Attention(nnx.Module):
   """Causal GQA. Queries attend to keys at positions <= their own position."""
 
-  def __init__(self, config: ModelConfig, *, out_scale: float, rngs: nnx.Rngs, dtype=jnp.float32):
+  def __init__(self, config: ModelConfig, *, out_scale: float, rngs: nnx.Rngs, dtype: DTypeLike = jnp.float32) -> None:
     d, h, hkv, dh = config.d_model, config.n_heads, config.n_kv_heads, config.head_dim
     self.n_heads, self.n_kv_heads, self.head_dim = h, hkv, dh
     init = fan_in_init(d)
@@ -40,7 +44,7 @@ class Attention(nnx.Module):
       self.q_norm = RMSNorm(q_dim, config.norm_eps, dtype=dtype)
       self.k_norm = RMSNorm(k_dim, config.norm_eps, dtype=dtype)
 
-  def _qkv(self, x_BTD, packed):
+  def _qkv(self, x_BTD: jax.Array, packed: PackedAttention | None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The three projections, without biases: [B, T, H, K], [B, T, G, K], [B, T, G, K]."""
     if packed is not None and use_packed(packed.qkv_NDC, x_BTD):
       h, g, k = self.n_heads, self.n_kv_heads, self.head_dim
@@ -57,7 +61,7 @@ class Attention(nnx.Module):
       jnp.einsum("btd,dgk->btgk", x_BTD, self.w_v_DHK[...]),
     )
 
-  def _project(self, x_BTD, kernels: Kernels):
+  def _project(self, x_BTD: jax.Array, kernels: Kernels) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Queries, keys and values before RoPE: [B, T, H, K], [B, T, G, K], [B, T, G, K]."""
     q_BTHK, k_BTGK, v_BTGK = self._qkv(x_BTD, kernels.dense)
     if self.b_q_HK is not None:
@@ -73,15 +77,15 @@ class Attention(nnx.Module):
 
   def __call__(
     self,
-    x_BTD,
-    positions_BT,
-    rope,
-    layer_cache=None,
+    x_BTD: jax.Array,
+    positions_BT: jax.Array,
+    rope: RopeTables,
+    layer_cache: LayerCache | None = None,
     *,
     kernels: Kernels = PLAIN,
     fresh_cache: bool = False,
-    query_at_B=None,
-  ):
+    query_at_B: jax.Array | None = None,
+  ) -> tuple[jax.Array, LayerCache | None]:
     """Returns (out_BTD, (keys_NKS, values_NSK) or None), N = B * n_kv_heads (keys key-major:
     `cache.KVCache`).
 
@@ -137,7 +141,7 @@ class Attention(nnx.Module):
     out_NQK = jnp.einsum("nqs,nsk->nqk", probs_NQS, values_NSK)
     return self._output(out_NQK, b, t, kernels.dense), new_cache
 
-  def _output(self, out_NQK, b, t, packed):
+  def _output(self, out_NQK: jax.Array, b: int, t: int, packed: PackedAttention | None) -> jax.Array:
     """The heads' outputs [B * G, T * R, K] projected back to the model: [B, T, D]."""
     g, r, k = self.n_kv_heads, self.n_heads // self.n_kv_heads, self.head_dim
     out_BTHK = out_NQK.reshape(b, g, t, r, k).transpose(0, 2, 1, 3, 4).reshape(b, t, self.n_heads, k)

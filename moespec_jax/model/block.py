@@ -4,21 +4,25 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.typing import DTypeLike
 
 from moespec_jax.config import ModelConfig
 from moespec_jax.model.attention import Attention
+from moespec_jax.model.budget import ExpertBudget
+from moespec_jax.model.cache import LayerCache
 from moespec_jax.model.kernels import PLAIN, Kernels
-from moespec_jax.model.layers import RMSNorm, SwiGLU, at_index
+from moespec_jax.model.layers import RMSNorm, RopeTables, SwiGLU, at_index
 from moespec_jax.model.mla import MLAttention
-from moespec_jax.model.moe import MoE
+from moespec_jax.model.moe import LayerRouting, MoE
 
 
 class Block(nnx.Module):
   """Pre-norm block: x + attn(norm(x)), then x + ffn(norm(x)); ffn is dense or MoE."""
 
-  def __init__(self, config: ModelConfig, layer: int, *, rngs: nnx.Rngs, dtype=jnp.float32):
+  def __init__(self, config: ModelConfig, layer: int, *, rngs: nnx.Rngs, dtype: DTypeLike = jnp.float32) -> None:
     out_scale = 1.0 / math.sqrt(2 * config.n_layers)
     self.attn_norm = RMSNorm(config.d_model, config.norm_eps)
     attention = MLAttention if config.attention_type == "mla" else Attention
@@ -32,17 +36,17 @@ class Block(nnx.Module):
 
   def __call__(
     self,
-    x_BTD,
-    positions_BT,
-    rope,
-    layer_cache,
+    x_BTD: jax.Array,
+    positions_BT: jax.Array,
+    rope: RopeTables,
+    layer_cache: LayerCache | None,
     *,
     kernels: Kernels = PLAIN,
-    expert_budget=None,
-    valid_BT=None,
+    expert_budget: ExpertBudget | None = None,
+    valid_BT: jax.Array | None = None,
     fresh_cache: bool = False,
-    output_at_B=None,
-  ):
+    output_at_B: jax.Array | None = None,
+  ) -> tuple[jax.Array, LayerCache | None, LayerRouting | None]:
     """Returns (output, new layer cache, routing). `output_at_B`: the block's output at that one
     index per row only, [B, 1, D] (a caller that reads it there only; [B, W]: at those W indices,
     [B, W, D]): attention's queries and the FFN run there only, while every index writes its cache

@@ -36,7 +36,7 @@ class ExpertBudget:
   policy: str = "truncate"
   scope: str = "batch"
 
-  def __post_init__(self):
+  def __post_init__(self) -> None:
     if isinstance(self.budget, bool) or not isinstance(self.budget, int) or self.budget < 1:
       raise ValueError(f"expert_budget must be an int >= 1, got {self.budget!r}")
     if self.policy not in POLICIES:
@@ -45,7 +45,9 @@ class ExpertBudget:
       raise ValueError(f"budget_scope must be one of {SCOPES}, got {self.scope!r}")
 
 
-def kept_experts(probs_BTE, expert_ids_BTK, valid_BT, budget: ExpertBudget):
+def kept_experts(
+  probs_BTE: jax.Array, expert_ids_BTK: jax.Array, valid_BT: jax.Array, budget: ExpertBudget
+) -> jax.Array:
   """bool [B, T, E]: the experts each token may use, top-`budget` by aggregate probability."""
   b, t, e = probs_BTE.shape
   chosen_BTE = jnp.any(jax.nn.one_hot(expert_ids_BTK, e, dtype=jnp.bool_), axis=-2)
@@ -63,14 +65,26 @@ def kept_experts(probs_BTE, expert_ids_BTK, valid_BT, budget: ExpertBudget):
   return jnp.broadcast_to(kept_GE[:, None, :], (b, t, e))
 
 
-def _gates(scores_NE, ids_NK, keep_NK, norm_topk_prob: bool, scale: float):
+def _gates(
+  scores_NE: jax.Array, ids_NK: jax.Array, keep_NK: jax.Array, norm_topk_prob: bool, scale: float
+) -> jax.Array:
   gates_NK = jnp.take_along_axis(scores_NE, ids_NK, axis=-1) * keep_NK.astype(scores_NE.dtype)
   if norm_topk_prob:
     gates_NK = gates_NK / (jnp.sum(gates_NK, axis=-1, keepdims=True) + 1e-20)
   return gates_NK * scale
 
 
-def restrict(scores_NE, choice_NE, ids_NK, allowed_NE, *, top_k: int, norm_topk_prob: bool, scale: float, policy: str):
+def restrict(
+  scores_NE: jax.Array,
+  choice_NE: jax.Array,
+  ids_NK: jax.Array,
+  allowed_NE: jax.Array,
+  *,
+  top_k: int,
+  norm_topk_prob: bool,
+  scale: float,
+  policy: str,
+) -> tuple[jax.Array, jax.Array]:
   """Budgeted routing: (expert_ids [N, K], gates [N, K]) using only `allowed` experts.
 
   `choice_NE` is the selection score the router ranked by (with group limits applied as -inf);

@@ -26,6 +26,11 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from moespec_jax.config import ModelConfig
+
+# One layer's (keys, values) as `KVCache` holds them.
+LayerCache = tuple[jax.Array, jax.Array]
+
 
 @struct.dataclass
 class KVCache:
@@ -33,7 +38,7 @@ class KVCache:
   values: tuple  # per layer [B * H_kv, S, D_head] (MLA: rope key [B, S, qk_rope_head_dim])
 
   @classmethod
-  def for_config(cls, config, batch: int, max_len: int, n_layers: int | None = None) -> KVCache:
+  def for_config(cls, config: ModelConfig, batch: int, max_len: int, n_layers: int | None = None) -> KVCache:
     """A zero cache shaped for `config`'s attention (`ModelConfig.cache_dims`) and dtype, one
     layer per decoder layer (or `n_layers`, e.g. one per MTP module)."""
     heads, key_dim, value_dim = config.cache_dims
@@ -52,16 +57,16 @@ class KVCache:
     return self.values[0].shape[1]
 
 
-def write_rows(buffer_BS, new_BT, start_B):
+def write_rows(buffer_BS: jax.Array, new_BT: jax.Array, start_B: jax.Array) -> jax.Array:
   """Writes each row's n new entries (axis 1) at its own start position (no copy under jit)."""
 
-  def one_row(b_S, n_T, s):
+  def one_row(b_S: jax.Array, n_T: jax.Array, s: jax.Array):
     return jax.lax.dynamic_update_slice_in_dim(b_S, n_T.astype(b_S.dtype), s, axis=0)
 
   return jax.vmap(one_row)(buffer_BS, new_BT, start_B)
 
 
-def write_positions(cache, new_BTHD, start_B, *, key_major: bool = False):
+def write_positions(cache: jax.Array, new_BTHD: jax.Array, start_B: jax.Array, *, key_major: bool = False) -> jax.Array:
   """Writes a pass's T new entries per row (as the projections give them, [B, T, H, D]) into
   the cache, [N = B * H, S, D] (`key_major`: [N, D, S]), at each row's start position (in
   place under jit)."""

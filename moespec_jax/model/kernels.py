@@ -115,12 +115,12 @@ class Kernels:
 PLAIN = Kernels()
 
 
-def use_packed(packed_NDC, x_BTD) -> bool:
+def use_packed(packed_NDC: jax.Array | None, x_BTD: jax.Array) -> bool:
   """Whether a product of `x_BTD` reads the packed weight `packed_NDC` (None: not packed)."""
   return packed_NDC is not None and x_BTD.shape[0] * x_BTD.shape[1] <= PACKED_MAX_ROWS
 
 
-def packed_product(x_BTD, packed_NDC, n_cols: int):
+def packed_product(x_BTD: jax.Array, packed_NDC: jax.Array, n_cols: int) -> jax.Array:
   """x [B, T, D] @ W for W packed by `pallas_kernels.cpu.pack_columns`: float32 [B, T, n_cols]."""
   b, t, d = x_BTD.shape
   return cpu.packed_matmul(x_BTD.reshape(b * t, d), packed_NDC, n_cols).reshape(b, t, n_cols)

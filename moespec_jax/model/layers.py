@@ -1,15 +1,21 @@
 """Small building blocks: RMSNorm, rotary embeddings, SwiGLU, initialisers."""
 
+from __future__ import annotations
+
 import math
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.typing import ArrayLike, DTypeLike
 
 from moespec_jax.model.kernels import PLAIN, Kernels, packed_product, use_packed
 
+# A pass's rotary (cos, sin) tables, each [B, T, F] (`rope_tables`).
+RopeTables = tuple[jax.Array, jax.Array]
 
-def at_index(x_BT, at_B):
+
+def at_index(x_BT: jax.Array, at_B: jax.Array) -> jax.Array:
   """Row b's entry at index at_B[b], keeping a length-1 axis: [B, T, ...] -> [B, 1, ...] (a pass's
   outputs or inputs where one index per row alone is read); with at_B [B, W], the W entries of
   row b at indices at_B[b]: [B, W, ...]."""
@@ -19,12 +25,12 @@ def at_index(x_BT, at_B):
   return x_BT[rows_B, at_B][:, None]
 
 
-def fan_in_init(fan_in: int, scale: float = 1.0):
+def fan_in_init(fan_in: int, scale: float = 1.0) -> jax.nn.initializers.Initializer:
   """Normal init with std = scale / sqrt(fan_in)."""
   return jax.nn.initializers.normal(stddev=scale / math.sqrt(fan_in))
 
 
-def halving_sum(x):
+def halving_sum(x: jax.Array) -> jax.Array:
   """Sum over the last axis, keepdims, by halving: the two halves added elementwise until one
   column is left (zero-padded to a power of two). Every row's bits depend on its own entries
   alone; XLA:CPU's reduction of a [40, 256] array gave 8 of its rows other last bits than the
@@ -44,11 +50,11 @@ class RMSNorm(nnx.Module):
   (decoding programs on CPU) the mean square is a `halving_sum`, so a row's result does not depend
   on the other rows of the pass (slower to differentiate: training keeps XLA's reduction)."""
 
-  def __init__(self, dim: int, eps: float, *, dtype=jnp.float32):
+  def __init__(self, dim: int, eps: float, *, dtype: DTypeLike = jnp.float32) -> None:
     self.weight = nnx.Param(jnp.ones((dim,), dtype))
     self.eps = eps
 
-  def __call__(self, x, kernels: Kernels = PLAIN):
+  def __call__(self, x: jax.Array, kernels: Kernels = PLAIN) -> jax.Array:
     x32 = x.astype(jnp.float32)
     squares = x32 * x32
     if kernels.policy.row_invariant_norms:
@@ -60,8 +66,14 @@ class RMSNorm(nnx.Module):
 
 
 def rope_tables(
-  positions_BT, head_dim: int, theta: float, *, inv_freq_F=None, scale: float = 1.0, on_cpu: bool | None = None
-):
+  positions_BT: jax.Array,
+  head_dim: int,
+  theta: float,
+  *,
+  inv_freq_F: ArrayLike | None = None,
+  scale: float = 1.0,
+  on_cpu: bool | None = None,
+) -> RopeTables:
   """cos/sin tables [B, T, head_dim / 2] for integer positions (`inv_freq_F`: the rotary
   frequencies, default theta^(-2i / head_dim); `scale` multiplies both, as YaRN's attention
   factor). Computed once per pass for every layer on the CPU platform (`_materialized`; `on_cpu`
@@ -78,7 +90,7 @@ def rope_tables(
   return cos_sin_BTG[..., :f], cos_sin_BTG[..., f:]
 
 
-def _materialized(x_BTG):
+def _materialized(x_BTG: jax.Array) -> jax.Array:
   """x, computed once where XLA:CPU would recompute it inside every consumer.
 
   XLA:CPU fused the rotary tables' cos and sin into each layer's rotation of queries and keys and
@@ -88,7 +100,7 @@ def _materialized(x_BTG):
   return jnp.einsum("btg,gh->bth", x_BTG, eye_GG, precision=jax.lax.Precision.HIGHEST)
 
 
-def apply_rope(x_BTHD, cos_BTF, sin_BTF):
+def apply_rope(x_BTHD: jax.Array, cos_BTF: jax.Array, sin_BTF: jax.Array) -> jax.Array:
   """Rotary embedding in the half-split layout (Llama / Mixtral / Qwen / DeepSeek convention)."""
   half = x_BTHD.shape[-1] // 2
   x32 = x_BTHD.astype(jnp.float32)
@@ -101,12 +113,14 @@ def apply_rope(x_BTHD, cos_BTF, sin_BTF):
 class SwiGLU(nnx.Module):
   """Dense SwiGLU FFN: (silu(x Wg) * (x Wu)) Wd. Used for dense layers and shared experts."""
 
-  def __init__(self, d_model: int, hidden: int, *, out_scale: float, rngs: nnx.Rngs, dtype=jnp.float32):
+  def __init__(
+    self, d_model: int, hidden: int, *, out_scale: float, rngs: nnx.Rngs, dtype: DTypeLike = jnp.float32
+  ) -> None:
     self.w_gate_DF = nnx.Param(fan_in_init(d_model)(rngs.params(), (d_model, hidden), dtype))
     self.w_up_DF = nnx.Param(fan_in_init(d_model)(rngs.params(), (d_model, hidden), dtype))
     self.w_down_FD = nnx.Param(fan_in_init(hidden, out_scale)(rngs.params(), (hidden, d_model), dtype))
 
-  def __call__(self, x_BTD, kernels: Kernels = PLAIN):
+  def __call__(self, x_BTD: jax.Array, kernels: Kernels = PLAIN) -> jax.Array:
     """`kernels.dense`: a `PackedSwiGLU` (passes of few rows read it with the C++ product) or None."""
     packed = kernels.dense
     if packed is not None and use_packed(packed.gate_up_NDC, x_BTD):

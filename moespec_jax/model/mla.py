@@ -22,12 +22,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.typing import DTypeLike
 
 from moespec_jax.config import ModelConfig
 from moespec_jax.model import cache as cache_lib
 from moespec_jax.model import layers
-from moespec_jax.model.kernels import PLAIN, Kernels, packed_product, use_packed
-from moespec_jax.model.layers import RMSNorm, apply_rope, at_index, fan_in_init
+from moespec_jax.model.cache import LayerCache
+from moespec_jax.model.kernels import PLAIN, Kernels, PackedMLA, packed_product, use_packed
+from moespec_jax.model.layers import RMSNorm, RopeTables, apply_rope, at_index, fan_in_init
 from pallas_kernels import cpu
 
 # DeepSeek's q/kv latent norms use their own epsilon, not the config's rms_norm_eps.
@@ -46,7 +48,7 @@ def rope_inv_freq(config: ModelConfig) -> tuple[np.ndarray, float]:
     return (1.0 / pos_freqs).astype(np.float32), 1.0
   factor, orig = config.rope_factor, config.rope_original_max_len
 
-  def correction_dim(rotations):
+  def correction_dim(rotations: float):
     return dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(base))
 
   low = max(math.floor(correction_dim(config.rope_beta_fast)), 0)
@@ -63,7 +65,7 @@ def rope_inv_freq(config: ModelConfig) -> tuple[np.ndarray, float]:
   return inv_freq.astype(np.float32), float(attn_factor)
 
 
-def rope_tables(positions_BT, config: ModelConfig, *, on_cpu: bool | None = None):
+def rope_tables(positions_BT: jax.Array, config: ModelConfig, *, on_cpu: bool | None = None) -> RopeTables:
   """cos/sin tables [B, T, qk_rope_head_dim / 2] of MLA's rotary key dims (YaRN included);
   `on_cpu`: see `layers.rope_tables`."""
   inv_freq_F, attn_factor = rope_inv_freq(config)
@@ -81,7 +83,7 @@ def softmax_scale(config: ModelConfig) -> float:
   return scale
 
 
-def _per_head_product(x_BTHI, packed_HNIC, n_cols: int):
+def _per_head_product(x_BTHI: jax.Array, packed_HNIC: jax.Array, n_cols: int) -> jax.Array:
   """x [B, T, H, I] times head h's packed [I, n_cols] weight, for every h: [B, T, H, n_cols]
   (float32; the C++ product of `pallas_kernels.cpu.packed_matmul`, G = H)."""
   b, t, h, i = x_BTHI.shape
@@ -93,7 +95,7 @@ def _per_head_product(x_BTHI, packed_HNIC, n_cols: int):
 class MLAttention(nnx.Module):
   """Causal MLA; same call contract as `Attention` (the cache holds latents)."""
 
-  def __init__(self, config: ModelConfig, *, out_scale: float, rngs: nnx.Rngs, dtype=jnp.float32):
+  def __init__(self, config: ModelConfig, *, out_scale: float, rngs: nnx.Rngs, dtype: DTypeLike = jnp.float32) -> None:
     d, h = config.d_model, config.n_heads
     n, r, v = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
     c, ql = config.kv_lora_rank, config.q_lora_rank
@@ -114,7 +116,7 @@ class MLAttention(nnx.Module):
     self.w_uv_CHV = nnx.Param(fan_in_init(c)(rngs.params(), (c, h, v), dtype))
     self.w_o_HVD = nnx.Param(fan_in_init(h * v, out_scale)(rngs.params(), (h, v, d), dtype))
 
-  def _absorb_queries(self, q_nope_BTHN, packed):
+  def _absorb_queries(self, q_nope_BTHN: jax.Array, packed: PackedMLA | None) -> jax.Array:
     """The queries' no-rope part through W_uk: scores against the latent itself. With packed
     weights, W_uk head-major (in its [C, H, N] layout XLA:CPU transposed it on every pass), or per
     head for the C++ product of passes of few rows (whose rows, unlike those of XLA's batched dot,
@@ -125,7 +127,7 @@ class MLAttention(nnx.Module):
       return jnp.einsum("bthn,hnc->bthc", q_nope_BTHN, packed.uk_HNC)
     return jnp.einsum("bthn,chn->bthc", q_nope_BTHN, self.w_uk_CHN[...])
 
-  def _up_values(self, out_lat_BTHC, packed):
+  def _up_values(self, out_lat_BTHC: jax.Array, packed: PackedMLA | None) -> jax.Array:
     """Attention outputs in the latent through W_uv: [B, T, H, V] (packed as W_uk is)."""
     if packed is not None and use_packed(packed.uv_HNDC, out_lat_BTHC):
       return _per_head_product(out_lat_BTHC, packed.uv_HNDC, self.config.v_head_dim)
@@ -133,7 +135,7 @@ class MLAttention(nnx.Module):
       return jnp.einsum("bthc,hcv->bthv", out_lat_BTHC, packed.uv_HCV)
     return jnp.einsum("bthc,chv->bthv", out_lat_BTHC, self.w_uv_CHV[...])
 
-  def _project(self, x_BTD, kernels: Kernels):
+  def _project(self, x_BTD: jax.Array, kernels: Kernels) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Queries [B, T, H, N + R], the latent before its norm [B, T, C] and the rotary key before
     RoPE [B, T, R]."""
     cfg = self.config
@@ -161,7 +163,7 @@ class MLAttention(nnx.Module):
       jnp.einsum("btd,dr->btr", x_BTD, self.w_kr_DR[...]),
     )
 
-  def _output(self, out_BTHV, packed):
+  def _output(self, out_BTHV: jax.Array, packed: PackedMLA | None) -> jax.Array:
     """The heads' outputs [B, T, H, V] projected back to the model: [B, T, D]."""
     if packed is not None and use_packed(packed.o_NDC, out_BTHV):
       b, t = out_BTHV.shape[:2]
@@ -171,15 +173,15 @@ class MLAttention(nnx.Module):
 
   def __call__(
     self,
-    x_BTD,
-    positions_BT,
-    rope,
-    layer_cache=None,
+    x_BTD: jax.Array,
+    positions_BT: jax.Array,
+    rope: RopeTables,
+    layer_cache: LayerCache | None = None,
     *,
     kernels: Kernels = PLAIN,
     fresh_cache: bool = False,
-    query_at_B=None,
-  ):
+    query_at_B: jax.Array | None = None,
+  ) -> tuple[jax.Array, LayerCache | None]:
     """Returns (out_BTD, (latent_BSC, rope_key_BSR) or None); `rope`: `mla.rope_tables`.
 
     With a cache, queries attend to the cache's earlier positions and to the pass's own entries
@@ -233,7 +235,7 @@ class MLAttention(nnx.Module):
       out_BTHV = self._up_values(out_lat_BQC.reshape(b, t, h, -1).astype(q_lat_BTHC.dtype), packed)
       return self._output(out_BTHV, packed), new_cache
 
-    def scores(latent_BSC, k_rope_BSR, visible_BTS):
+    def scores(latent_BSC: jax.Array, k_rope_BSR: jax.Array, visible_BTS: jax.Array):
       s_BHTS = (
         jnp.einsum("bthc,bsc->bhts", q_lat_BTHC, latent_BSC) + jnp.einsum("bthr,bsr->bhts", q_rope_BTHR, k_rope_BSR)
       ).astype(jnp.float32) * scale
@@ -267,7 +269,15 @@ class MLAttention(nnx.Module):
       )
     return self._output(self._up_values(out_lat_BTHC, packed), packed), new_cache
 
-  def _own_attention(self, q_nope_BTHN, q_rope_BTHR, latent_BTC, k_rope_BTR, visible_BTT, scale):
+  def _own_attention(
+    self,
+    q_nope_BTHN: jax.Array,
+    q_rope_BTHR: jax.Array,
+    latent_BTC: jax.Array,
+    k_rope_BTR: jax.Array,
+    visible_BTT: jax.Array,
+    scale: float | jax.Array,
+  ) -> jax.Array:
     """Attention among the pass's own positions (a prefill, or no cache) with per-head keys and
     values expanded from the latent: [B, T, H, V]. Many queries against few keys each: the
     expanded products are several times narrower than the latent ones (qk_nope_head_dim +

@@ -15,6 +15,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.typing import DTypeLike
 
 import pallas_kernels
 from moespec_jax.config import ModelConfig
@@ -23,12 +24,22 @@ from moespec_jax.model.kernels import PLAIN, Kernels, use_packed
 from moespec_jax.model.layers import SwiGLU, fan_in_init
 from pallas_kernels import cpu
 
+# One MoE layer's routing: expert_ids [..., K] int32, gates [..., K] f32, probs [..., E] f32 (`route`).
+LayerRouting = tuple[jax.Array, jax.Array, jax.Array]
+
 
 class RouterBias(nnx.Variable):
   """DeepSeek-V3's load-balancing correction bias: not a trained parameter."""
 
 
-def route(logits_TE, config: ModelConfig, score_bias_E=None, *, allowed_TE=None, budget_policy: str = "truncate"):
+def route(
+  logits_TE: jax.Array,
+  config: ModelConfig,
+  score_bias_E: jax.Array | None = None,
+  *,
+  allowed_TE: jax.Array | None = None,
+  budget_policy: str = "truncate",
+) -> LayerRouting:
   """Top-k routing. Returns expert_ids [T, K] int32, gates [T, K] f32, probs [T, E] f32.
 
   `probs` are the per-token routing probabilities (scores normalised to sum 1), used by
@@ -75,7 +86,7 @@ def route(logits_TE, config: ModelConfig, score_bias_E=None, *, allowed_TE=None,
   return expert_ids_TK.astype(jnp.int32), gates_TK, probs_TE
 
 
-def masked_to_read_experts(ids_NK, gates_NK, valid_N):
+def masked_to_read_experts(ids_NK: jax.Array, gates_NK: jax.Array, valid_N: jax.Array) -> tuple[jax.Array, jax.Array]:
   """Expert ids and gates for the kernel, such that masked tokens cost no expert read.
 
   A masked token's slots point at the experts of the pass's first valid token, with gate 0:
@@ -91,7 +102,7 @@ def masked_to_read_experts(ids_NK, gates_NK, valid_N):
 class MoE(nnx.Module):
   """Routed experts (SwiGLU, width expert_hidden) plus fused shared experts (optionally gated)."""
 
-  def __init__(self, config: ModelConfig, *, out_scale: float, rngs: nnx.Rngs, dtype=jnp.float32):
+  def __init__(self, config: ModelConfig, *, out_scale: float, rngs: nnx.Rngs, dtype: DTypeLike = jnp.float32) -> None:
     d, e, f = config.d_model, config.n_routed_experts, config.expert_hidden
     self.config = config
     self.w_router_DE = nnx.Param(fan_in_init(d)(rngs.params(), (d, e), jnp.float32))
@@ -107,8 +118,13 @@ class MoE(nnx.Module):
     self.w_shared_gate_D = nnx.Param(jnp.zeros((d,), dtype)) if config.shared_expert_gate else None
 
   def __call__(
-    self, x_BTD, *, kernels: Kernels = PLAIN, expert_budget: budget_lib.ExpertBudget | None = None, valid_BT=None
-  ):
+    self,
+    x_BTD: jax.Array,
+    *,
+    kernels: Kernels = PLAIN,
+    expert_budget: budget_lib.ExpertBudget | None = None,
+    valid_BT: jax.Array | None = None,
+  ) -> tuple[jax.Array, LayerRouting]:
     """Routed + shared experts. With `expert_budget` (approximate), at most that many routed
     experts are used, ranked over the pass's `valid_BT` tokens (default: all). Tokens outside
     `valid_BT` (finished rows, empty draft slots) read no expert of their own: their routed

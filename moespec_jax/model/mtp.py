@@ -37,20 +37,40 @@ the same modules over whole sequences with teacher forcing.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Protocol
+
+import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.typing import DTypeLike
 
 from moespec_jax.config import ModelConfig
 from moespec_jax.model.block import Block
-from moespec_jax.model.cache import KVCache
+from moespec_jax.model.cache import KVCache, LayerCache
 from moespec_jax.model.kernels import PLAIN, Kernels, packed_product, use_packed
-from moespec_jax.model.layers import RMSNorm, at_index, fan_in_init
+from moespec_jax.model.layers import RMSNorm, RopeTables, at_index, fan_in_init
+from moespec_jax.model.moe import LayerRouting
+
+
+class MTPTarget(Protocol):
+  """What the MTP modules read of their target: the `Transformer` (which imports this module), its
+  embedding, final norm, output head, rotary tables and its MTP modules."""
+
+  config: ModelConfig
+  embed_VD: nnx.Param
+  final_norm: RMSNorm
+  mtp: Sequence[MTPModule] | None
+
+  def rope(self, positions_BT: jax.Array, kernels: Kernels = PLAIN) -> RopeTables: ...
+
+  def head(self, hidden_BTD: jax.Array, kernels: Kernels = PLAIN) -> jax.Array: ...
 
 
 class MTPModule(nnx.Module):
   """One MTP depth: norms, the [hidden; embedding] projection W_p, one transformer block."""
 
-  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
+  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype: DTypeLike = jnp.float32) -> None:
     d = config.d_model
     self.hidden_norm = RMSNorm(d, config.norm_eps)
     self.embed_norm = RMSNorm(d, config.norm_eps)
@@ -64,7 +84,9 @@ class MTPModule(nnx.Module):
       nnx.Param(fan_in_init(d)(rngs.params(), (d, config.vocab_size), dtype)) if config.mtp_own_head else None
     )
 
-  def logits(self, model, h_BTD, *, kernels: Kernels = PLAIN, model_kernels: Kernels = PLAIN):
+  def logits(
+    self, model: MTPTarget, h_BTD: jax.Array, *, kernels: Kernels = PLAIN, model_kernels: Kernels = PLAIN
+  ) -> jax.Array:
     """Output logits of the module's hidden state (the target's head unless it has its own).
     `kernels`: this module's (a `PackedMTP` or None); `model_kernels`: the target's (its final norm
     and head)."""
@@ -81,17 +103,17 @@ class MTPModule(nnx.Module):
 
   def __call__(
     self,
-    hidden_BTD,
-    next_emb_BTD,
-    positions_BT,
-    rope,
-    layer_cache,
+    hidden_BTD: jax.Array,
+    next_emb_BTD: jax.Array,
+    positions_BT: jax.Array,
+    rope: RopeTables,
+    layer_cache: LayerCache | None,
     *,
     kernels: Kernels = PLAIN,
-    valid_BT=None,
+    valid_BT: jax.Array | None = None,
     fresh_cache: bool = False,
-    output_at_B=None,
-  ):
+    output_at_B: jax.Array | None = None,
+  ) -> tuple[jax.Array, LayerCache | None, LayerRouting | None]:
     """Returns (h_BTD, new layer cache, routing). Tokens outside `valid_BT` read no routed expert
     (see `Transformer.__call__`); `output_at_B`: see `Block.__call__`. `kernels`: the policy and a
     `PackedMTP` or None."""
@@ -125,19 +147,19 @@ def module_for_depth(depth: int, num_modules: int) -> tuple[int, int]:
 
 
 def run_module(
-  model,
+  model: MTPTarget,
   m: int,
-  hidden_BTD,
-  next_tokens_BT,
-  positions_BT,
+  hidden_BTD: jax.Array,
+  next_tokens_BT: jax.Array,
+  positions_BT: jax.Array,
   cache: KVCache | None,
   *,
   kernels: Kernels = PLAIN,
   compute_logits: bool = True,
-  valid_BT=None,
+  valid_BT: jax.Array | None = None,
   fresh_cache: bool = False,
-  output_at_B=None,
-):
+  output_at_B: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array | None, KVCache | None]:
   """Module `m` (0-based) over T tokens; returns (h_BTD, logits_BTV or None, new cache or None).
   Tokens outside `valid_BT` (default: none) read no routed expert: their outputs are not used.
   `output_at_B`: the output only at that index per row, [B, 1, ...] (`Block.__call__`). `kernels`:
@@ -169,17 +191,17 @@ def run_module(
 
 
 def fill(
-  model,
-  target_hidden_BTD,
-  seq_BT,
-  positions_BT,
+  model: MTPTarget,
+  target_hidden_BTD: jax.Array,
+  seq_BT: jax.Array,
+  positions_BT: jax.Array,
   cache: KVCache,
   *,
   kernels: Kernels = PLAIN,
-  at_B=None,
-  valid_BT=None,
+  at_B: jax.Array | None = None,
+  valid_BT: jax.Array | None = None,
   fresh_cache: bool = False,
-):
+) -> tuple[jax.Array, jax.Array, KVCache]:
   """Runs modules 1..M over T indices; module k reads next tokens `seq_BT[:, k:]`.
 
   `seq_BT` holds T + M tokens per row: the tokens at positions [p+1, p+T+M) (unknown ones
@@ -221,7 +243,9 @@ def fill(
   return h1_BD, logits1_BV, cache
 
 
-def forward_train(model, target_hidden_BTD, tokens_BT, depths: int, *, kernels: Kernels = PLAIN):
+def forward_train(
+  model: MTPTarget, target_hidden_BTD: jax.Array, tokens_BT: jax.Array, depths: int, *, kernels: Kernels = PLAIN
+) -> list[jax.Array]:
   """Teacher-forced MTP logits for depths 1..`depths` (<= M) over a whole sequence.
 
   Depth k at index i predicts tokens_BT[:, i + k + 1]; returns a list of logits

@@ -5,6 +5,8 @@ them: `api.Model.packed_weights`) and passed into compiled programs beside the p
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import jax
 import jax.numpy as jnp
 
@@ -20,8 +22,16 @@ from moespec_jax.model.kernels import (
 from moespec_jax.model.mla import MLAttention
 from pallas_kernels.cpu import pack_columns
 
+if TYPE_CHECKING:
+  from moespec_jax.model.attention import Attention
+  from moespec_jax.model.block import Block
+  from moespec_jax.model.layers import SwiGLU
+  from moespec_jax.model.moe import MoE
+  from moespec_jax.model.mtp import MTPModule
+  from moespec_jax.model.transformer import Transformer
 
-def pack_weights(model, *, head: bool = True, dense: bool = True) -> PackedWeights:
+
+def pack_weights(model: Transformer, *, head: bool = True, dense: bool = True) -> PackedWeights:
   """The packed weights of `model` (a `Transformer`): its output head (`head`) and the dense
   projections of its blocks and MTP modules (`dense`; attention, dense and shared SwiGLUs, routers,
   MTP projections and own heads). A part not asked for is None (XLA's products)."""
@@ -36,18 +46,18 @@ def pack_weights(model, *, head: bool = True, dense: bool = True) -> PackedWeigh
   return PackedWeights(head_NDC=head_NDC, layers=layers, mtp=mtp)
 
 
-def _pack_block(block) -> PackedBlock:
+def _pack_block(block: Block) -> PackedBlock:
   attn = _pack_mla(block.attn) if isinstance(block.attn, MLAttention) else _pack_attention(block.attn)
   ffn = _pack_moe(block.ffn) if block.is_moe else _pack_swiglu(block.ffn)
   return PackedBlock(attn=attn, ffn=ffn)
 
 
-def _pack_swiglu(ffn) -> PackedSwiGLU:
+def _pack_swiglu(ffn: SwiGLU) -> PackedSwiGLU:
   gate_up_DG = jnp.concatenate([ffn.w_gate_DF[...], ffn.w_up_DF[...]], axis=1)
   return PackedSwiGLU(gate_up_NDC=pack_columns(gate_up_DG), down_NDC=pack_columns(ffn.w_down_FD[...]))
 
 
-def _pack_attention(attn) -> PackedAttention:
+def _pack_attention(attn: Attention) -> PackedAttention:
   """Queries, keys and values side by side (one product per pass), and the output projection."""
   d = attn.w_q_DHK.shape[0]
   qkv_DN = jnp.concatenate([w[...].reshape(d, -1) for w in (attn.w_q_DHK, attn.w_k_DHK, attn.w_v_DHK)], axis=1)
@@ -55,7 +65,7 @@ def _pack_attention(attn) -> PackedAttention:
   return PackedAttention(qkv_NDC=pack_columns(qkv_DN), o_NDC=pack_columns(o_ND))
 
 
-def _pack_mla(attn) -> PackedMLA:
+def _pack_mla(attn: MLAttention) -> PackedMLA:
   """The products of x side by side, Wqb and Wo as blocks; the per-head up-projections W_uk and
   W_uv head-major and as blocks per head."""
   d = attn.w_kv_DC.shape[0]
@@ -77,7 +87,7 @@ def _pack_mla(attn) -> PackedMLA:
   )
 
 
-def _pack_moe(moe) -> PackedMoE:
+def _pack_moe(moe: MoE) -> PackedMoE:
   """The router's columns, then the shared-expert gate's (one product routes and gates)."""
   w_DC = moe.w_router_DE[...]
   if moe.w_shared_gate_D is not None:
@@ -86,6 +96,6 @@ def _pack_moe(moe) -> PackedMoE:
   return PackedMoE(router_NDC=pack_columns(w_DC), shared=shared)
 
 
-def _pack_mtp(module) -> PackedMTP:
+def _pack_mtp(module: MTPModule) -> PackedMTP:
   head_NDC = None if module.head_DV is None else pack_columns(module.head_DV[...])
   return PackedMTP(proj_NDC=pack_columns(module.w_proj_CD[...]), head_NDC=head_NDC, block=_pack_block(module.block))

@@ -9,9 +9,10 @@ from flax import nnx, struct
 from moespec_jax.config import ModelConfig
 from moespec_jax.model import mla
 from moespec_jax.model.block import Block
+from moespec_jax.model.budget import ExpertBudget
 from moespec_jax.model.cache import KVCache
 from moespec_jax.model.kernels import PLAIN, Kernels
-from moespec_jax.model.layers import RMSNorm, fan_in_init, rope_tables
+from moespec_jax.model.layers import RMSNorm, RopeTables, fan_in_init, rope_tables
 from moespec_jax.model.mtp import MTPModule
 from pallas_kernels import cpu
 
@@ -36,7 +37,7 @@ class ForwardOutput:
 class Transformer(nnx.Module):
   """Embeddings, `n_layers` blocks, final norm, output head."""
 
-  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs) -> None:
     dtype = jnp.dtype(config.dtype)
     self.config = config
     self.embed_VD = nnx.Param(jax.random.normal(rngs.params(), (config.vocab_size, config.d_model), dtype))
@@ -54,7 +55,7 @@ class Transformer(nnx.Module):
     else:
       self.mtp = None
 
-  def rope(self, positions_BT, kernels: Kernels = PLAIN):
+  def rope(self, positions_BT: jax.Array, kernels: Kernels = PLAIN) -> RopeTables:
     """The rotary cos/sin tables of a pass, shared by its layers (MLA: its rotary key dims)."""
     c = self.config
     if c.attention_type == "mla":
@@ -64,7 +65,7 @@ class Transformer(nnx.Module):
   def new_cache(self, batch: int, max_len: int) -> KVCache:
     return KVCache.for_config(self.config, batch, max_len)
 
-  def head(self, hidden_BTD, kernels: Kernels = PLAIN):
+  def head(self, hidden_BTD: jax.Array, kernels: Kernels = PLAIN) -> jax.Array:
     """Output logits (f32) from final hidden states. With the head packed (`kernels.packed`, a
     `PackedWeights` whose `head_NDC` is set: decoding programs on CPU) the C++ product streams its
     column blocks (`pallas_kernels.cpu.packed_matmul`)."""
@@ -79,16 +80,16 @@ class Transformer(nnx.Module):
 
   def __call__(
     self,
-    tokens_BT,
-    positions_BT=None,
+    tokens_BT: jax.Array,
+    positions_BT: jax.Array | None = None,
     cache: KVCache | None = None,
     *,
     kernels: Kernels = PLAIN,
-    expert_budget=None,
-    valid_BT=None,
+    expert_budget: ExpertBudget | None = None,
+    valid_BT: jax.Array | None = None,
     compute_logits: bool = True,
     fresh_cache: bool = False,
-    hidden_at_B=None,
+    hidden_at_B: jax.Array | None = None,
   ) -> ForwardOutput:
     """One pass over `tokens_BT` at `positions_BT` (default 0..T-1 for every row).
 

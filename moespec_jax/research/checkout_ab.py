@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from moespec_jax.analysis import timing
+from moespec_jax.io.atomic import PathLike
 
 # Each call: (label, SpecParams fields, SamplingParams fields). Public fields only.
 CALLS: dict[str, tuple[dict, dict]] = {
@@ -92,9 +93,9 @@ class Worker:
 
 
 def compare(
-  checkout_a,
-  checkout_b,
-  model_dir,
+  checkout_a: PathLike,
+  checkout_b: PathLike,
+  model_dir: PathLike,
   *,
   calls: Sequence[str] = tuple(CALLS),
   rounds: int = 15,

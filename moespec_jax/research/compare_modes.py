@@ -19,7 +19,7 @@ import math
 import pathlib
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -58,8 +58,8 @@ def divergence(exact_tokens_BN, tokens_BN) -> dict[str, Any]:
 
 
 def run_compare_modes(
-  model,
-  workdir,
+  model: msj.Model,
+  workdir: atomic.PathLike,
   *,
   drafter: str = "mtp",
   num_drafts: Sequence[int] = (2, 3, 4),
@@ -71,7 +71,7 @@ def run_compare_modes(
   kernel: str = "dedup",
   max_new_tokens: int = 64,
   repeats: int = 3,
-  log=print,
+  log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
   """Runs the sweep; writes `workdir/metrics.json` (key `compare_modes`) and `pareto.png`."""
   cli.check_choices("policies", policies, budget_lib.POLICIES)

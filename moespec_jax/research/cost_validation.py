@@ -45,7 +45,7 @@ import math
 import pathlib
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -261,7 +261,12 @@ def measured_crossover(config, trace, n_list, windows: int, repeats: int, seed: 
 
 
 # The run -------------------------------------------------------------------------------------
-def run_cost_model(model, workdir, cfg: CostValidationConfig = CostValidationConfig(), log=print) -> dict[str, Any]:
+def run_cost_model(
+  model: msj.Model,
+  workdir: atomic.PathLike,
+  cfg: CostValidationConfig = CostValidationConfig(),
+  log: Callable[[str], None] = print,
+) -> dict[str, Any]:
   """Runs the validation; writes `workdir/metrics.json` (key `cost_model`) and three plots."""
   if model.config.n_moe_layers == 0:
     raise ValueError("the cost model needs a model with MoE layers")

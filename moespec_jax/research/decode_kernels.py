@@ -13,8 +13,9 @@ emit the same tokens.
 
 from __future__ import annotations
 
+import pathlib
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -23,6 +24,7 @@ import moespec_jax as msj
 from moespec_jax.analysis import timing
 from moespec_jax.decoding import programs
 from moespec_jax.io import plots
+from moespec_jax.io.atomic import PathLike
 from moespec_jax.io.progress import Progress
 from moespec_jax.research import roofline
 
@@ -37,15 +39,15 @@ VARIANTS: dict[str, dict[str, str]] = {
 
 
 def decode_kernels_ab(
-  model,
+  model: msj.Model,
   prompts: Sequence,
   *,
   batch_sizes: Sequence[int] = (1, 8),
   max_new_tokens: int = 64,
   rounds: int = 11,
   variants: Sequence[str] = tuple(VARIANTS),
-  before=roofline.flush_caches,
-  log=print,
+  before: Callable[[], object] = roofline.flush_caches,
+  log: Callable[[str], None] = print,
 ) -> list[dict[str, Any]]:
   """One row per (batch size, variant): decode ms per step (median over rounds) and, beside
   "cpp", the within-round ratio of the variant's decode time to the C++ kernels' (above 1: the
@@ -127,7 +129,7 @@ def format_table(rows: Sequence[dict]) -> str:
   return "\n".join(lines) + "\n"
 
 
-def plot(rows: Sequence[dict], path):
+def plot(rows: Sequence[dict], path: PathLike) -> pathlib.Path:
   """Each variant's decode time over the C++ kernels' (90% intervals), one group of bars per batch size."""
   plt = plots.pyplot()
   fig, ax = plt.subplots(figsize=(8, 4))

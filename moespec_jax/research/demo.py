@@ -6,6 +6,7 @@ import dataclasses
 import itertools
 import pathlib
 import statistics
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -54,15 +55,15 @@ def _row(drafter, k, batch, tps, plain_tps, speedup, out, plain_out, *, budget=N
 
 
 def run_demo(
-  model,
-  workdir,
+  model: msj.Model,
+  workdir: atomic.PathLike,
   *,
   max_new_tokens: int = 128,
-  batch_sizes=(1, 8),
+  batch_sizes: Sequence[int] = (1, 8),
   repeats: int = 7,
   max_draft: int = 8,
   budget_multiplier: int = 2,
-  log=print,
+  log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
   """Generates from held-out prompts and writes `workdir/metrics.json` (key `demo`).
 

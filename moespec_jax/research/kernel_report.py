@@ -4,10 +4,13 @@ faster exactly where u < r), the crossover, and the best kernel's share of the s
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 from moespec_jax.analysis import cost_model
 
 
-def summarize(rows, stream_gbps):
+def summarize(rows: Sequence[dict[str, Any]], stream_gbps: float) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
   """r(n) = BW_dedup / BW_per_slot, u(n) = dedup bytes / per-slot bytes, crossover per shape."""
   ratio, crossover = [], []
   by = {(r["shape"], r["routing"], r["n_tokens"], r["method"]): r for r in rows}

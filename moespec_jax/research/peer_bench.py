@@ -60,7 +60,7 @@ import inspect
 import json
 import pathlib
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -587,7 +587,7 @@ def make_config(
   return cfg
 
 
-def run_peer_bench(workdir, cfg: PeerBenchConfig, log=print) -> dict:
+def run_peer_bench(workdir: atomic.PathLike, cfg: PeerBenchConfig, log: Callable[[str], None] = print) -> dict:
   """Measures every family of `cfg` not already in `workdir/metrics.json` from an interrupted run
   with the same settings; writes metrics.json, table.md and peer_bench.png after each family; returns the metrics
   (a finished run's as written, where nothing is left to measure)."""

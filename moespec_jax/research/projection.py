@@ -83,7 +83,7 @@ class RoutingCurve:
       )
 
 
-def load_routing_curve(path) -> RoutingCurve:
+def load_routing_curve(path: atomic.PathLike) -> RoutingCurve:
   """The empirical unique-expert curve of a `routing_stats` metrics.json."""
   stats = atomic.read_json(path).get("routing_stats")
   if not isinstance(stats, dict) or not stats.get("unique_experts"):
@@ -262,7 +262,7 @@ def describe(result: dict[str, Any]) -> str:
   return "\n".join(lines)
 
 
-def plot(result: dict[str, Any], path) -> pathlib.Path:
+def plot(result: dict[str, Any], path: atomic.PathLike) -> pathlib.Path:
   """Pass time by pass size and kernel, and the best K staircase (labelled as projected)."""
   plt = plots.pyplot()
   fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))

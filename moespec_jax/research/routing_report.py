@@ -9,6 +9,7 @@ import numpy as np
 from moespec_jax.analysis import ipf, routing
 from moespec_jax.analysis.routing import RoutingTrace
 from moespec_jax.io import plots
+from moespec_jax.io.atomic import PathLike
 
 # Overlap between the experts of tokens up to this many positions apart (the issue's 1..8).
 MAX_DISTANCE = 8
@@ -114,7 +115,7 @@ def layer_label(stats: dict[str, Any], layer: int) -> str:
   return f"layer {stats['model_layers'][layer]} (MoE)"
 
 
-def plot_routing(stats: dict[str, Any], path) -> None:
+def plot_routing(stats: dict[str, Any], path: PathLike) -> None:
   """unique experts per pass under the four models; overlap by token distance per model layer."""
   plt = plots.pyplot()
   fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))

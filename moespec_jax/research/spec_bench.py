@@ -12,7 +12,7 @@ from __future__ import annotations
 import pathlib
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import moespec_jax as msj
@@ -24,7 +24,7 @@ from moespec_jax.io import atomic, plots
 from moespec_jax.io.progress import Progress
 
 
-def bench_prompts(model, n: int, prompt_bytes: int, log=print) -> tuple[list, str]:
+def bench_prompts(model: msj.Model, n: int, prompt_bytes: int, log: Callable[[str], None] = print) -> tuple[list, str]:
   """`n` held-out code prompts and how they are encoded: text, for the model's tokenizer; for a
   checkpoint without one (a random Hugging Face import), the same text's UTF-8 bytes as token
   ids (`utf8_bytes`), as peer_bench prompts, which needs a vocabulary of at least 256."""
@@ -90,8 +90,8 @@ def paired(model, prompts, max_new_tokens: int, sampling, spec, repeats: int):
 
 
 def run_spec_bench(
-  model,
-  workdir,
+  model: msj.Model,
+  workdir: atomic.PathLike,
   *,
   batch_sizes: Sequence[int] = (1, 2, 4, 8),
   temperatures: Sequence[float] = (0.0, 1.0),
@@ -100,7 +100,7 @@ def run_spec_bench(
   max_new_tokens: int = 64,
   repeats: int = 3,
   prompt_bytes: int = 192,
-  log=print,
+  log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
   """Runs the sweep and writes `workdir/metrics.json` (key `spec_bench`) and `speedup_vs_k.png`."""
   workdir = pathlib.Path(workdir)

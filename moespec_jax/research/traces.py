@@ -15,7 +15,7 @@ def moe_layers(model) -> list[int]:
   return [i for i in range(model.config.n_layers) if model.config.is_moe_layer(i)]
 
 
-def heldout_trace(model, *, n_segments: int = 64, seq_len: int = 256, batch_size: int = 8) -> RoutingTrace:
+def heldout_trace(model: msj.Model, *, n_segments: int = 64, seq_len: int = 256, batch_size: int = 8) -> RoutingTrace:
   """Routing of `n_segments` contiguous validation windows (the routing decoding would see)."""
   if model.config.n_moe_layers == 0:
     raise ValueError("the model has no MoE layers: nothing to trace")
@@ -35,7 +35,7 @@ def heldout_trace(model, *, n_segments: int = 64, seq_len: int = 256, batch_size
   )
 
 
-def generated_trace(model, *, n_prompts: int = 16, max_new_tokens: int = 128, seed: int = 0) -> RoutingTrace:
+def generated_trace(model: msj.Model, *, n_prompts: int = 16, max_new_tokens: int = 128, seed: int = 0) -> RoutingTrace:
   """Routing of the model's own greedy continuations of held-out prompts (prompt excluded)."""
   prompts = corpus.held_out_prompts(n_prompts, prompt_bytes=128, seed=seed)
   out = msj.generate(model, prompts, max_new_tokens=max_new_tokens)

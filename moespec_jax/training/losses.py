@@ -1,16 +1,18 @@
 """Language-modelling and load-balancing losses."""
 
+from __future__ import annotations
+
 import jax
 import jax.numpy as jnp
 
 
-def cross_entropy(logits_BTV, targets_BT):
+def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
   """Per-token negative log-likelihood in nats, [B, T]."""
   logprobs_BTV = jax.nn.log_softmax(logits_BTV.astype(jnp.float32), axis=-1)
   return -jnp.take_along_axis(logprobs_BTV, targets_BT[..., None], axis=-1)[..., 0]
 
 
-def load_balance_loss(expert_ids_LBTK, probs_LBTE):
+def load_balance_loss(expert_ids_LBTK: jax.Array, probs_LBTE: jax.Array) -> jax.Array:
   """Switch-style auxiliary loss E * sum_e f_e * P_e, averaged over MoE layers (1.0 when uniform).
 
   f_e: the fraction of (token, slot) assignments that went to expert e (no gradient);
@@ -28,7 +30,7 @@ def load_balance_loss(expert_ids_LBTK, probs_LBTE):
   return n_experts * jnp.mean(jnp.sum(frac_LE * mean_prob_LE, axis=-1))
 
 
-def expert_load(expert_ids_LBTK, n_experts: int):
+def expert_load(expert_ids_LBTK: jax.Array, n_experts: int) -> jax.Array:
   """Fraction of assignments per expert, [L, E]."""
   n_layers = expert_ids_LBTK.shape[0]
   counts_LE = (

@@ -17,7 +17,8 @@ import functools
 import json
 import pathlib
 import time
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +34,9 @@ from moespec_jax.io.progress import Progress
 from moespec_jax.model import Transformer
 from moespec_jax.model import mtp as mtp_lib
 from moespec_jax.training import losses
+
+if TYPE_CHECKING:
+  import ml_collections
 
 LOSSES = ("ce", "distill")
 
@@ -56,7 +60,7 @@ class MTPTrainConfig:
   # Stops early (keeping what is trained) after this many seconds; 0 disables.
   time_budget_s: float = 0.0
 
-  def __post_init__(self):
+  def __post_init__(self) -> None:
     if self.loss not in LOSSES:
       raise ValueError(f"mtp.loss must be one of {LOSSES}, got {self.loss!r}")
     for name in ("num_mtp_modules", "batch_size", "seq_len", "steps", "eval_batches", "checkpoint_every"):
@@ -66,11 +70,11 @@ class MTPTrainConfig:
       raise ValueError(f"mtp.learning_rate must be > 0, got {self.learning_rate}")
 
   @classmethod
-  def from_dict(cls, d) -> MTPTrainConfig:
+  def from_dict(cls, d: Mapping[str, Any] | ml_collections.ConfigDict) -> MTPTrainConfig:
     return dataclass_from_dict(cls, d, "unknown mtp config fields")
 
 
-def _is_mtp_param(path, value) -> bool:
+def _is_mtp_param(path: tuple[Any, ...], value: object) -> bool:
   return isinstance(value, nnx.Param) and "mtp" in path
 
 
@@ -89,12 +93,14 @@ def with_fresh_heads(target: Model, num_mtp_modules: int, seed: int) -> Transfor
   return module
 
 
-def split_heads(module: Transformer):
+def split_heads(module: Transformer) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:
   """(graphdef, trainable MTP params, frozen rest)."""
   return nnx.split(module, _is_mtp_param, ...)
 
 
-def depth_losses(module, tokens_BT, depths: int):
+def depth_losses(
+  module: Transformer, tokens_BT: jax.Array, depths: int
+) -> list[tuple[jax.Array, jax.Array, jax.Array, jax.Array]]:
   """Per depth: (ce on true tokens, distillation ce toward the target, greedy match, min(p, q) mass)."""
   out = module(tokens_BT)
   hidden = jax.lax.stop_gradient(out.hidden)
@@ -125,7 +131,9 @@ def make_optimizer(tc: MTPTrainConfig) -> optax.GradientTransformation:
   )
 
 
-def _loss_fn(heads, rest, batch_BT, graphdef, tc: MTPTrainConfig):
+def _loss_fn(
+  heads: nnx.State, rest: nnx.State, batch_BT: jax.Array, graphdef: nnx.GraphDef, tc: MTPTrainConfig
+) -> tuple[jax.Array, list[tuple[jax.Array, ...]]]:
   module = nnx.merge(graphdef, heads, rest)
   per_depth = depth_losses(module, batch_BT, tc.num_mtp_modules)
   pick = 0 if tc.loss == "ce" else 1
@@ -134,7 +142,14 @@ def _loss_fn(heads, rest, batch_BT, graphdef, tc: MTPTrainConfig):
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
-def train_step(graphdef, tc: MTPTrainConfig, heads, rest, opt_state, batch_BT):
+def train_step(
+  graphdef: nnx.GraphDef,
+  tc: MTPTrainConfig,
+  heads: nnx.State,
+  rest: nnx.State,
+  opt_state: optax.OptState,
+  batch_BT: jax.Array,
+) -> tuple[nnx.State, optax.OptState, dict[str, jax.Array]]:
   """One optimizer step on the heads; the frozen target (`rest`) is an argument, not a constant."""
   (loss, per_depth), grads = jax.value_and_grad(_loss_fn, has_aux=True)(heads, rest, batch_BT, graphdef, tc)
   updates, opt_state = make_optimizer(tc).update(grads, opt_state, heads)
@@ -143,12 +158,14 @@ def train_step(graphdef, tc: MTPTrainConfig, heads, rest, opt_state, batch_BT):
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
-def eval_step(graphdef, depths: int, heads, rest, batch_BT):
+def eval_step(graphdef: nnx.GraphDef, depths: int, heads: nnx.State, rest: nnx.State, batch_BT: jax.Array) -> jax.Array:
   module = nnx.merge(graphdef, heads, rest)
   return jnp.asarray(depth_losses(module, batch_BT, depths))  # [depths, 4]
 
 
-def evaluate(graphdef, heads, rest, val_tokens, tc: MTPTrainConfig) -> list[dict[str, float]]:
+def evaluate(
+  graphdef: nnx.GraphDef, heads: nnx.State, rest: nnx.State, val_tokens: np.ndarray, tc: MTPTrainConfig
+) -> list[dict[str, float]]:
   """Teacher-forced per-depth figures on held-out windows."""
   rows = []
   for vb in batches_lib.validation_batches(val_tokens, tc.batch_size, tc.seq_len - 1, max_batches=tc.eval_batches):
@@ -166,7 +183,9 @@ def evaluate(graphdef, heads, rest, val_tokens, tc: MTPTrainConfig) -> list[dict
   ]
 
 
-def train(target: Model, tc: MTPTrainConfig, workdir, *, log=print) -> tuple[Model, dict[str, Any]]:
+def train(
+  target: Model, tc: MTPTrainConfig, workdir: atomic.PathLike, *, log: Callable[[str], None] = print
+) -> tuple[Model, dict[str, Any]]:
   """Trains (or resumes) MTP heads on the frozen `target`; returns target + heads and metrics.
 
   `workdir/checkpoints` holds resumable state, `workdir/model` the model with heads.
@@ -252,7 +271,7 @@ def decoding_acceptance(
   return out
 
 
-def plot_mtp(metrics: dict[str, Any], path) -> pathlib.Path:
+def plot_mtp(metrics: dict[str, Any], path: atomic.PathLike) -> pathlib.Path:
   """The training loss over steps, and the acceptance by depth: teacher-forced on held-out text
   (greedy; expected at T = 1) and, where measured, by speculative decoding (`decoding_acceptance`)."""
   plt = plots.pyplot()

@@ -7,7 +7,8 @@ import dataclasses
 import math
 import pathlib
 import time
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +25,9 @@ from moespec_jax.io.progress import Progress
 from moespec_jax.model import Transformer
 from moespec_jax.model.moe import RouterBias
 from moespec_jax.training import losses
+
+if TYPE_CHECKING:
+  import ml_collections
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +50,7 @@ class TrainConfig:
   checkpoint_every: int = 250
   log_every_seconds: float = 10.0
 
-  def __post_init__(self):
+  def __post_init__(self) -> None:
     for name in ("batch_size", "seq_len", "steps", "eval_every", "checkpoint_every"):
       if getattr(self, name) < 1:
         raise ValueError(f"train.{name} must be >= 1, got {getattr(self, name)}")
@@ -54,7 +58,7 @@ class TrainConfig:
       raise ValueError(f"train.learning_rate must be > 0, got {self.learning_rate}")
 
   @classmethod
-  def from_dict(cls, d) -> TrainConfig:
+  def from_dict(cls, d: Mapping[str, Any] | ml_collections.ConfigDict) -> TrainConfig:
     return dataclass_from_dict(cls, d, "unknown train config fields")
 
 
@@ -74,15 +78,17 @@ def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
   )
 
 
-def split_module(module: Transformer):
+def split_module(module: Transformer) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:
   """(graphdef, params, router biases): the trained params apart from non-gradient state."""
   return nnx.split(module, nnx.Param, RouterBias)
 
 
-def make_train_step(graphdef, optimizer, tc: TrainConfig, config: ModelConfig):
+def make_train_step(
+  graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, tc: TrainConfig, config: ModelConfig
+) -> Callable[..., tuple[nnx.State, nnx.State, optax.OptState, dict[str, jax.Array]]]:
   """A jitted step: (params, biases, opt_state, batch) -> (params, biases, opt_state, metrics)."""
 
-  def loss_fn(params, biases, batch_BT1):
+  def loss_fn(params: nnx.State, biases: nnx.State, batch_BT1: jax.Array):
     module = nnx.merge(graphdef, params, biases)
     inputs, targets = batch_BT1[:, :-1], batch_BT1[:, 1:]
     out = module(inputs)
@@ -93,7 +99,7 @@ def make_train_step(graphdef, optimizer, tc: TrainConfig, config: ModelConfig):
     return ce + tc.aux_loss_weight * aux, (ce, aux, out.routing)
 
   @jax.jit
-  def step(params, biases, opt_state, batch_BT1):
+  def step(params: nnx.State, biases: nnx.State, opt_state: optax.OptState, batch_BT1: jax.Array):
     (loss, (ce, aux, routing)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, biases, batch_BT1)
     updates, opt_state = optimizer.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
@@ -112,9 +118,9 @@ def make_train_step(graphdef, optimizer, tc: TrainConfig, config: ModelConfig):
   return step
 
 
-def make_eval_step(graphdef):
+def make_eval_step(graphdef: nnx.GraphDef) -> Callable[[nnx.State, nnx.State, jax.Array], jax.Array]:
   @jax.jit
-  def eval_step(params, biases, batch_BT1):
+  def eval_step(params: nnx.State, biases: nnx.State, batch_BT1: jax.Array):
     module = nnx.merge(graphdef, params, biases)
     out = module(batch_BT1[:, :-1])
     return jnp.sum(losses.cross_entropy(out.logits, batch_BT1[:, 1:]))
@@ -122,7 +128,14 @@ def make_eval_step(graphdef):
   return eval_step
 
 
-def evaluate(eval_step, params, biases, val_tokens, tc: TrainConfig, byte_lengths) -> float:
+def evaluate(
+  eval_step: Callable[[nnx.State, nnx.State, jax.Array], jax.Array],
+  params: nnx.State,
+  biases: nnx.State,
+  val_tokens: np.ndarray,
+  tc: TrainConfig,
+  byte_lengths: np.ndarray,
+) -> float:
   """Validation bits per byte over `eval_batches` fixed batches."""
   nats, n_bytes = 0.0, 0
   for vb in batches_lib.validation_batches(
@@ -147,7 +160,12 @@ def plot_curves(metrics: dict, path: pathlib.Path) -> None:
 
 
 def train(
-  config: ModelConfig, tc: TrainConfig, workdir, *, config_name: str = "", log=print
+  config: ModelConfig,
+  tc: TrainConfig,
+  workdir: atomic.PathLike,
+  *,
+  config_name: str = "",
+  log: Callable[[str], None] = print,
 ) -> tuple[Model, dict[str, Any]]:
   """Trains (or resumes) a target model in `workdir`; returns the model and its metrics.
 

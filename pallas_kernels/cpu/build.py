@@ -9,6 +9,8 @@ If no compiler is found, `ensure_built` raises `CpuKernelUnavailable` with the r
 that can fall back to XLA log that reason (never silently).
 """
 
+from __future__ import annotations
+
 import ctypes
 import hashlib
 import logging
@@ -46,11 +48,11 @@ class CpuKernelUnavailable(RuntimeError):
   """The C++ CPU kernel cannot be built or loaded (e.g. no C++ compiler)."""
 
 
-def cache_dir():
+def cache_dir() -> pathlib.Path:
   return pathlib.Path(os.environ.get("MOESPEC_CACHE", os.path.expanduser("~/.cache/moespec_jax")))
 
 
-def _cpu_signature():
+def _cpu_signature() -> str:
   try:
     with open("/proc/cpuinfo") as f:
       flags = next((line for line in f if line.startswith("flags")), "")
@@ -59,7 +61,7 @@ def _cpu_signature():
   return platform.machine() + flags
 
 
-def _compiler():
+def _compiler() -> str:
   cxx = os.environ.get("MOESPEC_CXX", "g++")
   path = shutil.which(cxx)
   if path is None:
@@ -70,7 +72,7 @@ def _compiler():
   return path
 
 
-def library_path():
+def library_path() -> pathlib.Path:
   """Where the library for this source/compiler/CPU lives (it may not exist yet)."""
   cxx = _compiler()
   h = hashlib.sha256()
@@ -80,7 +82,7 @@ def library_path():
   return cache_dir() / "build" / f"moe_ffn_cpu-{h.hexdigest()[:16]}.so"
 
 
-def _build(out):
+def _build(out: pathlib.Path) -> None:
   """Compiles each source in its own compiler process, all at once (the build is compile-bound
   and the sources are independent), links them into `out` atomically."""
   cxx = _compiler()
@@ -106,7 +108,7 @@ def _build(out):
     os.replace(library, out)
 
 
-def ensure_built():
+def ensure_built() -> ctypes.CDLL:
   """Builds (once per source hash) and registers the FFI target; raises CpuKernelUnavailable."""
   with _lock:
     if _state["lib"] is not None:
@@ -130,7 +132,7 @@ def ensure_built():
     return lib
 
 
-def available():
+def available() -> bool:
   """True if the C++ kernel builds and loads here; the reason otherwise is in `unavailable_reason`."""
   try:
     ensure_built()
@@ -139,11 +141,11 @@ def available():
     return False
 
 
-def unavailable_reason():
+def unavailable_reason() -> str | None:
   return _state["error"]
 
 
-def reset_for_tests():
+def reset_for_tests() -> None:
   """Forgets a cached failure (tests switch MOESPEC_CXX)."""
   with _lock:
     if _state["lib"] is None:

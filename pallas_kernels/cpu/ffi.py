@@ -6,6 +6,8 @@ csrc/mla_attention_cpu.cc; all on csrc/gemv.h) and a monotonic clock that compil
 (csrc/clock_cpu.cc). Every call builds the library first if needed (`build.ensure_built`).
 """
 
+from __future__ import annotations
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,7 +17,16 @@ from pallas_kernels.cpu.build import ensure_built
 MODES = {"dedup": 0, "per_slot": 1}
 
 
-def expert_ffn_cpu(x_TD, expert_ids_TK, gates_TK, w_gate_EDF, w_up_EDF, w_down_EFD, *, method="dedup"):
+def expert_ffn_cpu(
+  x_TD: jax.Array,
+  expert_ids_TK: jax.Array,
+  gates_TK: jax.Array,
+  w_gate_EDF: jax.Array,
+  w_up_EDF: jax.Array,
+  w_down_EFD: jax.Array,
+  *,
+  method: str = "dedup",
+) -> jax.Array:
   """The C++ kernel: method 'dedup' (each unique expert streamed once) or 'per_slot'.
 
   Computes in f32 (inputs are cast; keep weights f32 on CPU so the cast is free) and returns
@@ -37,7 +48,7 @@ def expert_ffn_cpu(x_TD, expert_ids_TK, gates_TK, w_gate_EDF, w_up_EDF, w_down_E
   return out.astype(x_TD.dtype)
 
 
-def packed_matmul(x_MD, w_NDC, n_cols: int | None = None):
+def packed_matmul(x_MD: jax.Array, w_NDC: jax.Array, n_cols: int | None = None) -> jax.Array:
   """x [M, D] @ W for W packed by `packing.pack_columns` (f32): [M, n_cols] (default all N * C columns;
   pass V to drop the padding). Or G products side by side: x [G, M, D] and W [G, N, D, C]
   (`packing.pack_columns` vmapped over G) give [G, M, n_cols]. The C++ kernel: each block streamed once
@@ -59,7 +70,7 @@ def packed_matmul(x_MD, w_NDC, n_cols: int | None = None):
   return y if n_cols is None or n_cols == n * c else y[..., :n_cols]
 
 
-def cached_attention(q_NQD, keys_NDS, values_NSD, limit_NQ):
+def cached_attention(q_NQD: jax.Array, keys_NDS: jax.Array, values_NSD: jax.Array, limit_NQ: jax.Array) -> jax.Array:
   """softmax(q . K) . V per (row, KV head) pair n against its cache: q [N, Q, D] (already
   scaled), keys key-major [N, D, S], values [N, S, D], limit [N, Q] (query i sees positions
   0..limit[n, i]). f32 [N, Q, D]. The C++ kernel reads each pair's cache once, up to its last
@@ -77,7 +88,9 @@ def cached_attention(q_NQD, keys_NDS, values_NSD, limit_NQ):
   )
 
 
-def mla_attention(q_lat_BQC, q_rope_BQR, latent_BSC, rope_BSR, limit_BQ):
+def mla_attention(
+  q_lat_BQC: jax.Array, q_rope_BQR: jax.Array, latent_BSC: jax.Array, rope_BSR: jax.Array, limit_BQ: jax.Array
+) -> jax.Array:
   """DeepSeek MLA against its compressed cache, the key up-projection absorbed into the queries:
   softmax(q_lat . latent + q_rope . rope) . latent per cache row b, every query row (tokens x
   heads) against the row's one shared cache. q_lat [B, Q, C] and q_rope [B, Q, R] (already
@@ -108,7 +121,7 @@ def mla_attention(q_lat_BQC, q_rope_BQR, latent_BSC, rope_BSR, limit_BQ):
   )
 
 
-def clock_after(x):
+def clock_after(x: jax.typing.ArrayLike) -> tuple[jax.Array, jax.Array]:
   """(x, now): `x` (int32, any shape) passed through, and a CLOCK_MONOTONIC reading taken after
   x was computed and before anything that uses the returned x runs (int32 [2]: seconds,
   nanoseconds). Inside a compiled CPU program, no host round trip; see `elapsed_ms`."""
@@ -122,7 +135,7 @@ def clock_after(x):
   )(x)
 
 
-def elapsed_ms(start_2, end_2):
+def elapsed_ms(start_2: jax.Array, end_2: jax.Array) -> jax.Array:
   """Milliseconds (f32) between two `clock_after` readings."""
   seconds = (end_2[0] - start_2[0]).astype(jnp.float32)
   return seconds * 1e3 + (end_2[1] - start_2[1]).astype(jnp.float32) * 1e-6

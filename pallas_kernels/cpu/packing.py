@@ -1,6 +1,9 @@
 """Weights laid out for the C++ products (`ffi.packed_matmul`): column blocks, each one
 contiguous [D, block] matrix that a pass streams once for all of its rows."""
 
+from __future__ import annotations
+
+import jax
 import jax.numpy as jnp
 
 # Columns per block: 4 vectors of 16 floats, so that register panels of up to 4 rows cover a block
@@ -8,7 +11,7 @@ import jax.numpy as jnp
 PACK_COLUMNS = 64
 
 
-def pack_columns(w_DV, block: int = PACK_COLUMNS):
+def pack_columns(w_DV: jax.Array, block: int = PACK_COLUMNS) -> jax.Array:
   """`w_DV` [D, V] as column blocks [ceil(V / block), D, block] (zero-padded), the layout
   `packed_matmul` streams: each block one contiguous [D, block] matrix."""
   if w_DV.ndim != 2 or block < 1:

@@ -17,6 +17,8 @@ Triton blocks must have power-of-two sizes: D and the F tile must be powers of t
 need not be: it is a multiple of the tile, e.g. 1408 = 11 * 128).
 """
 
+from __future__ import annotations
+
 import functools
 
 import jax
@@ -30,14 +32,14 @@ from pallas_kernels import metadata
 _WHOLE = pl.no_block_spec  # the kernel indexes the whole array itself (data-dependent expert)
 
 
-def _pow2_tile(n, cap):
+def _pow2_tile(n: int, cap: int) -> int:
   t = 1
   while t * 2 <= cap and n % (t * 2) == 0:
     t *= 2
   return t
 
 
-def _check_shapes(D, F, tf, td):
+def _check_shapes(D: int, F: int, tf: int, td: int) -> None:
   if D & (D - 1):
     raise ValueError(f"the Pallas GPU kernels need a power-of-two d_model, got {D}")
   if F % tf or tf & (tf - 1):
@@ -45,7 +47,7 @@ def _check_shapes(D, F, tf, td):
   del td
 
 
-def _dot(a, b):
+def _dot(a: jax.Array, b: jax.Array) -> jax.Array:
   prec = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
   return jnp.dot(a, b, precision=prec, preferred_element_type=jnp.float32)
 
@@ -53,7 +55,9 @@ def _dot(a, b):
 # ---- deduplicated (grouped rows, tl.dot tiles) ----
 
 
-def _dedup_up_kernel(be_ref, used_ref, x_ref, wg_ref, wu_ref, h_ref, *, bd):
+def _dedup_up_kernel(
+  be_ref: jax.Ref, used_ref: jax.Ref, x_ref: jax.Ref, wg_ref: jax.Ref, wu_ref: jax.Ref, h_ref: jax.Ref, *, bd: int
+) -> None:
   b = pl.program_id(0)
   f0 = pl.program_id(1) * h_ref.shape[1]
   bm, tf = h_ref.shape
@@ -63,7 +67,7 @@ def _dedup_up_kernel(be_ref, used_ref, x_ref, wg_ref, wu_ref, h_ref, *, bd):
   def _():
     e = be_ref[b]
 
-    def body(i, carry):
+    def body(i: jax.Array, carry: tuple[jax.Array, jax.Array]):
       g, u = carry
       xs = x_ref[:, pl.ds(i * bd, bd)]
       g = g + _dot(xs, wg_ref[e, pl.ds(i * bd, bd), pl.ds(f0, tf)])
@@ -75,7 +79,9 @@ def _dedup_up_kernel(be_ref, used_ref, x_ref, wg_ref, wu_ref, h_ref, *, bd):
     h_ref[...] = (jax.nn.silu(g) * u).astype(h_ref.dtype)
 
 
-def _dedup_down_kernel(be_ref, used_ref, h_ref, wd_ref, o_ref, *, tf):
+def _dedup_down_kernel(
+  be_ref: jax.Ref, used_ref: jax.Ref, h_ref: jax.Ref, wd_ref: jax.Ref, o_ref: jax.Ref, *, tf: int
+) -> None:
   b = pl.program_id(0)
   d0 = pl.program_id(1) * o_ref.shape[1]
   bm, td = o_ref.shape
@@ -85,24 +91,24 @@ def _dedup_down_kernel(be_ref, used_ref, h_ref, wd_ref, o_ref, *, tf):
   def _():
     e = be_ref[b]
 
-    def body(i, acc):
+    def body(i: jax.Array, acc: jax.Array):
       return acc + _dot(h_ref[:, pl.ds(i * tf, tf)], wd_ref[e, pl.ds(i * tf, tf), pl.ds(d0, td)])
 
     o_ref[...] = lax.fori_loop(0, F // tf, body, jnp.zeros((bm, td), jnp.float32)).astype(o_ref.dtype)
 
 
 def dedup_rows(
-  x_TD,
-  expert_ids_TK,
-  w_gate_EDF,
-  w_up_EDF,
-  w_down_EFD,
+  x_TD: jax.Array,
+  expert_ids_TK: jax.Array,
+  w_gate_EDF: jax.Array,
+  w_up_EDF: jax.Array,
+  w_down_EFD: jax.Array,
   *,
-  block_rows=None,
-  hidden_tile=None,
-  interpret=False,
-  num_warps=4,
-):
+  block_rows: int | None = None,
+  hidden_tile: int | None = None,
+  interpret: bool = False,
+  num_warps: int = 4,
+) -> jax.Array:
   """Per-(token, slot) expert outputs y_RD, rows grouped by expert (each expert read once)."""
   T, D = x_TD.shape
   K = expert_ids_TK.shape[1]
@@ -143,14 +149,16 @@ def dedup_rows(
 # ---- per-slot (one row per program, broadcast-multiply-reduce GEMV) ----
 
 
-def _per_slot_up_kernel(ids_ref, x_ref, wg_ref, wu_ref, h_ref, *, bd):
+def _per_slot_up_kernel(
+  ids_ref: jax.Ref, x_ref: jax.Ref, wg_ref: jax.Ref, wu_ref: jax.Ref, h_ref: jax.Ref, *, bd: int
+) -> None:
   r = pl.program_id(0)
   tf = h_ref.shape[0]
   f0 = pl.program_id(1) * tf
   D = x_ref.shape[0]
   e = ids_ref[r]
 
-  def body(i, carry):
+  def body(i: jax.Array, carry: tuple[jax.Array, jax.Array]):
     g, u = carry
     xs = x_ref[pl.ds(i * bd, bd)].astype(jnp.float32)[:, None]
     g = g + jnp.sum(xs * wg_ref[e, pl.ds(i * bd, bd), pl.ds(f0, tf)].astype(jnp.float32), axis=0)
@@ -162,14 +170,14 @@ def _per_slot_up_kernel(ids_ref, x_ref, wg_ref, wu_ref, h_ref, *, bd):
   h_ref[...] = (jax.nn.silu(g) * u).astype(h_ref.dtype)
 
 
-def _per_slot_down_kernel(ids_ref, h_ref, wd_ref, o_ref, *, tf):
+def _per_slot_down_kernel(ids_ref: jax.Ref, h_ref: jax.Ref, wd_ref: jax.Ref, o_ref: jax.Ref, *, tf: int) -> None:
   r = pl.program_id(0)
   td = o_ref.shape[0]
   d0 = pl.program_id(1) * td
   F = h_ref.shape[0]
   e = ids_ref[r]
 
-  def body(i, acc):
+  def body(i: jax.Array, acc: jax.Array):
     hs = h_ref[pl.ds(i * tf, tf)].astype(jnp.float32)[:, None]
     return acc + jnp.sum(hs * wd_ref[e, pl.ds(i * tf, tf), pl.ds(d0, td)].astype(jnp.float32), axis=0)
 
@@ -177,8 +185,16 @@ def _per_slot_down_kernel(ids_ref, h_ref, wd_ref, o_ref, *, tf):
 
 
 def per_slot_rows(
-  x_TD, expert_ids_TK, w_gate_EDF, w_up_EDF, w_down_EFD, *, hidden_tile=None, interpret=False, num_warps=4
-):
+  x_TD: jax.Array,
+  expert_ids_TK: jax.Array,
+  w_gate_EDF: jax.Array,
+  w_up_EDF: jax.Array,
+  w_down_EFD: jax.Array,
+  *,
+  hidden_tile: int | None = None,
+  interpret: bool = False,
+  num_warps: int = 4,
+) -> jax.Array:
   """Per-(token, slot) expert outputs y_RD, one weight read per pair."""
   T, D = x_TD.shape
   K = expert_ids_TK.shape[1]
@@ -212,18 +228,18 @@ def per_slot_rows(
 
 @functools.partial(jax.jit, static_argnames=("method", "interpret", "block_rows", "hidden_tile"))
 def expert_ffn_gpu(
-  x_TD,
-  expert_ids_TK,
-  gates_TK,
-  w_gate_EDF,
-  w_up_EDF,
-  w_down_EFD,
+  x_TD: jax.Array,
+  expert_ids_TK: jax.Array,
+  gates_TK: jax.Array,
+  w_gate_EDF: jax.Array,
+  w_up_EDF: jax.Array,
+  w_down_EFD: jax.Array,
   *,
-  method="dedup",
-  interpret=False,
-  block_rows=None,
-  hidden_tile=None,
-):
+  method: str = "dedup",
+  interpret: bool = False,
+  block_rows: int | None = None,
+  hidden_tile: int | None = None,
+) -> jax.Array:
   """Routed SwiGLU expert FFN with the Pallas GPU kernel of `method` ('dedup' or 'per_slot')."""
   return metadata.routed_ffn(
     dedup_rows,

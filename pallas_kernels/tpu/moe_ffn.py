@@ -16,6 +16,8 @@ Tiling: activation blocks are (rows, D) with rows a multiple of 8 (f32) / 16 (bf
 weight blocks are (D, tf) and (tf, D) with tf a multiple of 128 dividing F, or F itself.
 """
 
+from __future__ import annotations
+
 import functools
 
 import jax
@@ -23,11 +25,12 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+from jax.typing import DTypeLike
 
 from pallas_kernels import metadata
 
 
-def _hidden_tile(F, requested=None):
+def _hidden_tile(F: int, requested: int | None = None) -> int:
   if requested is not None:
     if F % requested:
       raise ValueError(f"hidden tile {requested} must divide expert_hidden {F}")
@@ -38,17 +41,26 @@ def _hidden_tile(F, requested=None):
   return F
 
 
-def _sublanes(dtype):
+def _sublanes(dtype: DTypeLike) -> int:
   return 8 if jnp.dtype(dtype).itemsize >= 4 else 16
 
 
-def _swiglu_tile(x, wg, wu):
+def _swiglu_tile(x: jax.Array, wg: jax.Array, wu: jax.Array) -> jax.Array:
   g = jnp.dot(x, wg, preferred_element_type=jnp.float32)
   u = jnp.dot(x, wu, preferred_element_type=jnp.float32)
   return jax.nn.silu(g) * u
 
 
-def _dedup_kernel(block_expert_ref, used_ref, x_ref, wg_ref, wu_ref, wd_ref, o_ref, acc_ref):
+def _dedup_kernel(
+  block_expert_ref: jax.Ref,
+  used_ref: jax.Ref,
+  x_ref: jax.Ref,
+  wg_ref: jax.Ref,
+  wu_ref: jax.Ref,
+  wd_ref: jax.Ref,
+  o_ref: jax.Ref,
+  acc_ref: jax.Ref,
+) -> None:
   del block_expert_ref
   b, j = pl.program_id(0), pl.program_id(1)
 
@@ -67,8 +79,16 @@ def _dedup_kernel(block_expert_ref, used_ref, x_ref, wg_ref, wu_ref, wd_ref, o_r
 
 
 def dedup_rows(
-  x_TD, expert_ids_TK, w_gate_EDF, w_up_EDF, w_down_EFD, *, block_rows=None, hidden_tile=None, interpret=False
-):
+  x_TD: jax.Array,
+  expert_ids_TK: jax.Array,
+  w_gate_EDF: jax.Array,
+  w_up_EDF: jax.Array,
+  w_down_EFD: jax.Array,
+  *,
+  block_rows: int | None = None,
+  hidden_tile: int | None = None,
+  interpret: bool = False,
+) -> jax.Array:
   """Per-(token, slot) expert outputs y_RD (R = T*K, row t*K + k), deduplicated kernel."""
   T, D = x_TD.shape
   K = expert_ids_TK.shape[1]
@@ -103,7 +123,9 @@ def dedup_rows(
   return out_MD[meta.slot_of_row_R]
 
 
-def _per_slot_kernel(ids_ref, x_ref, wg_ref, wu_ref, wd_ref, o_ref, acc_ref):
+def _per_slot_kernel(
+  ids_ref: jax.Ref, x_ref: jax.Ref, wg_ref: jax.Ref, wu_ref: jax.Ref, wd_ref: jax.Ref, o_ref: jax.Ref, acc_ref: jax.Ref
+) -> None:
   del ids_ref
   j = pl.program_id(1)
 
@@ -119,7 +141,16 @@ def _per_slot_kernel(ids_ref, x_ref, wg_ref, wu_ref, wd_ref, o_ref, acc_ref):
     o_ref[...] = acc_ref[...].astype(o_ref.dtype)
 
 
-def per_slot_rows(x_TD, expert_ids_TK, w_gate_EDF, w_up_EDF, w_down_EFD, *, hidden_tile=None, interpret=False):
+def per_slot_rows(
+  x_TD: jax.Array,
+  expert_ids_TK: jax.Array,
+  w_gate_EDF: jax.Array,
+  w_up_EDF: jax.Array,
+  w_down_EFD: jax.Array,
+  *,
+  hidden_tile: int | None = None,
+  interpret: bool = False,
+) -> jax.Array:
   """Per-(token, slot) expert outputs y_RD, one weight read per pair."""
   T, D = x_TD.shape
   K = expert_ids_TK.shape[1]
@@ -151,18 +182,18 @@ def per_slot_rows(x_TD, expert_ids_TK, w_gate_EDF, w_up_EDF, w_down_EFD, *, hidd
 
 @functools.partial(jax.jit, static_argnames=("method", "interpret", "block_rows", "hidden_tile"))
 def expert_ffn_tpu(
-  x_TD,
-  expert_ids_TK,
-  gates_TK,
-  w_gate_EDF,
-  w_up_EDF,
-  w_down_EFD,
+  x_TD: jax.Array,
+  expert_ids_TK: jax.Array,
+  gates_TK: jax.Array,
+  w_gate_EDF: jax.Array,
+  w_up_EDF: jax.Array,
+  w_down_EFD: jax.Array,
   *,
-  method="dedup",
-  interpret=False,
-  block_rows=None,
-  hidden_tile=None,
-):
+  method: str = "dedup",
+  interpret: bool = False,
+  block_rows: int | None = None,
+  hidden_tile: int | None = None,
+) -> jax.Array:
   """Routed SwiGLU expert FFN with the Pallas TPU kernel of `method` ('dedup' or 'per_slot')."""
   return metadata.routed_ffn(
     dedup_rows,

@@ -51,6 +51,7 @@ def test_ipf_meets_its_constraints():
   co = np.stack([p * (p + (1 - p) * rho**d) for d in range(1, 6)], axis=1)  # [E, D]
   n = 5
   prob = ipf.fit_joint(p, co, n)
+  # `ipf._states` on purpose: the order of fit_joint's 2^n states is that table's, with no public name.
   states = ipf._states(n)
   for x in range(3):
     for t in range(n):

@@ -240,6 +240,7 @@ def test_auto_drafts_only_as_far_as_the_cache_has_room(auto_model, monkeypatch):
   prompts = [[(7 * i) % 50 + 1 for i in range(18)], [3, 4, 5, 6, 7]]
   plain = msj.generate(auto_model, prompts, max_new_tokens=46).tokens
   spec = msj.SpecParams(drafter="controlled", num_draft="auto", max_draft=3, research=_controlled(0.9))
+  # Private on purpose: the LoopSpec and program arguments of a generate() call have no public name.
   _, ls, _ = loop._prepare(auto_model, prompts, 46, None, spec, 0, plain)
   assert ls.cache_len == 64
   out = msj.generate(auto_model, prompts, max_new_tokens=46, spec=spec, reference_tokens=plain)
@@ -341,6 +342,7 @@ def test_step_times_grow_with_pass_size(auto_model):
 def test_passes_without_routed_experts_read_none(auto_model):
   """LoopSpec(routed_experts=False), what the cost model times as a pass's non-expert part: the
   verification pass skips every routed expert (none counted, and the tokens change)."""
+  # Private on purpose: the LoopSpec and program arguments of a generate() call have no public name.
   _, ls, args = loop._prepare(
     auto_model, RAGGED, 8, msj.SamplingParams(), msj.SpecParams(drafter="ngram", num_draft=2), 0, None
   )

@@ -53,6 +53,7 @@ def test_generate_program_lowers_for_an_accelerator(model, platform, name):
   spec = SPECS[name]
   policy = programs.kernel_policy(model, spec, platform=platform)
   assert (policy.expert_method, policy.head, policy.dense, policy.attention) == ("dedup", "xla", "xla", "xla")
+  # Private on purpose: generate()'s program (`_generate_spec`) and its arguments have no public name.
   _, ls, args = loop._prepare(model, [[1, 2, 3], [4, 5]], 8, None, spec, 0, None)
   ls = dataclasses.replace(ls, kernels=policy)
   params = programs.decode_params(model, policy, jax.tree.leaves(model.state))

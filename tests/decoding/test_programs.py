@@ -61,6 +61,7 @@ def test_program_cache_key_hashes_a_graphdef_once(tiny_model, mtp_model, monkeyp
   x = jnp.zeros((1, 8), jnp.int32)
   hashed = len(calls)  # one per graphdef object so far
   assert hashed == 3
+  # `loop._generate_spec` on purpose: the program generate() compiles has no public name.
   assert programs.signature(loop._generate_spec, ls, definition(tiny_model), x) == programs.signature(
     loop._generate_spec, ls, definition(twin), x
   )
@@ -126,6 +127,7 @@ def test_dropping_compiled_programs_returns_their_memory_mappings(tiny_model, mo
   remaining = [cache.program(sig) for sig in cache.signatures()]
   assert len(remaining) in (1, 2) and oldest_program not in remaining
   # A dropped program that a caller still holds keeps working.
+  # Private on purpose: a generate() call's program arguments and full-run flag have no public name.
   _, _, args = loop._prepare(tiny_model, [[1, 2, 3]], 5, None, None, 0, None)
   out_BN, _ = oldest_program(*args[1:], np.zeros(1, np.float32), loop._FULL_RUN)
   np.testing.assert_array_equal(np.asarray(out_BN), tokens)

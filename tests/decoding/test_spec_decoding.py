@@ -217,6 +217,7 @@ def test_commit_cuts_at_eos_and_max_new_tokens():
 def test_padded_lengths_waste_at_most_a_quarter():
   """Prompt and cache lengths are rounded up to share compiled programs, by less than a quarter
   (or 16 positions)."""
+  # `loop._bucket` on purpose: the padding rule has no public name (generate() applies it inside).
   for n in range(1, 5000):
     b = loop._bucket(n)
     assert b >= n and b % 16 == 0 and b - n < max(16, n / 4), (n, b)
@@ -353,6 +354,7 @@ def test_prefill_computes_hidden_states_where_they_are_read(
     if drafter == "none"
     else msj.SpecParams(drafter=drafter, num_draft=2, research=msj.ResearchOptions(mtp_prompt_window=window))
   )
+  # Private on purpose: the LoopSpec and program arguments of a generate() call have no public name.
   _, ls, (definition, params, tokens, lengths, seed, inputs) = loop._prepare(
     two_module_model, RAGGED, 8, None, spec, 0, None
   )
@@ -366,6 +368,7 @@ def test_mtp_prompt_window_keeps_greedy_tokens(two_module_model, plain_greedy):
   """A window shorter than the longest prompt (two modules: module 2 reads the window's next
   tokens one further) changes drafts only: the tokens are plain greedy's."""
   spec = msj.SpecParams(drafter="mtp", num_draft=3, research=msj.ResearchOptions(mtp_prompt_window=3))
+  # Private on purpose: the LoopSpec and program arguments of a generate() call have no public name.
   assert loop._prepare(two_module_model, RAGGED + REPEATS, 24, None, spec, 0, None)[1].drafter.prompt_window == 3
   out = msj.generate(two_module_model, RAGGED + REPEATS, max_new_tokens=24, spec=spec)
   np.testing.assert_array_equal(out.tokens, plain_greedy)
@@ -380,6 +383,7 @@ def test_mtp_prompt_window_drafts_from_the_window_stream(mtp_model):
   window, k = 5, 2
   prompts = [[4, 8, 15, 16, 23, 42, 7, 9, 11, 13, 17, 19], [3, 1, 4]]
   spec = msj.SpecParams(drafter="mtp", num_draft=k, research=msj.ResearchOptions(mtp_prompt_window=window))
+  # Private on purpose: the LoopSpec and program arguments of a generate() call have no public name.
   _, ls, (definition, params, tokens, lengths, seed, inputs) = loop._prepare(mtp_model, prompts, 8, None, spec, 0, None)
   assert ls.drafter.prompt_window == window
 
@@ -458,6 +462,7 @@ def test_spec_validation_errors(tiny_model, kwargs, match):
 def test_programs_take_the_state_flat_and_the_seed_as_jax_random_key_does(tiny_model):
   """generate() hands its program the state's leaves (one flatten per call) and host arrays; the
   program makes the PRNG key from the seed's low 32 bits, which is what jax.random.key does."""
+  # Private on purpose: the LoopSpec and program arguments of a generate() call have no public name.
   _, _, args = loop._prepare(tiny_model, [[1, 2, 3]], 4, None, msj.SpecParams(), 2**32 + 7, None)
   definition, (leaves, _), tokens, lengths, seed, _ = args
   assert isinstance(leaves, list) and all(isinstance(x, jax.Array) for x in leaves)

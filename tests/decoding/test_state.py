@@ -79,6 +79,7 @@ def test_statistics_leave_the_program_as_one_vector_in_their_shapes(tiny_model):
   """The program's statistics come back packed in one float32 vector (one copy to the host per
   call); unpacked, each has the shape the program's state gives it, for every statistic a program
   reports, and None for the others."""
+  # Private on purpose: the LoopSpec and program arguments of a generate() call have no public name.
   _, _, args = loop._prepare(tiny_model, [[1, 2, 3], [4, 5]], 4, None, msj.SpecParams(), 0, None)
   definition, params, tokens, lengths, seed, inputs = args
   state = jax.eval_shape(

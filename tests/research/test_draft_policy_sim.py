@@ -49,6 +49,7 @@ def test_auto_follows_a_depth_profile_to_long_drafts(monkeypatch):
   # Without depth evidence, the same as every depth at the pooled rate.
   monkeypatch.setattr(auto_draft, "DEPTH_PRIOR_WEIGHT", 1e9)
   monkeypatch.setattr(auto_draft, "DEPTH_OPTIMISM", 0.0)
+  # `sim._choose` on purpose: its cached program must be traced again with the patched constants.
   sim._choose.cache_clear()
   assert sim.auto_regret(profile, STEP_MS, by_depth=True) == pooled
   sim._choose.cache_clear()

@@ -11,13 +11,48 @@ is one entry in `drafters.REGISTRY`.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
+from jax.typing import ArrayLike
 
-from moespec_jax.decoding.state import LoopSpec, LoopState
+from moespec_jax.config import ModelConfig
+from moespec_jax.decoding.sampling_params import SamplingParams
+from moespec_jax.decoding.state import LoopSpec, LoopState, ProgramTarget
+
+if TYPE_CHECKING:
+  from moespec_jax.model.cache import KVCache
+  from moespec_jax.model.transformer import ForwardOutput
+
+
+class DraftResearch(Protocol):
+  """The research options drafters read (`params.ResearchOptions`)."""
+
+  @property
+  def controlled_acceptance(self) -> float | None: ...
+
+  @property
+  def mtp_prompt_window(self) -> int | None: ...
+
+
+class DraftSpec(Protocol):
+  """A call's `params.SpecParams` as drafters read it (`params` imports the drafters, which name
+  it by this protocol)."""
+
+  @property
+  def drafter(self) -> str: ...
+
+  @property
+  def num_draft(self) -> int | str: ...
+
+  @property
+  def max_draft(self) -> int: ...
+
+  @property
+  def research(self) -> DraftResearch: ...
 
 
 @struct.dataclass(kw_only=True)
@@ -42,7 +77,7 @@ class DraftTree:
     return self.tokens_BN.shape[1]
 
   @classmethod
-  def chain(cls, tokens_BN, q_BNV=None, valid_BN=None) -> DraftTree:
+  def chain(cls, tokens_BN: jax.Array, q_BNV: jax.Array | None = None, valid_BN: jax.Array | None = None) -> DraftTree:
     """A chain of drafts: node j follows node j - 1 (node 0 the pending token); every node valid
     unless `valid_BN` says otherwise."""
     batch, n = tokens_BN.shape
@@ -111,32 +146,48 @@ class Drafter:
   # Host side: validation and configuration.
 
   @classmethod
-  def check_spec(cls, spec) -> None:
+  def check_spec(cls, spec: DraftSpec) -> None:
     """Raises ValueError where a `SpecParams` lacks what this drafter needs."""
 
   @classmethod
-  def for_call(cls, spec, *, config, sampling, prompt_len: int) -> Drafter:
+  def for_call(cls, spec: DraftSpec, *, config: ModelConfig, sampling: SamplingParams, prompt_len: int) -> Drafter:
     """The drafter a generate() call runs (its static settings from `spec`); raises ValueError
     where the model or the sampling cannot serve it. `prompt_len`: the padded prompt length."""
     del spec, config, sampling, prompt_len
     return cls()
 
   def host_inputs(
-    self, spec, *, reference_tokens, seed_u32, n_rows: int, max_new_tokens: int, length: int, vocab_size: int
+    self,
+    spec: DraftSpec,
+    *,
+    reference_tokens: ArrayLike | None,
+    seed_u32: np.ndarray,
+    n_rows: int,
+    max_new_tokens: int,
+    length: int,
+    vocab_size: int,
   ) -> Any:
     """Arrays drawn before the program (a pytree, the program's `inputs` argument; None).
     `length`: output indices a pass may read (max_new_tokens + max_k + 1)."""
     del spec, reference_tokens, seed_u32, n_rows, max_new_tokens, length, vocab_size
     return None
 
-  def calibration_key(self, inputs) -> Any:
+  def calibration_key(self, inputs: Any) -> Any:
     """What besides its program a calibration of auto K's pass times depends on (None)."""
     del inputs
     return None
 
   # Traced.
 
-  def prefill(self, model, tokens_BT, lengths_B, prompt_BT, cache, ls: LoopSpec) -> tuple[Any, jax.Array, Any]:
+  def prefill(
+    self,
+    model: ProgramTarget,
+    tokens_BT: jax.Array,
+    lengths_B: jax.Array,
+    prompt_BT: jax.Array,
+    cache: KVCache,
+    ls: LoopSpec,
+  ) -> tuple[Any, jax.Array, Any]:
     """The target's pass over the prompts: (its output, the last prompt position's logits [B, V],
     a note `start` reads). By default only the last position's hidden state is computed."""
     out = model(
@@ -144,21 +195,36 @@ class Drafter:
     )
     return out, out.logits[:, 0], None
 
-  def start(self, model, tokens_BT, lengths_B, prompt_BT, prefilled, note, first_B, inputs, ls: LoopSpec) -> Any:
+  def start(
+    self,
+    model: ProgramTarget,
+    tokens_BT: jax.Array,
+    lengths_B: jax.Array,
+    prompt_BT: jax.Array,
+    prefilled: ForwardOutput,
+    note: Any,
+    first_B: jax.Array,
+    inputs: Any,
+    ls: LoopSpec,
+  ) -> Any:
     """The drafter's state after the prefill and the first token `first_B` (None)."""
     del model, tokens_BT, lengths_B, prompt_BT, prefilled, note, first_B, inputs, ls
     return None
 
-  def propose(self, model, state: LoopState, k: int, keys_B, ls: LoopSpec) -> tuple[DraftTree, Any]:
+  def propose(
+    self, model: ProgramTarget, state: LoopState, k: int, keys_B: jax.Array, ls: LoopSpec
+  ) -> tuple[DraftTree, Any]:
     """Up to k drafts per row as a tree (k >= 1), and the drafter's state after drafting."""
     raise NotImplementedError(f"{type(self).__name__} proposes no drafts")
 
-  def update(self, model, draft_state, verified: Verified, ls: LoopSpec) -> Any:
+  def update(self, model: ProgramTarget, draft_state: Any, verified: Verified, ls: LoopSpec) -> Any:
     """The drafter's state after a verification pass (unchanged)."""
     del model, verified, ls
     return draft_state
 
-  def shadow(self, model, state: LoopState, keys_B, ls: LoopSpec) -> tuple[jax.Array, jax.Array]:
+  def shadow(
+    self, model: ProgramTarget, state: LoopState, keys_B: jax.Array, ls: LoopSpec
+  ) -> tuple[jax.Array, jax.Array]:
     """(token_B, valid_B): the one draft it would propose, checked on plain passes (`shadows`)."""
     tree, _ = self.propose(model, state, 1, keys_B, ls)
     return tree.tokens_BN[:, 0], tree.valid_BN[:, 0]

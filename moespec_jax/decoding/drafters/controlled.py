@@ -11,21 +11,29 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
+from jax.typing import ArrayLike
 
-from moespec_jax.decoding.drafters.base import Drafter, DraftTree
-from moespec_jax.decoding.state import LoopSpec, LoopState, row_keys, stream_keys
+from moespec_jax.config import ModelConfig
+from moespec_jax.decoding.drafters.base import Drafter, DraftSpec, DraftTree
+from moespec_jax.decoding.sampling_params import SamplingParams
+from moespec_jax.decoding.state import LoopSpec, LoopState, ProgramTarget, row_keys, stream_keys
+
+if TYPE_CHECKING:
+  from moespec_jax.model.transformer import ForwardOutput
 
 # The table draws from this stream of each row's key (passes use 0, 1, ...).
 TABLE_STREAM = 0x7FFFFFFF
 
 
-def controlled_table(reference_BN, key_B, acceptance, vocab_size: int):
+def controlled_table(
+  reference_BN: jax.Array, key_B: jax.Array, acceptance: float | jax.Array, vocab_size: int
+) -> jax.Array:
   """The proposal for every output index, drawn once per generation.
 
   The proposal at index g of a row is the reference (the target's plain greedy output) at g with
@@ -35,7 +43,7 @@ def controlled_table(reference_BN, key_B, acceptance, vocab_size: int):
   """
   n = reference_BN.shape[1]
 
-  def one_row(key, ref_N):
+  def one_row(key: jax.Array, ref_N: jax.Array):
     k_hit, k_other = jax.random.split(key)
     hit_N = jax.random.uniform(k_hit, (n,)) < acceptance
     offset_N = jax.random.randint(k_other, (n,), 1, vocab_size)
@@ -45,7 +53,9 @@ def controlled_table(reference_BN, key_B, acceptance, vocab_size: int):
 
 
 @functools.partial(jax.jit, static_argnames=("length", "vocab_size"))
-def draw_table(reference_BN, seed, acceptance, *, length: int, vocab_size: int):
+def draw_table(
+  reference_BN: ArrayLike, seed: ArrayLike, acceptance: float | jax.Array, *, length: int, vocab_size: int
+) -> jax.Array:
   """`controlled_table` for output indices 0..length-1 of every row (the reference padded with
   zeros or cut to `length`), from each row's key's TABLE_STREAM."""
   ref_BN = jnp.maximum(reference_BN, 0)
@@ -54,7 +64,7 @@ def draw_table(reference_BN, seed, acceptance, *, length: int, vocab_size: int):
   return controlled_table(ref_BN, keys_B, acceptance, vocab_size)
 
 
-def controlled_propose(table_BN, gen_B, num_draft: int):
+def controlled_propose(table_BN: jax.Array, gen_B: jax.Array, num_draft: int) -> jax.Array:
   """K drafts per row: the table (`controlled_table`) from index gen."""
   n = table_BN.shape[1]
   idx_BK = jnp.clip(gen_B[:, None] + jnp.arange(num_draft, dtype=jnp.int32)[None], 0, n - 1)
@@ -85,7 +95,7 @@ class ControlledDrafter(Drafter):
   takes_reference: ClassVar[bool] = True
 
   @classmethod
-  def check_spec(cls, spec) -> None:
+  def check_spec(cls, spec: DraftSpec) -> None:
     if spec.research.controlled_acceptance is None:
       raise ValueError(
         "drafter='controlled' needs research=ResearchOptions(controlled_acceptance=a), "
@@ -93,7 +103,9 @@ class ControlledDrafter(Drafter):
       )
 
   @classmethod
-  def for_call(cls, spec, *, config, sampling, prompt_len: int) -> ControlledDrafter:
+  def for_call(
+    cls, spec: DraftSpec, *, config: ModelConfig, sampling: SamplingParams, prompt_len: int
+  ) -> ControlledDrafter:
     if not sampling.greedy:
       raise ValueError(
         "drafter='controlled' needs greedy sampling (temperature 0): its acceptance is "
@@ -102,7 +114,15 @@ class ControlledDrafter(Drafter):
     return cls()
 
   def host_inputs(
-    self, spec, *, reference_tokens, seed_u32, n_rows: int, max_new_tokens: int, length: int, vocab_size: int
+    self,
+    spec: DraftSpec,
+    *,
+    reference_tokens: ArrayLike | None,
+    seed_u32: np.ndarray,
+    n_rows: int,
+    max_new_tokens: int,
+    length: int,
+    vocab_size: int,
   ) -> ControlledInputs:
     """The table, drawn and fetched to the host (dispatch is asynchronous: a table still being
     drawn would be timed with the program)."""
@@ -134,9 +154,22 @@ class ControlledDrafter(Drafter):
     than the model's own continuation): one calibration per acceptance rate."""
     return float(inputs.acceptance)
 
-  def start(self, model, tokens_BT, lengths_B, prompt_BT, prefilled, note, first_B, inputs, ls: LoopSpec):
+  def start(
+    self,
+    model: ProgramTarget,
+    tokens_BT: jax.Array,
+    lengths_B: jax.Array,
+    prompt_BT: jax.Array,
+    prefilled: ForwardOutput,
+    note: Any,
+    first_B: jax.Array,
+    inputs: ControlledInputs,
+    ls: LoopSpec,
+  ) -> ControlledState:
     return ControlledState(table_BN=inputs.table_BN)
 
-  def propose(self, model, state: LoopState, k: int, keys_B, ls: LoopSpec):
+  def propose(
+    self, model: ProgramTarget, state: LoopState, k: int, keys_B: jax.Array, ls: LoopSpec
+  ) -> tuple[DraftTree, ControlledState]:
     drafts_BK = controlled_propose(state.draft_state.table_BN, state.generated_B, k)
     return DraftTree.chain(drafts_BK), state.draft_state

@@ -5,22 +5,27 @@ every verification pass (the accepted positions only)."""
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 from flax import struct
 
+from moespec_jax.config import ModelConfig
 from moespec_jax.decoding import sampling as sampling_lib
-from moespec_jax.decoding.drafters.base import Drafter, DraftTree, Verified
+from moespec_jax.decoding.drafters.base import Drafter, DraftSpec, DraftTree, Verified
 from moespec_jax.decoding.sampling_params import SamplingParams
-from moespec_jax.decoding.state import LoopSpec, LoopState
+from moespec_jax.decoding.state import LoopSpec, LoopState, ProgramTarget
 from moespec_jax.model import mtp as mtp_lib
 from moespec_jax.model.cache import KVCache
 from moespec_jax.model.kernels import Kernels
 from moespec_jax.model.layers import at_index
 
+if TYPE_CHECKING:
+  from moespec_jax.model.transformer import ForwardOutput
 
-def choose(key_B, logits_BV, sampling: SamplingParams):
+
+def choose(key_B: jax.Array, logits_BV: jax.Array, sampling: SamplingParams) -> tuple[jax.Array, jax.Array | None]:
   """A draft token per row and the distribution q it was drawn from (None when greedy)."""
   if sampling.greedy:
     return sampling_lib.argmax(logits_BV), None
@@ -30,18 +35,18 @@ def choose(key_B, logits_BV, sampling: SamplingParams):
 
 
 def mtp_propose(
-  model,
-  cache,
-  h1_BD,
-  logits1_BV,
-  index_B,
-  keys_BK,
+  model: ProgramTarget,
+  cache: KVCache,
+  h1_BD: jax.Array,
+  logits1_BV: jax.Array,
+  index_B: jax.Array,
+  keys_BK: jax.Array,
   num_draft: int,
   sampling: SamplingParams,
   *,
   kernels: Kernels,
-  active_B=None,
-):
+  active_B: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array | None, KVCache]:
   """K drafts from the MTP heads: depth 1 from the last fill, deeper depths one step each.
 
   `index_B` is the stream index of depth 1 (the position before the pending token). Depths
@@ -53,7 +58,7 @@ def mtp_propose(
   tok_B, q_BV = choose(keys_BK[:, 0], logits1_BV, sampling)
   drafts, qs, hidden_BD = [tok_B], [q_BV], h1_BD
 
-  def step(m, offset, hidden_BD, prev_B, key_B, cache):
+  def step(m: int, offset: int | jax.Array, hidden_BD: jax.Array, prev_B: jax.Array, key_B: jax.Array, cache: KVCache):
     pos_B1 = (index_B + offset)[:, None]
     h_B1D, logits_B1V, cache = mtp_lib.run_module(
       model,
@@ -76,7 +81,7 @@ def mtp_propose(
   first_recursive = max(2, m_total + 1)
   if num_draft >= first_recursive:
 
-    def scan_body(carry, xs):
+    def scan_body(carry: tuple[jax.Array, jax.Array, KVCache], xs: tuple[jax.Array, jax.Array]):
       hidden_BD, prev_B, cache = carry
       offset, key_B = xs
       hidden_BD, tok_B, q_BV, cache = step(m_total - 1, offset, hidden_BD, prev_B, key_B, cache)
@@ -120,7 +125,7 @@ class MtpDrafter(Drafter):
   prompt_window: int = 0
 
   @classmethod
-  def for_call(cls, spec, *, config, sampling, prompt_len: int) -> MtpDrafter:
+  def for_call(cls, spec: DraftSpec, *, config: ModelConfig, sampling: SamplingParams, prompt_len: int) -> MtpDrafter:
     if config.num_mtp_modules == 0:
       raise ValueError(
         "drafter 'mtp' needs MTP heads, but the model has num_mtp_modules=0 "
@@ -130,7 +135,15 @@ class MtpDrafter(Drafter):
     window = spec.research.mtp_prompt_window or 0
     return cls(prompt_window=window if window < prompt_len else 0)
 
-  def prefill(self, model, tokens_BT, lengths_B, prompt_BT, cache, ls: LoopSpec):
+  def prefill(
+    self,
+    model: ProgramTarget,
+    tokens_BT: jax.Array,
+    lengths_B: jax.Array,
+    prompt_BT: jax.Array,
+    cache: KVCache,
+    ls: LoopSpec,
+  ) -> tuple[ForwardOutput, jax.Array, tuple[int, jax.Array, jax.Array]]:
     """The fill reads the hidden state at the window's prompt positions."""
     window = self.prompt_window or tokens_BT.shape[1]
     offset_B = jnp.maximum(lengths_B - window, 0)
@@ -148,7 +161,18 @@ class MtpDrafter(Drafter):
     last_logits_BV = model.head(at_index(out.hidden, lengths_B - 1 - offset_B), model.kernels)[:, 0]
     return out, last_logits_BV, (window, offset_B, window_BW)
 
-  def start(self, model, tokens_BT, lengths_B, prompt_BT, prefilled, note, first_B, inputs, ls: LoopSpec):
+  def start(
+    self,
+    model: ProgramTarget,
+    tokens_BT: jax.Array,
+    lengths_B: jax.Array,
+    prompt_BT: jax.Array,
+    prefilled: ForwardOutput,
+    note: tuple[int, jax.Array, jax.Array],
+    first_B: jax.Array,
+    inputs: None,
+    ls: LoopSpec,
+  ) -> MtpState:
     """The heads' stream over the window: index j holds prompt position offset + j."""
     window, offset_B, window_BW = note
     config = model.config
@@ -172,7 +196,9 @@ class MtpDrafter(Drafter):
     )
     return MtpState(cache=mcache, h1_BD=h1_BD, logits1_BV=logits1_BV, offset_B=offset_B)
 
-  def propose(self, model, state: LoopState, k: int, keys_B, ls: LoopSpec):
+  def propose(
+    self, model: ProgramTarget, state: LoopState, k: int, keys_B: jax.Array, ls: LoopSpec
+  ) -> tuple[DraftTree, MtpState]:
     mtp = state.draft_state
     keys_BK = jax.vmap(lambda key: jax.random.split(key, k))(keys_B)
     drafts_BK, q_BKV, mcache = mtp_propose(
@@ -189,7 +215,7 @@ class MtpDrafter(Drafter):
     )
     return DraftTree.chain(drafts_BK, q_BKV), mtp.replace(cache=mcache)
 
-  def update(self, model, draft_state, verified: Verified, ls: LoopSpec):
+  def update(self, model: ProgramTarget, draft_state: MtpState, verified: Verified, ls: LoopSpec) -> MtpState:
     """The heads' fill over the accepted positions. After a plain pass (possible only under auto
     K) the heads are skipped: their state goes stale and auto K does not draft with them again."""
     k = verified.tree.num_nodes

@@ -4,7 +4,7 @@ context's suffix. No model; its state is the committed token sequence of each ro
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -12,8 +12,11 @@ from flax import struct
 
 from moespec_jax.decoding import sampling as sampling_lib
 from moespec_jax.decoding.drafters.base import Drafter, DraftTree, Verified
-from moespec_jax.decoding.state import LoopSpec, LoopState
+from moespec_jax.decoding.state import LoopSpec, LoopState, ProgramTarget
 from moespec_jax.model import cache as cache_lib
+
+if TYPE_CHECKING:
+  from moespec_jax.model.transformer import ForwardOutput
 
 # Longest suffix the n-gram drafter tries to match (bytes or tokens).
 NGRAM_MAX = 8
@@ -21,7 +24,9 @@ NGRAM_MAX = 8
 NGRAM_PREFER = 4
 
 
-def prompt_lookup(seq_BS, n_B, num_draft: int, max_ngram: int = NGRAM_MAX):
+def prompt_lookup(
+  seq_BS: jax.Array, n_B: jax.Array, num_draft: int, max_ngram: int = NGRAM_MAX
+) -> tuple[jax.Array, jax.Array]:
   """Prompt lookup: the longest suffix (<= max_ngram) of seq[:n] that occurred earlier.
 
   Matches of at least NGRAM_PREFER tokens rank equal, so that one followed by `num_draft`
@@ -32,7 +37,7 @@ def prompt_lookup(seq_BS, n_B, num_draft: int, max_ngram: int = NGRAM_MAX):
   s = seq_BS.shape[1]
   idx_S = jnp.arange(s, dtype=jnp.int32)
 
-  def one_row(seq_S, n):
+  def one_row(seq_S: jax.Array, n: jax.Array):
     # match_S[j]: length of the common suffix of seq[:j+1] and seq[:n], capped at max_ngram.
     run_S = jnp.ones((s,), jnp.bool_)
     length_S = jnp.zeros((s,), jnp.int32)
@@ -74,22 +79,35 @@ class NgramDrafter(Drafter):
   shadows: ClassVar[bool] = True
   per_depth: ClassVar[bool] = True
 
-  def start(self, model, tokens_BT, lengths_B, prompt_BT, prefilled, note, first_B, inputs, ls: LoopSpec):
+  def start(
+    self,
+    model: ProgramTarget,
+    tokens_BT: jax.Array,
+    lengths_B: jax.Array,
+    prompt_BT: jax.Array,
+    prefilled: ForwardOutput,
+    note: None,
+    first_B: jax.Array,
+    inputs: None,
+    ls: LoopSpec,
+  ) -> NgramState:
     batch, prompt_len = tokens_BT.shape
     seq_BS = jnp.zeros((batch, ls.cache_len + ls.max_k + 1), jnp.int32)
     seq_BS = seq_BS.at[:, :prompt_len].set(tokens_BT).at[jnp.arange(batch), lengths_B].set(first_B)
     return NgramState(seq_BS=seq_BS)
 
-  def propose(self, model, state: LoopState, k: int, keys_B, ls: LoopSpec):
+  def propose(
+    self, model: ProgramTarget, state: LoopState, k: int, keys_B: jax.Array, ls: LoopSpec
+  ) -> tuple[DraftTree, NgramState]:
     drafts_BK, valid_BK = prompt_lookup(state.draft_state.seq_BS, state.pos_B + 1, k)
     # A draft that is certain: q is one-hot (accepted with probability p(draft)).
     q_BKV = None if ls.sampling.greedy else jax.nn.one_hot(drafts_BK, model.config.vocab_size, dtype=jnp.float32)
     return DraftTree.chain(drafts_BK, q_BKV, valid_BK), state.draft_state
 
-  def update(self, model, draft_state, verified: Verified, ls: LoopSpec):
+  def update(self, model: ProgramTarget, draft_state: NgramState, verified: Verified, ls: LoopSpec) -> NgramState:
     return NgramState(seq_BS=cache_lib.write_rows(draft_state.seq_BS, verified.candidates_BS, verified.pos_B + 1))
 
-  def has_proposal(self, state: LoopState, ls: LoopSpec):
+  def has_proposal(self, state: LoopState, ls: LoopSpec) -> jax.Array:
     """Prompt lookup with no match in any active row has nothing to verify."""
     _, valid_B1 = prompt_lookup(state.draft_state.seq_BS, state.pos_B + 1, 1)
     return jnp.any(valid_B1[:, 0] & ~state.done_B)

@@ -20,6 +20,8 @@ def cpu_kernel():
 def test_cpu_kernel_missing_compiler_is_reported(monkeypatch, tmp_path, caplog):
   monkeypatch.setenv("MOESPEC_CXX", "no-such-compiler-xyz")
   monkeypatch.setenv("MOESPEC_CACHE", str(tmp_path))
+  # Private state on purpose: no public call unloads a built library (`reset_for_tests` forgets only a
+  # failure), nor forgets the warnings logged and the kernels resolved per (method, backend) once.
   monkeypatch.setitem(build._state, "lib", None)  # pylint: disable=protected-access
   monkeypatch.setattr(pallas_kernels, "_warned", set())
   pallas_kernels._with_grouped_vjp.cache_clear()  # pylint: disable=protected-access
@@ -41,6 +43,7 @@ def test_cpu_build_failure_names_the_source_and_leaves_nothing(monkeypatch, tmp_
   monkeypatch.setattr(build, "_SOURCES", (broken,))
   out = tmp_path / "build" / "lib.so"
   with pytest.raises(cpu.CpuKernelUnavailable, match="compiling broken.cc failed"):
+    # `_build` on purpose: the public `ensure_built` builds only into the cache and would register the library.
     build._build(out)  # pylint: disable=protected-access
   assert list((tmp_path / "build").iterdir()) == []
 
