@@ -14,7 +14,7 @@ from absl import flags
 
 from moespec_jax import cli
 from moespec_jax.model import budget
-from moespec_jax.research import compare_modes
+from moespec_jax.research import compare_modes, models
 
 _WORKDIR = flags.DEFINE_string("workdir", "runs/compare_modes", "Output directory.")
 _MODEL = cli.define_model_flag()
@@ -62,7 +62,7 @@ def main(argv):
     max_new_tokens=_MAX_NEW.value,
     repeats=_REPEATS.value,
   )
-  compare_modes.run_compare_modes(cli.load_model(_MODEL.value), _WORKDIR.value, **kwargs)
+  compare_modes.run_compare_modes(models.load_model(_MODEL.value), _WORKDIR.value, **kwargs)
   if _QUICK.value:
     print(
       f"--quick: a smoke run ({_REPEATS.value} timed repeats of {_MAX_NEW.value} tokens per row): its speedups "

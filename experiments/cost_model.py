@@ -4,7 +4,8 @@ dedup/per-slot crossover, and num_draft='auto' against plain decoding and the be
 
   python -m experiments.cost_model --workdir=runs/cost_model [--quick] [--model=PATH]
       [--n_alphas=21] [--max_k=8] [--repeats=7] [--max_repeats=3 x repeats] [--auto_repeats=31]
-      [--drafter_prompts=8] [--auto_timing] [--max_new_tokens=128]
+      [--drafter_prompts=8] [--auto_timing] [--max_new_tokens=128] [--verify_max_k=15]
+      [--controlled_draft_cost=auto|none|mtp] [--real_drafters=mtp,ngram]
 
 Writes `workdir/metrics.json` (key `cost_model`), `staircase.png`, `verify_time.png` and
 `unique_experts.png`. Batch 1, greedy (the controlled drafter's acceptance is geometric only
@@ -20,7 +21,7 @@ import numpy as np
 from absl import flags
 
 from moespec_jax import cli
-from moespec_jax.research import cost_validation
+from moespec_jax.research import cost_validation, models
 
 _QUICK_CONFIG = cost_validation.QUICK_CONFIG
 _WORKDIR = flags.DEFINE_string("workdir", "runs/cost_model", "Where metrics.json and the plots go.")
@@ -61,6 +62,27 @@ _AUTO_TIMING = flags.DEFINE_bool(
 _MAX_NEW = flags.DEFINE_integer(
   "max_new_tokens", 128, "Tokens generated per run (a decode phase: >= 2).", lower_bound=2
 )
+_DRAFT_COST = flags.DEFINE_enum(
+  "controlled_draft_cost",
+  "auto",
+  ["auto", "none", "mtp"],
+  "What the controlled drafter's passes pay for drafting: none (a table lookup), mtp (the model's MTP heads "
+  "run every pass, their drafts discarded; the verify times are measured without them and their time per K "
+  "apart), auto: mtp where the model has MTP heads.",
+)
+_VERIFY_MAX_K = flags.DEFINE_integer(
+  "verify_max_k",
+  None,
+  "Verify time (T(n)/T(1) against the bytes and Amdahl predictions) for n = 1..this + 1 (default --max_k).",
+  lower_bound=1,
+  upper_bound=16,
+)
+_REAL_DRAFTERS = flags.DEFINE_list(
+  "real_drafters",
+  ["mtp", "ngram"],
+  "The model's drafters of the num_draft='auto' rows (mtp where the model has heads; empty: none, e.g. on a "
+  "random model, whose heads and prompt lookup accept next to nothing; --quick: ngram).",
+)
 _QUICK = cli.define_quick_flag(
   "one round per comparison, fewer rates and pass sizes, the n-gram drafter only: a check of the pipeline, "
   "whose speedups and best K are not results",
@@ -73,6 +95,15 @@ _QUICK = cli.define_quick_flag(
     "max_new_tokens": _QUICK_CONFIG.max_new_tokens,
   },
 )
+
+
+def _real_drafters(base) -> tuple[str, ...]:
+  """--real_drafters as given (empty: none), else the base config's (--quick: ngram only)."""
+  if not flags.FLAGS["real_drafters"].present:
+    return base.real_drafters
+  return (
+    tuple(cli.check_choices("--real_drafters", _REAL_DRAFTERS.value, ("mtp", "ngram"))) if _REAL_DRAFTERS.value else ()
+  )
 
 
 def main(argv):
@@ -94,6 +125,8 @@ def main(argv):
     max_new_tokens=_MAX_NEW.value,
     drafter_prompts=_DRAFTER_PROMPTS.value,
     auto_timing=_AUTO_TIMING.value,
+    verify_max_k=_VERIFY_MAX_K.value,
+    real_drafters=_real_drafters(base),
   )
   if _QUICK.value:
     print(
@@ -101,7 +134,11 @@ def main(argv):
       "not results; run without --quick, or give --repeats and --auto_repeats, for them.",
       flush=True,
     )
-  cost_validation.run_cost_model(cli.load_model(_MODEL.value), _WORKDIR.value, cfg)
+  model = models.load_model(_MODEL.value)
+  draft_cost = _DRAFT_COST.value
+  if draft_cost == "auto":
+    draft_cost = "mtp" if model.config.num_mtp_modules else "none"
+  cost_validation.run_cost_model(model, _WORKDIR.value, dataclasses.replace(cfg, controlled_draft_cost=draft_cost))
 
 
 if __name__ == "__main__":

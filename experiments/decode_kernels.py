@@ -18,8 +18,9 @@ import jax
 from absl import flags
 
 from moespec_jax import cli
+from moespec_jax.analysis import regime
 from moespec_jax.io import atomic
-from moespec_jax.research import decode_kernels, spec_bench
+from moespec_jax.research import decode_kernels, models, spec_bench
 
 _WORKDIR = flags.DEFINE_string("workdir", "runs/decode_kernels", "Where metrics.json, table.md and the plot go.")
 _MODEL = cli.define_model_flag()
@@ -38,9 +39,10 @@ def main(argv):
   if jax.default_backend() != "cpu":
     raise ValueError(f"decode_kernels compares the CPU kernels; this backend is {jax.default_backend()}")
   batch_sizes = cli.int_list("batch_sizes", _BATCHES.value)
-  model = cli.load_model(_MODEL.value)
+  model = models.load_model(_MODEL.value)
   max_new, rounds = _MAX_NEW.value, _ROUNDS.value
   prompts, encoding = spec_bench.bench_prompts(model, max(batch_sizes), _PROMPT_BYTES.value)
+  regimes = regime.record(model, batch_sizes, context=_PROMPT_BYTES.value + max_new)
   rows = decode_kernels.decode_kernels_ab(
     model, prompts, batch_sizes=batch_sizes, max_new_tokens=max_new, rounds=rounds
   )
@@ -56,6 +58,7 @@ def main(argv):
         "rounds": rounds,
         "batch_sizes": batch_sizes,
         "rows": rows,
+        "regime": regimes,
       }
     },
   )

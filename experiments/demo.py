@@ -8,7 +8,7 @@ Writes DIR/metrics.json (key `demo`) and DIR/speedup.png.
 from absl import flags
 
 from moespec_jax import cli
-from moespec_jax.research import demo
+from moespec_jax.research import demo, models
 
 _WORKDIR = flags.DEFINE_string("workdir", "runs/demo", "Where metrics.json and speedup.png go.")
 _MODEL = cli.define_model_flag()
@@ -30,7 +30,7 @@ def main(argv):
   if len(argv) > 1:
     raise ValueError(f"unexpected arguments: {argv[1:]}")
   batch_sizes = cli.int_list("batch_sizes", _BATCHES.value)
-  model = cli.load_model(_MODEL.value)
+  model = models.load_model(_MODEL.value)
   demo.run_demo(
     model,
     _WORKDIR.value,

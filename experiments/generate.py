@@ -25,6 +25,7 @@ import moespec_jax as msj
 from moespec_jax import cli
 from moespec_jax.decoding import report
 from moespec_jax.io import atomic, paths
+from moespec_jax.research import models
 
 _PROMPT = flags.DEFINE_multi_string("prompt", ["def fib(n):"], "Prompt(s); repeat the flag for a batch.")
 _MODEL = cli.define_model_flag(unset="the cached default model: `make demo` creates it")
@@ -92,7 +93,7 @@ def main(argv):
   if _MODEL.value is None and not (paths.default_model_dir() / "config.json").exists():
     # Generating is quick; training the default model is not: say so rather than start it.
     raise FileNotFoundError(f"no default model at {paths.default_model_dir()}: run `make demo` first or pass --model")
-  model = cli.load_model(_MODEL.value)
+  model = models.load_model(_MODEL.value)
   out = msj.generate(
     model,
     list(_PROMPT.value),

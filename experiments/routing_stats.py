@@ -12,7 +12,7 @@ from absl import flags
 
 from moespec_jax import cli
 from moespec_jax.io import atomic
-from moespec_jax.research import routing_report, traces
+from moespec_jax.research import models, routing_report, traces
 
 _WORKDIR = flags.DEFINE_string("workdir", "runs/routing_stats", "Output directory.")
 _MODEL = cli.define_model_flag()
@@ -42,7 +42,7 @@ def main(argv):
   if _SEQ_LEN.value < _MAX_TOKENS.value:
     raise ValueError(f"--seq_len ({_SEQ_LEN.value}) must be >= --max_tokens ({_MAX_TOKENS.value})")
   workdir = pathlib.Path(_WORKDIR.value)
-  model = cli.load_model(_MODEL.value)
+  model = models.load_model(_MODEL.value)
   if _SOURCE.value == "heldout":
     trace = traces.heldout_trace(model, n_segments=_SEGMENTS.value, seq_len=_SEQ_LEN.value)
   else:

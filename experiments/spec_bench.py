@@ -15,7 +15,7 @@ tokenizer.json (a random checkpoint) is prompted with the held-out code's UTF-8 
 from absl import flags
 
 from moespec_jax import cli
-from moespec_jax.research import spec_bench
+from moespec_jax.research import models, spec_bench
 
 _WORKDIR = flags.DEFINE_string("workdir", "runs/spec_bench", "Where metrics.json and the plot go.")
 _MODEL = cli.define_model_flag()
@@ -45,7 +45,7 @@ def main(argv):
     max_new_tokens=_MAX_NEW.value,
     repeats=_REPEATS.value,
   )
-  model = cli.load_model(_MODEL.value)
+  model = models.load_model(_MODEL.value)
   drafters = [d for d in _DRAFTERS.value if d != "mtp" or model.config.num_mtp_modules]
   spec_bench.run_spec_bench(model, _WORKDIR.value, drafters=drafters, **sweep)
 

@@ -15,16 +15,18 @@ as `--flag`, as the flag checks do. Other exceptions keep their traceback (they 
 Ctrl-C prints `interrupted` (with `resumable`: how to resume) and exits with status 130.
 
 `--help` lists the program's own flags and those defined here (`--model`, `--quick`).
+`--model=config:NAME` runs on a randomly initialised model of `configs/NAME.py` (`load_model`).
 `define_quick_flag` gives an experiment its smoke run: defaults for some flags, applied before
 `main` to the flags the command line leaves unset (a flag given explicitly keeps its value).
 """
 
 from __future__ import annotations
 
+import importlib
 import math
 import re
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from absl import app, flags
@@ -103,7 +105,12 @@ def define_model_flag(
   """`--model=DIR` (alias `--checkpoint`, and any other `aliases`), the model an experiment runs on: a
   directory of ours or a Hugging Face one (`Model.load`); unset, the default trained model (`load_model`).
   `unset`: what the help says an unset flag means."""
-  holder = flags.DEFINE_string("model", None, f"Model directory, ours or a Hugging Face one (default: {unset}).")
+  holder = flags.DEFINE_string(
+    "model",
+    None,
+    f"Model directory, ours or a Hugging Face one, or config:NAME[,seed=S][,size=tiny] for a randomly "
+    f"initialised model of configs/NAME.py, e.g. config:membound_coarse (default: {unset}).",
+  )
   for alias in aliases:
     flags.DEFINE_alias(alias, "model")
   return holder
@@ -149,9 +156,60 @@ def apply_quick() -> None:
       flags.FLAGS[name].value = value
 
 
-def load_model(path: str | None, *, train_heads: bool = True) -> Model:
+CONFIG_PREFIX = "config:"
+
+
+def parse_model_spec(value: str) -> tuple[str, dict[str, str]]:
+  """`config:NAME[,key=value...]` -> (NAME, {key: value}); ValueError naming --model otherwise."""
+  if not value.startswith(CONFIG_PREFIX):
+    raise ValueError(f"--model {value!r} is not a config: model spec")
+  name, *options = value[len(CONFIG_PREFIX) :].split(",")
+  if not re.fullmatch(r"[A-Za-z_]\w*", name):
+    raise ValueError(f"--model config: needs a config name (configs/NAME.py), got {value!r}")
+  settings = {}
+  for option in options:
+    key, sep, setting = option.partition("=")
+    if not sep or not key or key in settings:
+      raise ValueError(f"--model options must be distinct key=value pairs after the config name, got {value!r}")
+    settings[key] = setting
+  return name, settings
+
+
+def model_from_config(name: str, *, seed: int = 0, size: str = "full") -> Model:
+  """`Model.init` on configs/NAME.py's model (its `tiny()` at size "tiny"): random weights, the
+  config's tokenizer (the byte tokenizer for the memory-bound configs) and MTP modules if any."""
+  from moespec_jax.api import Model  # pylint: disable=g-import-not-at-top (cli stays light)
+  from moespec_jax.config import model_config_from  # pylint: disable=g-import-not-at-top
+
+  try:
+    module = importlib.import_module(f"configs.{name}")
+  except ModuleNotFoundError:
+    raise ValueError(f"--model config:{name}: no configs/{name}.py") from None
+  if size not in ("full", "tiny") or (size == "tiny" and not hasattr(module, "tiny")):
+    raise ValueError(f"--model config:{name}: size must be full{' or tiny' * hasattr(module, 'tiny')}, got {size!r}")
+  cfg = module.tiny() if size == "tiny" else module.get_config()
+  return Model.init(model_config_from(cfg.model), seed)
+
+
+def load_model(
+  path: str | None, *, train_heads: bool = True, variants: Mapping[str, Callable[[Model, str], Model]] | None = None
+) -> Model:
   """`Model.load(path)`, or without a path the default trained model (trained on first use;
-  `train_heads`: with its MTP heads)."""
+  `train_heads`: with its MTP heads). `config:NAME[,seed=S][,size=tiny][,KEY=VALUE...]`: a random
+  model of configs/NAME.py (`model_from_config`), each other KEY applied by `variants[KEY](model,
+  VALUE)` (the research harness's model variants, e.g. routing=correlated)."""
+  if path and path.startswith(CONFIG_PREFIX):
+    name, settings = parse_model_spec(path)
+    seed_text = settings.pop("seed", "0")
+    if not seed_text.isdigit():
+      raise ValueError(f"--model seed must be an integer >= 0, got {seed_text!r}")
+    model = model_from_config(name, seed=int(seed_text), size=settings.pop("size", "full"))
+    for key, setting in settings.items():
+      if key not in (variants or {}):
+        known = ", ".join(["seed", "size", *(variants or {})])
+        raise ValueError(f"--model option {key!r} is not known here (known: {known})")
+      model = variants[key](model, setting)
+    return model
   if path:
     from moespec_jax.api import Model  # pylint: disable=g-import-not-at-top (cli stays light)
 

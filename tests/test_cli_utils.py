@@ -213,3 +213,25 @@ def test_ctrl_c_says_interrupted_not_error(experiment, name, message):
   proc.send_signal(signal.SIGINT)
   _, err = proc.communicate(timeout=60)
   assert proc.returncode == cli.EXIT_INTERRUPTED and err == message
+
+
+def test_model_flag_config_specs():
+  """--model=config:NAME[,seed=S][,size=tiny][,KEY=VALUE]: a random model of configs/NAME.py, each
+  other key applied by the caller's variants; bad specs name --model."""
+  assert cli.parse_model_spec("config:membound_fine,size=tiny,seed=3") == (
+    "membound_fine",
+    {"size": "tiny", "seed": "3"},
+  )
+  model = cli.load_model("config:membound_fine,size=tiny", variants={"tag": lambda m, v: (m, v)})
+  assert model.config.n_routed_experts == 64 and model.config.top_k == 6 and model.config.num_mtp_modules == 1
+  tagged, value = cli.load_model("config:membound_coarse,size=tiny,tag=x", variants={"tag": lambda m, v: (m, v)})
+  assert value == "x" and tagged.config.n_routed_experts == 8
+  for bad, message in [
+    ("config:nope", "no configs/nope.py"),
+    ("config:membound_fine,size=tiny,routing=correlated", "option 'routing' is not known"),
+    ("config:membound_fine,seed=a", "seed must be an integer"),
+    ("config:tiny,size=tiny", "size must be full"),
+    ("config:membound_fine,size", "key=value"),
+  ]:
+    with pytest.raises(ValueError, match=message):
+      cli.load_model(bad)

@@ -2,6 +2,7 @@
 dimensions (their parameter totals) and the model built from them has exactly the parameters
 ModelConfig.param_counts counts (shapes only: nothing is allocated)."""
 
+import importlib
 import pathlib
 
 import jax
@@ -9,6 +10,7 @@ import pytest
 from flax import nnx
 
 import configs
+from moespec_jax.config import model_config_from
 from moespec_jax.model.cache import KVCache
 from moespec_jax.model.transformer import Transformer
 
@@ -25,8 +27,24 @@ PUBLISHED_TOTAL = {
 }
 
 
+# Random-init configs of the memory-bound regime (`--model=config:NAME`), each with a test-size tiny().
+MEMBOUND = ("membound_coarse", "membound_fine")
+
+
 def test_every_published_config_is_checked():
-  assert set(PUBLISHED_TOTAL) == set(NAMES) - {"tiny", "small"}
+  assert set(PUBLISHED_TOTAL) == set(NAMES) - {"tiny", "small", *MEMBOUND}
+
+
+@pytest.mark.parametrize("name", MEMBOUND)
+def test_membound_configs_have_mtp_heads_and_a_tiny_layout(name):
+  full, small = configs.model_config(name), model_config_from(importlib.import_module(f"configs.{name}").tiny().model)
+  assert full.num_mtp_modules == small.num_mtp_modules == 1 and full.d_model >= 1024
+  assert (small.n_routed_experts, small.top_k, small.n_shared_experts) == (
+    full.n_routed_experts,
+    full.top_k,
+    full.n_shared_experts,
+  )
+  assert small.param_counts()["total"] < full.param_counts()["total"] / 100
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -21,6 +21,9 @@ KERNELS = ("auto", "dedup", "per_slot", "xla")
 # (pallas_kernels.cpu.packed_matmul / cached_attention; XLA where the library cannot be
 # built, or on TPU/GPU); "xla" keeps XLA's ops.
 HEAD_KERNELS = ATTENTION_KERNELS = DENSE_KERNELS = ("auto", "xla")
+# What the controlled drafter's passes pay for drafting: nothing (a table lookup), or the model's
+# MTP heads' draft computation, run every pass beside the table (decoding/drafters/controlled.py).
+CONTROLLED_DRAFT_COSTS = ("none", "mtp")
 
 
 def _is_int(value: object) -> bool:
@@ -33,6 +36,9 @@ class ResearchOptions:
 
   controlled_acceptance: drafter="controlled" only (and required there): the probability that
     it proposes the target's own greedy token (generate's `reference_tokens`), else another.
+  controlled_draft_cost (drafter="controlled"): "none", its drafts cost a table lookup; "mtp", each
+    pass also runs the model's MTP heads as the MTP drafter would (their drafts computed and
+    discarded, their cache filled after verification), so the pass pays a real drafter's cost.
   auto_timing (num_draft="auto", CPU; experimental, off): also correct the calibrated pass times
     by the times the loop measures while it decodes (auto_draft.corrected_step_ms).
   pass_trace (CPU): time every pass inside the program (a clock read as each pass starts, no
@@ -48,6 +54,7 @@ class ResearchOptions:
   """
 
   controlled_acceptance: float | None = None
+  controlled_draft_cost: str = "none"
   auto_timing: bool = False
   pass_trace: bool = False
   measure_quality: bool = False
@@ -71,6 +78,7 @@ class ResearchOptions:
         f"mtp_prompt_window must be an int >= 1 or None (every prompt position), got {self.mtp_prompt_window!r}"
       )
     for name, choices in (
+      ("controlled_draft_cost", CONTROLLED_DRAFT_COSTS),
       ("head_kernel", HEAD_KERNELS),
       ("attention_kernel", ATTENTION_KERNELS),
       ("dense_kernel", DENSE_KERNELS),

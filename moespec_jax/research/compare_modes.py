@@ -26,7 +26,7 @@ import numpy as np
 
 import moespec_jax as msj
 from moespec_jax import cli
-from moespec_jax.analysis import timing
+from moespec_jax.analysis import regime, timing
 from moespec_jax.data import corpus
 from moespec_jax.decoding import programs, quality
 from moespec_jax.io import atomic, plots
@@ -84,7 +84,12 @@ def run_compare_modes(
   total = len(temperatures) * len(batch_sizes) * len(num_drafts) * (1 + len(policies) * len(budgets))
   progress = Progress(total, desc="compare_modes", unit="rows", every_s=15.0, emit=log)
   rows, began = [], time.perf_counter()
-  settings = {"max_new_tokens": max_new_tokens, "repeats": repeats}
+  # The regime of plain decoding at each batch size (prompts of 192 bytes), printed once.
+  settings = {
+    "max_new_tokens": max_new_tokens,
+    "repeats": repeats,
+    "regime": regime.record(model, batch_sizes, context=192 + max_new_tokens, log=log),
+  }
 
   def gen(batch_prompts, sampling, spec, seed):
     return msj.generate(model, batch_prompts, max_new_tokens=max_new_tokens, sampling=sampling, spec=spec, seed=seed)

@@ -54,7 +54,7 @@ import numpy as np
 
 import moespec_jax as msj
 import pallas_kernels
-from moespec_jax.analysis import cost_model, timing
+from moespec_jax.analysis import cost_model, regime, timing
 from moespec_jax.data import corpus
 from moespec_jax.decoding import loop, programs
 from moespec_jax.io import atomic, plots, progress
@@ -107,6 +107,17 @@ class CostValidationConfig:
   auto_timing: bool = False
   prompt_bytes: int = 192
   seed: int = 0
+  # What the controlled drafter's passes pay for drafting (ResearchOptions.controlled_draft_cost):
+  # "none", a table lookup; "mtp", the model's MTP heads run each pass (their drafts discarded).
+  # The verify times are measured without it; with "mtp" its time per K is measured apart
+  # (`draft_ms`) and added to the best-K predictions, and the sweep and auto rows pay it.
+  controlled_draft_cost: str = "none"
+  # Pass sizes of the verify-time comparison: n = 1..verify_max_k + 1 (None: max_k).
+  verify_max_k: int | None = None
+
+  @property
+  def verify_k(self) -> int:
+    return self.max_k if self.verify_max_k is None else max(self.verify_max_k, self.max_k)
 
   def __post_init__(self):
     if not self.alphas or any(not 0.0 <= a <= 1.0 for a in self.alphas):
@@ -123,6 +134,10 @@ class CostValidationConfig:
       raise ValueError(f"settled_share must be in [0, 1], got {self.settled_share}")
     if not self.kernel_n or min(self.kernel_n) < 1 or len(set(self.kernel_n)) < 2:
       raise ValueError(f"kernel_n needs at least two distinct pass sizes >= 1, got {self.kernel_n}")
+    if self.controlled_draft_cost not in ("none", "mtp"):
+      raise ValueError(f"controlled_draft_cost must be none or mtp, got {self.controlled_draft_cost!r}")
+    if self.verify_max_k is not None and not 1 <= self.verify_max_k <= 16:
+      raise ValueError(f"verify_max_k must be in [1, 16], got {self.verify_max_k}")
     bad = [d for d in self.real_drafters if d not in ("mtp", "ngram")]
     if bad:
       raise ValueError(f"real_drafters must be among mtp, ngram; got {bad}")
@@ -274,6 +289,9 @@ def run_cost_model(
   workdir.mkdir(parents=True, exist_ok=True)
   began = time.perf_counter()
   prompts = corpus.held_out_prompts(1, prompt_bytes=cfg.prompt_bytes, seed=cfg.seed)
+  if cfg.controlled_draft_cost == "mtp" and not model.config.num_mtp_modules:
+    raise ValueError("controlled_draft_cost 'mtp' needs a model with MTP heads")
+  regimes = regime.record(model, (1,), context=cfg.prompt_bytes + cfg.max_new_tokens, log=log)
   # The sweep's acceptance rates and the auto rows are kept as they finish (workdir/progress.json):
   # an interrupted run, rerun with the same settings on the same model, measures only the rest.
   parts = progress.RunProgress(workdir / "progress.json", progress_settings(model, cfg), log=log)
@@ -285,6 +303,7 @@ def run_cost_model(
   # is dropped (`programs.PROGRAMS.forget(keep)`) after the sweep and after each model drafter's runs.
   keep = programs.PROGRAMS.signatures()
   sweep = _speedup_sweep(model, prompts, passes.reference, cfg, parts, keep, log)
+  add_loop_efficiency(sweep.rows, passes, log)
   best_k = best_k_comparison(cfg.alphas, cfg.max_k, sweep, passes)
   _log_best_k(best_k, log)
   controlled_rows = _auto_controlled_rows(model, prompts, cfg, passes, sweep, parts, log)
@@ -304,6 +323,12 @@ def run_cost_model(
       time.perf_counter() - began,
     )
   }
+  result["cost_model"].update(
+    regime=regimes,
+    plain_bandwidth=plain_bandwidth(model, passes, cfg, log),
+    controlled_draft_cost=cfg.controlled_draft_cost,
+    draft_ms=None if passes.draft_ms_K is None else passes.draft_ms_K.tolist(),
+  )
   _write_outputs(result, routing.stats, workdir, parts, log)
   return result
 
@@ -323,7 +348,7 @@ def _routing_stage(model, cfg: CostValidationConfig, log) -> RoutingStage:
   """[1/6] The routing traces: what a pass of n tokens reads, for the bytes model."""
   log(f"[1/6] routing traces ({cfg.trace_segments} held-out windows) and unique experts under four models")
   trace = traces.heldout_trace(model, n_segments=cfg.trace_segments)
-  rstats = routing_report.routing_stats(trace, max_tokens=max(max(cfg.kernel_n), cfg.max_k + 1))
+  rstats = routing_report.routing_stats(trace, max_tokens=max(max(cfg.kernel_n), cfg.verify_k + 1))
   return RoutingStage(trace, rstats, {r["n_tokens"]: r["empirical_per_layer"] for r in rstats["unique_experts"]})
 
 
@@ -459,6 +484,15 @@ def verify_times(config, fits, unique_by_n, step_ms_K, nonexpert_ms_K, max_k: in
   rel_err_measured = [
     abs(r["predicted_measured_nonexpert_ms"] - r["measured_ms"]) / r["measured_ms"] for r in verify_rows[1:]
   ]
+  # T(n)/T(1) measured, from the bytes model, and from the Amdahl split (the routed experts' share f
+  # of a plain pass, as the pass without them measures it, scaled by the distinct experts read).
+  f = cost_model.amdahl_fraction(float(step_ms_K[0]), float(step_ms_K[0] - nonexpert_ms_K[0]))
+  for r in verify_rows:
+    n = r["n_tokens"]
+    r["measured_ratio"] = r["measured_ms"] / verify_rows[0]["measured_ms"]
+    r["predicted_ratio"] = predicted_verify[n] / predicted_verify[1]
+    r["amdahl_ratio"] = cost_model.amdahl_ratio(f, float(np.mean(unique_by_n[n])), config.top_k)
+    r["amdahl_expert_share"] = f
   return VerifyTimes(
     fixed_ms,
     slope_ms,
@@ -485,18 +519,25 @@ class PassTimes:
   step_ms_K: Any
   step_ms_by_end: dict
   verify: VerifyTimes
+  draft_ms_K: Any = None
+  """ms [K = 0..max_k]: what drafting K tokens adds to a pass (controlled_draft_cost "mtp": the
+  passes timed with the MTP heads run, less those without); zeros where drafting is a lookup."""
 
   def measured_ms(self, n: int) -> float:
     """The measured pass time of n tokens (K = n - 1, acceptance 0.5)."""
     return float(self.step_ms_K[n - 1])
 
+  def draft_ms(self, k: int) -> float:
+    """What drafting k tokens adds to a pass (ms)."""
+    return 0.0 if self.draft_ms_K is None else float(self.draft_ms_K[k])
+
 
 def _pass_time_stage(model, prompts, cfg: CostValidationConfig, fits, unique_by_n, log) -> PassTimes:
   """[3/6] Measured pass times per K (the controlled drafter, batch 1) and the verify times the
   bytes model predicts for them."""
-  log(f"[3/6] measured pass times, K = 0..{cfg.max_k} (controlled drafter, batch 1)")
+  log(f"[3/6] measured pass times, K = 0..{cfg.verify_k} (controlled drafter, batch 1)")
   reference = msj.generate(model, prompts, max_new_tokens=cfg.max_new_tokens).tokens
-  step_spec = msj.SpecParams(drafter="controlled", num_draft=cfg.max_k, research=_controlled(0.5))
+  step_spec = msj.SpecParams(drafter="controlled", num_draft=cfg.verify_k, research=_controlled(0.5))
   # The same passes without their routed experts, timed side by side with them: how the rest of a
   # pass grows with n, and the experts' part as decoding pays it.
   step_ms_K, nonexpert_ms_K = loop.step_times_with_and_without_experts_ms(
@@ -521,8 +562,22 @@ def _pass_time_stage(model, prompts, cfg: CostValidationConfig, fits, unique_by_
     f"  pass times K = 0..{cfg.max_k} (ms): every draft wrong "
     f"{np.round(step_by_end[0.0], 2).tolist()}, every draft right {np.round(step_by_end[1.0], 2).tolist()}"
   )
-  v = verify_times(model.config, fits, unique_by_n, step_ms_K, nonexpert_ms_K, cfg.max_k)
-  n_max = cfg.max_k + 1
+  draft_ms_K = None
+  if cfg.controlled_draft_cost == "mtp":
+    # The same passes with the MTP heads run, timed apart: what drafting adds at each K.
+    with_draft_K = loop.step_times_ms(
+      model,
+      prompts,
+      cfg.max_new_tokens,
+      reference_tokens=reference,
+      repeats=cfg.kernel_repeats,
+      spec=msj.SpecParams(drafter="controlled", num_draft=cfg.max_k, research=_controlled(0.5, "mtp")),
+    )
+    draft_ms_K = np.maximum(with_draft_K - step_ms_K[: cfg.max_k + 1], 0.0)
+    draft_ms_K[0] = 0.0
+    log(f"  drafting with the MTP heads adds (ms) K = 0..{cfg.max_k}: {np.round(draft_ms_K, 2).tolist()}")
+  v = verify_times(model.config, fits, unique_by_n, step_ms_K, nonexpert_ms_K, cfg.verify_k)
+  n_max = cfg.verify_k + 1
   log(
     f"  without routed experts (ms): {np.round(nonexpert_ms_K, 2).tolist()}, "
     f"{v.measured_slope_ms * 1e3:.0f} us per token (least squares); "
@@ -535,7 +590,16 @@ def _pass_time_stage(model, prompts, cfg: CostValidationConfig, fits, unique_by_
     f"({v.slope_ms * 1e3:.0f} us per token, fitted at n = 1 and {n_max}): "
     f"{np.median(v.rel_err_linear) if v.rel_err_linear else float('nan'):.1%} (n = 2..{n_max - 1})"
   )
-  return PassTimes(reference, step_ms_K, step_by_end, v)
+  shown = [r for r in v.rows if r["n_tokens"] in (2, 4, 8, 16) or r["n_tokens"] == n_max]
+  log(
+    "  T(n)/T(1) measured / bytes model / Amdahl "
+    f"(routed experts {v.rows[0]['amdahl_expert_share']:.0%} of a plain pass): "
+    + ", ".join(
+      f"n={r['n_tokens']} {r['measured_ratio']:.2f} / {r['predicted_ratio']:.2f} / {r['amdahl_ratio']:.2f}"
+      for r in shown
+    )
+  )
+  return PassTimes(reference, step_ms_K, step_by_end, v, draft_ms_K)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -565,7 +629,8 @@ def _sweep_rate(model, prompts, reference, cfg: CostValidationConfig, a: float, 
   K's per-round speedups (K = 1..max_k) and its row; rounds added until the best K is settled.
   `warm_up`: run every program once, untimed, first (`rounds.warm_up`)."""
   drafted = list(range(1, cfg.max_k + 1))
-  specs = {k: msj.SpecParams(drafter="controlled", num_draft=k, research=_controlled(a)) for k in drafted}
+  research = _controlled(a, cfg.controlled_draft_cost)
+  specs = {k: msj.SpecParams(drafter="controlled", num_draft=k, research=research) for k in drafted}
   if warm_up:
     rounds.warm_up(model, prompts, cfg.max_new_tokens, specs, reference)
   runs = rounds.rounds_until_settled(
@@ -642,6 +707,47 @@ def _speedup_sweep(model, prompts, reference, cfg: CostValidationConfig, parts, 
   return SpeedupSweep(speedups, accepted_lengths, sweep_rows, prefills, best_k_shares, sweep_rounds)
 
 
+def plain_bandwidth(model, passes: PassTimes, cfg: CostValidationConfig, log=print) -> dict[str, float]:
+  """Plain decoding's effective read bandwidth: the bytes a one-token pass reads (weights with its
+  top-k experts, and the KV cache at the middle of a run: `analysis/regime`) over the measured
+  plain pass time, against this machine's streaming read bandwidth."""
+  context = cfg.prompt_bytes + 1 + cfg.max_new_tokens // 2
+  pass_bytes = regime.regime_of(model, 1, context=context).pass_bytes
+  ms = passes.measured_ms(1)
+  gbps, stream = pass_bytes / (ms / 1e3) / 1e9, regime.stream_gbps()
+  log(
+    f"  plain pass {ms:.3f} ms reads {pass_bytes / 1e6:.1f} MB: {gbps:.1f} GB/s effective against "
+    f"{stream:.1f} GB/s streaming ({gbps / stream:.0%})"
+  )
+  return {
+    "plain_pass_ms": ms,
+    "bytes_per_pass": pass_bytes,
+    "context": context,
+    "effective_gbps": gbps,
+    "stream_gbps": stream,
+    "share_of_stream": gbps / stream,
+  }
+
+
+def add_loop_efficiency(sweep_rows: list[dict], passes: PassTimes, log=print) -> None:
+  """Adds to each sweep row the speedup predicted from the isolated pass times (interpolated by
+  acceptance, `pass_times_at`, plus drafting) and the row's realised accepted length, and the loop
+  efficiency: the measured speedup over that prediction (1: the loop costs nothing beyond its
+  passes)."""
+  plain_ms = passes.measured_ms(1)
+  for r in sweep_rows:
+    k = r["num_draft"]
+    pass_rel = pass_times_at(passes.step_ms_by_end, r["alpha"])(k + 1) + passes.draft_ms(k) / plain_ms
+    r["predicted_speedup_from_pass_times"] = r["mean_accepted_length"] / pass_rel
+    r["loop_efficiency"] = r["speedup"] / r["predicted_speedup_from_pass_times"]
+  if sweep_rows:
+    eff = [r["loop_efficiency"] for r in sweep_rows]
+    log(
+      f"  loop efficiency (measured speedup / predicted from isolated passes): median {np.median(eff):.3f}, "
+      f"range {min(eff):.3f}-{max(eff):.3f}"
+    )
+
+
 def pass_times_at(step_ms_by_end: dict, a: float):
   """Pass time of n tokens at acceptance a, in units of a plain pass: (1 - a) T0[K] + a T1[K] from
   the pass times with every draft wrong (T0) and right (T1)."""
@@ -650,9 +756,10 @@ def pass_times_at(step_ms_by_end: dict, a: float):
   return lambda n: float((1.0 - a) * wrong[n - 1] + a * right[n - 1])
 
 
-def _best_k_on(a: float, max_k: int, t_verify_ms) -> tuple[int, float]:
-  """`cost_model.best_k` for pass times t_verify_ms(n) (plain decoding: n = 1), drafting free."""
-  return cost_model.best_k(a, max_k, t_verify_ms(1), lambda k: 0.0, t_verify_ms)
+def _best_k_on(a: float, max_k: int, t_verify_ms, t_draft_ms=lambda k: 0.0) -> tuple[int, float]:
+  """`cost_model.best_k` for pass times t_verify_ms(n) (plain decoding: n = 1) and drafting times
+  t_draft_ms(k) in the same unit (default: drafting free)."""
+  return cost_model.best_k(a, max_k, t_verify_ms(1), t_draft_ms, t_verify_ms)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -677,11 +784,12 @@ def best_k_comparison(alphas: Sequence[float], max_k: int, sweep: SpeedupSweep, 
   best_rows = []
   for a in alphas:
     measured_k = measured_best_k(sweep.speedups, a, max_k)
-    pred_k, pred_s = _best_k_on(a, max_k, passes.verify.predicted_ms.__getitem__)
-    step_k, _ = _best_k_on(a, max_k, passes.measured_ms)
-    step_a_k, _ = _best_k_on(a, max_k, pass_times_at(passes.step_ms_by_end, a))
-    linear_k, _ = _best_k_on(a, max_k, passes.verify.predicted_linear_ms.__getitem__)
-    measured_nonexpert_k, _ = _best_k_on(a, max_k, passes.verify.predicted_measured_nonexpert_ms.__getitem__)
+    draft, plain_ms = passes.draft_ms, passes.measured_ms(1)
+    pred_k, pred_s = _best_k_on(a, max_k, passes.verify.predicted_ms.__getitem__, draft)
+    step_k, _ = _best_k_on(a, max_k, passes.measured_ms, draft)
+    step_a_k, _ = _best_k_on(a, max_k, pass_times_at(passes.step_ms_by_end, a), lambda k: draft(k) / plain_ms)
+    linear_k, _ = _best_k_on(a, max_k, passes.verify.predicted_linear_ms.__getitem__, draft)
+    measured_nonexpert_k, _ = _best_k_on(a, max_k, passes.verify.predicted_measured_nonexpert_ms.__getitem__, draft)
     best_rows.append(
       {
         "alpha": a,
@@ -759,13 +867,17 @@ def auto_simulations(a: float, calibrated_step_ms, n_tokens: int, paid_K=None) -
 
 def auto_spec(cfg: CostValidationConfig, drafter: str, acceptance: float | None = None) -> msj.SpecParams:
   """num_draft='auto' up to max_k drafts, as the validation's auto rows run it."""
-  research = msj.ResearchOptions(controlled_acceptance=acceptance, auto_timing=cfg.auto_timing)
+  draft_cost = cfg.controlled_draft_cost if drafter == "controlled" else "none"
+  research = msj.ResearchOptions(
+    controlled_acceptance=acceptance, auto_timing=cfg.auto_timing, controlled_draft_cost=draft_cost
+  )
   return msj.SpecParams(drafter=drafter, num_draft="auto", max_draft=cfg.max_k, research=research)
 
 
-def _controlled(acceptance: float) -> msj.ResearchOptions:
-  """The research options of the controlled drafter at one acceptance rate."""
-  return msj.ResearchOptions(controlled_acceptance=acceptance)
+def _controlled(acceptance: float, draft_cost: str = "none") -> msj.ResearchOptions:
+  """The research options of the controlled drafter at one acceptance rate (`draft_cost`: what its
+  passes pay for drafting, ResearchOptions.controlled_draft_cost)."""
+  return msj.ResearchOptions(controlled_acceptance=acceptance, controlled_draft_cost=draft_cost)
 
 
 def _auto_controlled_rows(
@@ -784,10 +896,10 @@ def _auto_controlled_rows(
     best_k = (
       measured_best_k(sweep.speedups, a, cfg.max_k)
       if a in cfg.alphas
-      else _best_k_on(a, cfg.max_k, passes.measured_ms)[0]
+      else _best_k_on(a, cfg.max_k, passes.measured_ms, passes.draft_ms)[0]
     )
     spec = auto_spec(cfg, "controlled", a)
-    fixed = msj.SpecParams(drafter="controlled", num_draft=best_k, research=_controlled(a))
+    fixed = msj.SpecParams(drafter="controlled", num_draft=best_k, research=_controlled(a, cfg.controlled_draft_cost))
     row = parts.cached(
       f"auto/controlled/{a}",
       lambda: auto_against_fixed(model, prompts, cfg.max_new_tokens, spec, fixed, cfg.auto_repeats, passes.reference),

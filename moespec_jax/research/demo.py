@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 import moespec_jax as msj
+from moespec_jax.analysis import regime
 from moespec_jax.data import corpus
 from moespec_jax.io import atomic, plots
 from moespec_jax.io.progress import Progress
@@ -79,6 +80,7 @@ def run_demo(
 
   workdir = pathlib.Path(workdir)
   prompts = corpus.held_out_prompts(max(batch_sizes), prompt_bytes=192, seed=0)
+  regimes = regime.record(model, batch_sizes, context=192 + max_new_tokens, log=log)
   bpb = pretrain.validation_bits_per_byte(model)
   drafters = (["mtp"] if model.config.num_mtp_modules else []) + ["ngram"]
   budget = budget_multiplier * model.config.top_k
@@ -148,6 +150,7 @@ def run_demo(
   result = {
     "demo": {
       "rows": rows,
+      "regime": regimes,
       "max_draft": max_draft,
       "validation_bits_per_byte": bpb,
       "params_total": params["total"],

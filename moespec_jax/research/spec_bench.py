@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import moespec_jax as msj
-from moespec_jax.analysis import timing
+from moespec_jax.analysis import regime, timing
 from moespec_jax.data import corpus
 from moespec_jax.data import tokenizer as tokenizer_lib
 from moespec_jax.decoding import programs
@@ -108,6 +108,7 @@ def run_spec_bench(
   if "mtp" in drafters and model.config.num_mtp_modules == 0:
     raise ValueError("drafter 'mtp' needs a model with MTP heads (num_mtp_modules > 0)")
   prompts, encoding = bench_prompts(model, max(batch_sizes), prompt_bytes, log=log)
+  regime.record(model, batch_sizes, context=prompt_bytes + max_new_tokens, log=log)
   total = len(batch_sizes) * len(temperatures) * (1 + len(drafters) * len(num_drafts))
   progress = Progress(total, desc="spec_bench", unit="rows", every_s=15.0, emit=log)
   rows, plain_rows, done = [], [], 0
@@ -205,6 +206,7 @@ def _write(
       "prompt_bytes": prompt_bytes,
       "prompt_encoding": encoding,
       "num_mtp_modules": model.config.num_mtp_modules,
+      "regime": regime.record(model, batch_sizes, context=prompt_bytes + max_new_tokens, log=lambda _: None),
       "seconds": time.perf_counter() - began,
     }
   }

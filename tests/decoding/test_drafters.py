@@ -166,3 +166,27 @@ def test_controlled_draft_table_is_drawn_from_each_rows_key_before_the_program()
   np.testing.assert_array_equal(controlled.draw_table(ref, seed, np.float32(0.5), length=7, vocab_size=264), table)
   assert not np.array_equal(controlled.draw_table(ref, np.uint32(4), np.float32(0.5), length=7, vocab_size=264), table)
   np.testing.assert_array_equal(controlled.draw_table(ref, seed, np.float32(1.0), length=3, vocab_size=264), ref[:, :3])
+
+
+def test_controlled_drafts_keep_the_mtp_heads_computation_alive_and_stay_the_tables():
+  table_BK = jnp.asarray([[4, 5], [6, 7]])
+  np.testing.assert_array_equal(controlled.keep_alive(table_BK, jnp.asarray([[0, 263], [9, 1]])), table_BK)
+
+
+def test_controlled_drafter_paying_the_mtp_heads_cost_decodes_the_plain_tokens():
+  """controlled_draft_cost='mtp': the heads run every pass, the proposals stay the table's, so
+  greedy output is plain decoding's; a model without heads is refused."""
+  from moespec_jax import cli
+
+  model = cli.model_from_config("membound_coarse", size="tiny")
+  plain = msj.generate(model, PROMPTS[:2], max_new_tokens=10)
+  research = msj.ResearchOptions(controlled_acceptance=0.6, controlled_draft_cost="mtp")
+  spec = msj.SpecParams(drafter="controlled", num_draft=2, research=research)
+  out = msj.generate(model, PROMPTS[:2], max_new_tokens=10, spec=spec, reference_tokens=plain.tokens)
+  np.testing.assert_array_equal(out.tokens, plain.tokens)
+  assert out.stats["mean_accepted_length"] >= 1.0
+  no_heads = msj.Model.init(model.config.replace(num_mtp_modules=0), 0)
+  with pytest.raises(ValueError, match="controlled_draft_cost='mtp' needs a model with MTP heads"):
+    msj.generate(no_heads, PROMPTS[:2], max_new_tokens=10, spec=spec, reference_tokens=plain.tokens)
+  with pytest.raises(ValueError, match="controlled_draft_cost must be one of"):
+    msj.ResearchOptions(controlled_draft_cost="free")

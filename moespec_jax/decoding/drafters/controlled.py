@@ -4,7 +4,10 @@ proposes the target's own greedy token with probability a, else another token.
 Its proposals for every output index are drawn before the generation's program (`draw_table`),
 from a plain greedy run's tokens (generate's `reference_tokens`): the table stands in for a drafter
 whose proposals cost nothing, so decoding pays a lookup per pass and its random draws are not timed
-as part of decoding.
+as part of decoding. With `ResearchOptions(controlled_draft_cost="mtp")` every pass also runs the
+model's MTP heads as the MTP drafter does (`MtpDrafter`: its prefill, drafts and cache fills), and the
+proposal takes a data dependency on their drafts, so that the compiled program keeps their cost;
+the tokens proposed are still the table's.
 """
 
 from __future__ import annotations
@@ -20,11 +23,13 @@ from flax import struct
 from jax.typing import ArrayLike
 
 from moespec_jax.config import ModelConfig
-from moespec_jax.decoding.drafters.base import Drafter, DraftSpec, DraftTree
+from moespec_jax.decoding.drafters.base import Drafter, DraftSpec, DraftTree, Verified
+from moespec_jax.decoding.drafters.mtp import MtpDrafter, MtpState
 from moespec_jax.decoding.sampling_params import SamplingParams
 from moespec_jax.decoding.state import LoopSpec, LoopState, ProgramTarget, row_keys, stream_keys
 
 if TYPE_CHECKING:
+  from moespec_jax.model.cache import KVCache
   from moespec_jax.model.transformer import ForwardOutput
 
 # The table draws from this stream of each row's key (passes use 0, 1, ...).
@@ -85,12 +90,24 @@ class ControlledInputs:
 class ControlledState:
   table_BN: jax.Array
   """int32 [B, max_new_tokens + max_k + 1]: the proposals (`ControlledInputs.table_BN`)."""
+  mtp: MtpState | None = None
+  """The MTP heads' state where their cost is paid (`ControlledDrafter.mtp`), else None."""
+
+
+def keep_alive(table_BK: jax.Array, computed_BK: jax.Array) -> jax.Array:
+  """The table's drafts with a data dependency on `computed_BK` (token ids, never negative): the
+  program cannot drop the computation that made them, and the drafts stay the table's."""
+  return jnp.where(computed_BK < 0, computed_BK, table_BK)
 
 
 @dataclasses.dataclass(frozen=True)
 class ControlledDrafter(Drafter):
-  """Needs `ResearchOptions(controlled_acceptance=a)`, greedy sampling and `reference_tokens`."""
+  """Needs `ResearchOptions(controlled_acceptance=a)`, greedy sampling and `reference_tokens`.
 
+  mtp: where the passes pay the MTP heads' cost (`controlled_draft_cost="mtp"`), the MTP drafter
+  run beside the table; None: drafting costs a lookup."""
+
+  mtp: MtpDrafter | None = None
   shadows: ClassVar[bool] = True
   takes_reference: ClassVar[bool] = True
 
@@ -111,6 +128,13 @@ class ControlledDrafter(Drafter):
         "drafter='controlled' needs greedy sampling (temperature 0): its acceptance is "
         "geometric in controlled_acceptance only against the target's greedy tokens"
       )
+    if spec.research.controlled_draft_cost == "mtp":
+      if config.num_mtp_modules == 0:
+        raise ValueError(
+          "controlled_draft_cost='mtp' needs a model with MTP heads (num_mtp_modules > 0), "
+          "this one has none; use controlled_draft_cost='none'"
+        )
+      return cls(mtp=MtpDrafter.for_call(spec, config=config, sampling=sampling, prompt_len=prompt_len))
     return cls()
 
   def host_inputs(
@@ -154,6 +178,19 @@ class ControlledDrafter(Drafter):
     than the model's own continuation): one calibration per acceptance rate."""
     return float(inputs.acceptance)
 
+  def prefill(
+    self,
+    model: ProgramTarget,
+    tokens_BT: jax.Array,
+    lengths_B: jax.Array,
+    prompt_BT: jax.Array,
+    cache: KVCache,
+    ls: LoopSpec,
+  ) -> tuple[Any, jax.Array, Any]:
+    if self.mtp is None:
+      return super().prefill(model, tokens_BT, lengths_B, prompt_BT, cache, ls)
+    return self.mtp.prefill(model, tokens_BT, lengths_B, prompt_BT, cache, ls)
+
   def start(
     self,
     model: ProgramTarget,
@@ -166,10 +203,32 @@ class ControlledDrafter(Drafter):
     inputs: ControlledInputs,
     ls: LoopSpec,
   ) -> ControlledState:
-    return ControlledState(table_BN=inputs.table_BN)
+    mtp = None
+    if self.mtp is not None:
+      mtp = self.mtp.start(model, tokens_BT, lengths_B, prompt_BT, prefilled, note, first_B, inputs, ls)
+    return ControlledState(table_BN=inputs.table_BN, mtp=mtp)
 
   def propose(
     self, model: ProgramTarget, state: LoopState, k: int, keys_B: jax.Array, ls: LoopSpec
   ) -> tuple[DraftTree, ControlledState]:
     drafts_BK = controlled_propose(state.draft_state.table_BN, state.generated_B, k)
-    return DraftTree.chain(drafts_BK), state.draft_state
+    if self.mtp is None:
+      return DraftTree.chain(drafts_BK), state.draft_state
+    mtp_tree, mtp_state = self.mtp.propose(model, state.replace(draft_state=state.draft_state.mtp), k, keys_B, ls)
+    drafts_BK = keep_alive(drafts_BK, mtp_tree.tokens_BN)
+    return DraftTree.chain(drafts_BK), state.draft_state.replace(mtp=mtp_state)
+
+  def update(
+    self, model: ProgramTarget, draft_state: ControlledState, verified: Verified, ls: LoopSpec
+  ) -> ControlledState:
+    """The MTP heads' cache fill over the accepted positions, where their cost is paid."""
+    if self.mtp is None:
+      return draft_state
+    return draft_state.replace(mtp=self.mtp.update(model, draft_state.mtp, verified, ls))
+
+  def shadow(
+    self, model: ProgramTarget, state: LoopState, keys_B: jax.Array, ls: LoopSpec
+  ) -> tuple[jax.Array, jax.Array]:
+    """The table's next proposal: a plain pass runs no MTP heads (as for the MTP drafter)."""
+    tokens_BK = controlled_propose(state.draft_state.table_BN, state.generated_B, 1)
+    return tokens_BK[:, 0], jnp.ones_like(tokens_BK[:, 0], jnp.bool_)
