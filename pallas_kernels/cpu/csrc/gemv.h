@@ -10,6 +10,10 @@
 #include <cstdlib>
 #include <thread>
 
+#if defined(__FMA__) && !defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 #include "vmath.h"
 
 namespace moespec {
@@ -21,10 +25,36 @@ constexpr int64_t kManyRows = 8;        // tokens from which a product is comput
 constexpr int kTileRows = 6;            // tokens per register panel against a W block in L2
 constexpr int64_t kCachedPanelBytes = 1 << 20;  // W blocks up to this size are re-read from L2
 
+// The register panels' vector: a 512-bit register with AVX-512; without it a 256-bit one. (GCC
+// lowers 64-byte vectors to pairs of 256-bit operations there, and panels of them ran at a tenth
+// of the multiply-add rate of the same panels in 256-bit vectors:
+// docs/findings/2026-12-06-avx2-dense-panels.md.) An output element's arithmetic does not depend
+// on the vector width: one fused multiply-add per term, in row order.
+#if defined(__AVX512F__)
+typedef F16 Vec;
+#else
+typedef float Vec __attribute__((vector_size(32), aligned(4)));
+#endif
+constexpr int kVecLanes = sizeof(Vec) / sizeof(float);
+
+// acc + a * w, each lane rounded once (a fused multiply-add). The tail columns use std::fma, so a
+// column's bits must not depend on whether the compiler contracted a panel's multiply and add:
+// with 256-bit vectors GCC left some panel shapes uncontracted (Panel<1..3, 1>), so they say it.
+inline Vec FusedMulAdd(float a, Vec w, Vec acc) {
+#if defined(__AVX512F__)
+  return acc + a * w;
+#elif defined(__FMA__)
+  return reinterpret_cast<Vec>(_mm256_fmadd_ps(_mm256_set1_ps(a), reinterpret_cast<__m256>(w), reinterpret_cast<__m256>(acc)));
+#else
+  for (int l = 0; l < kVecLanes; ++l) acc[l] = std::fma(a, w[l], acc[l]);
+  return acc;
+#endif
+}
+
 // Keeps a loaded weight vector in a register. Without this GCC folds the load into each of the M > 1
 // multiply-adds that use it (M loads of one vector per row): 4-token panels against a W block in
 // L2 ran at half the speed of 5-token ones (89 against 193 GFLOPS on one core, 192 x 256 x 320).
-inline void InRegister(F16& v) {
+inline void InRegister(Vec& v) {
 #if defined(__AVX512F__) && (defined(__GNUC__) || defined(__clang__))
   asm("" : "+v"(v));
 #else
@@ -42,18 +72,18 @@ struct Prefetch {
   int64_t per_row = 0;
 };
 
-// out[j, 0:16P] += sum_r in[j * ldi + r] * W[r * ldw + 0:16P] for j < M, r < R: M x P
+// out[j, 0:kVecLanes P] += sum_r in[j * ldi + r] * W[r * ldw + 0:kVecLanes P] for j < M, r < R: M x P
 // accumulators stay in registers while the W panel is read once, row after row (for M = 1 and
 // a whole row, one sequential stream). With kNext, each row prefetches lines of another block
 // (Prefetch) instead of W's own rows ahead.
 template <int M, int P, bool kNext = false>
 inline void Panel(const float* in, int64_t ldi, int64_t R, const float* W, int64_t ldw, float* out,
                   int64_t ldo, Prefetch* pf = nullptr) {
-  F16 acc[M][P];
+  Vec acc[M][P];
 #pragma GCC unroll 8
   for (int j = 0; j < M; ++j) {
 #pragma GCC unroll 32
-    for (int p = 0; p < P; ++p) acc[j][p] = *reinterpret_cast<const F16*>(out + j * ldo + 16 * p);
+    for (int p = 0; p < P; ++p) acc[j][p] = *reinterpret_cast<const Vec*>(out + j * ldo + kVecLanes * p);
   }
   for (int64_t r = 0; r < R; ++r) {
     const float* w = W + r * ldw;
@@ -63,23 +93,23 @@ inline void Panel(const float* in, int64_t ldi, int64_t R, const float* W, int64
       }
     } else {
 #pragma GCC unroll 32
-      for (int p = 0; p < P; ++p) __builtin_prefetch(w + kPrefetchRows * ldw + 16 * p);
+      for (int p = 0; p < P; p += 16 / kVecLanes) __builtin_prefetch(w + kPrefetchRows * ldw + kVecLanes * p);
     }
     float a[M];
 #pragma GCC unroll 8
     for (int j = 0; j < M; ++j) a[j] = in[j * ldi + r];
 #pragma GCC unroll 32
     for (int p = 0; p < P; ++p) {
-      F16 wv = *reinterpret_cast<const F16*>(w + 16 * p);
+      Vec wv = *reinterpret_cast<const Vec*>(w + kVecLanes * p);
       if constexpr (M > 1) InRegister(wv);
 #pragma GCC unroll 8
-      for (int j = 0; j < M; ++j) acc[j][p] += a[j] * wv;
+      for (int j = 0; j < M; ++j) acc[j][p] = FusedMulAdd(a[j], wv, acc[j][p]);
     }
   }
 #pragma GCC unroll 8
   for (int j = 0; j < M; ++j) {
 #pragma GCC unroll 32
-    for (int p = 0; p < P; ++p) *reinterpret_cast<F16*>(out + j * ldo + 16 * p) = acc[j][p];
+    for (int p = 0; p < P; ++p) *reinterpret_cast<Vec*>(out + j * ldo + kVecLanes * p) = acc[j][p];
   }
 }
 
@@ -94,14 +124,14 @@ inline void PanelOf(int nv, const float* in, int64_t ldi, int64_t R, const float
   }
 }
 
-// Most vectors per panel for M tokens: M x P accumulators + a weight vector + M broadcasts
-// within the vector registers (32 AVX-512 registers; without AVX-512 an F16 takes two of 16).
+// Most vectors (Vec) per panel for M tokens: M x P accumulators + a weight vector + M broadcasts
+// within the vector registers (32 AVX-512 registers; 16 without AVX-512).
 template <int M>
 constexpr int MaxPanel() {
 #if defined(__AVX512F__)
   return M == 1 ? 24 : M == 2 ? 12 : M == 3 ? 8 : M == 4 ? 6 : M <= 6 ? 4 : M == 7 ? 3 : 2;
 #else
-  return M == 1 ? 6 : M == 2 ? 3 : M == 3 ? 2 : 1;
+  return M == 1 ? 12 : M == 2 ? 6 : M == 3 ? 4 : M == 4 ? 3 : M <= 6 ? 2 : 1;
 #endif
 }
 
@@ -114,13 +144,13 @@ template <int M, bool kNext = false>
 inline void Tile(const float* in, int64_t ldi, int64_t R, const float* W, int64_t ldw, int64_t c0,
                  int64_t c1, float* out, int64_t ldo, Prefetch* pf = nullptr) {
   constexpr int kMax = MaxPanel<M>();
-  const int64_t nv = (c1 - c0) / 16;
+  const int64_t nv = (c1 - c0) / kVecLanes;
   const int64_t panels = (nv + kMax - 1) / kMax;
   int64_t c = c0;
   for (int64_t i = 0; i < panels; ++i) {
     const int p = static_cast<int>(nv * (i + 1) / panels - nv * i / panels);
     PanelOf<M, kMax, kNext>(p, in, ldi, R, W + c, ldw, out + c, ldo, pf);
-    c += 16 * p;
+    c += kVecLanes * p;
   }
   for (; c < c1; ++c) {
     for (int j = 0; j < M; ++j) {
@@ -210,6 +240,44 @@ inline int64_t WholeRowTokens(int64_t nv) {
   return tokens;
 }
 
+// PanelTiles with the tokens' inputs at stride ldi (>= R): a chunk of rows of a longer input.
+template <int M>
+inline void StridedPanelTiles(const float* in, int64_t ldi, int64_t m, int64_t R, const float* W, int64_t ldw,
+                              int64_t c0, int64_t c1, float* out, int64_t ldo) {
+  int64_t j = 0;
+  for (; j + M <= m; j += M) Tile<M>(in + j * ldi, ldi, R, W, ldw, c0, c1, out + j * ldo, ldo);
+  if constexpr (M > 1) {
+    if (j < m) StridedPanelTiles<M - 1>(in + j * ldi, ldi, m - j, R, W, ldw, c0, c1, out + j * ldo, ldo);
+  }
+}
+
+// Register panels for m tokens over W read once from memory, in chunks of rows that stay in L1
+// while every token tile reads them: each chunk is streamed by the first tile and re-read from L1
+// by the others. The accumulators go through `out` between chunks (exact), so every output
+// element still takes one fused multiply-add per term in row order: the same bits as one
+// token's Panel over all R rows. Without AVX-512 (16 vector registers) the panels of several
+// tokens are narrow, and reading a W block from L2 or memory in their short strided pieces ran
+// at a fraction of the single-token stream (docs/findings/2026-12-06-avx2-dense-panels.md).
+constexpr int64_t kChunkBytes = 16 << 10;
+constexpr int kChunkTileRows = 4;
+
+inline void ChunkedPanelTiles(const float* in, int64_t m, int64_t R, const float* W, int64_t ldw, int64_t c0,
+                              int64_t c1, float* out, int64_t ldo) {
+  const int64_t rows = std::max<int64_t>(8, kChunkBytes / ((c1 - c0) * static_cast<int64_t>(sizeof(float))));
+  // Each chunk's lines are requested in order while the previous chunk computes from L1, so W
+  // streams from memory as one sequential read.
+  auto request = [&](int64_t r0) {
+    for (int64_t r = r0; r < std::min(R, r0 + rows); ++r) {
+      for (int64_t c = c0; c < c1; c += 16) __builtin_prefetch(W + r * ldw + c, 0, 3);
+    }
+  };
+  request(0);
+  for (int64_t r0 = 0; r0 < R; r0 += rows) {
+    request(r0 + rows);
+    StridedPanelTiles<kChunkTileRows>(in + r0, R, m, std::min(rows, R - r0), W + r0 * ldw, ldw, c0, c1, out, ldo);
+  }
+}
+
 // out[j, c0:c1] += sum_r in[j, r] * W[r, c0:c1] for j < m, r < R. in is [m, R] (stride R),
 // out is [m, ldo], W has row stride ldw. Three regimes:
 //  - several tokens and a W block that stays in L2 (verification passes and prefills of small
@@ -236,8 +304,16 @@ inline int64_t WholeRowTokens(int64_t nv) {
 inline void MultiGemvAcc(const float* in, int64_t m, int64_t R, const float* W, int64_t ldw,
                          int64_t c0, int64_t c1, float* out, int64_t ldo, const void* next = nullptr,
                          int64_t next_bytes = 0) {
-  const int64_t nv = (c1 - c0 + 15) / 16;
+  const int64_t nv = (c1 - c0 + kVecLanes - 1) / kVecLanes;
   const int64_t block_bytes = R * (c1 - c0) * static_cast<int64_t>(sizeof(float));
+#if !defined(__AVX512F__)
+  // Without AVX-512 every product, one token or several, narrow or wide rows, is chunked register
+  // panels: the same arithmetic for every m, and faster than row tiles there for the expert and
+  // dense shapes measured (docs/findings/2026-12-06-avx2-dense-panels.md).
+  (void)nv, (void)block_bytes, (void)next, (void)next_bytes;
+  ChunkedPanelTiles(in, m, R, W, ldw, c0, c1, out, ldo);
+  return;
+#endif
   if (m >= 2 && block_bytes <= kCachedPanelBytes && nv <= MaxPanel<1>()) {
     const int64_t lead = std::min(WholeRowTokens(nv), std::min<int64_t>(m, kTileRows));
     TileOf(lead, in, R, W, ldw, c0, c1, out, ldo);
