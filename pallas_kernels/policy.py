@@ -64,6 +64,9 @@ class KernelPolicy:
   attention: str = "xla"
   # RMSNorm sums its squares by halving, so that a row's result does not depend on the other rows.
   row_invariant_norms: bool = False
+  # False: no routed expert runs (their output is zero and no expert weight is read), a diagnostic
+  # that times a pass without them; its tokens are not the model's.
+  routed_experts: bool = True
 
   def __post_init__(self) -> None:
     if self.expert_method is not None and self.expert_method not in METHODS:

@@ -161,16 +161,19 @@ class MoE(nnx.Module):
     run_ids_NK, run_gates_NK = ids_NK, gates_NK
     if valid_BT is not None:
       run_ids_NK, run_gates_NK = masked_to_read_experts(ids_NK, gates_NK, valid_BT.reshape(-1))
-    y_ND = pallas_kernels.expert_ffn(
-      x_ND,
-      run_ids_NK,
-      run_gates_NK,
-      self.w_gate_EDF[...],
-      self.w_up_EDF[...],
-      self.w_down_EFD[...],
-      method=kernels.policy.expert_method or self.config.expert_method,
-      backend=kernels.policy.backend,
-    )
+    if kernels.policy.routed_experts:
+      y_ND = pallas_kernels.expert_ffn(
+        x_ND,
+        run_ids_NK,
+        run_gates_NK,
+        self.w_gate_EDF[...],
+        self.w_up_EDF[...],
+        self.w_down_EFD[...],
+        method=kernels.policy.expert_method or self.config.expert_method,
+        backend=kernels.policy.backend,
+      )
+    else:  # the diagnostic policy without routed experts: none is read
+      y_ND = jnp.zeros_like(x_ND)
     y_BTD = y_ND.reshape(b, t, d)
     if self.shared is not None:
       shared_BTD = self.shared(x_BTD, kernels.child("shared"))

@@ -32,3 +32,19 @@ def test_a_masked_token_points_at_the_first_valid_tokens_experts_with_gate_zero(
   ids, gates = moe.masked_to_read_experts(ids_NK, gates_NK, jnp.asarray([False, True, False]))
   np.testing.assert_array_equal(ids, [[1, 2], [1, 2], [1, 2]])  # no expert beyond the valid token's
   np.testing.assert_array_equal(gates, [[0.0, 0.0], [0.5, 0.5], [0.0, 0.0]])
+
+
+def test_a_policy_without_routed_experts_keeps_the_shared_experts_and_the_routing():
+  from flax import nnx
+
+  from moespec_jax.model.kernels import Kernels
+  from pallas_kernels.policy import KernelPolicy
+
+  config = ModelConfig(d_model=16, n_routed_experts=4, top_k=2, n_shared_experts=1, expert_hidden=8)
+  layer = moe.MoE(config, out_scale=1.0, rngs=nnx.Rngs(0))
+  x_BTD = jax.random.normal(jax.random.key(1), (1, 3, 16))
+  full_BTD, routing = layer(x_BTD)
+  skipped_BTD, skipped_routing = layer(x_BTD, kernels=Kernels(KernelPolicy(routed_experts=False), None))
+  np.testing.assert_allclose(skipped_BTD, layer.shared(x_BTD), rtol=1e-6)
+  assert not np.allclose(full_BTD, skipped_BTD)  # the routed experts contribute where they run
+  np.testing.assert_array_equal(routing[0], skipped_routing[0])
