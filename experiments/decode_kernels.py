@@ -18,9 +18,8 @@ import jax
 from absl import flags
 
 from moespec_jax import cli
-from moespec_jax.analysis import regime
 from moespec_jax.io import atomic
-from moespec_jax.research import decode_kernels, models, spec_bench
+from moespec_jax.research import decode_kernels, models, roofline, spec_bench
 
 _WORKDIR = flags.DEFINE_string("workdir", "runs/decode_kernels", "Where metrics.json, table.md and the plot go.")
 _MODEL = cli.define_model_flag()
@@ -42,7 +41,9 @@ def main(argv):
   model = models.load_model(_MODEL.value)
   max_new, rounds = _MAX_NEW.value, _ROUNDS.value
   prompts, encoding = spec_bench.bench_prompts(model, max(batch_sizes), _PROMPT_BYTES.value)
-  regimes = regime.record(model, batch_sizes, context=_PROMPT_BYTES.value + max_new)
+  regimes = roofline.measured_regimes(
+    model, prompts, batch_sizes, context=_PROMPT_BYTES.value + max_new, max_new_tokens=max_new
+  )
   rows = decode_kernels.decode_kernels_ab(
     model, prompts, batch_sizes=batch_sizes, max_new_tokens=max_new, rounds=rounds
   )

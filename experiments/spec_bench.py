@@ -3,7 +3,7 @@ and 8, greedy and temperature 1, on held-out code prompts with the default train
 its MTP heads (trained when missing).
 
   python -m experiments.spec_bench --workdir=runs/spec_bench [--quick] [--model=PATH]
-      [--batch_sizes=1,8] [--temperatures=0,1] [--drafters=mtp,ngram] [--num_draft=1,2,3]
+      [--batch_sizes=1,8] [--temperatures=0,1] [--drafters=mtp,ngram] [--num_draft=1,2,3,auto]
       [--max_new_tokens=64] [--repeats=3]
 
 --model: a directory written by `Model.save` or a Hugging Face model directory; one without a
@@ -26,7 +26,7 @@ _REPEATS = flags.DEFINE_integer(
 _BATCHES = flags.DEFINE_list("batch_sizes", ["1", "2", "4", "8"], "Batch sizes.")
 _TEMPS = flags.DEFINE_list("temperatures", ["0", "1"], "Temperatures (0: greedy).")
 _DRAFTERS = flags.DEFINE_list("drafters", ["mtp", "ngram"], "Drafters (mtp needs MTP heads).")
-_KS = flags.DEFINE_list("num_draft", ["1", "2", "3", "4", "5", "6"], "Draft lengths K.")
+_KS = flags.DEFINE_list("num_draft", ["1", "2", "3", "4", "5", "6"], "Draft lengths K (whole numbers, or auto).")
 _QUICK = cli.define_quick_flag(
   "batch 1, K = 2, greedy, short outputs",
   {"batch_sizes": ["1"], "temperatures": ["0"], "num_draft": ["2"], "max_new_tokens": 16, "repeats": 3},
@@ -41,7 +41,7 @@ def main(argv):
   sweep = dict(
     batch_sizes=cli.int_list("batch_sizes", _BATCHES.value),
     temperatures=cli.float_list("temperatures", _TEMPS.value),
-    num_drafts=cli.int_list("num_draft", _KS.value),
+    num_drafts=[k if k == "auto" else cli.int_list("num_draft", [k])[0] for k in _KS.value],
     max_new_tokens=_MAX_NEW.value,
     repeats=_REPEATS.value,
   )

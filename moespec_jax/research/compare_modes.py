@@ -26,12 +26,13 @@ import numpy as np
 
 import moespec_jax as msj
 from moespec_jax import cli
-from moespec_jax.analysis import regime, timing
+from moespec_jax.analysis import timing
 from moespec_jax.data import corpus
 from moespec_jax.decoding import programs, quality
 from moespec_jax.io import atomic, plots
 from moespec_jax.io.progress import Progress
 from moespec_jax.model import budget as budget_lib
+from moespec_jax.research import roofline
 
 BUDGET_MULTIPLIERS = (1.0, 1.5, 2.0, 3.0, 4.0, None)  # x top_k; None = no budget
 
@@ -84,11 +85,14 @@ def run_compare_modes(
   total = len(temperatures) * len(batch_sizes) * len(num_drafts) * (1 + len(policies) * len(budgets))
   progress = Progress(total, desc="compare_modes", unit="rows", every_s=15.0, emit=log)
   rows, began = [], time.perf_counter()
-  # The regime of plain decoding at each batch size (prompts of 192 bytes), printed once.
+  # The regime of plain decoding at each batch size (prompts of 192 bytes, the plain pass measured),
+  # printed once.
   settings = {
     "max_new_tokens": max_new_tokens,
     "repeats": repeats,
-    "regime": regime.record(model, batch_sizes, context=192 + max_new_tokens, log=log),
+    "regime": roofline.measured_regimes(
+      model, prompts, batch_sizes, context=192 + max_new_tokens, max_new_tokens=max_new_tokens, log=log
+    ),
   }
 
   def gen(batch_prompts, sampling, spec, seed):

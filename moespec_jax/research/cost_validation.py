@@ -291,7 +291,7 @@ def run_cost_model(
   prompts = corpus.held_out_prompts(1, prompt_bytes=cfg.prompt_bytes, seed=cfg.seed)
   if cfg.controlled_draft_cost == "mtp" and not model.config.num_mtp_modules:
     raise ValueError("controlled_draft_cost 'mtp' needs a model with MTP heads")
-  regimes = regime.record(model, (1,), context=cfg.prompt_bytes + cfg.max_new_tokens, log=log)
+  regime.record(model, (1,), context=cfg.prompt_bytes + cfg.max_new_tokens, log=log)
   # The sweep's acceptance rates and the auto rows are kept as they finish (workdir/progress.json):
   # an interrupted run, rerun with the same settings on the same model, measures only the rest.
   parts = progress.RunProgress(workdir / "progress.json", progress_settings(model, cfg), log=log)
@@ -323,9 +323,14 @@ def run_cost_model(
       time.perf_counter() - began,
     )
   }
+  bandwidth = plain_bandwidth(model, passes, cfg, log)
+  # The regime again, the measured plain pass deciding where its bytes come from.
+  regimes = regime.record(
+    model, (1,), context=bandwidth["context"], measured_pass_ms={1: bandwidth["plain_pass_ms"]}, log=log
+  )
   result["cost_model"].update(
     regime=regimes,
-    plain_bandwidth=plain_bandwidth(model, passes, cfg, log),
+    plain_bandwidth=bandwidth,
     controlled_draft_cost=cfg.controlled_draft_cost,
     draft_ms=None if passes.draft_ms_K is None else passes.draft_ms_K.tolist(),
   )

@@ -12,11 +12,10 @@ from typing import Any
 import numpy as np
 
 import moespec_jax as msj
-from moespec_jax.analysis import regime
 from moespec_jax.data import corpus
 from moespec_jax.io import atomic, plots
 from moespec_jax.io.progress import Progress
-from moespec_jax.research import spec_bench
+from moespec_jax.research import roofline, spec_bench
 
 
 def _timed_generate(model, prompts, max_new_tokens, spec, repeats: int):
@@ -80,7 +79,9 @@ def run_demo(
 
   workdir = pathlib.Path(workdir)
   prompts = corpus.held_out_prompts(max(batch_sizes), prompt_bytes=192, seed=0)
-  regimes = regime.record(model, batch_sizes, context=192 + max_new_tokens, log=log)
+  regimes = roofline.measured_regimes(
+    model, prompts, batch_sizes, context=192 + max_new_tokens, max_new_tokens=max_new_tokens, log=log
+  )
   bpb = pretrain.validation_bits_per_byte(model)
   drafters = (["mtp"] if model.config.num_mtp_modules else []) + ["ngram"]
   budget = budget_multiplier * model.config.top_k

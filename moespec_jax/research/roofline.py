@@ -13,13 +13,15 @@ what a faster prefill could still buy a whole run).
 from __future__ import annotations
 
 import pathlib
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moespec_jax.analysis import timing
+import moespec_jax as msj
+from moespec_jax.analysis import regime, timing
 from pallas_kernels import bytes as kbytes
 
 STREAM_BYTES = 256 * 1024 * 1024  # far beyond the processor's caches
@@ -156,3 +158,39 @@ def decode_cache_bytes(config, context_tokens: float) -> float:
 def bound_tokens_per_second(weight_bytes: float, read_gbps: float, batch_size: int) -> float:
   """Tokens/s of a decoder that does nothing but read `weight_bytes` per step at `read_gbps`."""
   return read_gbps * 1e9 / weight_bytes * batch_size
+
+
+def plain_pass_ms(model: msj.Model, prompts: Sequence, new_tokens: int = 32, repeats: int = 3) -> float:
+  """A measured plain decoding pass of these prompts' batch (ms): the median, over `repeats`
+  alternating pairs, of the time of a plain run of 2 x `new_tokens` new tokens less that of one of
+  `new_tokens`, over `new_tokens` (the prefill cancels). Both programs run once untimed first."""
+  if new_tokens < 1 or repeats < 1:
+    raise ValueError(f"new_tokens and repeats must be >= 1, got {new_tokens}, {repeats}")
+
+  def run(n: int) -> float:
+    began = time.perf_counter()
+    plain = msj.SpecParams(drafter="none")
+    out = msj.generate(model, list(prompts), max_new_tokens=n, sampling=msj.SamplingParams(), spec=plain, seed=0)
+    np.asarray(out.tokens)
+    return time.perf_counter() - began
+
+  run(new_tokens), run(2 * new_tokens)
+  diffs = [run(2 * new_tokens) - run(new_tokens) for _ in range(repeats)]
+  return max(float(np.median(diffs)) * 1e3 / new_tokens, 1e-6)
+
+
+def measured_regimes(
+  model: msj.Model,
+  prompts: Sequence,
+  batch_sizes: Sequence[int],
+  *,
+  context: int,
+  max_new_tokens: int,
+  log: Callable[[str], None] = print,
+) -> list[dict]:
+  """`analysis.regime.record` with each batch size's plain pass measured (`plain_pass_ms`, the
+  first `batch` prompts, runs of at most `max_new_tokens` new tokens: the bench's own, which fit
+  the model's context): its effective bandwidth decides where the pass's bytes come from."""
+  new_tokens = max(1, min(32, max_new_tokens // 2))
+  measured = {b: plain_pass_ms(model, prompts[:b], new_tokens) for b in sorted(set(batch_sizes))}
+  return regime.record(model, batch_sizes, context=context, measured_pass_ms=measured, log=log)

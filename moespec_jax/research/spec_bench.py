@@ -1,7 +1,8 @@
 """Speculative vs plain decoding throughput on held-out code prompts (experiments/spec_bench.py).
 
 For each batch size and temperature, plain decoding and every (drafter, K) run on the same
-prompts. Each row alternates `repeats` plain and speculative runs with the same seeds
+prompts (K an integer or "auto": `auto_lines` compares auto with the best fixed K). Each row
+alternates `repeats` plain and speculative runs with the same seeds
 (compilation excluded: `generate` compiles ahead of time; and each program runs once, untimed,
 before it is timed: its first run is slower than the later ones), so that both see the same
 load on a shared machine, and reports the medians of tokens/s and of the per-pair speedups.
@@ -16,12 +17,13 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import moespec_jax as msj
-from moespec_jax.analysis import regime, timing
+from moespec_jax.analysis import timing
 from moespec_jax.data import corpus
 from moespec_jax.data import tokenizer as tokenizer_lib
 from moespec_jax.decoding import programs
 from moespec_jax.io import atomic, plots
 from moespec_jax.io.progress import Progress
+from moespec_jax.research import roofline
 
 
 def bench_prompts(model: msj.Model, n: int, prompt_bytes: int, log: Callable[[str], None] = print) -> tuple[list, str]:
@@ -96,7 +98,7 @@ def run_spec_bench(
   batch_sizes: Sequence[int] = (1, 2, 4, 8),
   temperatures: Sequence[float] = (0.0, 1.0),
   drafters: Sequence[str] = ("mtp", "ngram"),
-  num_drafts: Sequence[int] = (1, 2, 3, 4, 5, 6),
+  num_drafts: Sequence[int | str] = (1, 2, 3, 4, 5, 6),
   max_new_tokens: int = 64,
   repeats: int = 3,
   prompt_bytes: int = 192,
@@ -108,7 +110,10 @@ def run_spec_bench(
   if "mtp" in drafters and model.config.num_mtp_modules == 0:
     raise ValueError("drafter 'mtp' needs a model with MTP heads (num_mtp_modules > 0)")
   prompts, encoding = bench_prompts(model, max(batch_sizes), prompt_bytes, log=log)
-  regime.record(model, batch_sizes, context=prompt_bytes + max_new_tokens, log=log)
+  # The regime of plain decoding at each batch size, its plain pass measured.
+  regimes = roofline.measured_regimes(
+    model, prompts, batch_sizes, context=prompt_bytes + max_new_tokens, max_new_tokens=max_new_tokens, log=log
+  )
   total = len(batch_sizes) * len(temperatures) * (1 + len(drafters) * len(num_drafts))
   progress = Progress(total, desc="spec_bench", unit="rows", every_s=15.0, emit=log)
   rows, plain_rows, done = [], [], 0
@@ -142,6 +147,11 @@ def run_spec_bench(
               "mean_accepted_length": acc_len,
               "acceptance_by_depth": stats["acceptance_by_depth"],
               "unique_experts_per_pass": stats["unique_experts_per_pass"],
+              **(
+                {"mean_num_draft": stats["mean_num_draft"], "chosen_num_draft": stats["chosen_num_draft"]}
+                if k == "auto"
+                else {}
+              ),
             }
           )
           done += 1
@@ -158,6 +168,7 @@ def run_spec_bench(
             began,
             complete=False,
             encoding=encoding,
+            regimes=regimes,
           )
           # ~100 compiled loops do not fit in memory together: keep only the plain program.
           programs.PROGRAMS.forget(plain_programs)
@@ -174,9 +185,12 @@ def run_spec_bench(
     began,
     complete=True,
     encoding=encoding,
+    regimes=regimes,
   )
   plot_speedup(rows, workdir / "speedup_vs_k.png")
   log(format_table(rows))
+  for line in auto_lines(rows):
+    log(line)
   return result
 
 
@@ -193,6 +207,7 @@ def _write(
   *,
   complete: bool,
   encoding: str,
+  regimes: list[dict],
 ):
   """Writes the metrics so far (a long sweep leaves usable partial results)."""
   result = {
@@ -206,7 +221,7 @@ def _write(
       "prompt_bytes": prompt_bytes,
       "prompt_encoding": encoding,
       "num_mtp_modules": model.config.num_mtp_modules,
-      "regime": regime.record(model, batch_sizes, context=prompt_bytes + max_new_tokens, log=lambda _: None),
+      "regime": regimes,
       "seconds": time.perf_counter() - began,
     }
   }
@@ -214,11 +229,32 @@ def _write(
   return result
 
 
+def auto_lines(rows: Sequence[dict]) -> list[str]:
+  """One line per `num_draft="auto"` row: its speedup over plain and over the best fixed K of the
+  same drafter, temperature and batch (where fixed Ks ran), and the mean K it chose."""
+  lines = []
+  for r in rows:
+    if r["num_draft"] != "auto":
+      continue
+    fixed = [
+      f["speedup"]
+      for f in rows
+      if f["num_draft"] != "auto"
+      and (f["drafter"], f["temperature"], f["batch_size"]) == (r["drafter"], r["temperature"], r["batch_size"])
+    ]
+    versus = f", {r['speedup'] / max(fixed):.2f}x the best fixed K" if fixed else ""
+    lines.append(
+      f"auto K, {r['drafter']} T={r['temperature']:g} batch {r['batch_size']}: {r['speedup']:.2f}x plain{versus} "
+      f"(mean K {r['mean_num_draft']:.2f})"
+    )
+  return lines
+
+
 def format_table(rows) -> str:
-  lines = [f"{'drafter':<8}{'T':>5}{'batch':>7}{'K':>4}{'tok/s':>10}{'plain':>10}{'speedup':>9}{'acc.len':>9}"]
+  lines = [f"{'drafter':<8}{'T':>5}{'batch':>7}{'K':>5}{'tok/s':>10}{'plain':>10}{'speedup':>9}{'acc.len':>9}"]
   for r in rows:
     lines.append(
-      f"{r['drafter']:<8}{r['temperature']:>5.1f}{r['batch_size']:>7}{r['num_draft']:>4}"
+      f"{r['drafter']:<8}{r['temperature']:>5.1f}{r['batch_size']:>7}{r['num_draft']!s:>5}"
       f"{r['tokens_per_second']:>10.1f}{r['plain_tokens_per_second']:>10.1f}"
       f"{r['speedup']:>9.2f}{r['mean_accepted_length']:>9.2f}"
     )
@@ -226,7 +262,8 @@ def format_table(rows) -> str:
 
 
 def plot_speedup(rows, path: pathlib.Path) -> None:
-  """Speedup vs K, one line per batch size; one panel per (drafter, temperature)."""
+  """Speedup vs K, one line per batch size; one panel per (drafter, temperature); auto K's rows as
+  crosses at the mean K they chose."""
   plt = plots.pyplot()
   panels = sorted({(r["drafter"], r["temperature"]) for r in rows})
   if not panels:
@@ -234,11 +271,11 @@ def plot_speedup(rows, path: pathlib.Path) -> None:
   fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), squeeze=False)
   for ax, (drafter, temperature) in zip(axes[0], panels):
     for batch in sorted({r["batch_size"] for r in rows}):
-      sel = sorted(
-        (r for r in rows if r["drafter"] == drafter and r["temperature"] == temperature and r["batch_size"] == batch),
-        key=lambda r: r["num_draft"],
-      )
-      ax.plot([r["num_draft"] for r in sel], [r["speedup"] for r in sel], "o-", label=f"batch {batch}")
+      mine = [r for r in rows if (r["drafter"], r["temperature"], r["batch_size"]) == (drafter, temperature, batch)]
+      sel = sorted((r for r in mine if r["num_draft"] != "auto"), key=lambda r: r["num_draft"])
+      (line,) = ax.plot([r["num_draft"] for r in sel], [r["speedup"] for r in sel], "o-", label=f"batch {batch}")
+      auto = [r for r in mine if r["num_draft"] == "auto"]
+      ax.plot([r["mean_num_draft"] for r in auto], [r["speedup"] for r in auto], "x", ms=9, color=line.get_color())
     ax.axhline(1.0, color="gray", lw=0.8, ls="--")
     plots.finish_axes(
       ax,

@@ -1,5 +1,6 @@
-"""The regime verdict: bytes per pass against the last-level cache, arithmetic intensity against the
-balance point (cache size and rates injected: nothing is timed here)."""
+"""The regime verdict: bytes per pass and the working set against the last-level cache, a measured
+pass's effective bandwidth, arithmetic intensity against the balance point (cache size, rates and
+pass times injected: nothing is timed here)."""
 
 import pytest
 
@@ -14,8 +15,7 @@ def _regime(name, **kwargs):
   return regime.regime_of(configs.model_config(name), **{**args, **kwargs})
 
 
-def test_the_default_model_is_cache_resident_and_the_membound_configs_are_not():
-  assert _regime("tiny").verdict == "compute-bound"
+def test_the_membound_configs_read_each_pass_from_memory():
   for name in ("membound_coarse", "membound_fine"):
     r = _regime(name)
     assert r.verdict == "memory-bound", r.reason
@@ -64,6 +64,35 @@ def test_last_level_cache_reads_the_level_3_entry(tmp_path):
 def test_record_prints_one_line_and_returns_each_batch():
   lines = []
   rates = dict(cache_bytes=32 * MIB, matmul_gflops_rate=200.0, stream_gbps_rate=25.0)
-  out = regime.record(configs.model_config("tiny"), (1, 4), log=lines.append, **rates)
+  out = regime.record(configs.model_config("tiny"), (1, 4), log=lines.append, measured_pass_ms={1: 0.1}, **rates)
   assert len(lines) == 1 and lines[0].startswith("regime: ") and "batch 4" in lines[0]
+  assert out[0]["measured_pass_ms"] == 0.1 and out[1]["measured_pass_ms"] is None
   assert [r["batch_size"] for r in out] == [1, 4] and {"verdict", "reason", "pass_bytes"} <= set(out[0])
+
+
+def test_a_working_set_beyond_the_cache_needs_a_measured_pass():
+  # The default model: a pass's bytes fit a 32 MiB cache, its working set (every expert) does not.
+  r = _regime("tiny")
+  assert r.pass_bytes < 32 * MIB < r.working_set_bytes
+  assert r.verdict == "borderline" and "working set" in r.reason and "measured plain pass decides" in r.reason
+  # Measured: bytes at streaming speed come from memory; at 4x it the cache served them.
+  at_stream = _regime("tiny", measured_pass_ms=r.pass_bytes / 25e9 * 1e3)
+  assert at_stream.verdict == "memory-bound" and at_stream.effective_gbps == pytest.approx(25.0)
+  from_cache = _regime("tiny", measured_pass_ms=r.pass_bytes / 100e9 * 1e3)
+  assert from_cache.verdict == "compute-bound" and "4.00x streaming" in from_cache.reason
+  # A cache holding the whole working set: resident, no measurement needed.
+  assert _regime("tiny", cache_bytes=4 * r.working_set_bytes).verdict == "compute-bound"
+
+
+def test_a_measurement_overrules_the_bytes_count():
+  fast = _regime("membound_fine", measured_pass_ms=1e-3)
+  assert fast.verdict == "compute-bound" and fast.to_dict()["effective_gbps"] == pytest.approx(fast.effective_gbps)
+  with pytest.raises(ValueError, match="measured_pass_ms"):
+    _regime("tiny", measured_pass_ms=0.0)
+
+
+def test_the_working_set_is_every_weight_but_the_input_table():
+  config = configs.model_config("tiny")
+  counts = config.param_counts()
+  assert regime.working_set_bytes(config) == (counts["total"] - config.vocab_size * config.d_model) * 4
+  assert regime.working_set_bytes(config) > regime.weight_bytes(config, 1)

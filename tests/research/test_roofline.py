@@ -142,3 +142,15 @@ def test_a_prefill_counts_causal_pairs_and_the_last_layer_at_its_last_position()
 
 def test_matmul_rate_is_measured():
   assert roofline.matmul_gflops(repeats=1, size=128) > 0
+
+
+def test_a_measured_plain_pass_decides_the_regime(tiny_model):
+  prompts = ["def f(x):\n", "import os\n"]
+  ms = roofline.plain_pass_ms(tiny_model, prompts, new_tokens=4, repeats=1)
+  assert ms > 0
+  lines = []
+  out = roofline.measured_regimes(tiny_model, prompts, (1, 2), context=16, max_new_tokens=8, log=lines.append)
+  assert [r["batch_size"] for r in out] == [1, 2] and all(r["measured_pass_ms"] > 0 for r in out)
+  assert all(r["effective_gbps"] > 0 for r in out) and "measured" in lines[0]
+  with pytest.raises(ValueError, match="new_tokens"):
+    roofline.plain_pass_ms(tiny_model, prompts, new_tokens=0)

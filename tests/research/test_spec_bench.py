@@ -79,3 +79,38 @@ def test_every_program_runs_once_untimed_before_it_is_timed(monkeypatch, tmp_pat
     (150.0, 100.0, 1.5),
     (150.0, 100.0, 1.5),
   ]
+
+
+def test_auto_rows_are_compared_with_the_best_fixed_k(monkeypatch, tmp_path, tiny_config):
+  import types
+
+  from moespec_jax.data.tokenizer import ByteTokenizer
+
+  rates = {"none": 100.0, 1: 120.0, 2: 150.0, "auto": 141.0}
+
+  def fake_generate(model, prompts, *, max_new_tokens, sampling, spec, seed):
+    key = "none" if spec.drafter == "none" else spec.num_draft
+    stats = {"tokens_per_second": rates[key], "mean_accepted_length": 1.5, "acceptance_by_depth": [0.5]}
+    stats["unique_experts_per_pass"] = [2.0]
+    if key == "auto":
+      stats.update(mean_num_draft=1.75, chosen_num_draft=2)
+    return msj.GenerateOutput(tokens=None, stats=stats)
+
+  monkeypatch.setattr(msj, "generate", fake_generate)
+  lines = []
+  result = spec_bench.run_spec_bench(
+    types.SimpleNamespace(config=tiny_config, tokenizer=ByteTokenizer()),
+    tmp_path,
+    batch_sizes=(1,),
+    temperatures=(0.0,),
+    drafters=("ngram",),
+    num_drafts=(1, 2, "auto"),
+    max_new_tokens=8,
+    repeats=1,
+    prompt_bytes=32,
+    log=lines.append,
+  )
+  auto = result["spec_bench"]["rows"][-1]
+  assert (auto["num_draft"], auto["mean_num_draft"], auto["chosen_num_draft"]) == ("auto", 1.75, 2)
+  assert "auto K, ngram T=0 batch 1: 1.41x plain, 0.94x the best fixed K (mean K 1.75)" in lines
+  assert (tmp_path / "speedup_vs_k.png").stat().st_size > 0
