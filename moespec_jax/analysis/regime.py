@@ -116,6 +116,11 @@ def working_set_bytes(config: ModelConfig) -> float:
   return float(total)
 
 
+def effective_gbps(pass_bytes: float, pass_ms: float | None) -> float | None:
+  """A pass's bytes over its measured time (GB/s); None without a time."""
+  return None if pass_ms is None else pass_bytes / (pass_ms / 1e3) / 1e9
+
+
 def kv_bytes_per_token(config: ModelConfig, context: int) -> float:
   """KV-cache bytes one token's attention reads over `context` cached positions, all layers."""
   heads, key_dim, value_dim = config.cache_dims
@@ -169,9 +174,7 @@ class Regime:
   @property
   def effective_gbps(self) -> float | None:
     """The pass's bytes over its measured time (GB/s), where a time was given."""
-    if not self.measured_pass_ms:
-      return None
-    return self.pass_bytes / (self.measured_pass_ms / 1e3) / 1e9
+    return effective_gbps(self.pass_bytes, self.measured_pass_ms)
 
   @property
   def balance_flops_per_byte(self) -> float | None:
@@ -282,7 +285,6 @@ def regime_of(
   intensity = n * flops / (weights + batch_size * kv)
   balance = matmul / stream if matmul and stream else None
   pass_bytes = weights + batch_size * kv
-  effective = None if measured_pass_ms is None else pass_bytes / (measured_pass_ms / 1e3) / 1e9
   working_set = working_set_bytes(config) + batch_size * kv
   verdict, reason = classify(
     pass_bytes,
@@ -290,7 +292,7 @@ def regime_of(
     cache_bytes,
     balance,
     working_set=working_set,
-    effective_gbps=effective,
+    effective_gbps=effective_gbps(pass_bytes, measured_pass_ms),
     stream_gbps_rate=stream,
   )
   return Regime(

@@ -109,8 +109,8 @@ def measure_step_ms(ls: LoopSpec, args: ProgramArgs, repeats: int = 7) -> np.nda
 
 
 def measure_step_variants_ms(lss: Sequence[LoopSpec], args: ProgramArgs, repeats: int = 7) -> np.ndarray:
-  """`measure_step_ms` for programs that differ only in what a pass does (e.g. `routed_experts`),
-  timed side by side: within each round every K of every variant runs (the variants in the
+  """`measure_step_ms` for programs that differ only in what a pass does (e.g. their kernel policy's
+  `routed_experts`), timed side by side: within each round every K of every variant runs (the variants in the
   balanced order of `timing.round_order`), and each time is the median of its ratios to the first
   variant's K = 0 within a round times that time's median. Returns [variant, K]. The prefill is
   the first variant's."""

@@ -319,11 +319,12 @@ def step_times_with_and_without_experts_ms(
   reference_tokens: npt.ArrayLike | None = None,
   repeats: int = 7,
 ) -> tuple[np.ndarray, np.ndarray]:
-  """`step_times_ms`, and the same passes with no routed expert read (LoopSpec.routed_experts
-  False), timed side by side in the same rounds: the rest of a pass, and by difference the routed
-  experts' part as decoding pays it (the cost model's non-expert time)."""
+  """`step_times_ms`, and the same passes with no routed expert read (the kernel policy's
+  `routed_experts` False), timed side by side in the same rounds: the rest of a pass, and by
+  difference the routed experts' part as decoding pays it (the cost model's non-expert time)."""
   ls, args = _step_program(model, prompts, max_new_tokens, sampling, spec, reference_tokens)
-  with_K, without_K = measure_step_variants_ms([ls, dataclasses.replace(ls, routed_experts=False)], args, repeats)
+  without = dataclasses.replace(ls, kernels=dataclasses.replace(ls.kernels, routed_experts=False))
+  with_K, without_K = measure_step_variants_ms([ls, without], args, repeats)
   return with_K, without_K
 
 

@@ -99,7 +99,7 @@ def verify(
   inputs_BS = jnp.concatenate([state.pending_B[:, None], tree.tokens_BN], axis=1)
   positions_BS = pos_B[:, None] + jnp.arange(k + 1, dtype=jnp.int32)[None]
   active_BS = active_B[:, None] & jnp.concatenate([jnp.ones((batch, 1), jnp.bool_), tree.valid_BN], axis=1)
-  experts_BS = active_BS if ls.routed_experts else jnp.zeros_like(active_BS)
+  experts_BS = active_BS if ls.kernels.routed_experts else jnp.zeros_like(active_BS)
   vout = model(
     inputs_BS, positions_BS, state.cache, kernels=model.kernels, expert_budget=ls.expert_budget, valid_BT=experts_BS
   )

@@ -6,7 +6,6 @@ used programs where the process runs short of memory mappings. `PROGRAMS` is the
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import itertools
 import logging
@@ -74,12 +73,10 @@ ProgramArgs = tuple[ModelDefinition, ProgramParams, np.ndarray, np.ndarray, np.n
 
 def merge(definition: ModelDefinition, params: ProgramParams, ls: LoopSpec) -> ProgramModel:
   """The model inside a program. `params`: (the state's leaves, the packed weights: see
-  `decode_params`); `ls.kernels`: the program's kernel policy (without its routed experts where
-  `ls.routed_experts` is False: the diagnostic pass that reads none)."""
+  `decode_params`); `ls.kernels`: the program's kernel policy."""
   leaves, packed = params
   module = nnx.merge(definition.graphdef, jax.tree.unflatten(definition.state_treedef, leaves))
-  policy = ls.kernels if ls.routed_experts else dataclasses.replace(ls.kernels, routed_experts=False)
-  return ProgramModel(module, Kernels(policy, packed))
+  return ProgramModel(module, Kernels(ls.kernels, packed))
 
 
 def kernel_policy(model: ModelHandle, spec: SpecParams, platform: str | None = None) -> KernelPolicy:

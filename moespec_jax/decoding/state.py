@@ -74,9 +74,6 @@ class LoopSpec:
   # (routed experts, top-k), (0, 0) for a dense model: the shape of the experts' part of the
   # pass times that auto K's calibration fits (auto_draft.smooth_step_times)
   routing: tuple[int, int] = (0, 0)
-  # False only to measure the pass without its routed experts (the cost model's non-expert time):
-  # the verification pass reads no routed expert, so its tokens are not the model's.
-  routed_experts: bool = True
 
   @property
   def trace_rows(self) -> int:

@@ -719,7 +719,7 @@ def plain_bandwidth(model, passes: PassTimes, cfg: CostValidationConfig, log=pri
   context = cfg.prompt_bytes + 1 + cfg.max_new_tokens // 2
   pass_bytes = regime.regime_of(model, 1, context=context).pass_bytes
   ms = passes.measured_ms(1)
-  gbps, stream = pass_bytes / (ms / 1e3) / 1e9, regime.stream_gbps()
+  gbps, stream = regime.effective_gbps(pass_bytes, ms), regime.stream_gbps()
   log(
     f"  plain pass {ms:.3f} ms reads {pass_bytes / 1e6:.1f} MB: {gbps:.1f} GB/s effective against "
     f"{stream:.1f} GB/s streaming ({gbps / stream:.0%})"

@@ -160,23 +160,23 @@ def bound_tokens_per_second(weight_bytes: float, read_gbps: float, batch_size: i
   return read_gbps * 1e9 / weight_bytes * batch_size
 
 
-def plain_pass_ms(model: msj.Model, prompts: Sequence, new_tokens: int = 32, repeats: int = 3) -> float:
+def plain_pass_ms(model: msj.Model, prompts: Sequence, new_tokens: int = 32, repeats: int = 3) -> float | None:
   """A measured plain decoding pass of these prompts' batch (ms): the median, over `repeats`
   alternating pairs, of the time of a plain run of 2 x `new_tokens` new tokens less that of one of
-  `new_tokens`, over `new_tokens` (the prefill cancels). Both programs run once untimed first."""
+  `new_tokens`, over `new_tokens` (the prefill cancels). Both programs run once untimed first.
+  None where the longer runs were not slower (the difference lost in noise): no measurement."""
   if new_tokens < 1 or repeats < 1:
     raise ValueError(f"new_tokens and repeats must be >= 1, got {new_tokens}, {repeats}")
+  plain, sampling = msj.SpecParams(drafter="none"), msj.SamplingParams()
 
   def run(n: int) -> float:
     began = time.perf_counter()
-    plain = msj.SpecParams(drafter="none")
-    out = msj.generate(model, list(prompts), max_new_tokens=n, sampling=msj.SamplingParams(), spec=plain, seed=0)
-    np.asarray(out.tokens)
+    np.asarray(msj.generate(model, list(prompts), max_new_tokens=n, sampling=sampling, spec=plain, seed=0).tokens)
     return time.perf_counter() - began
 
   run(new_tokens), run(2 * new_tokens)
-  diffs = [run(2 * new_tokens) - run(new_tokens) for _ in range(repeats)]
-  return max(float(np.median(diffs)) * 1e3 / new_tokens, 1e-6)
+  diff = float(np.median([run(2 * new_tokens) - run(new_tokens) for _ in range(repeats)]))
+  return diff * 1e3 / new_tokens if diff > 0 else None
 
 
 def measured_regimes(
@@ -190,7 +190,8 @@ def measured_regimes(
 ) -> list[dict]:
   """`analysis.regime.record` with each batch size's plain pass measured (`plain_pass_ms`, the
   first `batch` prompts, runs of at most `max_new_tokens` new tokens: the bench's own, which fit
-  the model's context): its effective bandwidth decides where the pass's bytes come from."""
+  the model's context): its effective bandwidth decides where the pass's bytes come from (where
+  no pass could be measured, the verdict says what the bytes alone say)."""
   new_tokens = max(1, min(32, max_new_tokens // 2))
   measured = {b: plain_pass_ms(model, prompts[:b], new_tokens) for b in sorted(set(batch_sizes))}
   return regime.record(model, batch_sizes, context=context, measured_pass_ms=measured, log=log)

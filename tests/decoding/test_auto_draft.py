@@ -340,7 +340,7 @@ def test_step_times_grow_with_pass_size(auto_model):
 
 
 def test_passes_without_routed_experts_read_none(auto_model):
-  """LoopSpec(routed_experts=False), what the cost model times as a pass's non-expert part: the
+  """A kernel policy with routed_experts=False, what the cost model times as a pass's non-expert part: the
   verification pass skips every routed expert (none counted, and the tokens change)."""
   # Private on purpose: the LoopSpec and program arguments of a generate() call have no public name.
   _, ls, args = loop._prepare(
@@ -349,7 +349,7 @@ def test_passes_without_routed_experts_read_none(auto_model):
   state0 = programs.PROGRAMS.compiled(calibration.init_program, ls, *args)(*args[1:])
   out = {}
   for experts in (True, False):
-    run_ls = dataclasses.replace(ls, routed_experts=experts)
+    run_ls = dataclasses.replace(ls, kernels=dataclasses.replace(ls.kernels, routed_experts=experts))
     run = programs.PROGRAMS.compiled(
       calibration.passes_program, run_ls, args[0], args[1], state0, jnp.int32(0), jnp.int32(0)
     )

@@ -146,11 +146,22 @@ def test_matmul_rate_is_measured():
 
 def test_a_measured_plain_pass_decides_the_regime(tiny_model):
   prompts = ["def f(x):\n", "import os\n"]
-  ms = roofline.plain_pass_ms(tiny_model, prompts, new_tokens=4, repeats=1)
-  assert ms > 0
+  assert roofline.plain_pass_ms(tiny_model, prompts, new_tokens=16, repeats=3) > 0
   lines = []
-  out = roofline.measured_regimes(tiny_model, prompts, (1, 2), context=16, max_new_tokens=8, log=lines.append)
+  out = roofline.measured_regimes(tiny_model, prompts, (1, 2), context=16, max_new_tokens=32, log=lines.append)
   assert [r["batch_size"] for r in out] == [1, 2] and all(r["measured_pass_ms"] > 0 for r in out)
   assert all(r["effective_gbps"] > 0 for r in out) and "measured" in lines[0]
   with pytest.raises(ValueError, match="new_tokens"):
     roofline.plain_pass_ms(tiny_model, prompts, new_tokens=0)
+
+
+def test_a_pass_lost_in_noise_is_no_measurement(monkeypatch, tiny_config):
+  import types
+
+  # Every run takes the same time, however many tokens: no pass time can be read from them.
+  monkeypatch.setattr(msj, "generate", lambda *a, **k: types.SimpleNamespace(tokens=[0]))
+  monkeypatch.setattr(roofline, "time", types.SimpleNamespace(perf_counter=iter(range(100)).__next__))
+  assert roofline.plain_pass_ms(None, ["x"], new_tokens=4, repeats=3) is None
+  rates = dict(cache_bytes=2**30, matmul_gflops_rate=200.0, stream_gbps_rate=25.0)
+  out = roofline.regime.record(tiny_config, (1,), measured_pass_ms={1: None}, log=lambda _: None, **rates)
+  assert out[0]["measured_pass_ms"] is None and out[0]["effective_gbps"] is None

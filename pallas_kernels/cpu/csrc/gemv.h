@@ -205,15 +205,23 @@ inline void RowTileGemvAcc(const float* in, int64_t m, int64_t R, const float* W
 }
 
 // Columns [c0, c1) for tokens [0, m) in tiles of M (the last one shorter), register panels
-// (MaxPanel<M>() vectors at most each).
+// (MaxPanel<M>() vectors at most each); the tokens' inputs at stride ldi (>= R: R rows of a longer
+// input, as ChunkedPanelTiles reads them).
+template <int M, bool kNext = false>
+inline void StridedPanelTiles(const float* in, int64_t ldi, int64_t m, int64_t R, const float* W, int64_t ldw,
+                              int64_t c0, int64_t c1, float* out, int64_t ldo, Prefetch* pf = nullptr) {
+  int64_t j = 0;
+  for (; j + M <= m; j += M) Tile<M, kNext>(in + j * ldi, ldi, R, W, ldw, c0, c1, out + j * ldo, ldo, pf);
+  if constexpr (M > 1) {
+    if (j < m) StridedPanelTiles<M - 1, kNext>(in + j * ldi, ldi, m - j, R, W, ldw, c0, c1, out + j * ldo, ldo, pf);
+  }
+}
+
+// StridedPanelTiles over whole inputs (in is [m, R]).
 template <int M, bool kNext = false>
 inline void PanelTiles(const float* in, int64_t m, int64_t R, const float* W, int64_t ldw,
                        int64_t c0, int64_t c1, float* out, int64_t ldo, Prefetch* pf = nullptr) {
-  int64_t j = 0;
-  for (; j + M <= m; j += M) Tile<M, kNext>(in + j * R, R, R, W, ldw, c0, c1, out + j * ldo, ldo, pf);
-  if constexpr (M > 1) {
-    if (j < m) PanelTiles<M - 1, kNext>(in + j * R, m - j, R, W, ldw, c0, c1, out + j * ldo, ldo, pf);
-  }
+  StridedPanelTiles<M, kNext>(in, R, m, R, W, ldw, c0, c1, out, ldo, pf);
 }
 
 // Tokens m (1..kTileRows) in one tile: Tile<m> for a run-time m.
@@ -238,17 +246,6 @@ inline int64_t WholeRowTokens(int64_t nv) {
     if (nv <= kPanels[k - 1]) tokens = k;
   }
   return tokens;
-}
-
-// PanelTiles with the tokens' inputs at stride ldi (>= R): a chunk of rows of a longer input.
-template <int M>
-inline void StridedPanelTiles(const float* in, int64_t ldi, int64_t m, int64_t R, const float* W, int64_t ldw,
-                              int64_t c0, int64_t c1, float* out, int64_t ldo) {
-  int64_t j = 0;
-  for (; j + M <= m; j += M) Tile<M>(in + j * ldi, ldi, R, W, ldw, c0, c1, out + j * ldo, ldo);
-  if constexpr (M > 1) {
-    if (j < m) StridedPanelTiles<M - 1>(in + j * ldi, ldi, m - j, R, W, ldw, c0, c1, out + j * ldo, ldo);
-  }
 }
 
 // Register panels for m tokens over W read once from memory, in chunks of rows that stay in L1
@@ -279,7 +276,7 @@ inline void ChunkedPanelTiles(const float* in, int64_t m, int64_t R, const float
 }
 
 // out[j, c0:c1] += sum_r in[j, r] * W[r, c0:c1] for j < m, r < R. in is [m, R] (stride R),
-// out is [m, ldo], W has row stride ldw. Three regimes:
+// out is [m, ldo], W has row stride ldw. Without AVX-512: ChunkedPanelTiles. With it, three regimes:
 //  - several tokens and a W block that stays in L2 (verification passes and prefills of small
 //    experts): register panels for tiles of up to kTileRows tokens, W read from memory by the
 //    first tile and from L2 by the others (192 x 256 x 128 on one core, W in cache: 92 GFLOPS,
@@ -304,16 +301,15 @@ inline void ChunkedPanelTiles(const float* in, int64_t m, int64_t R, const float
 inline void MultiGemvAcc(const float* in, int64_t m, int64_t R, const float* W, int64_t ldw,
                          int64_t c0, int64_t c1, float* out, int64_t ldo, const void* next = nullptr,
                          int64_t next_bytes = 0) {
-  const int64_t nv = (c1 - c0 + kVecLanes - 1) / kVecLanes;
-  const int64_t block_bytes = R * (c1 - c0) * static_cast<int64_t>(sizeof(float));
 #if !defined(__AVX512F__)
   // Without AVX-512 every product, one token or several, narrow or wide rows, is chunked register
   // panels: the same arithmetic for every m, and faster than row tiles there for the expert and
   // dense shapes measured (docs/findings/2026-12-06-avx2-dense-panels.md).
-  (void)nv, (void)block_bytes, (void)next, (void)next_bytes;
+  (void)next, (void)next_bytes;
   ChunkedPanelTiles(in, m, R, W, ldw, c0, c1, out, ldo);
-  return;
-#endif
+#else
+  const int64_t nv = (c1 - c0 + kVecLanes - 1) / kVecLanes;
+  const int64_t block_bytes = R * (c1 - c0) * static_cast<int64_t>(sizeof(float));
   if (m >= 2 && block_bytes <= kCachedPanelBytes && nv <= MaxPanel<1>()) {
     const int64_t lead = std::min(WholeRowTokens(nv), std::min<int64_t>(m, kTileRows));
     TileOf(lead, in, R, W, ldw, c0, c1, out, ldo);
@@ -341,6 +337,7 @@ inline void MultiGemvAcc(const float* in, int64_t m, int64_t R, const float* W, 
   } else {
     RowTileGemvAcc(in, m, R, W, ldw, c0, c1, out, ldo);
   }
+#endif
 }
 
 // out[j, c0:c1] += sum_r in[j, r] * W[r, c0:c1] in register panels only: every output element
