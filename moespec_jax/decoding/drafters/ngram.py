@@ -34,33 +34,32 @@ def prompt_lookup(
   match has a single follower); then longer, then more recent. The tokens that followed the
   match (up to `num_draft`, never past n) are the drafts. Returns (drafts_BK, valid_BK).
   """
-  s = seq_BS.shape[1]
+  batch, s = seq_BS.shape
   idx_S = jnp.arange(s, dtype=jnp.int32)
-
-  def one_row(seq_S: jax.Array, n: jax.Array):
-    # match_S[j]: length of the common suffix of seq[:j+1] and seq[:n], capped at max_ngram.
-    run_S = jnp.ones((s,), jnp.bool_)
-    length_S = jnp.zeros((s,), jnp.int32)
-    for t in range(max_ngram):
-      src = idx_S - t
-      eq = (src >= 0) & (n - 1 - t >= 0) & (seq_S[jnp.clip(src, 0, s - 1)] == seq_S[jnp.clip(n - 1 - t, 0, s - 1)])
-      run_S = run_S & eq
-      length_S = length_S + run_S.astype(jnp.int32)
-    eligible = (idx_S < n - 1) & (length_S > 0)
-    # Ranking: match length up to NGRAM_PREFER; then being followed by num_draft known tokens
-    # (in a run of equal tokens the most recent match has a single follower); then the full
-    # match length; then recency.
-    full = (idx_S + num_draft < n).astype(jnp.int32)
-    key_S = (jnp.minimum(length_S, NGRAM_PREFER) * 2 + full) * (max_ngram + 1) + length_S
-    score_S = jnp.where(eligible, key_S * s + idx_S, -1)
-    j = sampling_lib.argmax(score_S)
-    found = score_S[j] >= 0
-    follow_K = j + 1 + jnp.arange(num_draft, dtype=jnp.int32)
-    drafts_K = seq_S[jnp.clip(follow_K, 0, s - 1)]
-    valid_K = found & (follow_K < n)
-    return jnp.where(valid_K, drafts_K, 0).astype(jnp.int32), valid_K
-
-  return jax.vmap(one_row)(seq_BS, n_B)
+  n_B1 = n_B[:, None]
+  # The suffix, last token first: tail_BT[:, t] = seq[n - 1 - t] (where n - 1 - t >= 0).
+  tail_at_BT = n_B1 - 1 - jnp.arange(max_ngram, dtype=jnp.int32)[None]
+  tail_BT = jnp.take_along_axis(seq_BS, jnp.clip(tail_at_BT, 0, s - 1), axis=1)
+  # length_BS[:, j]: the common suffix of seq[:j+1] and seq[:n], capped at max_ngram. Each t
+  # compares the sequence shifted by a static t (a slice, not a gather) with one suffix token.
+  run_BS = jnp.ones((batch, s), jnp.bool_)
+  length_BS = jnp.zeros((batch, s), jnp.int32)
+  for t in range(max_ngram):
+    shifted_BS = jnp.pad(seq_BS, ((0, 0), (t, 0)))[:, :s]
+    run_BS = run_BS & (shifted_BS == tail_BT[:, t : t + 1]) & (tail_at_BT[:, t : t + 1] >= 0) & (idx_S >= t)[None]
+    length_BS = length_BS + run_BS.astype(jnp.int32)
+  eligible_BS = (idx_S[None] < n_B1 - 1) & (length_BS > 0)
+  # Ranking: match length up to NGRAM_PREFER; then being followed by num_draft known tokens
+  # (in a run of equal tokens the most recent match has a single follower); then the full
+  # match length; then recency.
+  full_BS = (idx_S[None] + num_draft < n_B1).astype(jnp.int32)
+  key_BS = (jnp.minimum(length_BS, NGRAM_PREFER) * 2 + full_BS) * (max_ngram + 1) + length_BS
+  score_BS = jnp.where(eligible_BS, key_BS * s + idx_S[None], -1)
+  found_B1 = jnp.max(score_BS, axis=1, keepdims=True) >= 0
+  follow_BK = sampling_lib.argmax(score_BS)[:, None] + 1 + jnp.arange(num_draft, dtype=jnp.int32)[None]
+  drafts_BK = jnp.take_along_axis(seq_BS, jnp.clip(follow_BK, 0, s - 1), axis=1)
+  valid_BK = found_B1 & (follow_BK < n_B1)
+  return jnp.where(valid_BK, drafts_BK, 0).astype(jnp.int32), valid_BK
 
 
 @struct.dataclass(kw_only=True)
