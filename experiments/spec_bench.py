@@ -4,12 +4,13 @@ its MTP heads (trained when missing).
 
   python -m experiments.spec_bench --workdir=runs/spec_bench [--quick] [--model=PATH]
       [--batch_sizes=1,8] [--temperatures=0,1] [--drafters=mtp,ngram] [--num_draft=1,2,3,auto]
-      [--max_new_tokens=64] [--repeats=3]
+      [--max_new_tokens=64] [--repeats=3] [--num_prompts=8]
 
 --model: a directory written by `Model.save` or a Hugging Face model directory; one without a
 tokenizer.json (a random checkpoint) is prompted with the held-out code's UTF-8 bytes as token ids
-(metrics `prompt_encoding`). Writes `workdir/metrics.json` (key `spec_bench`) and
-`workdir/speedup_vs_k.png`.
+(metrics `prompt_encoding`). Every batch size decodes the same `--num_prompts` prompts (default:
+the largest batch size), in consecutive batches: batch 1 decodes each of them alone. Writes
+`workdir/metrics.json` (key `spec_bench`) and `workdir/speedup_vs_k.png`.
 """
 
 from absl import flags
@@ -27,6 +28,13 @@ _BATCHES = flags.DEFINE_list("batch_sizes", ["1", "2", "4", "8"], "Batch sizes."
 _TEMPS = flags.DEFINE_list("temperatures", ["0", "1"], "Temperatures (0: greedy).")
 _DRAFTERS = flags.DEFINE_list("drafters", ["mtp", "ngram"], "Drafters (mtp needs MTP heads).")
 _KS = flags.DEFINE_list("num_draft", ["1", "2", "3", "4", "5", "6"], "Draft lengths K (whole numbers, or auto).")
+_PROMPTS = flags.DEFINE_integer(
+  "num_prompts",
+  None,
+  "Held-out prompts every batch size decodes, in consecutive batches (default: the largest batch "
+  "size; batch 1 decodes each prompt alone).",
+  lower_bound=1,
+)
 _QUICK = cli.define_quick_flag(
   "batch 1, K = 2, greedy, short outputs",
   {"batch_sizes": ["1"], "temperatures": ["0"], "num_draft": ["2"], "max_new_tokens": 16, "repeats": 3},
@@ -44,7 +52,12 @@ def main(argv):
     num_drafts=[k if k == "auto" else cli.int_list("num_draft", [k])[0] for k in _KS.value],
     max_new_tokens=_MAX_NEW.value,
     repeats=_REPEATS.value,
+    num_prompts=_PROMPTS.value,
   )
+  if sweep["num_prompts"] is not None and sweep["num_prompts"] < max(sweep["batch_sizes"]):
+    raise ValueError(
+      f"--num_prompts ({sweep['num_prompts']}) must be at least the largest batch size ({max(sweep['batch_sizes'])})"
+    )
   model = models.load_model(_MODEL.value)
   drafters = [d for d in _DRAFTERS.value if d != "mtp" or model.config.num_mtp_modules]
   spec_bench.run_spec_bench(model, _WORKDIR.value, drafters=drafters, **sweep)

@@ -8,7 +8,10 @@ finishes the batch soonest (its slowest row: for one row,
 the K with the most tokens per millisecond; drafting only where it beats plain decoding by
 DRAFT_MARGIN), from per-row estimates: one pass while the estimate rests on few drafts, then
 SEGMENT_PASSES (PLAIN_SEGMENT_PASSES at K = 0; each choice runs one loop per K, a small cost
-kept off most passes); K = 0 is plain decoding, chosen where speculation does not pay.
+kept off most passes); K = 0 is plain decoding, chosen where speculation does not pay. A drafting
+segment ends early after a pass in which no active row accepted a draft (`passes._run_passes`):
+K is chosen again at once on that evidence, since a prompt-lookup run ends abruptly and at a long
+K every pass past its end costs several plain passes.
 
 Each row's a is estimated from its decayed counts of accepted and tried drafts, starting from a
 weak prior, and read optimistically (plus OPTIMISM standard errors). The tokens a pass commits

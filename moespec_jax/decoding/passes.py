@@ -313,18 +313,23 @@ def _run_passes(
   model: ProgramTarget, state: LoopState, k: int, run_k: jax.Array, n_passes: jax.Array, ls: LoopSpec
 ) -> LoopState:
   """Up to `n_passes` passes with K = k when `run_k == k` (none otherwise), stopping early
-  when every row is done or when the cache has no room for k drafts (auto K's cache has no
-  lookahead beyond max_new_tokens)."""
+  when every row is done, when the cache has no room for k drafts (auto K's cache has no
+  lookahead beyond max_new_tokens), or after a drafting pass in which no active row accepted a
+  draft: its evidence is read at once (prompt lookup's runs end abruptly, and at a long K each
+  pass past a run's end costs several plain passes)."""
 
-  def cond(loop: tuple[LoopState, jax.Array]):
-    s, i = loop
-    return (run_k == k) & (i < n_passes) & ~jnp.all(s.done_B) & (cache_room(s.pos_B, s.done_B, ls.cache_len) >= k)
+  def cond(loop: tuple[LoopState, jax.Array, jax.Array]):
+    s, i, missed = loop
+    room = cache_room(s.pos_B, s.done_B, ls.cache_len) >= k
+    return (run_k == k) & (i < n_passes) & ~jnp.all(s.done_B) & room & ~missed
 
-  def body(loop: tuple[LoopState, jax.Array]):
-    s, i = loop
-    return speculative_pass(model, s, k, ls), i + 1
+  def body(loop: tuple[LoopState, jax.Array, jax.Array]):
+    s, i, _ = loop
+    after = speculative_pass(model, s, k, ls)
+    missed = jnp.sum(after.stats.accepted_K) == jnp.sum(s.stats.accepted_K) if k else jnp.bool_(False)
+    return after, i + 1, missed
 
-  return jax.lax.while_loop(cond, body, (state, jnp.int32(0)))[0]
+  return jax.lax.while_loop(cond, body, (state, jnp.int32(0), jnp.bool_(False)))[0]
 
 
 def auto_segment(model: ProgramTarget, state: LoopState, step_ms_K: jax.Array, ls: LoopSpec) -> LoopState:

@@ -21,7 +21,7 @@ from moespec_jax.research import roofline, spec_bench
 def _timed_generate(model, prompts, max_new_tokens, spec, repeats: int):
   """Median tokens/s over `repeats` runs after an untimed one (compilation and a program's slower
   first run excluded); returns (median, last output)."""
-  spec_bench.warm_up(model, prompts, max_new_tokens, msj.SamplingParams(), spec)
+  spec_bench.warm_up(model, [prompts], max_new_tokens, msj.SamplingParams(), spec)
   rates, out = [], None
   for r in range(repeats):
     out = msj.generate(model, prompts, max_new_tokens=max_new_tokens, spec=spec, seed=r)
@@ -109,9 +109,9 @@ def run_demo(
     chosen = {}
     for drafter in drafters:
       spec = msj.SpecParams(drafter=drafter, num_draft="auto", max_draft=max_draft)
-      spec_bench.warm_up(model, prompts[:batch], max_new_tokens, msj.SamplingParams(), spec)
+      spec_bench.warm_up(model, [prompts[:batch]], max_new_tokens, msj.SamplingParams(), spec)
       tps, paired_plain_tps, speedup, _, _ = spec_bench.paired(
-        model, prompts[:batch], max_new_tokens, msj.SamplingParams(), spec, repeats
+        model, [prompts[:batch]], max_new_tokens, msj.SamplingParams(), spec, repeats
       )
       out = msj.generate(model, prompts[:batch], max_new_tokens=max_new_tokens, spec=spec)
       chosen[drafter] = out.stats["chosen_num_draft"]
@@ -124,9 +124,9 @@ def run_demo(
       drafter = drafters[0]
       k = max(1, chosen[drafter])
       spec = msj.SpecParams(drafter=drafter, num_draft=k, mode="budgeted", expert_budget=budget, kernel="dedup")
-      spec_bench.warm_up(model, prompts[:batch], max_new_tokens, msj.SamplingParams(), spec)
+      spec_bench.warm_up(model, [prompts[:batch]], max_new_tokens, msj.SamplingParams(), spec)
       tps, paired_plain_tps, speedup, _, _ = spec_bench.paired(
-        model, prompts[:batch], max_new_tokens, msj.SamplingParams(), spec, repeats
+        model, [prompts[:batch]], max_new_tokens, msj.SamplingParams(), spec, repeats
       )
       quality = dataclasses.replace(spec.research, measure_quality=True)
       with_quality = msj.generate(

@@ -1,11 +1,13 @@
 """Speculative vs plain decoding throughput on held-out code prompts (experiments/spec_bench.py).
 
 For each batch size and temperature, plain decoding and every (drafter, K) run on the same
-prompts (K an integer or "auto": `auto_lines` compares auto with the best fixed K). Each row
-alternates `repeats` plain and speculative runs with the same seeds
-(compilation excluded: `generate` compiles ahead of time; and each program runs once, untimed,
-before it is timed: its first run is slower than the later ones), so that both see the same
-load on a shared machine, and reports the medians of tokens/s and of the per-pair speedups.
+prompts, in consecutive batches of that size (`prompt_groups`: batch 1 decodes each prompt alone;
+a run's tokens/s is over all its batches, `decode_groups`); K is an integer or "auto"
+(`auto_lines` compares auto with the best fixed K). Each row alternates `repeats` plain and
+speculative runs with the same seeds (compilation excluded: `generate` compiles ahead of time;
+and each program runs once, untimed, before it is timed: its first run is slower than the later
+ones), so that both see the same load on a shared machine, and reports the medians of tokens/s
+and of the per-pair speedups.
 """
 
 from __future__ import annotations
@@ -42,28 +44,69 @@ def bench_prompts(model: msj.Model, n: int, prompt_bytes: int, log: Callable[[st
   return [list(p.encode("utf-8")) for p in prompts], "utf8_bytes"
 
 
-def warm_up(model, prompts, max_new_tokens: int, sampling, *specs) -> None:
-  """Runs each spec's program once, untimed: compiled then, and its first run, slower than the
-  later ones, kept out of the timed runs."""
+def warm_up(model, groups: Sequence[list], max_new_tokens: int, sampling, *specs) -> None:
+  """Runs each spec's program once (on the first group of prompts), untimed: compiled then, and
+  its first run, slower than the later ones, kept out of the timed runs."""
   for spec in specs:
-    msj.generate(model, prompts, max_new_tokens=max_new_tokens, sampling=sampling, spec=spec, seed=0)
+    msj.generate(model, groups[0], max_new_tokens=max_new_tokens, sampling=sampling, spec=spec, seed=0)
 
 
-def timed(model, prompts, max_new_tokens: int, sampling, spec, repeats: int):
-  """(median tokens/s, median mean accepted length, last stats) over `repeats` seeded runs."""
+def prompt_groups(prompts: Sequence, batch: int) -> list[list]:
+  """The prompts in consecutive batches of `batch` (a remainder that fills no batch is left out):
+  every batch size decodes the same prompts, batch 1 each of them alone."""
+  if batch < 1 or batch > len(prompts):
+    raise ValueError(f"batch size {batch} needs 1..{len(prompts)} prompts")
+  return [list(prompts[i : i + batch]) for i in range(0, len(prompts) - batch + 1, batch)]
+
+
+def _weighted(values: Sequence[float], weights: Sequence[float]) -> float:
+  """The mean of `values` (NaN ones left out) weighted by `weights`; NaN where none is left."""
+  pairs = [(v, w) for v, w in zip(values, weights) if v == v and w > 0]
+  total = sum(w for _, w in pairs)
+  return sum(v * w for v, w in pairs) / total if total else float("nan")
+
+
+def decode_groups(model, groups: Sequence[list], max_new_tokens: int, sampling, spec, seed: int) -> dict[str, Any]:
+  """One `generate` per group of prompts, in sequence, and their statistics merged: tokens/s is
+  all generated tokens over all the calls' seconds; accepted length, K, acceptance by depth and
+  unique experts are means over the calls weighted by their verify passes (acceptance by depth:
+  by passes, not by the drafts each depth reached)."""
+  all_stats = [
+    msj.generate(model, g, max_new_tokens=max_new_tokens, sampling=sampling, spec=spec, seed=seed).stats for g in groups
+  ]
+  passes = [st["verify_passes"] for st in all_stats]
+  merged = dict(all_stats[-1])
+  merged["generated_tokens"] = sum(st["generated_tokens"] for st in all_stats)
+  merged["seconds"] = sum(st["seconds"] for st in all_stats)
+  merged["tokens_per_second"] = merged["generated_tokens"] / merged["seconds"]
+  merged["verify_passes"] = sum(passes)
+  merged["mean_accepted_length"] = _weighted([st["mean_accepted_length"] for st in all_stats], passes)
+  for key in ("acceptance_by_depth", "unique_experts_per_pass"):
+    merged[key] = [_weighted(column, passes) for column in zip(*(st[key] for st in all_stats))]
+  if "passes_by_num_draft" in merged:
+    by_k = [sum(column) for column in zip(*(st["passes_by_num_draft"] for st in all_stats))]
+    merged["passes_by_num_draft"] = by_k
+    merged["chosen_num_draft"] = max(range(len(by_k)), key=by_k.__getitem__)
+    merged["mean_num_draft"] = sum(k * c for k, c in enumerate(by_k)) / max(sum(by_k), 1)
+  return merged
+
+
+def timed(model, groups: Sequence[list], max_new_tokens: int, sampling, spec, repeats: int):
+  """(median tokens/s, median mean accepted length, last stats) over `repeats` seeded runs, each
+  over every group of prompts (`decode_groups`)."""
   rates, lengths, stats = [], [], {}
   for r in range(repeats):
-    out = msj.generate(model, prompts, max_new_tokens=max_new_tokens, sampling=sampling, spec=spec, seed=r)
-    stats = out.stats
+    stats = decode_groups(model, groups, max_new_tokens, sampling, spec, seed=r)
     rates.append(stats["tokens_per_second"])
     lengths.append(stats["mean_accepted_length"])
   return statistics.median(rates), statistics.median(lengths), stats
 
 
-def paired(model, prompts, max_new_tokens: int, sampling, spec, repeats: int):
-  """Alternates plain and speculative runs (same seeds) so that both see the same machine load;
-  the order within a pair reverses from one pair to the next, so that neither side is always
-  the one that runs second (after the other has warmed the caches, or in its wake).
+def paired(model, groups: Sequence[list], max_new_tokens: int, sampling, spec, repeats: int):
+  """Alternates plain and speculative runs (same seeds, each over every group of prompts) so that
+  both see the same machine load; the order within a pair reverses from one pair to the next, so
+  that neither side is always the one that runs second (after the other has warmed the caches,
+  or in its wake).
 
   Returns (median spec tokens/s, median plain tokens/s, median of the per-pair speedups,
   median mean accepted length, last spec stats).
@@ -74,9 +117,7 @@ def paired(model, prompts, max_new_tokens: int, sampling, spec, repeats: int):
   for r in range(repeats):
     runs = {}
     for name, run_spec in timing.round_order(order, r):
-      runs[name] = msj.generate(
-        model, prompts, max_new_tokens=max_new_tokens, sampling=sampling, spec=run_spec, seed=r
-      ).stats
+      runs[name] = decode_groups(model, groups, max_new_tokens, sampling, run_spec, seed=r)
     plain, stats = runs["plain"], runs["spec"]
     spec_rates.append(stats["tokens_per_second"])
     plain_rates.append(plain["tokens_per_second"])
@@ -102,6 +143,7 @@ def run_spec_bench(
   max_new_tokens: int = 64,
   repeats: int = 3,
   prompt_bytes: int = 192,
+  num_prompts: int | None = None,
   log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
   """Runs the sweep and writes `workdir/metrics.json` (key `spec_bench`) and `speedup_vs_k.png`."""
@@ -109,7 +151,10 @@ def run_spec_bench(
   workdir.mkdir(parents=True, exist_ok=True)
   if "mtp" in drafters and model.config.num_mtp_modules == 0:
     raise ValueError("drafter 'mtp' needs a model with MTP heads (num_mtp_modules > 0)")
-  prompts, encoding = bench_prompts(model, max(batch_sizes), prompt_bytes, log=log)
+  num_prompts = max(batch_sizes) if num_prompts is None else num_prompts
+  if num_prompts < max(batch_sizes):
+    raise ValueError(f"num_prompts ({num_prompts}) must be at least the largest batch size ({max(batch_sizes)})")
+  prompts, encoding = bench_prompts(model, num_prompts, prompt_bytes, log=log)
   # The regime of plain decoding at each batch size, its plain pass measured.
   regimes = roofline.measured_regimes(
     model, prompts, batch_sizes, context=prompt_bytes + max_new_tokens, max_new_tokens=max_new_tokens, log=log
@@ -121,9 +166,9 @@ def run_spec_bench(
   for temperature in temperatures:
     sampling = msj.SamplingParams(temperature=float(temperature))
     for batch in batch_sizes:
-      batch_prompts = prompts[:batch]
-      warm_up(model, batch_prompts, max_new_tokens, sampling, msj.SpecParams(drafter="none"))
-      plain_tps, _, _ = timed(model, batch_prompts, max_new_tokens, sampling, msj.SpecParams(drafter="none"), repeats)
+      groups = prompt_groups(prompts, batch)
+      warm_up(model, groups, max_new_tokens, sampling, msj.SpecParams(drafter="none"))
+      plain_tps, _, _ = timed(model, groups, max_new_tokens, sampling, msj.SpecParams(drafter="none"), repeats)
       plain_rows.append({"batch_size": batch, "temperature": float(temperature), "tokens_per_second": plain_tps})
       done += 1
       progress.update(done)
@@ -131,10 +176,8 @@ def run_spec_bench(
       for drafter in drafters:
         for k in num_drafts:
           spec = msj.SpecParams(drafter=drafter, num_draft=k)
-          warm_up(model, batch_prompts, max_new_tokens, sampling, spec)
-          tps, row_plain_tps, speedup, acc_len, stats = paired(
-            model, batch_prompts, max_new_tokens, sampling, spec, repeats
-          )
+          warm_up(model, groups, max_new_tokens, sampling, spec)
+          tps, row_plain_tps, speedup, acc_len, stats = paired(model, groups, max_new_tokens, sampling, spec, repeats)
           rows.append(
             {
               "drafter": drafter,
@@ -166,6 +209,7 @@ def run_spec_bench(
             prompt_bytes,
             model,
             began,
+            num_prompts=num_prompts,
             complete=False,
             encoding=encoding,
             regimes=regimes,
@@ -183,6 +227,7 @@ def run_spec_bench(
     prompt_bytes,
     model,
     began,
+    num_prompts=num_prompts,
     complete=True,
     encoding=encoding,
     regimes=regimes,
@@ -205,6 +250,7 @@ def _write(
   model,
   began,
   *,
+  num_prompts: int,
   complete: bool,
   encoding: str,
   regimes: list[dict],
@@ -217,7 +263,7 @@ def _write(
       "complete": complete,
       "max_new_tokens": max_new_tokens,
       "repeats": repeats,
-      "n_prompts": max(batch_sizes),
+      "n_prompts": num_prompts,
       "prompt_bytes": prompt_bytes,
       "prompt_encoding": encoding,
       "num_mtp_modules": model.config.num_mtp_modules,

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import moespec_jax as msj
-from moespec_jax.decoding import drafters, loop
+from moespec_jax.decoding import auto_draft, drafters, loop, programs
 from moespec_jax.decoding import state as state_lib
 from moespec_jax.decoding.calibration import Calibration
 from moespec_jax.decoding.drafters import controlled, ngram
@@ -142,6 +142,38 @@ def test_ngram_in_a_run_of_equal_tokens_proposes_num_draft_tokens():
   assert d[0].tolist() == [7, 7, 7] and valid[0].all()
 
 
+def _prompt_lookup_reference(seq_S: np.ndarray, n: int, num_draft: int) -> tuple[list, list]:
+  """prompt_lookup's rule, one row, by brute force: every earlier end j < n - 1 with its common
+  suffix with seq[:n] (capped at NGRAM_MAX), ranked by (min(length, NGRAM_PREFER), followed by
+  num_draft known tokens, length, recency)."""
+  best, best_j = None, -1
+  for j in range(n - 1):
+    length = 0
+    while length < ngram.NGRAM_MAX and j - length >= 0 and seq_S[j - length] == seq_S[n - 1 - length]:
+      length += 1
+    if length:
+      rank = (min(length, ngram.NGRAM_PREFER), int(j + num_draft < n), length, j)
+      if best is None or rank > best:
+        best, best_j = rank, j
+  if best is None:
+    return [0] * num_draft, [False] * num_draft
+  follow = [best_j + 1 + i for i in range(num_draft)]
+  return [int(seq_S[f]) if f < n else 0 for f in follow], [f < n for f in follow]
+
+
+@pytest.mark.parametrize("vocab", [2, 5, 40])
+def test_ngram_matches_the_brute_force_rule_on_random_sequences(vocab):
+  rng = np.random.default_rng(vocab)
+  seq = rng.integers(0, vocab, (6, 40)).astype(np.int32)
+  n = np.array([1, 2, 9, 23, 39, 40], np.int32)
+  for k in (1, 4):
+    d, valid = ngram.prompt_lookup(jnp.asarray(seq), jnp.asarray(n), k)
+    for row in range(seq.shape[0]):
+      want_d, want_valid = _prompt_lookup_reference(seq[row], int(n[row]), k)
+      assert np.asarray(valid[row]).tolist() == want_valid, (row, k)
+      assert np.asarray(d[row]).tolist() == want_d, (row, k)
+
+
 def test_controlled_table_wrong_tokens_differ_from_the_reference():
   ref = jnp.asarray([[5, 6, 7, 8, 9, 10], [1, 1, 1, 1, 1, 1]], jnp.int32)
   keys = jax.random.split(jax.random.key(0), 2)
@@ -190,3 +222,41 @@ def test_controlled_drafter_paying_the_mtp_heads_cost_decodes_the_plain_tokens()
     msj.generate(no_heads, PROMPTS[:2], max_new_tokens=10, spec=spec, reference_tokens=plain.tokens)
   with pytest.raises(ValueError, match="controlled_draft_cost must be one of"):
     msj.ResearchOptions(controlled_draft_cost="free")
+
+
+@pytest.mark.parametrize("right", [True, False])
+def test_auto_segment_ends_after_a_pass_that_accepts_no_draft(tiny_model, registered, monkeypatch, right):
+  """A segment of auto K runs its passes at one K until a drafting pass accepts no draft in any
+  row; K is then chosen again at once. With a choice pinned to K = 2 for 50 passes before any
+  evidence and K = 1 after it: drafts that are all right keep the first segment at K = 2 to the
+  end; drafts that are all wrong end it after one pass, and every later segment after one pass
+  (the last pass, for the last token, drafts nothing: K is never more than a row can commit)."""
+  prompts = PROMPTS[:1]
+  plain = msj.generate(tiny_model, prompts, max_new_tokens=15).tokens
+  vocab = tiny_model.config.vocab_size
+  reference = plain if right else (plain + 1) % vocab
+
+  def pinned_choice(evidence_B2, step_ms_K, **_):
+    k = jnp.where(jnp.sum(evidence_B2[:, 1]) > 0, 1, 2).astype(jnp.int32)
+    return k, jnp.int32(50)
+
+  monkeypatch.setattr(auto_draft, "choose_k", pinned_choice)
+  monkeypatch.setattr(
+    loop,
+    "calibrate_step_ms",
+    lambda ls, args, run, progress: Calibration(np.array([1.0, 1.2, 1.4], np.float32), "held_runs"),
+  )
+  programs.PROGRAMS.forget()  # programs compiled with the real choice must not be reused
+  try:
+    out = msj.generate(
+      tiny_model,
+      prompts,
+      max_new_tokens=15,
+      reference_tokens=reference,
+      spec=msj.SpecParams(drafter="replay", num_draft="auto", max_draft=2),
+    )
+  finally:
+    programs.PROGRAMS.forget()
+  np.testing.assert_array_equal(out.tokens, plain)
+  passes = out.stats["verify_passes"]
+  assert out.stats["passes_by_num_draft"] == ([0, 0, passes] if right else [1, passes - 2, 1])

@@ -1,7 +1,23 @@
 """decoding/spec_bench.py: how paired plain / speculative runs are ordered and combined."""
 
+import pytest
+
 import moespec_jax as msj
 from moespec_jax.research import spec_bench
+
+
+def _stats(rate: float, **extra) -> dict:
+  """A generate() call's statistics at `rate` tokens/s: 8 tokens in 4 verify passes."""
+  return {
+    "tokens_per_second": rate,
+    "generated_tokens": 8,
+    "seconds": 8 / rate,
+    "verify_passes": 4,
+    "mean_accepted_length": 1.5,
+    "acceptance_by_depth": [0.5],
+    "unique_experts_per_pass": [2.0],
+    **extra,
+  }
 
 
 def test_paired_reverses_the_order_within_each_pair(monkeypatch):
@@ -21,15 +37,12 @@ def test_paired_reverses_the_order_within_each_pair(monkeypatch):
     calls.append((spec.drafter, seed))
     return msj.GenerateOutput(
       tokens=None,
-      stats={
-        "tokens_per_second": rates[(spec.drafter, seed)],
-        "mean_accepted_length": 2.0 if spec.drafter == "ngram" else 1.0,
-      },
+      stats=_stats(rates[(spec.drafter, seed)], mean_accepted_length=2.0 if spec.drafter == "ngram" else 1.0),
     )
 
   monkeypatch.setattr(msj, "generate", fake_generate)
   spec = msj.SpecParams(drafter="ngram", num_draft=2)
-  spec_tps, plain_tps, speedup, length, _ = spec_bench.paired(None, ["x"], 8, msj.SamplingParams(), spec, repeats=3)
+  spec_tps, plain_tps, speedup, length, _ = spec_bench.paired(None, [["x"]], 8, msj.SamplingParams(), spec, repeats=3)
   assert calls == [("none", 0), ("ngram", 0), ("ngram", 1), ("none", 1), ("none", 2), ("ngram", 2)]
   assert (spec_tps, plain_tps, length) == (150.0, 100.0, 2.0)
   assert speedup == 1.8  # ratios 1.5, 1.8, 2.0
@@ -49,15 +62,7 @@ def test_every_program_runs_once_untimed_before_it_is_timed(monkeypatch, tmp_pat
     if (spec.drafter, spec.num_draft) not in seen:
       seen.add((spec.drafter, spec.num_draft))
       rate /= 10.0
-    return msj.GenerateOutput(
-      tokens=None,
-      stats={
-        "tokens_per_second": rate,
-        "mean_accepted_length": 1.5,
-        "acceptance_by_depth": [0.5],
-        "unique_experts_per_pass": [2.0],
-      },
-    )
+    return msj.GenerateOutput(tokens=None, stats=_stats(rate))
 
   monkeypatch.setattr(msj, "generate", fake_generate)
   model = types.SimpleNamespace(config=tiny_config, tokenizer=ByteTokenizer())
@@ -90,8 +95,7 @@ def test_auto_rows_are_compared_with_the_best_fixed_k(monkeypatch, tmp_path, tin
 
   def fake_generate(model, prompts, *, max_new_tokens, sampling, spec, seed):
     key = "none" if spec.drafter == "none" else spec.num_draft
-    stats = {"tokens_per_second": rates[key], "mean_accepted_length": 1.5, "acceptance_by_depth": [0.5]}
-    stats["unique_experts_per_pass"] = [2.0]
+    stats = _stats(rates[key])
     if key == "auto":
       stats.update(mean_num_draft=1.75, chosen_num_draft=2)
     return msj.GenerateOutput(tokens=None, stats=stats)
@@ -114,3 +118,34 @@ def test_auto_rows_are_compared_with_the_best_fixed_k(monkeypatch, tmp_path, tin
   assert (auto["num_draft"], auto["mean_num_draft"], auto["chosen_num_draft"]) == ("auto", 1.75, 2)
   assert "auto K, ngram T=0 batch 1: 1.41x plain, 0.94x the best fixed K (mean K 1.75)" in lines
   assert (tmp_path / "speedup_vs_k.png").stat().st_size > 0
+
+
+def test_every_batch_size_decodes_the_same_prompts_in_consecutive_batches():
+  prompts = ["a", "b", "c", "d", "e"]
+  assert spec_bench.prompt_groups(prompts, 1) == [["a"], ["b"], ["c"], ["d"], ["e"]]
+  assert spec_bench.prompt_groups(prompts, 2) == [["a", "b"], ["c", "d"]]
+  with pytest.raises(ValueError, match="batch size 6 needs 1..5 prompts"):
+    spec_bench.prompt_groups(prompts, 6)
+
+
+def test_a_runs_rate_is_over_all_its_batches(monkeypatch):
+  """tokens/s of several generate() calls: all their tokens over all their seconds (not a mean
+  of rates); accepted length, K and acceptance weighted by each call's verify passes."""
+  calls = {
+    ("a",): _stats(100.0, mean_accepted_length=1.0, acceptance_by_depth=[float("nan")], passes_by_num_draft=[4, 0]),
+    ("b",): dict(
+      _stats(25.0, mean_accepted_length=2.5, acceptance_by_depth=[0.8], passes_by_num_draft=[0, 12]),
+      verify_passes=12,
+    ),
+  }
+
+  def fake_generate(model, prompts, *, max_new_tokens, sampling, spec, seed):
+    return msj.GenerateOutput(tokens=None, stats=calls[tuple(prompts)])
+
+  monkeypatch.setattr(msj, "generate", fake_generate)
+  merged = spec_bench.decode_groups(None, [["a"], ["b"]], 8, msj.SamplingParams(), msj.SpecParams(), seed=0)
+  assert merged["tokens_per_second"] == pytest.approx(16 / (0.08 + 0.32))
+  assert merged["mean_accepted_length"] == pytest.approx((1.0 * 4 + 2.5 * 12) / 16)
+  assert merged["acceptance_by_depth"] == [pytest.approx(0.8)]  # the NaN of a call that drafted nothing left out
+  assert merged["passes_by_num_draft"] == [4, 12]
+  assert (merged["chosen_num_draft"], merged["mean_num_draft"]) == (1, pytest.approx(12 / 16))
