@@ -20,7 +20,12 @@ from jax.tree_util import PyTreeDef
 from moespec_jax.decoding.params import SpecParams
 from moespec_jax.decoding.state import LoopSpec
 from moespec_jax.model import ForwardOutput, Kernels, ModelHandle, PackedWeights, Transformer
+from pallas_kernels.cpu import threefry
 from pallas_kernels.policy import KernelPolicy
+
+# Sampling's keys and noise as one fused kernel per draw on CPU, not a loop of small ones
+# (pallas_kernels/cpu/threefry.py): the same bits, for every program compiled from here on.
+threefry.use_unrolled_threefry()
 
 
 class ModelDefinition:

@@ -124,3 +124,20 @@ def describe_pass_trace(trace: dict[str, list], first: int = 8) -> str:
     + (f"; later, median at each K (passes): {later}" if later else "")
     + f"; {ms.sum():.2f} ms over {ms.size} passes"
   )
+
+
+def accepted_drafts(trace: dict[str, list], tokens_N: np.ndarray) -> np.ndarray:
+  """Which of one row's generated tokens were accepted drafts, from its pass trace (batch 1:
+  the trace's `tokens` are the row's committed tokens per pass). The first token comes from the
+  prefill; a pass that commits n tokens commits n - 1 accepted drafts, then the target's own
+  token. The last pass is left out (a cut at EOS or at max_new_tokens can end it on a draft):
+  the result covers the tokens before it, [len] booleans."""
+  committed = np.asarray(trace["tokens"], int)
+  if np.any(committed < 1):
+    raise ValueError("accepted_drafts reads a batch-1 trace: every pass commits at least one token")
+  drafted = [False]  # the prefill's token
+  for n in committed[:-1]:
+    drafted += [True] * (int(n) - 1) + [False]
+  if len(drafted) > len(tokens_N):
+    raise ValueError(f"the trace commits {len(drafted)} tokens before its last pass; the row has {len(tokens_N)}")
+  return np.asarray(drafted, bool)

@@ -13,25 +13,59 @@ import numpy as np
 
 import moespec_jax as msj
 from moespec_jax.data import corpus
+from moespec_jax.decoding import report
 from moespec_jax.io import atomic, plots
 from moespec_jax.io.progress import Progress
 from moespec_jax.research import roofline, spec_bench
 
+# The sampled rows' sampling: temperature 1 with nucleus (top-p) filtering.
+SAMPLED = msj.SamplingParams(temperature=1.0, top_p=0.95)
 
-def _timed_generate(model, prompts, max_new_tokens, spec, repeats: int):
+
+def _timed_generate(model, prompts, max_new_tokens, sampling, spec, repeats: int):
   """Median tokens/s over `repeats` runs after an untimed one (compilation and a program's slower
   first run excluded); returns (median, last output)."""
-  spec_bench.warm_up(model, [prompts], max_new_tokens, msj.SamplingParams(), spec)
+  spec_bench.warm_up(model, [prompts], max_new_tokens, sampling, spec)
   rates, out = [], None
   for r in range(repeats):
-    out = msj.generate(model, prompts, max_new_tokens=max_new_tokens, spec=spec, seed=r)
+    out = msj.generate(model, prompts, max_new_tokens=max_new_tokens, sampling=sampling, spec=spec, seed=r)
     rates.append(out.stats["tokens_per_second"])
   return statistics.median(rates), out
 
 
-def _row(drafter, k, batch, tps, plain_tps, speedup, out, plain_out, *, budget=None, top1=1.0):
+def sampling_label(sampling: msj.SamplingParams) -> str:
+  """ "greedy", or the temperature and top-p."""
+  return "greedy" if sampling.greedy else f"T={sampling.temperature:g} top-p {sampling.top_p:g}"
+
+
+def whitespace_share(tokens: Sequence[int], tokenizer) -> float:
+  """The share of `tokens` that decode to whitespace only (NaN for none)."""
+  if not len(tokens):
+    return float("nan")
+  return sum(1 for t in tokens if (text := tokenizer.decode([int(t)])) and not text.strip()) / len(tokens)
+
+
+def _drafts_row(out, tokenizer) -> dict[str, Any]:
+  """Batch 1 with a pass trace: how many accepted drafts, and the share of them that is
+  whitespace (a run of indentation is accepted at every depth and says little about code)."""
+  if "pass_trace" not in out.stats:
+    return {}
+  tokens = out.tokens[0]
+  drafted = report.accepted_drafts(out.stats["pass_trace"], tokens)
+  accepted = tokens[: drafted.size][drafted]
+  return {
+    "accepted_drafts": int(accepted.size),
+    "accepted_draft_whitespace_share": whitespace_share(accepted, tokenizer),
+    "output_whitespace_share": whitespace_share(tokens[tokens >= 0], tokenizer),
+  }
+
+
+def _row(drafter, k, batch, tps, plain_tps, speedup, out, plain_out, *, sampling, budget=None, top1=1.0):
   row = {
     "mode": "exact" if budget is None else "budgeted",
+    "sampling": sampling_label(sampling),
+    "temperature": sampling.temperature,
+    "top_p": sampling.top_p,
     "drafter": drafter,
     "num_draft": k,
     "expert_budget": budget,
@@ -44,8 +78,9 @@ def _row(drafter, k, batch, tps, plain_tps, speedup, out, plain_out, *, budget=N
     "top1_agreement_vs_exact": top1,
     "approximate": budget is not None,
     "acceptance_by_depth": out.stats["acceptance_by_depth"],
-    # Exact greedy speculation must reproduce plain greedy decoding token for token.
-    "tokens_equal_plain": bool(np.array_equal(out.tokens, plain_out.tokens)),
+    # Exact greedy speculation must reproduce plain greedy decoding token for token (sampled:
+    # the same distribution, not the same tokens: None).
+    "tokens_equal_plain": bool(np.array_equal(out.tokens, plain_out.tokens)) if sampling.greedy else None,
     "auto_num_draft": out.stats["num_draft"] == "auto",
   }
   if row["auto_num_draft"]:
@@ -63,6 +98,7 @@ def run_demo(
   repeats: int = 7,
   max_draft: int = 8,
   budget_multiplier: int = 2,
+  sampled: bool = True,
   log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
   """Generates from held-out prompts and writes `workdir/metrics.json` (key `demo`).
@@ -73,7 +109,10 @@ def run_demo(
   speedup over plain decoding measured by alternating plain and speculative runs, after one
   untimed run of each (`research.spec_bench.paired`: `plain_tokens_per_second` is the plain side
   of those pairs), and one budgeted row (approximate: expert budget `budget_multiplier` x top_k,
-  at the K auto chose). Also writes `workdir/speedup.png`.
+  at the K auto chose), greedy; with `sampled`, the plain and exact rows again with sampling (SAMPLED:
+  temperature 1, top-p 0.95). Batch-1 rows say how many tokens were accepted drafts and the share of
+  them that is whitespace (`report.accepted_drafts`; a run of indentation is accepted at every
+  depth). Also writes `workdir/speedup.png`.
   """
   from moespec_jax.training import pretrain
 
@@ -86,67 +125,77 @@ def run_demo(
   drafters = (["mtp"] if model.config.num_mtp_modules else []) + ["ngram"]
   budget = budget_multiplier * model.config.top_k
   budgeted = bool(model.config.n_moe_layers) and budget < model.config.n_routed_experts
+  samplings = [msj.SamplingParams()] + ([SAMPLED] if sampled else [])
   # A line per measured row (compilation and auto K's calibration included): minutes in all.
   progress = Progress(
-    len(batch_sizes) * (1 + len(drafters) + budgeted), desc="demo", unit="rows", every_s=None, every_steps=1, emit=log
+    len(samplings) * len(batch_sizes) * (1 + len(drafters)) + budgeted * len(batch_sizes),
+    desc="demo",
+    unit="rows",
+    every_s=None,
+    every_steps=1,
+    emit=log,
   )
   steps = itertools.count(1)
 
   def row_done(what: str, **figures: float):
     progress.update(next(steps), units=1, row=what, **figures)
 
-  plain = {}
-  for batch in batch_sizes:
-    plain[batch] = _timed_generate(model, prompts[:batch], max_new_tokens, msj.SpecParams(drafter="none"), repeats)
-    row_done(f"batch {batch} plain", tokens_per_s=plain[batch][0])
-  sample_text = prompts[0] + model.tokenizer.decode(
-    [t for t in plain[min(batch_sizes)][1].tokens[0].tolist() if t >= 0]
-  )
-  rows = []
-  for batch in batch_sizes:
-    plain_tps, plain_out = plain[batch]
-    rows.append(_row("none", 0, batch, plain_tps, plain_tps, 1.0, plain_out, plain_out))
-    chosen = {}
-    for drafter in drafters:
-      spec = msj.SpecParams(drafter=drafter, num_draft="auto", max_draft=max_draft)
-      spec_bench.warm_up(model, [prompts[:batch]], max_new_tokens, msj.SamplingParams(), spec)
-      tps, paired_plain_tps, speedup, _, _ = spec_bench.paired(
-        model, [prompts[:batch]], max_new_tokens, msj.SamplingParams(), spec, repeats
-      )
-      out = msj.generate(model, prompts[:batch], max_new_tokens=max_new_tokens, spec=spec)
-      chosen[drafter] = out.stats["chosen_num_draft"]
-      rows.append(_row(drafter, chosen[drafter], batch, tps, paired_plain_tps, speedup, out, plain_out))
-      row_done(f"batch {batch} exact {drafter} auto K (chose {chosen[drafter]})", speedup=speedup)
-    if budgeted:
-      # The APPROXIMATE row: MoE-Spec budget on the first drafter at the K auto chose, read by
-      # the dedup kernel (the kernel whose bytes a budget lowers), with its agreement against
-      # exact logits.
-      drafter = drafters[0]
-      k = max(1, chosen[drafter])
-      spec = msj.SpecParams(drafter=drafter, num_draft=k, mode="budgeted", expert_budget=budget, kernel="dedup")
-      spec_bench.warm_up(model, [prompts[:batch]], max_new_tokens, msj.SamplingParams(), spec)
-      tps, paired_plain_tps, speedup, _, _ = spec_bench.paired(
-        model, [prompts[:batch]], max_new_tokens, msj.SamplingParams(), spec, repeats
-      )
-      quality = dataclasses.replace(spec.research, measure_quality=True)
-      with_quality = msj.generate(
-        model, prompts[:batch], max_new_tokens=max_new_tokens, spec=dataclasses.replace(spec, research=quality)
-      )
-      rows.append(
-        _row(
-          drafter,
-          k,
-          batch,
-          tps,
-          paired_plain_tps,
-          speedup,
-          with_quality,
-          plain_out,
-          budget=budget,
-          top1=with_quality.stats["top1_agreement"],
+  rows, samples = [], {}
+  for sampling in samplings:
+    label = sampling_label(sampling)
+    for batch in batch_sizes:
+      plain_spec = msj.SpecParams(drafter="none")
+      plain_tps, plain_out = _timed_generate(model, prompts[:batch], max_new_tokens, sampling, plain_spec, repeats)
+      row_done(f"{label} batch {batch} plain", tokens_per_s=plain_tps)
+      if batch == min(batch_sizes):
+        samples[label] = prompts[0] + model.tokenizer.decode([t for t in plain_out.tokens[0].tolist() if t >= 0])
+      rows.append(_row("none", 0, batch, plain_tps, plain_tps, 1.0, plain_out, plain_out, sampling=sampling))
+      chosen = {}
+      for drafter in drafters:
+        # Batch 1 also traces its passes: which tokens were accepted drafts (a clock read per pass).
+        research = msj.ResearchOptions(pass_trace=batch == 1)
+        spec = msj.SpecParams(drafter=drafter, num_draft="auto", max_draft=max_draft, research=research)
+        spec_bench.warm_up(model, [prompts[:batch]], max_new_tokens, sampling, spec)
+        tps, paired_plain_tps, speedup, _, _ = spec_bench.paired(
+          model, [prompts[:batch]], max_new_tokens, sampling, spec, repeats
         )
-      )
-      row_done(f"batch {batch} budgeted {drafter} K={k}", speedup=speedup, top1=with_quality.stats["top1_agreement"])
+        out = msj.generate(model, prompts[:batch], max_new_tokens=max_new_tokens, sampling=sampling, spec=spec)
+        chosen[drafter] = out.stats["chosen_num_draft"]
+        row = _row(drafter, chosen[drafter], batch, tps, paired_plain_tps, speedup, out, plain_out, sampling=sampling)
+        rows.append(dict(row, **_drafts_row(out, model.tokenizer)))
+        row_done(f"{label} batch {batch} exact {drafter} auto K (chose {chosen[drafter]})", speedup=speedup)
+      if budgeted and sampling.greedy:
+        # The APPROXIMATE row: MoE-Spec budget on the first drafter at the K auto chose, read by
+        # the dedup kernel (the kernel whose bytes a budget lowers), with its agreement against
+        # exact logits.
+        drafter = drafters[0]
+        k = max(1, chosen[drafter])
+        spec = msj.SpecParams(drafter=drafter, num_draft=k, mode="budgeted", expert_budget=budget, kernel="dedup")
+        spec_bench.warm_up(model, [prompts[:batch]], max_new_tokens, sampling, spec)
+        tps, paired_plain_tps, speedup, _, _ = spec_bench.paired(
+          model, [prompts[:batch]], max_new_tokens, sampling, spec, repeats
+        )
+        quality = dataclasses.replace(spec.research, measure_quality=True)
+        with_quality = msj.generate(
+          model, prompts[:batch], max_new_tokens=max_new_tokens, spec=dataclasses.replace(spec, research=quality)
+        )
+        top1 = with_quality.stats["top1_agreement"]
+        rows.append(
+          _row(
+            drafter,
+            k,
+            batch,
+            tps,
+            paired_plain_tps,
+            speedup,
+            with_quality,
+            plain_out,
+            sampling=sampling,
+            budget=budget,
+            top1=top1,
+          )
+        )
+        row_done(f"{label} batch {batch} budgeted {drafter} K={k}", speedup=speedup, top1=top1)
   params = model.param_counts()
   result = {
     "demo": {
@@ -157,7 +206,8 @@ def run_demo(
       "params_total": params["total"],
       "params_active": params["active"],
       "max_new_tokens": max_new_tokens,
-      "sample": sample_text,
+      "sample": samples["greedy"],
+      "samples": samples,
     }
   }
   atomic.write_json_atomic(workdir / "metrics.json", result)
@@ -167,10 +217,11 @@ def run_demo(
     f"default model: {params['total'] / 1e6:.1f}M parameters, {params['active'] / 1e6:.1f}M active per token; "
     f"validation {bpb:.3f} bits/byte"
   )
-  log("\nsample (greedy, held-out prompt):\n" + "-" * 60 + f"\n{sample_text}\n" + "-" * 60)
+  for label, text in samples.items():
+    log(f"\nsample ({label}, held-out prompt):\n" + "-" * 60 + f"\n{text}\n" + "-" * 60)
   header = (
-    f"{'mode':<10}{'drafter':<8}{'K':>7}{'budget':>7}{'kernel':>9}{'batch':>6}{'tokens/s':>10}"
-    f"{'plain':>8}{'speedup':>9}{'acc.len':>8}{'top1':>7}"
+    f"{'mode':<10}{'sampling':<16}{'drafter':<8}{'K':>7}{'budget':>7}{'kernel':>9}{'batch':>6}{'tokens/s':>10}"
+    f"{'plain':>8}{'speedup':>9}{'acc.len':>8}{'top1':>7}{'ws.drafts':>10}"
   )
   for approximate in (False, True):
     part = [r for r in rows if r["approximate"] == approximate]
@@ -185,12 +236,15 @@ def run_demo(
     for r in part:
       budget = "-" if r["expert_budget"] is None else str(r["expert_budget"])
       k = f"auto:{r['num_draft']}" if r["auto_num_draft"] else str(r["num_draft"])
+      share = r.get("accepted_draft_whitespace_share")
+      drafts = "-" if share is None or share != share else f"{share:.0%} of {r['accepted_drafts']}"
       log(
-        f"{r['mode']:<10}{r['drafter']:<8}{k:>7}{budget:>7}{r['kernel']:>9}{r['batch_size']:>6}"
+        f"{r['mode']:<10}{r['sampling']:<16}{r['drafter']:<8}{k:>7}{budget:>7}{r['kernel']:>9}{r['batch_size']:>6}"
         f"{r['tokens_per_second']:>10.1f}{r['plain_tokens_per_second']:>8.1f}{r['speedup_vs_plain']:>9.2f}"
-        f"{r['mean_accepted_length']:>8.2f}{r['top1_agreement_vs_exact']:>7.3f}"
+        f"{r['mean_accepted_length']:>8.2f}{r['top1_agreement_vs_exact']:>7.3f}{drafts:>10}"
       )
   log("speedup: median over runs alternating plain and speculative decoding (plain: their plain side).")
+  log("ws.drafts (batch 1): the share of the accepted drafts that is whitespace, of how many accepted drafts.")
   log(f"K auto:N: num_draft='auto' (cost model, K = 0..{max_draft} each pass); N is the K it chose most often.")
   log(f"\nwrote {workdir / 'metrics.json'} and {workdir / 'speedup.png'}")
   return result
@@ -200,6 +254,7 @@ def row_label(r) -> str:
   """A row's name in the plot: drafter, K (auto:K where auto chose it) and the budget if any."""
   k = f"auto:{r['num_draft']}" if r["auto_num_draft"] else str(r["num_draft"])
   name = "plain" if r["drafter"] == "none" else f"{r['drafter']} K={k}"
+  name += "" if r["sampling"] == "greedy" else f" {r['sampling']}"
   return name + (f" B={r['expert_budget']} (approx.)" if r["approximate"] else "")
 
 
