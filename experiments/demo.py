@@ -22,7 +22,9 @@ _REPEATS = flags.DEFINE_integer(
 _BATCHES = flags.DEFINE_list("batch_sizes", ["1", "8"], "Batch sizes.")
 _MAX_DRAFT = flags.DEFINE_integer("max_draft", 8, "Largest K of num_draft='auto'.", lower_bound=1, upper_bound=16)
 _SAMPLED = flags.DEFINE_bool(
-  "sampled", True, "Also the plain and exact rows with sampling (temperature 1, top-p 0.95), beside greedy."
+  "sampled",
+  True,
+  "Also the plain and exact rows with sampling (temperature 1, top-p 0.95) at the smallest batch size, beside greedy.",
 )
 _QUICK = cli.define_quick_flag(
   "batch 1, shorter outputs, fewer pairs", {"batch_sizes": ["1"], "max_new_tokens": 32, "repeats": 3}
