@@ -45,10 +45,12 @@ def bench_prompts(model: msj.Model, n: int, prompt_bytes: int, log: Callable[[st
 
 
 def warm_up(model, groups: Sequence[list], max_new_tokens: int, sampling, *specs) -> None:
-  """Runs each spec's program once (on the first group of prompts), untimed: compiled then, and
-  its first run, slower than the later ones, kept out of the timed runs."""
+  """Runs each spec on every group of prompts once, untimed: every program the timed runs use
+  (groups whose prompts pad to another length have programs of their own) is compiled (and
+  auto K's calibrated) then, and its first run, slower than the later ones, kept out of them."""
   for spec in specs:
-    msj.generate(model, groups[0], max_new_tokens=max_new_tokens, sampling=sampling, spec=spec, seed=0)
+    for group in groups:
+      msj.generate(model, group, max_new_tokens=max_new_tokens, sampling=sampling, spec=spec, seed=0)
 
 
 def prompt_groups(prompts: Sequence, batch: int) -> list[list]:

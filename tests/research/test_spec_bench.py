@@ -149,3 +149,16 @@ def test_a_runs_rate_is_over_all_its_batches(monkeypatch):
   assert merged["acceptance_by_depth"] == [pytest.approx(0.8)]  # the NaN of a call that drafted nothing left out
   assert merged["passes_by_num_draft"] == [4, 12]
   assert (merged["chosen_num_draft"], merged["mean_num_draft"]) == (1, pytest.approx(12 / 16))
+
+
+def test_warm_up_runs_every_group(monkeypatch):
+  """Groups whose prompts pad to another length run programs of their own: each is run once
+  before the timed runs, not the first group's alone."""
+  seen = []
+
+  def fake_generate(model, prompts, *, max_new_tokens, sampling, spec, seed):
+    seen.append((spec.drafter, tuple(prompts)))
+
+  monkeypatch.setattr(msj, "generate", fake_generate)
+  spec_bench.warm_up(None, [["a"], ["bb"]], 8, msj.SamplingParams(), msj.SpecParams(), msj.SpecParams(drafter="ngram"))
+  assert seen == [("none", ("a",)), ("none", ("bb",)), ("ngram", ("a",)), ("ngram", ("bb",))]
