@@ -183,11 +183,10 @@ def _prepare(
 
   budget = resolve_budget(spec, config)
   auto = auto and k_draft > 0
-  if research.pass_trace and not (jax.default_backend() == "cpu" and cpu_ffi.available()):
-    where = f"the {jax.default_backend()} backend" if jax.default_backend() != "cpu" else cpu_ffi.unavailable_reason()
+  if research.pass_trace and not clock_available():
     raise ValueError(
       f"pass_trace reads a clock inside the compiled program, which needs the CPU backend "
-      f"and the C++ library; not available here ({where})"
+      f"and the C++ library; not available here ({_no_clock_reason()})"
     )
   ls = LoopSpec(
     max_new_tokens=int(max_new_tokens),
@@ -227,14 +226,21 @@ def _prepare(
   return spec, ls, args
 
 
+def clock_available() -> bool:
+  """Whether compiled programs can read a clock here (the CPU backend, the C++ library built):
+  what `ResearchOptions(pass_trace=True)` and auto K's in-loop timing need."""
+  return jax.default_backend() == "cpu" and cpu_ffi.available()
+
+
+def _no_clock_reason() -> str:
+  return f"the {jax.default_backend()} backend" if jax.default_backend() != "cpu" else cpu_ffi.unavailable_reason()
+
+
 def loop_clock_available() -> bool:
-  """Whether compiled programs can read a clock here (CPU backend, C++ library built); where
-  not, auto K chooses from its calibration alone (logged once)."""
-  if jax.default_backend() == "cpu" and cpu_ffi.available():
+  """`clock_available`; where not, auto K chooses from its calibration alone (logged once)."""
+  if clock_available():
     return True
-  _warn_no_clock(
-    f"the {jax.default_backend()} backend" if jax.default_backend() != "cpu" else cpu_ffi.unavailable_reason()
-  )
+  _warn_no_clock(_no_clock_reason())
   return False
 
 

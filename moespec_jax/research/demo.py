@@ -13,7 +13,7 @@ import numpy as np
 
 import moespec_jax as msj
 from moespec_jax.data import corpus
-from moespec_jax.decoding import report
+from moespec_jax.decoding import loop, report
 from moespec_jax.io import atomic, plots
 from moespec_jax.io.progress import Progress
 from moespec_jax.research import roofline, spec_bench
@@ -154,8 +154,9 @@ def run_demo(
       rows.append(_row("none", 0, batch, plain_tps, plain_tps, 1.0, plain_out, plain_out, sampling=sampling))
       chosen = {}
       for drafter in drafters:
-        # Batch 1 also traces its passes: which tokens were accepted drafts (a clock read per pass).
-        research = msj.ResearchOptions(pass_trace=batch == 1)
+        # Batch 1 also traces its passes where programs can read a clock (CPU): which tokens were
+        # accepted drafts (a clock read per pass).
+        research = msj.ResearchOptions(pass_trace=batch == 1 and loop.clock_available())
         spec = msj.SpecParams(drafter=drafter, num_draft="auto", max_draft=max_draft, research=research)
         spec_bench.warm_up(model, [prompts[:batch]], max_new_tokens, sampling, spec)
         tps, paired_plain_tps, speedup, _, _ = spec_bench.paired(
@@ -179,7 +180,11 @@ def run_demo(
         )
         quality = dataclasses.replace(spec.research, measure_quality=True)
         with_quality = msj.generate(
-          model, prompts[:batch], max_new_tokens=max_new_tokens, spec=dataclasses.replace(spec, research=quality)
+          model,
+          prompts[:batch],
+          max_new_tokens=max_new_tokens,
+          sampling=sampling,
+          spec=dataclasses.replace(spec, research=quality),
         )
         top1 = with_quality.stats["top1_agreement"]
         rows.append(

@@ -12,6 +12,7 @@ and of the per-pair speedups.
 
 from __future__ import annotations
 
+import math
 import pathlib
 import statistics
 import time
@@ -63,7 +64,7 @@ def prompt_groups(prompts: Sequence, batch: int) -> list[list]:
 
 def _weighted(values: Sequence[float], weights: Sequence[float]) -> float:
   """The mean of `values` (NaN ones left out) weighted by `weights`; NaN where none is left."""
-  pairs = [(v, w) for v, w in zip(values, weights) if v == v and w > 0]
+  pairs = [(v, w) for v, w in zip(values, weights) if not math.isnan(v) and w > 0]
   total = sum(w for _, w in pairs)
   return sum(v * w for v, w in pairs) / total if total else float("nan")
 
@@ -72,7 +73,7 @@ def decode_groups(model, groups: Sequence[list], max_new_tokens: int, sampling, 
   """One `generate` per group of prompts, in sequence, and their statistics merged: tokens/s is
   all generated tokens over all the calls' seconds; accepted length, K, acceptance by depth and
   unique experts are means over the calls weighted by their verify passes (acceptance by depth:
-  by passes, not by the drafts each depth reached)."""
+  by passes, not by the drafts each depth reached); every other field is the last call's."""
   all_stats = [
     msj.generate(model, g, max_new_tokens=max_new_tokens, sampling=sampling, spec=spec, seed=seed).stats for g in groups
   ]

@@ -507,6 +507,7 @@ def test_pass_trace_needs_the_clock_of_the_cpu_library(tiny_model, monkeypatch):
   with pytest.raises(ValueError, match="pass_trace must be a bool"):
     msj.ResearchOptions(pass_trace=1)
   monkeypatch.setattr(loop.cpu_ffi, "available", lambda: False)
+  assert not loop.clock_available()  # what the demo asks before it traces passes
   with pytest.raises(ValueError, match="pass_trace reads a clock inside the compiled program"):
     msj.generate(
       tiny_model, [[1, 2, 3]], max_new_tokens=4, spec=msj.SpecParams(research=msj.ResearchOptions(pass_trace=True))
