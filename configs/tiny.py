@@ -1,6 +1,8 @@
 """The default trained model: a fine-grained MoE (DeepSeek-V2-Lite-like ratios) trainable on 2 CPU cores.
 
-32 small routed experts, top-4, one shared expert, first layer dense; byte-level vocabulary.
+32 small routed experts, top-4, one shared expert, first layer dense; a byte-level BPE of 1024
+tokens trained on the corpus (about 2.6 bytes a token: at equal training time it reached a lower
+validation bits per byte than raw bytes, docs/findings/2026-12-07-default-model-tokenizer.md).
 """
 
 import ml_collections
@@ -9,7 +11,7 @@ import ml_collections
 def model_config() -> ml_collections.ConfigDict:
   return ml_collections.ConfigDict(
     dict(
-      vocab_size=264,
+      vocab_size=1024,
       d_model=256,
       n_layers=5,
       n_heads=4,
@@ -32,9 +34,9 @@ def model_config() -> ml_collections.ConfigDict:
       use_score_bias=False,
       num_mtp_modules=0,
       tie_embeddings=False,
-      eos_id=256,
-      bos_id=257,
-      tokenizer="byte",
+      eos_id=0,  # the BPE's special tokens come first
+      bos_id=1,
+      tokenizer="bpe-1024",
       dtype="float32",
       expert_method="auto",
     )

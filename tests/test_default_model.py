@@ -16,10 +16,54 @@ def test_the_default_config_is_configs_tiny():
   assert default_model.default_config().to_dict() == tiny.get_config().to_dict()
 
 
-def test_it_trains_in_the_cache(monkeypatch, tmp_path):
+def test_it_trains_in_the_cache_one_workdir_per_recipe(monkeypatch, tmp_path):
   monkeypatch.setenv(paths.CACHE_ENV, str(tmp_path))
-  assert default_model.training_workdir() == tmp_path / "runs" / "pretrain-tiny"
-  assert default_model.mtp_workdir() == tmp_path / "runs" / "train-mtp-tiny"
+  fingerprint = default_model.recipe_fingerprint()
+  assert default_model.training_workdir() == tmp_path / "runs" / f"pretrain-tiny-{fingerprint}"
+  assert default_model.mtp_workdir() == tmp_path / "runs" / f"train-mtp-tiny-{fingerprint}"
+  changed = tiny.get_config()
+  changed.train.steps += 1
+  monkeypatch.setattr(default_model, "default_config", lambda: changed)
+  assert default_model.recipe_fingerprint() != fingerprint
+
+
+def test_the_eos_and_bos_of_the_default_config_are_its_tokenizers():
+  # A BPE's special tokens take its first ids whatever its size: a small one trained here says which.
+  from moespec_jax.data import tokenizer as tok_lib
+
+  config = tiny.get_config().model
+  assert config.tokenizer.startswith("bpe-")
+  bpe = tok_lib.BpeTokenizer.train(["def f(x):\n    return x\n"] * 4, vocab_size=300)
+  assert (config.eos_id, config.bos_id) == (bpe.eos_id, bpe.bos_id)
+  assert config.vocab_size >= int(config.tokenizer[4:])
+
+
+def test_a_model_trained_from_another_recipe_is_trained_again(monkeypatch, tmp_path, tiny_config):
+  monkeypatch.setenv(paths.CACHE_ENV, str(tmp_path))
+  target = paths.default_model_dir()
+  msj.Model.init(tiny_config.replace(num_mtp_modules=1), seed=1).save(target)
+  (target / default_model.RECIPE_FILE).write_text('{"fingerprint": "an-old-one"}')
+  fresh = msj.Model.init(tiny_config, seed=3)
+  calls = []
+
+  def train(config, tc, workdir, **kwargs):
+    calls.append(("pretrain", workdir))
+    return fresh, {}
+
+  def train_heads(model, tc, workdir, **kwargs):
+    calls.append(("mtp", workdir))
+    return msj.Model.init(tiny_config.replace(num_mtp_modules=1), seed=4), {"teacher_forced": []}
+
+  monkeypatch.setattr(pretrain, "train", train)
+  monkeypatch.setattr(mtp_training, "train", train_heads)
+  lines = []
+  default_model.ensure_default_model(log=lines.append)
+  assert calls == [("pretrain", default_model.training_workdir()), ("mtp", default_model.mtp_workdir())]
+  assert "another configs/tiny.py (recipe an-old-one" in lines[0]
+  # The record survives the save with heads, so the next call loads the model as it is.
+  assert default_model.cached_recipe(target) == default_model.recipe_fingerprint()
+  calls.clear()
+  assert default_model.ensure_default_model(log=lines.append).config.num_mtp_modules == 1 and calls == []
 
 
 def test_a_cached_model_is_loaded_without_training(monkeypatch, tmp_path, tiny_config):

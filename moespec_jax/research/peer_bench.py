@@ -73,7 +73,7 @@ from moespec_jax.research import roofline
 PROTOCOL = "interleaved-rounds-first-token"
 # The label of the first-token-only plain runs (prefill and one step) in a round.
 FIRST = "first_token"
-# The default trained model (configs/tiny.py, byte vocabulary) exported as a Qwen2-MoE checkpoint.
+# The default trained model (configs/tiny.py) exported as a Qwen2-MoE checkpoint, its BPE with it.
 TRAINED = "trained_qwen2_moe"
 # ~20-50M parameters per family (embeddings included).
 BENCH_SIZE = dict(vocab=8192, hidden=256, layers=4, heads=8, experts=16, top_k=2, moe_hidden=320, max_len=1024)

@@ -173,14 +173,19 @@ def train(
   `workdir/metrics.json` and `workdir/loss.png` the curves.
   """
   workdir = pathlib.Path(workdir)
-  workdir.mkdir(parents=True, exist_ok=True)
   tokenizer = tokenizer_lib.load_tokenizer(config.tokenizer)
   if tokenizer.vocab_size > config.vocab_size:
     raise ValueError(
       f"tokenizer {config.tokenizer!r} needs vocab_size >= {tokenizer.vocab_size}, config has {config.vocab_size}"
     )
+  if (config.eos_id, config.bos_id) != (tokenizer.eos_id, tokenizer.bos_id):
+    raise ValueError(
+      f"tokenizer {config.tokenizer!r} has eos_id {tokenizer.eos_id} and bos_id {tokenizer.bos_id}, the config "
+      f"{config.eos_id} and {config.bos_id}: set model.eos_id and model.bos_id to the tokenizer's"
+    )
   if tc.seq_len > config.max_seq_len:
     raise ValueError(f"train.seq_len ({tc.seq_len}) exceeds model max_seq_len ({config.max_seq_len})")
+  workdir.mkdir(parents=True, exist_ok=True)
   log(f"tokenizing the corpus ({tokenizer!r}) ...")
   train_tokens = batches_lib.corpus_tokens(tokenizer, "train")
   val_tokens = batches_lib.corpus_tokens(tokenizer, "validation")

@@ -65,6 +65,13 @@ def test_resume_after_interruption_matches_an_uninterrupted_run(tmp_path, monkey
     np.testing.assert_array_equal(a, b)
 
 
+def test_special_ids_other_than_the_tokenizers_are_refused_before_anything_is_written(tmp_path):
+  config = ModelConfig(**{**TINY, "eos_id": 3})
+  with pytest.raises(ValueError, match="eos_id 256 and bos_id 257, the config 3 and 257"):
+    pretrain.train(config, pretrain.TrainConfig(**TC), tmp_path / "run", log=lambda *_: None)
+  assert not (tmp_path / "run").exists()
+
+
 def test_load_balance_loss_is_one_when_uniform_and_larger_when_skewed():
   e, k = 4, 1
   ids_uniform = np.arange(8).reshape(1, 1, 8, k) % e
