@@ -169,9 +169,9 @@ def _prepare(
     raise ValueError(f"reference_tokens is used by {takers} only")
   # Room in the cache for a pass's drafts beyond the last position; auto K needs none: it
   # drafts only as far as the cache has room (`auto_segment`).
-  lookahead = 0 if auto else k_draft
+  lookahead = 0 if auto else (spec.tree_nodes or k_draft)
   if longest + max_new_tokens + lookahead > config.max_seq_len:
-    extra = f" + num_draft lookahead ({lookahead})" if lookahead else ""
+    extra = f" + {'tree_nodes' if spec.tree_nodes else 'num_draft'} lookahead ({lookahead})" if lookahead else ""
     raise ValueError(
       f"prompt length ({longest}) + max_new_tokens ({max_new_tokens}){extra} exceeds the "
       f"model's max_seq_len ({config.max_seq_len})"
@@ -195,6 +195,7 @@ def _prepare(
     kernels=kernel_policy(model, spec),
     drafter=drafter if k_draft else NoDrafter(),
     max_k=k_draft,
+    tree_nodes=(spec.tree_nodes or 0) if k_draft else 0,
     auto=auto,
     timed=auto and research.auto_timing and loop_clock_available(),
     trace_passes=research.pass_trace,

@@ -21,6 +21,11 @@ KERNELS = ("auto", "dedup", "per_slot", "xla")
 # (pallas_kernels.cpu.packed_matmul / cached_attention; XLA where the library cannot be
 # built, or on TPU/GPU); "xla" keeps XLA's ops.
 HEAD_KERNELS = ATTENTION_KERNELS = DENSE_KERNELS = ("auto", "xla")
+# How a drafter that branches chooses a tree's nodes: by its own ranking of the continuations
+# (prompt lookup: its matches in rank order).
+TREE_POLICIES = ("probability",)
+# The largest draft tree a pass verifies.
+MAX_TREE_NODES = 64
 # What the controlled drafter's passes pay for drafting: nothing (a table lookup), or the model's
 # MTP heads' draft computation, run every pass beside the table (decoding/drafters/controlled.py).
 CONTROLLED_DRAFT_COSTS = ("none", "mtp")
@@ -99,6 +104,10 @@ class SpecParams:
   budget_policy: what happens to a token whose expert was cut; budget_scope: whether the budget
   holds for the whole batch's pass (what the kernels read) or per row.
   kernel: the routed experts' kernel. research: the research and diagnostic settings.
+  tree_nodes: None, chains of num_draft drafts; N, every pass verifies a draft tree of N nodes
+  and depth at most num_draft (drafters that branch: `Drafter.branches`), in one target pass with
+  exact tree verification (`rejection.verify_tree_sampled`). tree_policy: how the drafter chooses
+  the tree's nodes (TREE_POLICIES).
   """
 
   drafter: str = "none"
@@ -109,6 +118,8 @@ class SpecParams:
   kernel: str = "auto"
   budget_policy: str = "truncate"
   budget_scope: str = "batch"
+  tree_nodes: int | None = None
+  tree_policy: str = "probability"
   research: ResearchOptions = ResearchOptions()
 
   def __post_init__(self) -> None:
@@ -134,3 +145,21 @@ class SpecParams:
       raise ValueError(
         f"max_draft (the largest K of num_draft='auto') must be an int in [1, 16], got {self.max_draft!r}"
       )
+    if self.tree_policy not in TREE_POLICIES:
+      raise ValueError(f"tree_policy must be one of {TREE_POLICIES}, got {self.tree_policy!r}")
+    if self.tree_nodes is not None:
+      if not _is_int(self.tree_nodes) or not 1 <= self.tree_nodes <= MAX_TREE_NODES:
+        raise ValueError(
+          f"tree_nodes must be None (chains) or an int in [1, {MAX_TREE_NODES}], got {self.tree_nodes!r}"
+        )
+      drafter_cls = drafters_lib.lookup(self.drafter)
+      if not drafter_cls.branches:
+        can = ", ".join(repr(name) for name, d in drafters_lib.REGISTRY.items() if d.branches)
+        raise ValueError(f"drafter {self.drafter!r} does not branch: tree_nodes needs one that does ({can})")
+      if self.num_draft == "auto":
+        raise ValueError("num_draft='auto' chooses chains only: give the trees' depth (an int) with tree_nodes")
+      if self.num_draft < 1 or self.tree_nodes < self.num_draft:
+        raise ValueError(
+          f"tree_nodes ({self.tree_nodes}) must be >= num_draft ({self.num_draft}), the trees' depth, which "
+          f"must be >= 1"
+        )

@@ -22,6 +22,8 @@ from moespec_jax.decoding import sampling as sampling_lib
 from moespec_jax.decoding.drafters import DraftTree, Verified
 from moespec_jax.decoding.state import LoopSpec, LoopState, ProgramTarget, Stats, row_keys, stream_keys
 from moespec_jax.model import cache as cache_lib
+from moespec_jax.model.budget import ExpertBudget
+from moespec_jax.model.transformer import ForwardOutput
 from pallas_kernels import cpu as cpu_ffi
 
 
@@ -65,11 +67,11 @@ def draft(
     tree = DraftTree.empty(state.pos_B.shape[0])
   else:
     tree, draft_state = drafter.propose(model, state, k, keys_B, ls)
-    if not (tree.is_chain and tree.num_nodes == k):
-      raise NotImplementedError(
-        f"{type(drafter).__name__} proposed a draft tree ({tree.num_nodes} nodes, "
-        f"chain: {tree.is_chain}) where {k} drafts were asked; verification takes "
-        f"chains of K drafts only (DraftTree.chain)"
+    wanted = f"a tree of {ls.tree_nodes} nodes" if ls.tree_nodes else f"a chain of {k} drafts"
+    if tree.num_nodes != (ls.tree_nodes or k) or (not ls.tree_nodes and not tree.is_chain):
+      raise ValueError(
+        f"{type(drafter).__name__} proposed a draft tree of {tree.num_nodes} nodes (chain: "
+        f"{tree.is_chain}) where {wanted} was asked"
       )
     state = state.replace(draft_state=draft_state)
   shadow = None
@@ -92,7 +94,10 @@ def verify(
   acceptance; with measure_quality, the exact pass on the same cache against the budgeted one.
 
   Finished rows and empty draft slots (no n-gram follower) read no experts: no output of theirs
-  is used (empty slots are a suffix: no slot after one is reached)."""
+  is used (empty slots are a suffix: no slot after one is reached). A tree (`ls.tree_nodes`) is
+  verified by `verify_tree`."""
+  if not tree.is_chain:
+    return verify_tree(model, state, tree, keys_B, ls)
   config = model.config
   vocab, k, batch = config.vocab_size, tree.num_nodes, state.pos_B.shape[0]
   active_B, pos_B = state.active_B, state.pos_B
@@ -145,6 +150,82 @@ def verify(
     candidates_BS=cand_BS,
     shadow_valid_B=shadow_valid_B,
     shadow_accept_B=shadow_accept_B,
+    quality_3=quality_3,
+  )
+
+
+def verify_tree(model: ProgramTarget, state: LoopState, tree: DraftTree, keys_B: jax.Array, ls: LoopSpec) -> Verified:
+  """One target pass over each row's pending token and its draft tree (positions by depth, each
+  token attending to the committed cache, itself and its ancestors: `Transformer.__call__`'s
+  `tree_mask_BTT`), the accepted path by `rejection.verify_tree_greedy` / `verify_tree_sampled`,
+  and the path's cache entries moved to the consecutive slots after the pending token, so that
+  the rest of the loop sees a chain: `accept_BN` per depth, `candidates_BS` the path's tokens
+  then the next one. A node under an invalid one is invalid (its context was not proposed)."""
+  config = model.config
+  vocab, n, batch = config.vocab_size, tree.num_nodes, state.pos_B.shape[0]
+  depth_max = ls.max_k
+  active_B, pos_B = state.active_B, state.pos_B
+  valid_BN = tree.valid_BN
+  for j in range(n):  # parents come first: an invalid ancestor reaches every descendant
+    par_B = tree.parent_BN[:, j]
+    parent_valid_B = jnp.take_along_axis(valid_BN, jnp.maximum(par_B, 0)[:, None], axis=1)[:, 0]
+    valid_BN = valid_BN.at[:, j].set(valid_BN[:, j] & ((par_B < 0) | parent_valid_B))
+  depth_BN = rejection.node_depths(tree.parent_BN)
+  inputs_BS = jnp.concatenate([state.pending_B[:, None], tree.tokens_BN], axis=1)
+  positions_BS = pos_B[:, None] + jnp.concatenate([jnp.zeros((batch, 1), jnp.int32), depth_BN], axis=1)
+  mask_BSS = rejection.ancestor_mask(tree.parent_BN)
+  active_BS = active_B[:, None] & jnp.concatenate([jnp.ones((batch, 1), jnp.bool_), valid_BN], axis=1)
+  experts_BS = active_BS if ls.kernels.routed_experts else jnp.zeros_like(active_BS)
+
+  def target_pass(budget: ExpertBudget | None) -> ForwardOutput:
+    return model(
+      inputs_BS,
+      positions_BS,
+      state.cache,
+      kernels=model.kernels,
+      expert_budget=budget,
+      valid_BT=experts_BS,
+      tree_mask_BTT=mask_BSS,
+    )
+
+  vout = target_pass(ls.expert_budget)
+  if ls.sampling.greedy:
+    on_path_BN, n_acc_B, _, next_B = rejection.verify_tree_greedy(vout.logits, tree.tokens_BN, tree.parent_BN, valid_BN)
+  else:
+    logp_BSV = sampling_lib.filtered_logprobs(vout.logits.reshape(-1, vocab), ls.sampling).reshape(batch, n + 1, vocab)
+    q_BNV = tree.q_BNV
+    if q_BNV is None:  # deterministic drafts: one-hot q
+      q_BNV = jax.nn.one_hot(tree.tokens_BN, vocab, dtype=jnp.float32)
+    on_path_BN, n_acc_B, _, next_B = rejection.verify_tree_sampled(
+      keys_B, logp_BSV, tree.tokens_BN, tree.parent_BN, q_BNV, valid_BN
+    )
+  # The path's nodes in depth order (ancestors have lower indices), then the rest.
+  order_BN = jnp.argsort(~on_path_BN, axis=1, stable=True).astype(jnp.int32)
+  j_N = jnp.arange(n, dtype=jnp.int32)
+  source_BN = jnp.where(j_N[None] < n_acc_B[:, None], order_BN, j_N[None])
+  cache = vout.cache.move_path(pos_B + 1, source_BN, key_major=config.attention_type != "mla")
+  path_tokens_BD = jnp.take_along_axis(tree.tokens_BN, order_BN[:, :depth_max], axis=1)
+  j_S = jnp.arange(depth_max + 1, dtype=jnp.int32)
+  cand_BS = jnp.where(j_S[None] < n_acc_B[:, None], jnp.pad(path_tokens_BD, ((0, 0), (0, 1))), next_B[:, None])
+  quality_3 = None
+  if ls.measure_quality:  # how far the budget moved the verified logits
+    exact_logits_BSV = target_pass(None).logits
+    on_path_BS = jnp.concatenate([jnp.ones((batch, 1), jnp.bool_), on_path_BN], axis=1)
+    agree, kl, count = quality_lib.logit_agreement(
+      exact_logits_BSV.reshape(-1, vocab), vout.logits.reshape(-1, vocab), (active_BS & on_path_BS).reshape(-1)
+    )
+    quality_3 = jnp.stack([agree, kl, count])
+  return Verified(
+    tree=tree,
+    pos_B=pos_B,
+    positions_BS=positions_BS,
+    active_B=active_B,
+    experts_BS=experts_BS,
+    output=vout.replace(cache=cache),
+    accept_BN=j_S[None, :depth_max] < n_acc_B[:, None],
+    n_accepted_B=n_acc_B,
+    next_B=next_B,
+    candidates_BS=cand_BS,
     quality_3=quality_3,
   )
 
@@ -236,7 +317,8 @@ def record(
   """The pass's statistics over its active rows; with pass_trace, its row of the trace (`started_2`:
   the clock as it began)."""
   stats = state.stats
-  k, active_B, n_acc_B = verified.tree.num_nodes, verified.active_B, verified.n_accepted_B
+  # K: the drafts of a chain, the depth of a tree (its statistics are per depth of the path).
+  k, active_B, n_acc_B = verified.accept_BN.shape[1], verified.active_B, verified.n_accepted_B
   act = active_B.astype(jnp.float32)
   reached_BK = (jnp.arange(k, dtype=jnp.int32)[None] <= n_acc_B[:, None]) & active_B[:, None]
   pad = (0, ls.max_k - k)
@@ -260,7 +342,7 @@ def record(
     row_4 = jnp.stack(
       [
         cpu_ffi.elapsed_ms(stats.trace_clock_2, started_2),
-        jnp.float32(k),
+        jnp.float32(verified.tree.num_nodes),
         jnp.sum(n_commit_B).astype(jnp.float32),
         jnp.sum(unique_L),
       ]

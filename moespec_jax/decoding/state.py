@@ -66,6 +66,9 @@ class LoopSpec:
   # The largest K a pass may run, and the width of the per-depth statistics: every pass's K
   # with auto False, the top of auto K's range with auto True. 0: plain decoding.
   max_k: int = 0
+  # Draft trees: the nodes a pass verifies (SpecParams.tree_nodes; max_k is then the trees' depth).
+  # 0: chains of max_k drafts.
+  tree_nodes: int = 0
   auto: bool = False  # K chosen per segment of passes in 0..max_k by the cost model (`auto_draft`)
   timed: bool = False  # auto K corrects its calibration by the loop's own clock (CPU)
   trace_passes: bool = False  # every pass timed by a clock read as it starts (CPU): ResearchOptions.pass_trace

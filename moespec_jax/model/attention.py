@@ -85,6 +85,7 @@ class Attention(nnx.Module):
     kernels: Kernels = PLAIN,
     fresh_cache: bool = False,
     query_at_B: jax.Array | None = None,
+    tree_mask_BTT: jax.Array | None = None,
   ) -> tuple[jax.Array, LayerCache | None]:
     """Returns (out_BTD, (keys_NKS, values_NSK) or None), N = B * n_kv_heads (keys key-major:
     `cache.KVCache`).
@@ -95,8 +96,11 @@ class Attention(nnx.Module):
     the pass's own keys only (not to the empty entries). `query_at_B` [B]: queries (and the
     output, [B, 1, D]) at that one index per row only ([B, W]: at those W, [B, W, D]); every index
     still writes its keys/values. `kernels`: the policy (attention against the cache on the C++
-    kernel, the prefill included) and a `PackedAttention` or None.
+    kernel, the prefill included) and a `PackedAttention` or None. `tree_mask_BTT`: a tree pass
+    (`cache.visible_slots`; with a cache, on XLA's path: the C++ kernel takes position limits).
     """
+    if tree_mask_BTT is not None and (layer_cache is None or fresh_cache or query_at_B is not None):
+      raise ValueError("a tree pass needs a filled cache and every query (no fresh_cache, no query_at_B)")
     cos, sin = rope
     q_BTHK, k_BTGK, v_BTGK = self._project(x_BTD, kernels)
     q_BTHK, k_BTGK = apply_rope(q_BTHK, cos, sin), apply_rope(k_BTGK, cos, sin)
@@ -118,7 +122,7 @@ class Attention(nnx.Module):
         cache_lib.write_positions(layer_cache[1], v_BTGK, positions_BT[:, 0]),
       )
     )
-    if new_cache is not None and kernels.policy.attention == "cpu":
+    if new_cache is not None and kernels.policy.attention == "cpu" and tree_mask_BTT is None:
       # Prefills too: the kernel scores each block of about 32 positions' queries against the
       # keys up to the block's last position only, so it skips most masked pairs and never reads
       # empty entries.
@@ -130,11 +134,12 @@ class Attention(nnx.Module):
       keys_NSK, values_NSK = (x.swapaxes(1, 2).reshape(b * g, s, k) for x in (k_BTGK, v_BTGK))
       key_pos_BS = positions_BT
       scores_NQS = jnp.einsum("nqk,nsk->nqs", q_NQK, keys_NSK)
+      visible_BTS = key_pos_BS[:, None, :] <= query_positions_BT[:, :, None]
     else:
       keys_NKS, values_NSK = new_cache
-      key_pos_BS = jnp.arange(keys_NKS.shape[2])[None]
+      visible_BTS = cache_lib.visible_slots(keys_NKS.shape[2], query_positions_BT, tree_mask_BTT, positions_BT[:, 0])
       scores_NQS = jnp.einsum("nqk,nks->nqs", q_NQK, keys_NKS)
-    visible_BQS = jnp.repeat(key_pos_BS[:, None, :] <= query_positions_BT[:, :, None], r, axis=1)
+    visible_BQS = jnp.repeat(visible_BTS, r, axis=1)
     scores_BGQS = scores_NQS.astype(jnp.float32).reshape(b, g, t * r, -1)
     probs_BGQS = jax.nn.softmax(jnp.where(visible_BQS[:, None], scores_BGQS * scale, -1e30), axis=-1)
     probs_NQS = probs_BGQS.reshape(b * g, t * r, -1).astype(values_NSK.dtype)

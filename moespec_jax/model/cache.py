@@ -56,6 +56,17 @@ class KVCache:
   def max_len(self) -> int:
     return self.values[0].shape[1]
 
+  def move_path(self, start_B: jax.Array, source_BW: jax.Array, *, key_major: bool) -> KVCache:
+    """Every layer's entries at slots start + i take those at start + source[i] (`move_window`):
+    after a tree pass, the accepted path's nodes moved to the consecutive slots a chain would
+    have written. `key_major`: keys [N, D, S] (grouped-query attention; MLA's latent is [B, S, C])."""
+    batch = start_B.shape[0]
+
+    def moved(c: jax.Array, is_key: bool) -> jax.Array:
+      return move_window(c, start_B, source_BW, c.shape[0] // batch, key_major=is_key and key_major)
+
+    return KVCache(keys=tuple(moved(c, True) for c in self.keys), values=tuple(moved(c, False) for c in self.values))
+
 
 def write_rows(buffer_BS: jax.Array, new_BT: jax.Array, start_B: jax.Array) -> jax.Array:
   """Writes each row's n new entries (axis 1) at its own start position (no copy under jit)."""
@@ -80,3 +91,39 @@ def write_positions(cache: jax.Array, new_BTHD: jax.Array, start_B: jax.Array, *
     return jax.lax.dynamic_update_slice_in_dim(cache, new, start_B[0], axis=axis)
   start_N = jnp.repeat(start_B, h)
   return jax.vmap(lambda c, n, s: jax.lax.dynamic_update_slice_in_dim(c, n, s, axis=axis - 1))(cache, new, start_N)
+
+
+def visible_slots(
+  n_slots: int, query_positions_BT: jax.Array, tree_mask_BTT: jax.Array | None = None, start_B: jax.Array | None = None
+) -> jax.Array:
+  """bool [B, T, S]: the cache slots each of a pass's queries reads.
+
+  A chain pass (slot = position): slots up to the query's own position. A tree pass
+  (`tree_mask_BTT`: which of the pass's own tokens each query sees, itself and its ancestors),
+  written at slots start..start + T - 1 while its positions go by depth: every slot before
+  `start_B`, and the pass's own slots that the mask allows."""
+  slot_S = jnp.arange(n_slots, dtype=jnp.int32)
+  if tree_mask_BTT is None:
+    return slot_S[None, None] <= query_positions_BT[:, :, None]
+  t = tree_mask_BTT.shape[2]
+  rel_BS = slot_S[None] - start_B[:, None]
+  index_BTS = jnp.broadcast_to(jnp.clip(rel_BS, 0, t - 1)[:, None], (*tree_mask_BTT.shape[:2], n_slots))
+  in_pass_BTS = jnp.take_along_axis(tree_mask_BTT, index_BTS, axis=2) & ((rel_BS >= 0) & (rel_BS < t))[:, None]
+  return (rel_BS < 0)[:, None] | in_pass_BTS
+
+
+def move_window(
+  cache: jax.Array, start_B: jax.Array, source_BW: jax.Array, heads: int, *, key_major: bool = False
+) -> jax.Array:
+  """Each row's W entries from slot start + i take the entry at start + source[i] (a permutation
+  or any map into the window): a tree pass's accepted path moved to consecutive slots. `cache`:
+  [N = B * heads, S, D] (`key_major`: [N, D, S])."""
+  w = source_BW.shape[1]
+  axis = 2 if key_major else 1
+  start_N, source_NW = jnp.repeat(start_B, heads), jnp.repeat(source_BW, heads, axis=0)
+
+  def one(c: jax.Array, s: jax.Array, src_W: jax.Array):
+    window = jax.lax.dynamic_slice_in_dim(c, s, w, axis=axis - 1)
+    return jax.lax.dynamic_update_slice_in_dim(c, jnp.take(window, src_W, axis=axis - 1), s, axis=axis - 1)
+
+  return jax.vmap(one)(cache, start_N, source_NW)

@@ -90,6 +90,7 @@ class Transformer(nnx.Module):
     compute_logits: bool = True,
     fresh_cache: bool = False,
     hidden_at_B: jax.Array | None = None,
+    tree_mask_BTT: jax.Array | None = None,
   ) -> ForwardOutput:
     """One pass over `tokens_BT` at `positions_BT` (default 0..T-1 for every row).
 
@@ -112,6 +113,11 @@ class Transformer(nnx.Module):
     indices only, not over the pass's tokens (ValueError).
     `kernels`: the program's kernel policy and packed weights (a `PackedWeights` or None; each block
     gets its part); the default runs XLA's ops with the config's expert method.
+    `tree_mask_BTT` (with a filled cache): a tree pass. Its T tokens are written at consecutive
+    slots from `positions_BT[:, 0]` (the root's position) while `positions_BT` give each token its
+    depth's position (RoPE); a token attends to every slot before the root's and to the pass's
+    tokens the mask allows (itself and its ancestors: `rejection.ancestor_mask`). After
+    verification `KVCache.move_path` moves the accepted path's entries to consecutive slots.
     """
     if hidden_at_B is not None and expert_budget is not None:
       raise ValueError(
@@ -136,6 +142,7 @@ class Transformer(nnx.Module):
         valid_BT=valid_BT,
         fresh_cache=fresh_cache,
         output_at_B=hidden_at_B if i == last else None,
+        tree_mask_BTT=tree_mask_BTT,
       )
       if layer_new is not None:
         new_keys.append(layer_new[0])

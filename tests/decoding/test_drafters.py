@@ -50,11 +50,33 @@ class ForkDrafter(ReplayDrafter):
     return dataclasses.replace(chain, parent_BN=jnp.full_like(chain.parent_BN, -1), is_chain=False), None
 
 
+@dataclasses.dataclass(frozen=True)
+class DetourDrafter(ReplayDrafter):
+  """Proposes a tree of two children per depth: a wrong token first, then the given continuation's
+  token, whose own two children follow. The continuation's path runs through every second node
+  (1, 3, 5, ...), so its cache entries must move after each pass."""
+
+  branches: ClassVar[bool] = True
+
+  def propose(self, model, state, k, keys_B, ls):
+    chain, _ = super().propose(model, state, k, keys_B, ls)
+    right_BK = chain.tokens_BN
+    wrong_BK = (right_BK + 1) % model.config.vocab_size
+    tokens_BN = jnp.stack([wrong_BK, right_BK], axis=2).reshape(right_BK.shape[0], 2 * k)
+    parent_N = jnp.repeat(jnp.arange(-1, 2 * k - 2, 2), 2)  # depth d's pair follows node 2d - 1
+    parent_BN = jnp.broadcast_to(parent_N, tokens_BN.shape)
+    tree = drafters.DraftTree(
+      tokens_BN=tokens_BN, parent_BN=parent_BN, q_BNV=None, valid_BN=jnp.ones(tokens_BN.shape, bool)
+    )
+    return tree, state.draft_state
+
+
 @pytest.fixture
 def registered(monkeypatch):
   """The test drafters, registered by their one entry each in the registry."""
   monkeypatch.setitem(drafters.REGISTRY, "replay", ReplayDrafter)
   monkeypatch.setitem(drafters.REGISTRY, "fork", ForkDrafter)
+  monkeypatch.setitem(drafters.REGISTRY, "detour", DetourDrafter)
 
 
 def test_registry_maps_the_users_names_to_drafters():
@@ -98,7 +120,7 @@ def test_a_drafter_registered_in_one_place_runs_through_the_loop(tiny_model, reg
 
 
 def test_verification_refuses_a_draft_tree_that_is_not_a_chain(tiny_model, registered):
-  with pytest.raises(NotImplementedError, match="chains of K drafts only"):
+  with pytest.raises(ValueError, match="where a chain of 2 drafts was asked"):
     msj.generate(
       tiny_model,
       PROMPTS,
@@ -106,6 +128,25 @@ def test_verification_refuses_a_draft_tree_that_is_not_a_chain(tiny_model, regis
       spec=msj.SpecParams(drafter="fork", num_draft=2),
       reference_tokens=np.zeros((len(PROMPTS), 4), np.int32),
     )
+
+
+@pytest.mark.parametrize("depth", [1, 3])
+def test_a_tree_whose_right_path_runs_through_second_siblings_decodes_the_plain_tokens(tiny_model, registered, depth):
+  """Greedy tree verification takes the second child at every depth, and the path's cache entries
+  (at every second slot) are moved into place: the tokens are plain greedy decoding's, every
+  pass commits the whole depth but the last."""
+  plain = msj.generate(tiny_model, PROMPTS, max_new_tokens=10)
+  out = msj.generate(
+    tiny_model,
+    PROMPTS,
+    max_new_tokens=10,
+    spec=msj.SpecParams(drafter="detour", num_draft=depth, tree_nodes=2 * depth),
+    reference_tokens=plain.tokens,
+  )
+  np.testing.assert_array_equal(out.tokens, plain.tokens)
+  # 9 tokens after the first, depth + 1 a pass (the continuation's padding is wrong past its end).
+  assert out.stats["verify_passes"] == -(-9 // (depth + 1))
+  assert out.stats["acceptance_by_depth"][0] == 1.0
 
 
 def test_a_chain_is_the_tree_whose_nodes_follow_the_one_before():
@@ -172,6 +213,54 @@ def test_ngram_matches_the_brute_force_rule_on_random_sequences(vocab):
       want_d, want_valid = _prompt_lookup_reference(seq[row], int(n[row]), k)
       assert np.asarray(valid[row]).tolist() == want_valid, (row, k)
       assert np.asarray(d[row]).tolist() == want_d, (row, k)
+
+
+def _prompt_lookup_tree_reference(seq_S, n, depth, n_nodes):
+  """prompt_lookup_tree's rule, one row, by brute force: the best n_nodes match ends in
+  prompt_lookup's rank order, their continuations as a trie built match by match, its first
+  n_nodes nodes."""
+  ends = []
+  for j in range(n - 1):
+    length = 0
+    while length < ngram.NGRAM_MAX and j - length >= 0 and seq_S[j - length] == seq_S[n - 1 - length]:
+      length += 1
+    if length:
+      ends.append(((min(length, ngram.NGRAM_PREFER), int(j + depth < n), length, j), j))
+  ends = [j for _, j in sorted(ends, reverse=True)[:n_nodes]]
+  node_of, tokens, parents = {}, [], []
+  for j in ends:
+    prefix = ()
+    for d in range(depth):
+      if j + 1 + d >= n or (prefix and prefix not in node_of):  # no follower, or no room for the parent
+        break
+      parent = node_of[prefix] if prefix else -1
+      prefix = (*prefix, int(seq_S[j + 1 + d]))
+      if prefix not in node_of and len(tokens) < n_nodes:
+        node_of[prefix] = len(tokens)
+        tokens.append(prefix[-1])
+        parents.append(parent)
+  valid = [True] * len(tokens) + [False] * (n_nodes - len(tokens))
+  return tokens + [0] * (n_nodes - len(tokens)), parents + [-1] * (n_nodes - len(parents)), valid
+
+
+@pytest.mark.parametrize("vocab", [2, 5, 40])
+def test_ngram_tree_matches_the_brute_force_rule_on_random_sequences(vocab):
+  rng = np.random.default_rng(vocab + 1)
+  seq = rng.integers(0, vocab, (6, 40)).astype(np.int32)
+  n = np.array([1, 2, 9, 23, 39, 40], np.int32)
+  for depth, n_nodes in ((1, 3), (3, 4), (4, 9)):
+    got = ngram.prompt_lookup_tree(jnp.asarray(seq), jnp.asarray(n), depth, n_nodes)
+    for row in range(seq.shape[0]):
+      want = _prompt_lookup_tree_reference(seq[row], int(n[row]), depth, n_nodes)
+      for name, g, w in zip(("tokens", "parents", "valid"), got, want):
+        assert np.asarray(g[row]).tolist() == w, (row, depth, n_nodes, name)
+  # The best match's whole continuation comes first: prompt lookup's chain, where it is complete.
+  chain, valid = (np.asarray(x) for x in ngram.prompt_lookup(jnp.asarray(seq), jnp.asarray(n), 4))
+  tokens, parents, _ = (np.asarray(x) for x in ngram.prompt_lookup_tree(jnp.asarray(seq), jnp.asarray(n), 4, 9))
+  full = valid.all(axis=1)
+  assert full.sum() >= 2
+  np.testing.assert_array_equal(tokens[full, :4], chain[full])
+  np.testing.assert_array_equal(parents[full, :4], np.broadcast_to([-1, 0, 1, 2], (full.sum(), 4)))
 
 
 def test_controlled_table_wrong_tokens_differ_from_the_reference():

@@ -62,6 +62,51 @@ def test_greedy_speculative_tokens_equal_plain_greedy(two_module_model, plain_gr
     assert out.stats["mean_accepted_length"] > 1.0
 
 
+@pytest.mark.parametrize("depth,nodes", [(1, 3), (2, 4), (3, 8)])
+def test_greedy_tree_tokens_equal_plain_greedy(two_module_model, plain_greedy, depth, nodes):
+  """Prompt lookup's trees (several matches' continuations) verified in one tree pass, the path
+  moved into place in the cache: the tokens of plain greedy decoding, on a ragged batch."""
+  spec = msj.SpecParams(drafter="ngram", num_draft=depth, tree_nodes=nodes)
+  out = msj.generate(two_module_model, RAGGED + REPEATS, max_new_tokens=24, spec=spec)
+  np.testing.assert_array_equal(out.tokens, plain_greedy)
+  assert len(out.stats["acceptance_by_depth"]) == depth
+  assert out.stats["mean_accepted_length"] > 1.0  # the repetitive prompts make some paths right
+
+
+def test_trees_keep_eos_max_new_tokens_and_the_budgeted_mode(tiny_model):
+  """A tree pass cuts at EOS and at max_new_tokens inside its accepted path like a chain, and the
+  budgeted (APPROXIMATE) mode runs over trees, each row's tokens those of the budgeted chain."""
+  prompts = [[5, 6, 5, 6, 5, 6, 5], [9, 9, 9, 9]]
+  for max_new in (3, 7):
+    plain = msj.generate(tiny_model, prompts, max_new_tokens=max_new)
+    tree = msj.generate(
+      tiny_model, prompts, max_new_tokens=max_new, spec=msj.SpecParams(drafter="ngram", num_draft=3, tree_nodes=6)
+    )
+    np.testing.assert_array_equal(tree.tokens, plain.tokens)
+    assert (tree.tokens >= 0).sum(axis=1).tolist() == (plain.tokens >= 0).sum(axis=1).tolist()
+  budget = dict(mode="budgeted", expert_budget=tiny_model.config.top_k)
+  chain = msj.generate(tiny_model, prompts, max_new_tokens=8, spec=msj.SpecParams(drafter="none", **budget))
+  tree = msj.generate(
+    tiny_model, prompts, max_new_tokens=8, spec=msj.SpecParams(drafter="ngram", num_draft=2, tree_nodes=4, **budget)
+  )
+  assert tree.tokens.shape == chain.tokens.shape and (tree.tokens[:, 0] == chain.tokens[:, 0]).all()
+
+
+@pytest.mark.parametrize(
+  "kwargs,match",
+  [
+    (dict(drafter="mtp", num_draft=2, tree_nodes=4), "drafter 'mtp' does not branch"),
+    (dict(drafter="ngram", num_draft="auto", tree_nodes=4), "chains only"),
+    (dict(drafter="ngram", num_draft=4, tree_nodes=3), r"tree_nodes \(3\) must be >= num_draft \(4\)"),
+    (dict(drafter="ngram", num_draft=2, tree_nodes=0), "tree_nodes must be None"),
+    (dict(drafter="ngram", num_draft=2, tree_nodes=4, tree_policy="cheapest"), "tree_policy"),
+  ],
+)
+def test_tree_settings_are_checked(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    msj.SpecParams(**kwargs)
+
+
 def test_cpu_decode_kernels_decode_like_xla(two_module_model, plain_greedy):
   """On CPU the output head and the dense projections (packed) and the attention against the
   cache run on the C++ kernels by default (what plain_greedy ran); XLA's ops (head_kernel /

@@ -34,12 +34,15 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+from typing import ClassVar
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import moespec_jax as msj
+from moespec_jax.decoding import drafters, rejection
 from moespec_jax.decoding.sampling import filtered_logprobs
 from tests.decoding import exactness, recorded
 
@@ -296,3 +299,71 @@ def test_planted_loop_fault_is_caught(loop_check_results, fault):
   for key in PLANTED[fault]:
     assert not real[key].rejects, (key, real[key])
     assert planted[key].rejects, (key, planted[key])
+
+
+# Draft trees in the loop: three children of the pending token and two under each (depth 2, 9
+# nodes), every token drawn i.i.d. from one fixed q (SpecInfer's trees from a poor drafter).
+TREE_PARENTS = (-1, -1, -1, 0, 0, 1, 1, 2, 2)
+TREE_Q_LOGITS = np.random.default_rng(5).normal(size=VOCAB).astype(np.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class IidTreeDrafter(drafters.Drafter):
+  branches: ClassVar[bool] = True
+
+  def propose(self, model, state, k, keys_B, ls):
+    logq_V = jax.nn.log_softmax(jnp.asarray(TREE_Q_LOGITS))
+    n = len(TREE_PARENTS)
+    tokens_BN = jax.vmap(lambda key: jax.random.categorical(key, logq_V, shape=(n,)))(keys_B).astype(jnp.int32)
+    tree = drafters.DraftTree(
+      tokens_BN=tokens_BN,
+      parent_BN=jnp.broadcast_to(jnp.asarray(TREE_PARENTS, jnp.int32), tokens_BN.shape),
+      q_BNV=jnp.broadcast_to(jnp.exp(logq_V), (*tokens_BN.shape, VOCAB)),
+      valid_BN=jnp.ones(tokens_BN.shape, bool),
+    )
+    return tree, state.draft_state
+
+
+@dataclasses.dataclass(frozen=True)
+class FaultyIidTreeDrafter(IidTreeDrafter):
+  """The same drafter under another name: its program is compiled with the planted fault."""
+
+
+@pytest.fixture
+def tree_drafters(monkeypatch):
+  monkeypatch.setitem(drafters.REGISTRY, "iid_tree", IidTreeDrafter)
+  monkeypatch.setitem(drafters.REGISTRY, "iid_tree_faulty", FaultyIidTreeDrafter)
+
+
+def tree_tokens(model, setting: str, drafter: str) -> tuple[np.ndarray, dict]:
+  spec = msj.SpecParams(drafter=drafter, num_draft=2, tree_nodes=len(TREE_PARENTS))
+  out = msj.generate(
+    model, [PROMPT] * N_ROWS, max_new_tokens=MAX_NEW_TOKENS, sampling=SETTINGS[setting], spec=spec, seed=SEED
+  )
+  return np.where(out.tokens < 0, VOCAB, out.tokens)[:, :N_TOKENS], out.stats
+
+
+@pytest.mark.parametrize("name", list(SETTINGS))
+def test_tree_sampling_matches_the_target_distribution(stat_model, prefix_probs, tree_drafters, name):
+  """Whole generations verifying i.i.d. trees (rejection.verify_tree_sampled, the path moved
+  into place in the cache): the first four tokens' marginals and a pair, and each token's
+  conditional given those before it, against the target computed apart."""
+  tokens, stats = tree_tokens(stat_model, name, "iid_tree")
+  assert 0.05 < stats["acceptance_by_depth"][0] < 0.95, stats["acceptance_by_depth"]
+  p = pvalues(tokens, exact_joint(prefix_probs[name]))
+  conditional = conditional_checks(tokens, prefix_probs[name])
+  print(name, p, {key: check.describe() for key, check in conditional.items()})
+  assert min(p.values()) > 1e-3, p
+  assert not [key for key, check in conditional.items() if check.rejects], conditional
+
+
+def test_planted_tree_fault_is_caught(stat_model, prefix_probs, tree_drafters, monkeypatch):
+  """Siblings tried against the target's distribution instead of the running residual
+  (`update_residual=False`): the same checks reject it."""
+  faulty = functools.partial(rejection.verify_tree_sampled, update_residual=False)
+  monkeypatch.setattr(rejection, "verify_tree_sampled", faulty)
+  tokens, _ = tree_tokens(stat_model, "t1", "iid_tree_faulty")
+  p = pvalues(tokens, exact_joint(prefix_probs["t1"]))
+  conditional = conditional_checks(tokens, prefix_probs["t1"])
+  print("planted tree fault", p, {key: check.describe() for key, check in conditional.items()})
+  assert min(p.values()) < 1e-6 or conditional["t2 given t1"].rejects, (p, conditional)

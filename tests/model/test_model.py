@@ -433,3 +433,62 @@ def test_config_rejects_bad_values():
     ModelConfig(n_routed_experts=32, n_groups=3)
   with pytest.raises(ValueError, match="unknown fields"):
     ModelConfig.from_dict({"d_modle": 3})
+
+
+TREE_PARENTS = [-1, -1, 0, 0, 1, 2]  # the root (pending token) has nodes 0 and 1; 0 has 2 and 3; ...
+
+
+@pytest.mark.parametrize("change", [{}, MLA], ids=["gqa", "mla"])
+@pytest.mark.parametrize("batch", [1, 2])
+def test_a_tree_pass_gives_each_node_its_paths_logits_and_moving_the_path_continues_it(tiny_config, change, batch):
+  """A tree pass (ancestor mask, positions by depth, written at consecutive slots): every node's
+  logits are those of the full forward over the prompt and the node's path; once the cache has
+  moved an accepted path to consecutive slots (`KVCache.move_path`), the next pass continues it
+  as if the path had been the pass."""
+  import moespec_jax as msj  # pylint: disable=g-import-not-at-top
+  from moespec_jax.decoding import rejection  # pylint: disable=g-import-not-at-top
+
+  config = tiny_config.replace(**change)
+  module = msj.Model.init(config, seed=7).module()
+  rng = np.random.default_rng(2)
+  lengths = [5, 3][:batch]  # row 1: a shorter prompt (its own positions)
+  prompt = rng.integers(0, 256, size=(batch, 5)).astype(np.int32)
+  root = rng.integers(0, 256, size=(batch,)).astype(np.int32)
+  nodes = rng.integers(0, 256, size=(batch, len(TREE_PARENTS))).astype(np.int32)
+  parent_BN = jnp.broadcast_to(jnp.asarray(TREE_PARENTS), (batch, len(TREE_PARENTS)))
+  depth = np.asarray(rejection.node_depths(parent_BN))
+  cache = module.new_cache(batch, 20)
+  pre = module(jnp.asarray(prompt), None, cache, fresh_cache=True)
+  pos = np.asarray(lengths)
+  tree = module(
+    jnp.asarray(np.concatenate([root[:, None], nodes], axis=1)),
+    jnp.asarray(pos[:, None] + np.concatenate([np.zeros((batch, 1), int), depth], axis=1)),
+    pre.cache,
+    tree_mask_BTT=rejection.ancestor_mask(parent_BN),
+  )
+
+  def path_of(j):  # node j's path, root first
+    path = [j]
+    while TREE_PARENTS[path[-1]] >= 0:
+      path.append(TREE_PARENTS[path[-1]])
+    return path[::-1]
+
+  for b, n in enumerate(lengths):
+    # Every node's sequence in one causal forward, padded at the end: the logits at its last token.
+    seqs = [np.concatenate([prompt[b, :n], [root[b]], nodes[b, path_of(j)] if j >= 0 else []]) for j in range(-1, 6)]
+    padded = np.stack([np.pad(q, (0, 10 - len(q))) for q in seqs]).astype(np.int32)
+    ref = np.asarray(module(jnp.asarray(padded)).logits)[np.arange(len(seqs)), [len(q) - 1 for q in seqs]]
+    np.testing.assert_allclose(np.asarray(tree.logits)[b], ref, atol=2e-5, rtol=2e-5, err_msg=f"row {b}")
+  # Accept node 1 then its child 4: their entries move to the slots after the root.
+  source = np.asarray([1, 4, 2, 3, 4, 5])
+  moved = tree.cache.move_path(
+    jnp.asarray(pos + 1),
+    jnp.broadcast_to(jnp.asarray(source), (batch, len(source))),
+    key_major=config.attention_type != "mla",
+  )
+  nxt = rng.integers(0, 256, size=(batch, 1)).astype(np.int32)
+  out = module(jnp.asarray(nxt), jnp.asarray(pos[:, None] + 3), moved)
+  for b, n in enumerate(lengths):
+    seq = np.concatenate([prompt[b, :n], [root[b]], nodes[b, [1, 4]], nxt[b]]).astype(np.int32)
+    ref = np.asarray(module(jnp.asarray(seq[None])).logits)[0, -1]
+    np.testing.assert_allclose(np.asarray(out.logits)[b, 0], ref, atol=2e-5, rtol=2e-5)

@@ -102,7 +102,7 @@ class Verified:
   pos_B: jax.Array
   """int32 [B]: each row's pending token's position when the pass began."""
   positions_BS: jax.Array
-  """int32 [B, S]: the verified tokens' positions."""
+  """int32 [B, S]: the verified tokens' positions (a tree's: by depth)."""
   active_B: jax.Array
   """bool [B]: rows that were generating when the pass began."""
   experts_BS: jax.Array
@@ -111,14 +111,15 @@ class Verified:
   output: Any
   """The target's `ForwardOutput` over the verified tokens (logits, hidden states, routing, cache)."""
   accept_BN: jax.Array
-  """bool [B, N]: drafts accepted (only a leading run counts)."""
+  """bool [B, N]: drafts accepted (only a leading run counts); after a tree pass [B, D], per
+  depth of the accepted path (the tree itself: `tree`)."""
   n_accepted_B: jax.Array
   """int32 [B]: leading drafts accepted."""
   next_B: jax.Array
   """int32 [B]: the token after them: the residual sample at the first rejection, or the bonus."""
   candidates_BS: jax.Array
   """int32 [B, S]: [d_1..d_a, y, ...]: the accepted drafts then `next_B` (before the EOS and
-  max_new_tokens cut)."""
+  max_new_tokens cut); after a tree pass [B, D + 1], the accepted path's tokens."""
   shadow_valid_B: jax.Array | None = None
   """bool [B]: auto K on a plain pass: rows whose shadow draft counts as evidence."""
   shadow_accept_B: jax.Array | None = None
@@ -136,9 +137,12 @@ class Drafter:
     shadows: its proposals are cheap enough to check on plain passes (auto K's evidence at K = 0).
     per_depth: auto K reads its acceptance per draft depth (`auto_draft.depth_acceptance`).
     takes_reference: generate's `reference_tokens` are its input.
+    branches: it proposes draft trees (`SpecParams.tree_nodes`): `propose` then returns a tree of
+      `ls.tree_nodes` nodes of depth at most k.
   """
 
   drafts: ClassVar[bool] = True
+  branches: ClassVar[bool] = False
   shadows: ClassVar[bool] = False
   per_depth: ClassVar[bool] = False
   takes_reference: ClassVar[bool] = False
@@ -214,7 +218,9 @@ class Drafter:
   def propose(
     self, model: ProgramTarget, state: LoopState, k: int, keys_B: jax.Array, ls: LoopSpec
   ) -> tuple[DraftTree, Any]:
-    """Up to k drafts per row as a tree (k >= 1), and the drafter's state after drafting."""
+    """Up to k drafts per row as a chain (k >= 1), or with `ls.tree_nodes` (drafters that branch)
+    a tree of that many nodes and depth at most k; and the drafter's state after drafting. A
+    tree's nodes come after their parents, siblings in the order verification tries them."""
     raise NotImplementedError(f"{type(self).__name__} proposes no drafts")
 
   def update(self, model: ProgramTarget, draft_state: Any, verified: Verified, ls: LoopSpec) -> Any:

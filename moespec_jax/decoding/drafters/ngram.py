@@ -1,5 +1,6 @@
 """n-gram prompt lookup: drafts are the tokens that followed the longest earlier match of the
-context's suffix. No model; its state is the committed token sequence of each row."""
+context's suffix (with `SpecParams.tree_nodes`, the continuations of several matches as a tree).
+No model; its state is the committed token sequence of each row."""
 
 from __future__ import annotations
 
@@ -24,16 +25,9 @@ NGRAM_MAX = 8
 NGRAM_PREFER = 4
 
 
-def prompt_lookup(
-  seq_BS: jax.Array, n_B: jax.Array, num_draft: int, max_ngram: int = NGRAM_MAX
-) -> tuple[jax.Array, jax.Array]:
-  """Prompt lookup: the longest suffix (<= max_ngram) of seq[:n] that occurred earlier.
-
-  Matches of at least NGRAM_PREFER tokens rank equal, so that one followed by `num_draft`
-  known tokens wins over a longer one that is not (in a run of equal tokens the most recent
-  match has a single follower); then longer, then more recent. The tokens that followed the
-  match (up to `num_draft`, never past n) are the drafts. Returns (drafts_BK, valid_BK).
-  """
+def _match_scores(seq_BS: jax.Array, n_B: jax.Array, num_draft: int, max_ngram: int) -> jax.Array:
+  """int32 [B, S]: each earlier position's rank as the end of a match of seq[:n]'s suffix
+  (higher is better; -1: no match there). See `prompt_lookup`."""
   batch, s = seq_BS.shape
   idx_S = jnp.arange(s, dtype=jnp.int32)
   n_B1 = n_B[:, None]
@@ -54,12 +48,72 @@ def prompt_lookup(
   # match length; then recency.
   full_BS = (idx_S[None] + num_draft < n_B1).astype(jnp.int32)
   key_BS = (jnp.minimum(length_BS, NGRAM_PREFER) * 2 + full_BS) * (max_ngram + 1) + length_BS
-  score_BS = jnp.where(eligible_BS, key_BS * s + idx_S[None], -1)
+  return jnp.where(eligible_BS, key_BS * s + idx_S[None], -1)
+
+
+def prompt_lookup(
+  seq_BS: jax.Array, n_B: jax.Array, num_draft: int, max_ngram: int = NGRAM_MAX
+) -> tuple[jax.Array, jax.Array]:
+  """Prompt lookup: the longest suffix (<= max_ngram) of seq[:n] that occurred earlier.
+
+  Matches of at least NGRAM_PREFER tokens rank equal, so that one followed by `num_draft`
+  known tokens wins over a longer one that is not (in a run of equal tokens the most recent
+  match has a single follower); then longer, then more recent. The tokens that followed the
+  match (up to `num_draft`, never past n) are the drafts. Returns (drafts_BK, valid_BK).
+  """
+  s = seq_BS.shape[1]
+  n_B1 = n_B[:, None]
+  score_BS = _match_scores(seq_BS, n_B, num_draft, max_ngram)
   found_B1 = jnp.max(score_BS, axis=1, keepdims=True) >= 0
   follow_BK = sampling_lib.argmax(score_BS)[:, None] + 1 + jnp.arange(num_draft, dtype=jnp.int32)[None]
   drafts_BK = jnp.take_along_axis(seq_BS, jnp.clip(follow_BK, 0, s - 1), axis=1)
   valid_BK = found_B1 & (follow_BK < n_B1)
   return jnp.where(valid_BK, drafts_BK, 0).astype(jnp.int32), valid_BK
+
+
+def prompt_lookup_tree(
+  seq_BS: jax.Array, n_B: jax.Array, depth: int, n_nodes: int, max_ngram: int = NGRAM_MAX
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Prompt lookup as a tree: the continuations (up to `depth` tokens) of the best `n_nodes`
+  matches in `prompt_lookup`'s rank order, merged where they share a prefix, and the first
+  `n_nodes` distinct nodes taken match by match (the best match's whole continuation first).
+  Returns (tokens_BN, parent_BN, valid_BN): nodes after their parents, unused nodes invalid
+  (children of the root)."""
+  batch, s = seq_BS.shape
+  m = min(n_nodes, s)
+  score_BS = _match_scores(seq_BS, n_B, depth, max_ngram)
+  top_BM, at_BM = jax.lax.top_k(score_BS, m)
+  follow_BMD = at_BM[..., None] + 1 + jnp.arange(depth, dtype=jnp.int32)
+  tok_BMD = jnp.take_along_axis(seq_BS, jnp.clip(follow_BMD, 0, s - 1).reshape(batch, -1), axis=1).reshape(
+    follow_BMD.shape
+  )
+  known_BMD = (top_BM >= 0)[..., None] & (follow_BMD < n_B[:, None, None])
+  # same_BMMD[b, i, j, d]: continuations i and j agree on their first d + 1 tokens.
+  same_BMMD = jnp.cumprod((tok_BMD[:, :, None] == tok_BMD[:, None]).astype(jnp.int32), axis=-1).astype(jnp.bool_)
+  same_BMMD = same_BMMD & known_BMD[:, :, None] & known_BMD[:, None]
+  earlier_MM = jnp.arange(m)[None, :] < jnp.arange(m)[:, None]  # [i, j]: j before i
+  # Each candidate's canonical copy: the first continuation with the same prefix (itself if none).
+  canon_BMD = jnp.argmax(same_BMMD | (jnp.arange(m)[:, None] == jnp.arange(m)[None, :])[None, :, :, None], axis=2)
+  new_BMD = known_BMD & ~jnp.any(same_BMMD & earlier_MM[None, :, :, None], axis=2)
+  rank_BC = jnp.cumsum(new_BMD.reshape(batch, -1), axis=1) - 1  # match-major order
+  take_BC = new_BMD.reshape(batch, -1) & (rank_BC < n_nodes)
+  rank_BMD = rank_BC.reshape(new_BMD.shape)
+  # A node's parent: the canonical copy of its continuation's previous token (-1 at depth 1).
+  parent_canon_BMD = jnp.pad(canon_BMD[..., :-1], ((0, 0), (0, 0), (1, 0)))
+  flat_rank_BC = rank_BMD.reshape(batch, -1)
+  parent_flat_BMD = parent_canon_BMD * depth + jnp.maximum(jnp.arange(depth) - 1, 0)[None, None]
+  parent_rank_BMD = jnp.take_along_axis(flat_rank_BC, parent_flat_BMD.reshape(batch, -1), axis=1).reshape(new_BMD.shape)
+  parent_rank_BMD = jnp.where(jnp.arange(depth)[None, None] == 0, -1, parent_rank_BMD)
+  slot_BC = jnp.where(take_BC, rank_BC, n_nodes)
+  rows_B1 = jnp.arange(batch)[:, None]
+  tokens_BN = jnp.zeros((batch, n_nodes), jnp.int32).at[rows_B1, slot_BC].set(tok_BMD.reshape(batch, -1), mode="drop")
+  parent_BN = (
+    jnp.full((batch, n_nodes), -1, jnp.int32)
+    .at[rows_B1, slot_BC]
+    .set(parent_rank_BMD.reshape(batch, -1).astype(jnp.int32), mode="drop")
+  )
+  valid_BN = jnp.zeros((batch, n_nodes), jnp.bool_).at[rows_B1, slot_BC].set(True, mode="drop")
+  return tokens_BN, parent_BN, valid_BN
 
 
 @struct.dataclass(kw_only=True)
@@ -77,6 +131,7 @@ class NgramDrafter(Drafter):
 
   shadows: ClassVar[bool] = True
   per_depth: ClassVar[bool] = True
+  branches: ClassVar[bool] = True
 
   def start(
     self,
@@ -98,6 +153,9 @@ class NgramDrafter(Drafter):
   def propose(
     self, model: ProgramTarget, state: LoopState, k: int, keys_B: jax.Array, ls: LoopSpec
   ) -> tuple[DraftTree, NgramState]:
+    if ls.tree_nodes:  # several matches' continuations, merged; deterministic (one-hot q)
+      tokens_BN, parent_BN, valid_BN = prompt_lookup_tree(state.draft_state.seq_BS, state.pos_B + 1, k, ls.tree_nodes)
+      return DraftTree(tokens_BN=tokens_BN, parent_BN=parent_BN, q_BNV=None, valid_BN=valid_BN), state.draft_state
     drafts_BK, valid_BK = prompt_lookup(state.draft_state.seq_BS, state.pos_B + 1, k)
     # A draft that is certain: q is one-hot (accepted with probability p(draft)).
     q_BKV = None if ls.sampling.greedy else jax.nn.one_hot(drafts_BK, model.config.vocab_size, dtype=jnp.float32)
