@@ -169,7 +169,9 @@ def _prepare(
     raise ValueError(f"reference_tokens is used by {takers} only")
   # Room in the cache for a pass's drafts beyond the last position; auto K needs none: it
   # drafts only as far as the cache has room (`auto_segment`).
-  lookahead = 0 if auto else (spec.tree_nodes or k_draft)
+  # A tree pass writes its N nodes after the pending token; a drafter's levels (the MTP heads'
+  # frontiers, at most N + D slots) are written after its own stream.
+  lookahead = 0 if auto else ((spec.tree_nodes + k_draft) if spec.tree_nodes else k_draft)
   if longest + max_new_tokens + lookahead > config.max_seq_len:
     extra = f" + {'tree_nodes' if spec.tree_nodes else 'num_draft'} lookahead ({lookahead})" if lookahead else ""
     raise ValueError(

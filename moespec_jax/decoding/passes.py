@@ -157,10 +157,12 @@ def verify(
 def verify_tree(model: ProgramTarget, state: LoopState, tree: DraftTree, keys_B: jax.Array, ls: LoopSpec) -> Verified:
   """One target pass over each row's pending token and its draft tree (positions by depth, each
   token attending to the committed cache, itself and its ancestors: `Transformer.__call__`'s
-  `tree_mask_BTT`), the accepted path by `rejection.verify_tree_greedy` / `verify_tree_sampled`,
+  `tree`), the accepted path by `rejection.verify_tree_greedy` / `verify_tree_sampled`,
   and the path's cache entries moved to the consecutive slots after the pending token, so that
   the rest of the loop sees a chain: `accept_BN` per depth, `candidates_BS` the path's tokens
-  then the next one. A node under an invalid one is invalid (its context was not proposed)."""
+  then the next one, `positions_BS` and the output's hidden states the path's (its logits and
+  routing stay the tree's: every node's experts were read). A node under an invalid one is
+  invalid (its context was not proposed)."""
   config = model.config
   vocab, n, batch = config.vocab_size, tree.num_nodes, state.pos_B.shape[0]
   depth_max = ls.max_k
@@ -185,7 +187,7 @@ def verify_tree(model: ProgramTarget, state: LoopState, tree: DraftTree, keys_B:
       kernels=model.kernels,
       expert_budget=budget,
       valid_BT=experts_BS,
-      tree_mask_BTT=mask_BSS,
+      tree=cache_lib.TreeMask.over_pass(pos_B, mask_BSS),
     )
 
   vout = target_pass(ls.expert_budget)
@@ -215,13 +217,16 @@ def verify_tree(model: ProgramTarget, state: LoopState, tree: DraftTree, keys_B:
       exact_logits_BSV.reshape(-1, vocab), vout.logits.reshape(-1, vocab), (active_BS & on_path_BS).reshape(-1)
     )
     quality_3 = jnp.stack([agree, kl, count])
+  # The chain view for drafters: the path's hidden states and positions, root first.
+  path_index_BS = jnp.concatenate([jnp.zeros((batch, 1), jnp.int32), order_BN[:, :depth_max] + 1], axis=1)
+  path_hidden_BSD = jnp.take_along_axis(vout.hidden, path_index_BS[..., None], axis=1)
   return Verified(
     tree=tree,
     pos_B=pos_B,
-    positions_BS=positions_BS,
+    positions_BS=pos_B[:, None] + j_S[None],
     active_B=active_B,
     experts_BS=experts_BS,
-    output=vout.replace(cache=cache),
+    output=vout.replace(cache=cache, hidden=path_hidden_BSD),
     accept_BN=j_S[None, :depth_max] < n_acc_B[:, None],
     n_accepted_B=n_acc_B,
     next_B=next_B,

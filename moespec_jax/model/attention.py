@@ -85,7 +85,7 @@ class Attention(nnx.Module):
     kernels: Kernels = PLAIN,
     fresh_cache: bool = False,
     query_at_B: jax.Array | None = None,
-    tree_mask_BTT: jax.Array | None = None,
+    tree: cache_lib.TreeMask | None = None,
   ) -> tuple[jax.Array, LayerCache | None]:
     """Returns (out_BTD, (keys_NKS, values_NSK) or None), N = B * n_kv_heads (keys key-major:
     `cache.KVCache`).
@@ -96,10 +96,10 @@ class Attention(nnx.Module):
     the pass's own keys only (not to the empty entries). `query_at_B` [B]: queries (and the
     output, [B, 1, D]) at that one index per row only ([B, W]: at those W, [B, W, D]); every index
     still writes its keys/values. `kernels`: the policy (attention against the cache on the C++
-    kernel, the prefill included) and a `PackedAttention` or None. `tree_mask_BTT`: a tree pass
-    (`cache.visible_slots`; with a cache, on XLA's path: the C++ kernel takes position limits).
+    kernel, the prefill included) and a `PackedAttention` or None. `tree`: a tree pass
+    (`cache.TreeMask`; with a cache, on XLA's path: the C++ kernel takes position limits).
     """
-    if tree_mask_BTT is not None and (layer_cache is None or fresh_cache or query_at_B is not None):
+    if tree is not None and (layer_cache is None or fresh_cache or query_at_B is not None):
       raise ValueError("a tree pass needs a filled cache and every query (no fresh_cache, no query_at_B)")
     cos, sin = rope
     q_BTHK, k_BTGK, v_BTGK = self._project(x_BTD, kernels)
@@ -114,15 +114,16 @@ class Attention(nnx.Module):
     g, r, k = self.n_kv_heads, self.n_heads // self.n_kv_heads, self.head_dim
     scale = 1.0 / jnp.sqrt(jnp.float32(k))
     q_NQK = q_BTHK.reshape(b, t, g, r, k).transpose(0, 2, 1, 3, 4).reshape(b * g, t * r, k)
+    write_B = positions_BT[:, 0] if tree is None else tree.write_B
     new_cache = (
       None
       if layer_cache is None
       else (
-        cache_lib.write_positions(layer_cache[0], k_BTGK, positions_BT[:, 0], key_major=True),
-        cache_lib.write_positions(layer_cache[1], v_BTGK, positions_BT[:, 0]),
+        cache_lib.write_positions(layer_cache[0], k_BTGK, write_B, key_major=True),
+        cache_lib.write_positions(layer_cache[1], v_BTGK, write_B),
       )
     )
-    if new_cache is not None and kernels.policy.attention == "cpu" and tree_mask_BTT is None:
+    if new_cache is not None and kernels.policy.attention == "cpu" and tree is None:
       # Prefills too: the kernel scores each block of about 32 positions' queries against the
       # keys up to the block's last position only, so it skips most masked pairs and never reads
       # empty entries.
@@ -137,7 +138,7 @@ class Attention(nnx.Module):
       visible_BTS = key_pos_BS[:, None, :] <= query_positions_BT[:, :, None]
     else:
       keys_NKS, values_NSK = new_cache
-      visible_BTS = cache_lib.visible_slots(keys_NKS.shape[2], query_positions_BT, tree_mask_BTT, positions_BT[:, 0])
+      visible_BTS = cache_lib.visible_slots(keys_NKS.shape[2], query_positions_BT, tree)
       scores_NQS = jnp.einsum("nqk,nks->nqs", q_NQK, keys_NKS)
     visible_BQS = jnp.repeat(visible_BTS, r, axis=1)
     scores_BGQS = scores_NQS.astype(jnp.float32).reshape(b, g, t * r, -1)

@@ -12,7 +12,7 @@ from jax.typing import DTypeLike
 from moespec_jax.config import ModelConfig
 from moespec_jax.model.attention import Attention
 from moespec_jax.model.budget import ExpertBudget
-from moespec_jax.model.cache import LayerCache
+from moespec_jax.model.cache import LayerCache, TreeMask
 from moespec_jax.model.kernels import PLAIN, Kernels
 from moespec_jax.model.layers import RMSNorm, RopeTables, SwiGLU, at_index
 from moespec_jax.model.mla import MLAttention
@@ -46,13 +46,12 @@ class Block(nnx.Module):
     valid_BT: jax.Array | None = None,
     fresh_cache: bool = False,
     output_at_B: jax.Array | None = None,
-    tree_mask_BTT: jax.Array | None = None,
+    tree: TreeMask | None = None,
   ) -> tuple[jax.Array, LayerCache | None, LayerRouting | None]:
     """Returns (output, new layer cache, routing). `output_at_B`: the block's output at that one
     index per row only, [B, 1, D] (a caller that reads it there only; [B, W]: at those W indices,
     [B, W, D]): attention's queries and the FFN run there only, while every index writes its cache
-    entries. `kernels`: the policy and a `PackedBlock` or None. `tree_mask_BTT`: a tree pass's
-    visibility among its own tokens (`Attention.__call__`)."""
+    entries. `kernels`: the policy and a `PackedBlock` or None. `tree`: a tree pass (`cache.TreeMask`)."""
     attn_out, new_cache = self.attn(
       self.attn_norm(x_BTD, kernels),
       positions_BT,
@@ -61,7 +60,7 @@ class Block(nnx.Module):
       kernels=kernels.child("attn"),
       fresh_cache=fresh_cache,
       query_at_B=output_at_B,
-      tree_mask_BTT=tree_mask_BTT,
+      tree=tree,
     )
     if output_at_B is not None:
       x_BTD = at_index(x_BTD, output_at_B)

@@ -93,23 +93,38 @@ def write_positions(cache: jax.Array, new_BTHD: jax.Array, start_B: jax.Array, *
   return jax.vmap(lambda c, n, s: jax.lax.dynamic_update_slice_in_dim(c, n, s, axis=axis - 1))(cache, new, start_N)
 
 
-def visible_slots(
-  n_slots: int, query_positions_BT: jax.Array, tree_mask_BTT: jax.Array | None = None, start_B: jax.Array | None = None
-) -> jax.Array:
-  """bool [B, T, S]: the cache slots each of a pass's queries reads.
+@struct.dataclass
+class TreeMask:
+  """A tree pass's attention: its T entries are written at slots write_B.. (consecutive) while
+  its positions (RoPE) go by depth, and each query reads every slot before `base_B` and the slots
+  of the window [base, base + M) that `mask_BTM` marks (itself and its ancestors). The target's
+  tree pass: base = write = the pending token's slot, the mask over the pass itself; a drafter's
+  frontier pass: the window holds the tree's earlier levels too."""
 
-  A chain pass (slot = position): slots up to the query's own position. A tree pass
-  (`tree_mask_BTT`: which of the pass's own tokens each query sees, itself and its ancestors),
-  written at slots start..start + T - 1 while its positions go by depth: every slot before
-  `start_B`, and the pass's own slots that the mask allows."""
+  base_B: jax.Array
+  """int32 [B]: the window's first slot."""
+  write_B: jax.Array
+  """int32 [B]: the slot of the pass's first entry (within the window)."""
+  mask_BTM: jax.Array
+  """bool [B, T, M]: the window slots each query reads."""
+
+  @classmethod
+  def over_pass(cls, start_B: jax.Array, mask_BTT: jax.Array) -> TreeMask:
+    """A pass that is the whole tree, written from `start_B`, visible as `mask_BTT` says."""
+    return cls(base_B=start_B, write_B=start_B, mask_BTM=mask_BTT)
+
+
+def visible_slots(n_slots: int, query_positions_BT: jax.Array, tree: TreeMask | None = None) -> jax.Array:
+  """bool [B, T, S]: the cache slots each of a pass's queries reads: a chain pass (slot = position)
+  the slots up to the query's own position; a tree pass as its `TreeMask` says."""
   slot_S = jnp.arange(n_slots, dtype=jnp.int32)
-  if tree_mask_BTT is None:
+  if tree is None:
     return slot_S[None, None] <= query_positions_BT[:, :, None]
-  t = tree_mask_BTT.shape[2]
-  rel_BS = slot_S[None] - start_B[:, None]
-  index_BTS = jnp.broadcast_to(jnp.clip(rel_BS, 0, t - 1)[:, None], (*tree_mask_BTT.shape[:2], n_slots))
-  in_pass_BTS = jnp.take_along_axis(tree_mask_BTT, index_BTS, axis=2) & ((rel_BS >= 0) & (rel_BS < t))[:, None]
-  return (rel_BS < 0)[:, None] | in_pass_BTS
+  m = tree.mask_BTM.shape[2]
+  rel_BS = slot_S[None] - tree.base_B[:, None]
+  index_BTS = jnp.broadcast_to(jnp.clip(rel_BS, 0, m - 1)[:, None], (*tree.mask_BTM.shape[:2], n_slots))
+  in_window_BTS = jnp.take_along_axis(tree.mask_BTM, index_BTS, axis=2) & ((rel_BS >= 0) & (rel_BS < m))[:, None]
+  return (rel_BS < 0)[:, None] | in_window_BTS
 
 
 def move_window(

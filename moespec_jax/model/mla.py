@@ -181,7 +181,7 @@ class MLAttention(nnx.Module):
     kernels: Kernels = PLAIN,
     fresh_cache: bool = False,
     query_at_B: jax.Array | None = None,
-    tree_mask_BTT: jax.Array | None = None,
+    tree: cache_lib.TreeMask | None = None,
   ) -> tuple[jax.Array, LayerCache | None]:
     """Returns (out_BTD, (latent_BSC, rope_key_BSR) or None); `rope`: `mla.rope_tables`.
 
@@ -190,10 +190,10 @@ class MLAttention(nnx.Module):
     only to the pass's own entries. `query_at_B` [B]: queries (and the output, [B, 1, D]) at that
     one index per row only ([B, W]: at those W); every index still writes its cache entries.
     `kernels`: the policy (passes against the compressed cache on the C++ kernel; prefills into a
-    fresh cache keep XLA's products) and a `PackedMLA` or None. `tree_mask_BTT`: a tree pass
-    (`cache.visible_slots`), on XLA's path.
+    fresh cache keep XLA's products) and a `PackedMLA` or None. `tree`: a tree pass
+    (`cache.TreeMask`), on XLA's path, reading the updated cache at every batch size.
     """
-    if tree_mask_BTT is not None and (layer_cache is None or fresh_cache or query_at_B is not None):
+    if tree is not None and (layer_cache is None or fresh_cache or query_at_B is not None):
       raise ValueError("a tree pass needs a filled cache and every query (no fresh_cache, no query_at_B)")
     cfg = self.config
     n = cfg.qk_nope_head_dim
@@ -209,7 +209,8 @@ class MLAttention(nnx.Module):
       None
       if layer_cache is None
       else tuple(
-        cache_lib.write_positions(c, new, positions_BT[:, 0]) for c, new in zip(layer_cache, (latent_BTGC, k_rope_BTGR))
+        cache_lib.write_positions(c, new, positions_BT[:, 0] if tree is None else tree.write_B)
+        for c, new in zip(layer_cache, (latent_BTGC, k_rope_BTGR))
       )
     )
     scale = jnp.float32(softmax_scale(cfg))
@@ -220,13 +221,11 @@ class MLAttention(nnx.Module):
         at_index(a, query_at_B) for a in (q_nope_BTHN, q_rope_BTHR, positions_BT)
       )
     own_visible_BTT = positions_BT[:, None, :] <= query_positions_BT[:, :, None]
-    if tree_mask_BTT is not None:
-      own_visible_BTT = tree_mask_BTT
     if new_cache is None or fresh_cache:
       out_BTHV = self._own_attention(q_nope_BTHN, q_rope_BTHR, latent_BTC, k_rope_BTR, own_visible_BTT, scale)
       return self._output(out_BTHV, packed), new_cache
     q_lat_BTHC = self._absorb_queries(q_nope_BTHN, packed)
-    if kernels.policy.attention == "cpu" and tree_mask_BTT is None:
+    if kernels.policy.attention == "cpu" and tree is None:
       # Query rows t-major (token, then head); each sees the updated cache up to its own position.
       b, t, h = q_lat_BTHC.shape[:3]
       latent_BSC, k_rope_BSR = new_cache
@@ -250,9 +249,9 @@ class MLAttention(nnx.Module):
     # XLA:CPU's speed for p.c depends on the operand order (the same contraction): the latent
     # first was much faster for one query and no slower for several
     # (docs/findings/2026-12-01-mla-latent-vs-expanded.md).
-    if x_BTD.shape[0] > 1:  # the updated cache (positions <= each query's own)
+    if x_BTD.shape[0] > 1 or tree is not None:  # the updated cache (positions <= each query's own)
       latent_BSC, k_rope_BSR = new_cache
-      visible_BTS = cache_lib.visible_slots(latent_BSC.shape[1], query_positions_BT, tree_mask_BTT, positions_BT[:, 0])
+      visible_BTS = cache_lib.visible_slots(latent_BSC.shape[1], query_positions_BT, tree)
       probs_BHTS = jax.nn.softmax(scores(latent_BSC, k_rope_BSR, visible_BTS), axis=-1)
       out_lat_BTHC = jnp.einsum("bsc,bhts->bthc", latent_BSC, probs_BHTS.astype(latent_BSC.dtype))
     else:

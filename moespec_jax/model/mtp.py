@@ -47,7 +47,7 @@ from jax.typing import DTypeLike
 
 from moespec_jax.config import ModelConfig
 from moespec_jax.model.block import Block
-from moespec_jax.model.cache import KVCache, LayerCache
+from moespec_jax.model.cache import KVCache, LayerCache, TreeMask
 from moespec_jax.model.kernels import PLAIN, Kernels, packed_product, use_packed
 from moespec_jax.model.layers import RMSNorm, RopeTables, at_index, fan_in_init
 from moespec_jax.model.moe import LayerRouting
@@ -113,10 +113,11 @@ class MTPModule(nnx.Module):
     valid_BT: jax.Array | None = None,
     fresh_cache: bool = False,
     output_at_B: jax.Array | None = None,
+    tree: TreeMask | None = None,
   ) -> tuple[jax.Array, LayerCache | None, LayerRouting | None]:
     """Returns (h_BTD, new layer cache, routing). Tokens outside `valid_BT` read no routed expert
     (see `Transformer.__call__`); `output_at_B`: see `Block.__call__`. `kernels`: the policy and a
-    `PackedMTP` or None."""
+    `PackedMTP` or None. `tree`: a draft tree's level over the module's own cache (`TreeMask`)."""
     x_BTC = jnp.concatenate([self.hidden_norm(hidden_BTD, kernels), self.embed_norm(next_emb_BTD, kernels)], axis=-1)
     packed = kernels.dense
     if packed is not None and use_packed(packed.proj_NDC, x_BTC):
@@ -132,6 +133,7 @@ class MTPModule(nnx.Module):
       valid_BT=valid_BT,
       fresh_cache=fresh_cache,
       output_at_B=output_at_B,
+      tree=tree,
     )
 
 
@@ -159,11 +161,13 @@ def run_module(
   valid_BT: jax.Array | None = None,
   fresh_cache: bool = False,
   output_at_B: jax.Array | None = None,
+  tree: TreeMask | None = None,
 ) -> tuple[jax.Array, jax.Array | None, KVCache | None]:
   """Module `m` (0-based) over T tokens; returns (h_BTD, logits_BTV or None, new cache or None).
   Tokens outside `valid_BT` (default: none) read no routed expert: their outputs are not used.
   `output_at_B`: the output only at that index per row, [B, 1, ...] (`Block.__call__`). `kernels`:
-  the model's (`Transformer.__call__`); the module gets its part."""
+  the model's (`Transformer.__call__`); the module gets its part. `tree`: the T tokens are a level
+  of a draft tree (`cache.TreeMask`)."""
   emb_BTD = jnp.take(model.embed_VD[...], next_tokens_BT, axis=0)
   rope = model.rope(positions_BT, kernels)
   layer_cache = None if cache is None else (cache.keys[m], cache.values[m])
@@ -178,6 +182,7 @@ def run_module(
     valid_BT=valid_BT,
     fresh_cache=fresh_cache,
     output_at_B=output_at_B,
+    tree=tree,
   )
   logits_BTV = None
   if compute_logits:

@@ -10,7 +10,7 @@ from moespec_jax.config import ModelConfig
 from moespec_jax.model import mla
 from moespec_jax.model.block import Block
 from moespec_jax.model.budget import ExpertBudget
-from moespec_jax.model.cache import KVCache
+from moespec_jax.model.cache import KVCache, TreeMask
 from moespec_jax.model.kernels import PLAIN, Kernels
 from moespec_jax.model.layers import RMSNorm, RopeTables, fan_in_init, rope_tables
 from moespec_jax.model.mtp import MTPModule
@@ -90,7 +90,7 @@ class Transformer(nnx.Module):
     compute_logits: bool = True,
     fresh_cache: bool = False,
     hidden_at_B: jax.Array | None = None,
-    tree_mask_BTT: jax.Array | None = None,
+    tree: TreeMask | None = None,
   ) -> ForwardOutput:
     """One pass over `tokens_BT` at `positions_BT` (default 0..T-1 for every row).
 
@@ -113,11 +113,11 @@ class Transformer(nnx.Module):
     indices only, not over the pass's tokens (ValueError).
     `kernels`: the program's kernel policy and packed weights (a `PackedWeights` or None; each block
     gets its part); the default runs XLA's ops with the config's expert method.
-    `tree_mask_BTT` (with a filled cache): a tree pass. Its T tokens are written at consecutive
-    slots from `positions_BT[:, 0]` (the root's position) while `positions_BT` give each token its
-    depth's position (RoPE); a token attends to every slot before the root's and to the pass's
-    tokens the mask allows (itself and its ancestors: `rejection.ancestor_mask`). After
-    verification `KVCache.move_path` moves the accepted path's entries to consecutive slots.
+    `tree` (with a filled cache): a tree pass (`cache.TreeMask`). Its T tokens are written at
+    consecutive slots while `positions_BT` give each token its depth's position (RoPE); a token
+    attends to every slot before the tree's and to those of the tree the mask allows (itself and
+    its ancestors: `rejection.ancestor_mask`). After verification `KVCache.move_path` moves the
+    accepted path's entries to consecutive slots.
     """
     if hidden_at_B is not None and expert_budget is not None:
       raise ValueError(
@@ -142,7 +142,7 @@ class Transformer(nnx.Module):
         valid_BT=valid_BT,
         fresh_cache=fresh_cache,
         output_at_B=hidden_at_B if i == last else None,
-        tree_mask_BTT=tree_mask_BTT,
+        tree=tree,
       )
       if layer_new is not None:
         new_keys.append(layer_new[0])

@@ -73,6 +73,33 @@ def test_greedy_tree_tokens_equal_plain_greedy(two_module_model, plain_greedy, d
   assert out.stats["mean_accepted_length"] > 1.0  # the repetitive prompts make some paths right
 
 
+@pytest.mark.parametrize("depth,nodes", [(1, 3), (2, 5), (4, 8)])
+def test_greedy_mtp_tree_tokens_equal_plain_greedy(mtp_model, depth, nodes):
+  """The MTP heads' trees (their likeliest paths, each level one module call over the frontier
+  with a tree mask over the heads' cache): plain greedy decoding's tokens on a ragged batch."""
+  plain = msj.generate(mtp_model, RAGGED + REPEATS, max_new_tokens=20)
+  spec = msj.SpecParams(drafter="mtp", num_draft=depth, tree_nodes=nodes)
+  out = msj.generate(mtp_model, RAGGED + REPEATS, max_new_tokens=20, spec=spec)
+  np.testing.assert_array_equal(out.tokens, plain.tokens)
+  assert len(out.stats["acceptance_by_depth"]) == depth
+
+
+def test_an_mtp_tree_of_one_node_a_level_is_the_chain(mtp_model):
+  """N = D keeps one path (W = 1): the greedy chain's drafts, so the same acceptance pass by pass."""
+  chain = msj.generate(mtp_model, RAGGED, max_new_tokens=16, spec=msj.SpecParams(drafter="mtp", num_draft=3))
+  tree = msj.generate(
+    mtp_model, RAGGED, max_new_tokens=16, spec=msj.SpecParams(drafter="mtp", num_draft=3, tree_nodes=3)
+  )
+  np.testing.assert_array_equal(tree.tokens, chain.tokens)
+  for key in ("verify_passes", "acceptance_by_depth", "mean_accepted_length"):
+    np.testing.assert_allclose(tree.stats[key], chain.stats[key], err_msg=key)
+
+
+def test_mtp_trees_need_one_module(two_module_model):
+  with pytest.raises(ValueError, match="one MTP module at every depth"):
+    msj.generate(two_module_model, [[1, 2, 3]], spec=msj.SpecParams(drafter="mtp", num_draft=2, tree_nodes=4))
+
+
 def test_trees_keep_eos_max_new_tokens_and_the_budgeted_mode(tiny_model):
   """A tree pass cuts at EOS and at max_new_tokens inside its accepted path like a chain, and the
   budgeted (APPROXIMATE) mode runs over trees, each row's tokens those of the budgeted chain."""
@@ -95,7 +122,7 @@ def test_trees_keep_eos_max_new_tokens_and_the_budgeted_mode(tiny_model):
 @pytest.mark.parametrize(
   "kwargs,match",
   [
-    (dict(drafter="mtp", num_draft=2, tree_nodes=4), "drafter 'mtp' does not branch"),
+    (dict(drafter="none", num_draft=2, tree_nodes=4), "drafter 'none' does not branch"),
     (dict(drafter="ngram", num_draft="auto", tree_nodes=4), "chains only"),
     (dict(drafter="ngram", num_draft=4, tree_nodes=3), r"tree_nodes \(3\) must be >= num_draft \(4\)"),
     (dict(drafter="ngram", num_draft=2, tree_nodes=0), "tree_nodes must be None"),

@@ -336,19 +336,23 @@ def tree_drafters(monkeypatch):
 
 
 def tree_tokens(model, setting: str, drafter: str) -> tuple[np.ndarray, dict]:
-  spec = msj.SpecParams(drafter=drafter, num_draft=2, tree_nodes=len(TREE_PARENTS))
+  """The first N_TOKENS tokens (symbol V after EOS) of N_ROWS rows decoded with depth-2 trees: the
+  test drafter's, or the MTP heads' likeliest six paths (deterministic children)."""
+  spec = msj.SpecParams(drafter=drafter, num_draft=2, tree_nodes=6 if drafter == "mtp" else len(TREE_PARENTS))
   out = msj.generate(
     model, [PROMPT] * N_ROWS, max_new_tokens=MAX_NEW_TOKENS, sampling=SETTINGS[setting], spec=spec, seed=SEED
   )
   return np.where(out.tokens < 0, VOCAB, out.tokens)[:, :N_TOKENS], out.stats
 
 
+@pytest.mark.parametrize("drafter", ["iid_tree", "mtp"])
 @pytest.mark.parametrize("name", list(SETTINGS))
-def test_tree_sampling_matches_the_target_distribution(stat_model, prefix_probs, tree_drafters, name):
-  """Whole generations verifying i.i.d. trees (rejection.verify_tree_sampled, the path moved
-  into place in the cache): the first four tokens' marginals and a pair, and each token's
-  conditional given those before it, against the target computed apart."""
-  tokens, stats = tree_tokens(stat_model, name, "iid_tree")
+def test_tree_sampling_matches_the_target_distribution(stat_model, prefix_probs, tree_drafters, name, drafter):
+  """Whole generations verifying draft trees (rejection.verify_tree_sampled, the path moved into
+  place in the cache; i.i.d. children with their q, or the MTP heads' deterministic children):
+  the first four tokens' marginals and a pair, and each token's conditional given those before
+  it, against the target computed apart."""
+  tokens, stats = tree_tokens(stat_model, name, drafter)
   assert 0.05 < stats["acceptance_by_depth"][0] < 0.95, stats["acceptance_by_depth"]
   p = pvalues(tokens, exact_joint(prefix_probs[name]))
   conditional = conditional_checks(tokens, prefix_probs[name])

@@ -11,6 +11,7 @@ from moespec_jax.config import ModelConfig
 from moespec_jax.model import PLAIN, Kernels, Transformer
 from moespec_jax.model import attention as attention_lib
 from moespec_jax.model.budget import ExpertBudget
+from moespec_jax.model.cache import TreeMask
 from moespec_jax.model.kernels import PackedSwiGLU
 from moespec_jax.model.moe import masked_to_read_experts, route
 from pallas_kernels.policy import KernelPolicy
@@ -464,7 +465,7 @@ def test_a_tree_pass_gives_each_node_its_paths_logits_and_moving_the_path_contin
     jnp.asarray(np.concatenate([root[:, None], nodes], axis=1)),
     jnp.asarray(pos[:, None] + np.concatenate([np.zeros((batch, 1), int), depth], axis=1)),
     pre.cache,
-    tree_mask_BTT=rejection.ancestor_mask(parent_BN),
+    tree=TreeMask.over_pass(jnp.asarray(pos), rejection.ancestor_mask(parent_BN)),
   )
 
   def path_of(j):  # node j's path, root first
@@ -492,3 +493,33 @@ def test_a_tree_pass_gives_each_node_its_paths_logits_and_moving_the_path_contin
     seq = np.concatenate([prompt[b, :n], [root[b]], nodes[b, [1, 4]], nxt[b]]).astype(np.int32)
     ref = np.asarray(module(jnp.asarray(seq[None])).logits)[0, -1]
     np.testing.assert_allclose(np.asarray(out.logits)[b, 0], ref, atol=2e-5, rtol=2e-5)
+
+
+def test_a_tree_level_reads_the_earlier_levels_its_window_marks(tiny_config):
+  """A drafter's tree built level by level (`TreeMask` with a window beyond the pass): level 2's
+  nodes, written after level 1's slots, see the committed cache, their level-1 parent and
+  themselves, and get the logits of the full forward over the prompt and their path."""
+  import moespec_jax as msj  # pylint: disable=g-import-not-at-top
+
+  module = msj.Model.init(tiny_config, seed=8).module()
+  rng = np.random.default_rng(4)
+  prompt = rng.integers(0, 256, size=(2, 6)).astype(np.int32)
+  level1 = rng.integers(0, 256, size=(2, 3)).astype(np.int32)  # three children of the prompt's end
+  level2 = rng.integers(0, 256, size=(2, 3)).astype(np.int32)  # under level-1 nodes 2, 0, 2
+  parents = np.asarray([2, 0, 2])
+  pre = module(jnp.asarray(prompt), None, module.new_cache(2, 24), fresh_cache=True)
+  base = jnp.full((2,), 6, jnp.int32)
+  window = 6
+  mask1 = np.zeros((2, 3, window), bool)
+  mask1[:, np.arange(3), np.arange(3)] = True
+  out1 = module(
+    jnp.asarray(level1), jnp.full((2, 3), 6, jnp.int32), pre.cache, tree=TreeMask(base, base, jnp.asarray(mask1))
+  )
+  mask2 = mask1[:, parents] | np.eye(3, window, 3, dtype=bool)[None]
+  out2 = module(
+    jnp.asarray(level2), jnp.full((2, 3), 7, jnp.int32), out1.cache, tree=TreeMask(base, base + 3, jnp.asarray(mask2))
+  )
+  for i in range(3):
+    seq = np.concatenate([prompt, level1[:, parents[i] : parents[i] + 1], level2[:, i : i + 1]], axis=1)
+    ref = np.asarray(module(jnp.asarray(seq)).logits)[:, -1]
+    np.testing.assert_allclose(np.asarray(out2.logits)[:, i], ref, atol=2e-5, rtol=2e-5)

@@ -102,7 +102,8 @@ class Verified:
   pos_B: jax.Array
   """int32 [B]: each row's pending token's position when the pass began."""
   positions_BS: jax.Array
-  """int32 [B, S]: the verified tokens' positions (a tree's: by depth)."""
+  """int32 [B, S]: the verified tokens' positions (after a tree pass: the accepted path's, as a
+  chain's, and `output.hidden` the path's too; `output.logits` and `routing` stay the tree's)."""
   active_B: jax.Array
   """bool [B]: rows that were generating when the pass began."""
   experts_BS: jax.Array

@@ -5,7 +5,7 @@ every verification pass (the accepted positions only)."""
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +17,7 @@ from moespec_jax.decoding.drafters.base import Drafter, DraftSpec, DraftTree, Ve
 from moespec_jax.decoding.sampling_params import SamplingParams
 from moespec_jax.decoding.state import LoopSpec, LoopState, ProgramTarget
 from moespec_jax.model import mtp as mtp_lib
-from moespec_jax.model.cache import KVCache
+from moespec_jax.model.cache import KVCache, TreeMask
 from moespec_jax.model.kernels import Kernels
 from moespec_jax.model.layers import at_index
 
@@ -97,6 +97,96 @@ def mtp_propose(
   return jnp.stack(drafts, axis=1), q_BKV, cache
 
 
+def tree_width(n_nodes: int, depth: int) -> int:
+  """The frontier a draft tree keeps per level: ceil(N / D) (a chain when N = D)."""
+  return -(-n_nodes // depth)
+
+
+def mtp_propose_tree(
+  model: ProgramTarget,
+  cache: KVCache,
+  h1_BD: jax.Array,
+  logits1_BV: jax.Array,
+  index_B: jax.Array,
+  depth: int,
+  n_nodes: int,
+  sampling: SamplingParams,
+  *,
+  kernels: Kernels,
+  active_B: jax.Array | None = None,
+) -> tuple[DraftTree, KVCache]:
+  """A draft tree of `n_nodes` nodes and depth <= `depth` from one MTP module, chosen by the
+  drafter's path probability (EAGLE-2's expansion): each level keeps the W = ceil(N / D) likeliest
+  paths as its frontier; the module runs over the whole frontier in one call, each node at its
+  depth's position and attending to the committed stream, its ancestors and itself (its tree slots
+  after the stream: `TreeMask`), and proposes each frontier node's W likeliest children; the N
+  likeliest paths among all candidates are the tree (a node's parent is likelier than it, so the
+  tree is closed under parents). Children are deterministic (verified with one-hot q: exact).
+  Under sampling the probabilities are the filtered ones the drafter would sample from."""
+  batch = h1_BD.shape[0]
+  width = tree_width(n_nodes, depth)
+  window = max(1, (depth - 1) * width)
+
+  def logq(logits_XV: jax.Array) -> jax.Array:
+    if sampling.greedy:
+      return jax.nn.log_softmax(logits_XV.astype(jnp.float32), axis=-1)
+    return sampling_lib.filtered_logprobs(logits_XV, sampling)
+
+  score_BW, tok_BW = jax.lax.top_k(logq(logits1_BV), width)
+  cand_tok, cand_score = [tok_BW], [score_BW]
+  cand_parent = [jnp.full((batch, width), -1, jnp.int32)]
+  frontier_id_BW = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (batch, width))
+  frontier_tok_BW, frontier_score_BW = tok_BW, score_BW
+  hidden_BWD = jnp.broadcast_to(h1_BD[:, None], (batch, width, h1_BD.shape[-1]))
+  mask_BWM = jnp.broadcast_to(jnp.eye(width, window, dtype=jnp.bool_), (batch, width, window))
+  n_cands = width
+  for d in range(2, depth + 1):
+    level_valid_BW = None if active_B is None else jnp.broadcast_to(active_B[:, None], (batch, width))
+    h_BWD, logits_BWV, cache = mtp_lib.run_module(
+      model,
+      0,
+      hidden_BWD,
+      frontier_tok_BW,
+      jnp.broadcast_to((index_B + d - 1)[:, None], (batch, width)),
+      cache,
+      kernels=kernels,
+      valid_BT=level_valid_BW,
+      tree=TreeMask(base_B=index_B + 1, write_B=index_B + 1 + (d - 2) * width, mask_BTM=mask_BWM),
+    )
+    child_score_BWC, child_tok_BWC = jax.lax.top_k(logq(logits_BWV.reshape(batch * width, -1)), width)
+    child_score_BX = (frontier_score_BW[:, :, None] + child_score_BWC.reshape(batch, width, width)).reshape(batch, -1)
+    child_tok_BX = child_tok_BWC.reshape(batch, -1)
+    from_BX = jnp.repeat(jnp.arange(width, dtype=jnp.int32), width)[None]  # the frontier node each follows
+    cand_tok.append(child_tok_BX)
+    cand_score.append(child_score_BX)
+    cand_parent.append(jnp.take_along_axis(frontier_id_BW, jnp.broadcast_to(from_BX, child_tok_BX.shape), axis=1))
+    if d < depth:  # the next frontier: the likeliest children, their hidden states and masks
+      frontier_score_BW, pick_BW = jax.lax.top_k(child_score_BX, width)
+      parent_BW = pick_BW // width
+      frontier_tok_BW = jnp.take_along_axis(child_tok_BX, pick_BW, axis=1)
+      frontier_id_BW = n_cands + pick_BW
+      hidden_BWD = jnp.take_along_axis(h_BWD, parent_BW[..., None], axis=1)
+      own_BWM = jax.nn.one_hot((d - 1) * width + jnp.arange(width), window, dtype=jnp.bool_)[None]
+      mask_BWM = jnp.take_along_axis(mask_BWM, parent_BW[..., None], axis=1) | own_BWM
+    n_cands += width * width
+  tok_BX, score_BX, parent_BX = (jnp.concatenate(x, axis=1) for x in (cand_tok, cand_score, cand_parent))
+  # The N likeliest candidates (ties: the lower index, an ancestor before its descendants), in
+  # candidate order: parents come first.
+  _, chosen_BN = jax.lax.top_k(score_BX, n_nodes)
+  chosen_BN = jnp.sort(chosen_BN, axis=1)
+  parent_id_BN = jnp.take_along_axis(parent_BX, chosen_BN, axis=1)
+  # A parent's node index: its place among the chosen (-1: the root).
+  is_parent_BNN = chosen_BN[:, None, :] == parent_id_BN[:, :, None]
+  parent_BN = jnp.where(parent_id_BN < 0, -1, jnp.argmax(is_parent_BNN, axis=2)).astype(jnp.int32)
+  tree = DraftTree(
+    tokens_BN=jnp.take_along_axis(tok_BX, chosen_BN, axis=1).astype(jnp.int32),
+    parent_BN=parent_BN,
+    q_BNV=None,
+    valid_BN=jnp.ones((batch, n_nodes), jnp.bool_),
+  )
+  return tree, cache
+
+
 @struct.dataclass(kw_only=True)
 class MtpState:
   cache: KVCache
@@ -124,6 +214,8 @@ class MtpDrafter(Drafter):
 
   prompt_window: int = 0
 
+  branches: ClassVar[bool] = True
+
   @classmethod
   def for_call(cls, spec: DraftSpec, *, config: ModelConfig, sampling: SamplingParams, prompt_len: int) -> MtpDrafter:
     if config.num_mtp_modules == 0:
@@ -131,6 +223,14 @@ class MtpDrafter(Drafter):
         "drafter 'mtp' needs MTP heads, but the model has num_mtp_modules=0 "
         "(train them with experiments.train_mtp, or use drafter='ngram' or 'none')"
       )
+    tree_nodes = getattr(spec, "tree_nodes", None)
+    if tree_nodes and config.num_mtp_modules != 1:
+      raise ValueError(
+        f"MTP draft trees run one MTP module at every depth; the model has {config.num_mtp_modules} "
+        "(use tree_nodes=None for chains)"
+      )
+    if tree_nodes and tree_nodes > spec.num_draft * config.vocab_size:
+      raise ValueError(f"tree_nodes ({tree_nodes}) exceeds what {spec.num_draft} levels of the vocabulary hold")
     # 0: every prompt position (a window as long as the padded prompt is all of it).
     window = spec.research.mtp_prompt_window or 0
     return cls(prompt_window=window if window < prompt_len else 0)
@@ -200,6 +300,20 @@ class MtpDrafter(Drafter):
     self, model: ProgramTarget, state: LoopState, k: int, keys_B: jax.Array, ls: LoopSpec
   ) -> tuple[DraftTree, MtpState]:
     mtp = state.draft_state
+    if ls.tree_nodes:
+      tree, mcache = mtp_propose_tree(
+        model,
+        mtp.cache,
+        mtp.h1_BD,
+        mtp.logits1_BV,
+        state.pos_B - 1 - mtp.offset_B,
+        k,
+        ls.tree_nodes,
+        ls.sampling,
+        kernels=model.kernels,
+        active_B=state.active_B,
+      )
+      return tree, mtp.replace(cache=mcache)
     keys_BK = jax.vmap(lambda key: jax.random.split(key, k))(keys_B)
     drafts_BK, q_BKV, mcache = mtp_propose(
       model,
@@ -217,14 +331,16 @@ class MtpDrafter(Drafter):
 
   def update(self, model: ProgramTarget, draft_state: MtpState, verified: Verified, ls: LoopSpec) -> MtpState:
     """The heads' fill over the accepted positions. After a plain pass (possible only under auto
-    K) the heads are skipped: their state goes stale and auto K does not draft with them again."""
-    k = verified.tree.num_nodes
+    K) the heads are skipped: their state goes stale and auto K does not draft with them again.
+    After a tree pass, the accepted path as a chain (`Verified`'s chain view)."""
+    k = verified.accept_BN.shape[1]
     if not k:
       return draft_state
     batch, m_total = verified.pos_B.shape[0], model.config.num_mtp_modules
     n_acc_B = verified.n_accepted_B
     j_T = jnp.arange(k + m_total, dtype=jnp.int32)
-    base_BT = jnp.concatenate([verified.tree.tokens_BN, jnp.zeros((batch, m_total), jnp.int32)], axis=1)
+    # The accepted drafts are the candidates' first n_acc tokens (past them: the next token).
+    base_BT = jnp.concatenate([verified.candidates_BS[:, :k], jnp.zeros((batch, m_total), jnp.int32)], axis=1)
     next_BT = jnp.where(j_T[None] < n_acc_B[:, None], base_BT, verified.next_B[:, None])
     # Indices past the accepted ones are rolled back: they read no experts.
     j_S = jnp.arange(k + 1, dtype=jnp.int32)
