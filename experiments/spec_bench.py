@@ -4,13 +4,14 @@ its MTP heads (trained when missing).
 
   python -m experiments.spec_bench --workdir=runs/spec_bench [--quick] [--model=PATH]
       [--batch_sizes=1,8] [--temperatures=0,1] [--drafters=mtp,ngram] [--num_draft=1,2,3,auto]
-      [--max_new_tokens=64] [--repeats=3] [--num_prompts=8]
+      [--max_new_tokens=64] [--repeats=3] [--num_prompts=8] [--tree_nodes=0,4,8,16]
 
 --model: a directory written by `Model.save` or a Hugging Face model directory; one without a
 tokenizer.json (a random checkpoint) is prompted with the held-out code's UTF-8 bytes as token ids
 (metrics `prompt_encoding`). Every batch size decodes the same `--num_prompts` prompts (default:
 the largest batch size), in consecutive batches: batch 1 decodes each of them alone. Writes
-`workdir/metrics.json` (key `spec_bench`) and `workdir/speedup_vs_k.png`.
+`workdir/metrics.json` (key `spec_bench`) and `workdir/speedup_vs_k.png`. `--tree_nodes`: draft
+trees of N nodes (depth K) beside the chains (0), with the best tree against the best chain.
 """
 
 from absl import flags
@@ -28,6 +29,11 @@ _BATCHES = flags.DEFINE_list("batch_sizes", ["1", "2", "4", "8"], "Batch sizes."
 _TEMPS = flags.DEFINE_list("temperatures", ["0", "1"], "Temperatures (0: greedy).")
 _DRAFTERS = flags.DEFINE_list("drafters", ["mtp", "ngram"], "Drafters (mtp needs MTP heads).")
 _KS = flags.DEFINE_list("num_draft", ["1", "2", "3", "4", "5", "6"], "Draft lengths K (whole numbers, or auto).")
+_TREES = flags.DEFINE_list(
+  "tree_nodes",
+  ["0"],
+  "Draft tree sizes N (0: chains of K drafts); N > 0 runs trees of N nodes and depth K for every fixed K <= N.",
+)
 _PROMPTS = flags.DEFINE_integer(
   "num_prompts",
   None,
@@ -53,6 +59,7 @@ def main(argv):
     max_new_tokens=_MAX_NEW.value,
     repeats=_REPEATS.value,
     num_prompts=_PROMPTS.value,
+    tree_nodes=cli.int_list("tree_nodes", _TREES.value, minimum=0),
   )
   if sweep["num_prompts"] is not None and sweep["num_prompts"] < max(sweep["batch_sizes"]):
     raise ValueError(

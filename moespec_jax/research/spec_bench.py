@@ -147,9 +147,12 @@ def run_spec_bench(
   repeats: int = 3,
   prompt_bytes: int = 192,
   num_prompts: int | None = None,
+  tree_nodes: Sequence[int] = (0,),
   log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
-  """Runs the sweep and writes `workdir/metrics.json` (key `spec_bench`) and `speedup_vs_k.png`."""
+  """Runs the sweep and writes `workdir/metrics.json` (key `spec_bench`) and `speedup_vs_k.png`.
+  `tree_nodes`: 0 runs chains of K drafts; N > 0 draft trees of N nodes and depth K (for every
+  fixed K <= N: `SpecParams.tree_nodes`), each row with its `tree_nodes`."""
   workdir = pathlib.Path(workdir)
   workdir.mkdir(parents=True, exist_ok=True)
   if "mtp" in drafters and model.config.num_mtp_modules == 0:
@@ -162,7 +165,8 @@ def run_spec_bench(
   regimes = roofline.measured_regimes(
     model, prompts, batch_sizes, context=prompt_bytes + max_new_tokens, max_new_tokens=max_new_tokens, log=log
   )
-  total = len(batch_sizes) * len(temperatures) * (1 + len(drafters) * len(num_drafts))
+  shapes = [(k, n) for k in num_drafts for n in tree_nodes if n == 0 or (k != "auto" and k <= n)]
+  total = len(batch_sizes) * len(temperatures) * (1 + len(drafters) * len(shapes))
   progress = Progress(total, desc="spec_bench", unit="rows", every_s=15.0, emit=log)
   rows, plain_rows, done = [], [], 0
   began = time.perf_counter()
@@ -177,14 +181,15 @@ def run_spec_bench(
       progress.update(done)
       plain_programs = programs.PROGRAMS.signatures()
       for drafter in drafters:
-        for k in num_drafts:
-          spec = msj.SpecParams(drafter=drafter, num_draft=k)
+        for k, n in shapes:
+          spec = msj.SpecParams(drafter=drafter, num_draft=k, tree_nodes=n or None)
           warm_up(model, groups, max_new_tokens, sampling, spec)
           tps, row_plain_tps, speedup, acc_len, stats = paired(model, groups, max_new_tokens, sampling, spec, repeats)
           rows.append(
             {
               "drafter": drafter,
               "num_draft": k,
+              "tree_nodes": n,
               "batch_size": batch,
               "temperature": float(temperature),
               "tokens_per_second": tps,
@@ -237,7 +242,7 @@ def run_spec_bench(
   )
   plot_speedup(rows, workdir / "speedup_vs_k.png")
   log(format_table(rows))
-  for line in auto_lines(rows):
+  for line in auto_lines(rows) + tree_lines(rows):
     log(line)
   return result
 
@@ -299,20 +304,44 @@ def auto_lines(rows: Sequence[dict]) -> list[str]:
   return lines
 
 
+def tree_lines(rows: Sequence[dict]) -> list[str]:
+  """Per drafter, temperature and batch that ran trees: the best tree row against the best chain
+  (fixed K), in speedup, tokens committed per pass and distinct experts read per pass."""
+  lines = []
+  for key in sorted({(r["drafter"], r["temperature"], r["batch_size"]) for r in rows}):
+    mine = [r for r in rows if (r["drafter"], r["temperature"], r["batch_size"]) == key and r["num_draft"] != "auto"]
+    trees, chains = [r for r in mine if r.get("tree_nodes")], [r for r in mine if not r.get("tree_nodes")]
+    if not trees or not chains:
+      continue
+    tree, chain = max(trees, key=lambda r: r["speedup"]), max(chains, key=lambda r: r["speedup"])
+    experts = [sum(r["unique_experts_per_pass"]) for r in (tree, chain)]
+    lines.append(
+      f"trees, {key[0]} T={key[1]:g} batch {key[2]}: best tree (N={tree['tree_nodes']}, depth {tree['num_draft']}) "
+      f"{tree['speedup']:.2f}x plain, {tree['speedup'] / chain['speedup']:.2f}x the best chain "
+      f"(K={chain['num_draft']}); "
+      f"tokens a pass {tree['mean_accepted_length']:.2f} vs {chain['mean_accepted_length']:.2f}; "
+      f"experts a pass {experts[0]:.1f} vs {experts[1]:.1f}"
+    )
+  return lines
+
+
 def format_table(rows) -> str:
-  lines = [f"{'drafter':<8}{'T':>5}{'batch':>7}{'K':>5}{'tok/s':>10}{'plain':>10}{'speedup':>9}{'acc.len':>9}"]
+  lines = [
+    f"{'drafter':<8}{'T':>5}{'batch':>7}{'K':>5}{'nodes':>6}{'tok/s':>10}{'plain':>10}{'speedup':>9}{'acc.len':>9}"
+    f"{'experts':>9}"
+  ]
   for r in rows:
     lines.append(
       f"{r['drafter']:<8}{r['temperature']:>5.1f}{r['batch_size']:>7}{r['num_draft']!s:>5}"
-      f"{r['tokens_per_second']:>10.1f}{r['plain_tokens_per_second']:>10.1f}"
-      f"{r['speedup']:>9.2f}{r['mean_accepted_length']:>9.2f}"
+      f"{r.get('tree_nodes') or '-':>6}{r['tokens_per_second']:>10.1f}{r['plain_tokens_per_second']:>10.1f}"
+      f"{r['speedup']:>9.2f}{r['mean_accepted_length']:>9.2f}{sum(r['unique_experts_per_pass']):>9.1f}"
     )
   return "\n".join(lines)
 
 
 def plot_speedup(rows, path: pathlib.Path) -> None:
   """Speedup vs K, one line per batch size; one panel per (drafter, temperature); auto K's rows as
-  crosses at the mean K they chose."""
+  crosses at the mean K they chose; tree rows as triangles at their depth, labelled N."""
   plt = plots.pyplot()
   panels = sorted({(r["drafter"], r["temperature"]) for r in rows})
   if not panels:
@@ -321,10 +350,16 @@ def plot_speedup(rows, path: pathlib.Path) -> None:
   for ax, (drafter, temperature) in zip(axes[0], panels):
     for batch in sorted({r["batch_size"] for r in rows}):
       mine = [r for r in rows if (r["drafter"], r["temperature"], r["batch_size"]) == (drafter, temperature, batch)]
-      sel = sorted((r for r in mine if r["num_draft"] != "auto"), key=lambda r: r["num_draft"])
+      chains = (r for r in mine if r["num_draft"] != "auto" and not r.get("tree_nodes"))
+      sel = sorted(chains, key=lambda r: r["num_draft"])
       (line,) = ax.plot([r["num_draft"] for r in sel], [r["speedup"] for r in sel], "o-", label=f"batch {batch}")
       auto = [r for r in mine if r["num_draft"] == "auto"]
       ax.plot([r["mean_num_draft"] for r in auto], [r["speedup"] for r in auto], "x", ms=9, color=line.get_color())
+      trees = [r for r in mine if r.get("tree_nodes")]  # at their depth, labelled with their nodes
+      ax.plot([r["num_draft"] for r in trees], [r["speedup"] for r in trees], "^", ms=7, color=line.get_color())
+      for r in trees:
+        label = f"N={r['tree_nodes']}"
+        ax.annotate(label, (r["num_draft"], r["speedup"]), fontsize=6, xytext=(3, 3), textcoords="offset points")
     ax.axhline(1.0, color="gray", lw=0.8, ls="--")
     plots.finish_axes(
       ax,

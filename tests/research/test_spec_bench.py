@@ -120,6 +120,48 @@ def test_auto_rows_are_compared_with_the_best_fixed_k(monkeypatch, tmp_path, tin
   assert (tmp_path / "speedup_vs_k.png").stat().st_size > 0
 
 
+def test_trees_run_beside_chains_and_the_best_tree_is_compared_with_the_best_chain(monkeypatch, tmp_path, tiny_config):
+  """--tree_nodes: each fixed K <= N also as a tree of N nodes (auto K and K > N: chains only);
+  the summary line sets the best tree against the best chain, its tokens and experts a pass."""
+  import types
+
+  from moespec_jax.data.tokenizer import ByteTokenizer
+
+  specs = []
+
+  def fake_generate(model, prompts, *, max_new_tokens, sampling, spec, seed):
+    specs.append((spec.num_draft, spec.tree_nodes))
+    rate = {None: 100.0, 0: 120.0, 4: 150.0}[None if spec.drafter == "none" else spec.tree_nodes or 0]
+    rate += spec.num_draft if isinstance(spec.num_draft, int) and spec.drafter != "none" else 1
+    stats = _stats(rate if spec.drafter != "none" else 100.0, unique_experts_per_pass=[3.0])
+    if spec.num_draft == "auto":
+      stats.update(mean_num_draft=1.0, chosen_num_draft=1)
+    return msj.GenerateOutput(tokens=None, stats=stats)
+
+  monkeypatch.setattr(msj, "generate", fake_generate)
+  lines = []
+  result = spec_bench.run_spec_bench(
+    types.SimpleNamespace(config=tiny_config, tokenizer=ByteTokenizer()),
+    tmp_path,
+    batch_sizes=(1,),
+    temperatures=(0.0,),
+    drafters=("ngram",),
+    num_drafts=(2, 6, "auto"),
+    tree_nodes=(0, 4),
+    max_new_tokens=8,
+    repeats=1,
+    prompt_bytes=32,
+    log=lines.append,
+  )
+  rows = result["spec_bench"]["rows"]
+  assert [(r["num_draft"], r["tree_nodes"]) for r in rows] == [(2, 0), (2, 4), (6, 0), ("auto", 0)]
+  assert (2, 4) in specs and (6, 4) not in specs and ("auto", 4) not in specs
+  assert "trees, ngram T=0 batch 1: best tree (N=4, depth 2) 1.52x plain, 1.21x the best chain (K=6); " in "".join(
+    lines
+  )
+  assert any("experts a pass 3.0 vs 3.0" in line for line in lines)
+
+
 def test_every_batch_size_decodes_the_same_prompts_in_consecutive_batches():
   prompts = ["a", "b", "c", "d", "e"]
   assert spec_bench.prompt_groups(prompts, 1) == [["a"], ["b"], ["c"], ["d"], ["e"]]
