@@ -97,7 +97,8 @@ class Attention(nnx.Module):
     output, [B, 1, D]) at that one index per row only ([B, W]: at those W, [B, W, D]); every index
     still writes its keys/values. `kernels`: the policy (attention against the cache on the C++
     kernel, the prefill included) and a `PackedAttention` or None. `tree`: a tree pass
-    (`cache.TreeMask`; with a cache, on XLA's path: the C++ kernel takes position limits).
+    (`cache.TreeMask`; on the C++ kernel with its window as mask bits, up to `cpu.TREE_WINDOW`
+    positions; XLA's path beyond).
     """
     if tree is not None and (layer_cache is None or fresh_cache or query_at_B is not None):
       raise ValueError("a tree pass needs a filled cache and every query (no fresh_cache, no query_at_B)")
@@ -123,6 +124,16 @@ class Attention(nnx.Module):
         cache_lib.write_positions(layer_cache[1], v_BTGK, write_B),
       )
     )
+    if new_cache is not None and kernels.policy.attention == "cpu" and tree is not None:
+      m = tree.mask_BTM.shape[2]
+      if m <= cpu.TREE_WINDOW:  # the tree's window as each query's mask bits
+        keys_NKS, values_NSK = new_cache
+        expand = lambda x_BT: jnp.broadcast_to(x_BT[:, None, :, None], (b, g, t, r)).reshape(b * g, t * r)  # noqa: E731
+        limit_NQ = expand(jnp.broadcast_to((tree.base_B + m - 1)[:, None], (b, t)))
+        base_NQ = expand(jnp.broadcast_to(tree.base_B[:, None], (b, t)))
+        window_NQM = jnp.broadcast_to(tree.mask_BTM[:, None, :, None], (b, g, t, r, m)).reshape(b * g, t * r, m)
+        out_NQK = cpu.tree_attention(q_NQK * scale, keys_NKS, values_NSK, limit_NQ, base_NQ, window_NQM)
+        return self._output(out_NQK.astype(q_NQK.dtype), b, t, kernels.dense), new_cache
     if new_cache is not None and kernels.policy.attention == "cpu" and tree is None:
       # Prefills too: the kernel scores each block of about 32 positions' queries against the
       # keys up to the block's last position only, so it skips most masked pairs and never reads

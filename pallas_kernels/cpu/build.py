@@ -35,6 +35,7 @@ _TARGETS = {
   "moespec_moe_ffn_f32": "MoespecMoeFfnF32",
   "moespec_dense_f32": "MoespecDenseF32",
   "moespec_attention_f32": "MoespecAttentionF32",
+  "moespec_tree_attention_f32": "MoespecTreeAttentionF32",
   "moespec_mla_attention_f32": "MoespecMlaAttentionF32",
   "moespec_clock_cpu": "MoespecClockCpu",
 }

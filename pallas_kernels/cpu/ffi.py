@@ -88,6 +88,42 @@ def cached_attention(q_NQD: jax.Array, keys_NDS: jax.Array, values_NSD: jax.Arra
   )
 
 
+# Positions a draft tree's window may span in `tree_attention` (the kernel's kWindowWords x 32).
+TREE_WINDOW = 128
+
+
+def tree_attention(
+  q_NQD: jax.Array,
+  keys_NDS: jax.Array,
+  values_NSD: jax.Array,
+  limit_NQ: jax.Array,
+  base_NQ: jax.Array,
+  window_NQM: jax.Array,
+) -> jax.Array:
+  """`cached_attention` of a draft tree's pass: query i also skips the positions of its window
+  [base, base + M) whose `window_NQM` entry is False (not itself, not an ancestor); positions before
+  base are seen up to the limit. M <= TREE_WINDOW. Masked positions weigh exactly 0."""
+  ensure_built()
+  n, q, d = q_NQD.shape
+  m = window_NQM.shape[-1]
+  if m > TREE_WINDOW or window_NQM.shape != (n, q, m) or base_NQ.shape != (n, q) or limit_NQ.shape != (n, q):
+    raise ValueError(
+      f"tree_attention needs limit and base [N, Q] and a window [N, Q, M <= {TREE_WINDOW}] for q {q_NQD.shape}; "
+      f"got {limit_NQ.shape}, {base_NQ.shape}, {window_NQM.shape}"
+    )
+  bits = jnp.pad(window_NQM, ((0, 0), (0, 0), (0, TREE_WINDOW - m))).reshape(n, q, TREE_WINDOW // 32, 32)
+  words_NQW = jnp.sum(bits.astype(jnp.uint32) << jnp.arange(32, dtype=jnp.uint32), axis=-1, dtype=jnp.uint32)
+  f32 = jnp.float32
+  return jax.ffi.ffi_call("moespec_tree_attention_f32", jax.ShapeDtypeStruct((n, q, d), f32), vmap_method="sequential")(
+    q_NQD.astype(f32),
+    keys_NDS.astype(f32),
+    values_NSD.astype(f32),
+    limit_NQ.astype(jnp.int32),
+    base_NQ.astype(jnp.int32),
+    jax.lax.bitcast_convert_type(words_NQW, jnp.int32),
+  )
+
+
 def mla_attention(
   q_lat_BQC: jax.Array, q_rope_BQR: jax.Array, latent_BSC: jax.Array, rope_BSR: jax.Array, limit_BQ: jax.Array
 ) -> jax.Array:

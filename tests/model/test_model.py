@@ -439,13 +439,17 @@ def test_config_rejects_bad_values():
 TREE_PARENTS = [-1, -1, 0, 0, 1, 2]  # the root (pending token) has nodes 0 and 1; 0 has 2 and 3; ...
 
 
-@pytest.mark.parametrize("change", [{}, MLA], ids=["gqa", "mla"])
+@pytest.mark.parametrize(
+  "change,kernels", [({}, PLAIN), ({}, CPU_ATTENTION), (MLA, PLAIN)], ids=["gqa", "gqa-cpu", "mla"]
+)
 @pytest.mark.parametrize("batch", [1, 2])
-def test_a_tree_pass_gives_each_node_its_paths_logits_and_moving_the_path_continues_it(tiny_config, change, batch):
-  """A tree pass (ancestor mask, positions by depth, written at consecutive slots): every node's
-  logits are those of the full forward over the prompt and the node's path; once the cache has
-  moved an accepted path to consecutive slots (`KVCache.move_path`), the next pass continues it
-  as if the path had been the pass."""
+def test_a_tree_pass_gives_each_node_its_paths_logits_and_moving_the_path_continues_it(
+  tiny_config, change, kernels, batch
+):
+  """A tree pass (ancestor mask, positions by depth, written at consecutive slots; XLA's attention,
+  or the C++ kernel with the mask as bits): every node's logits are those of the full forward over
+  the prompt and the node's path; once the cache has moved an accepted path to consecutive slots
+  (`KVCache.move_path`), the next pass continues it as if the path had been the pass."""
   import moespec_jax as msj  # pylint: disable=g-import-not-at-top
   from moespec_jax.decoding import rejection  # pylint: disable=g-import-not-at-top
 
@@ -465,6 +469,7 @@ def test_a_tree_pass_gives_each_node_its_paths_logits_and_moving_the_path_contin
     jnp.asarray(np.concatenate([root[:, None], nodes], axis=1)),
     jnp.asarray(pos[:, None] + np.concatenate([np.zeros((batch, 1), int), depth], axis=1)),
     pre.cache,
+    kernels=kernels,
     tree=TreeMask.over_pass(jnp.asarray(pos), rejection.ancestor_mask(parent_BN)),
   )
 

@@ -10,6 +10,11 @@
 // limit [N, Q] (int32: query row i sees positions 0..limit[i]; limit < 0 sees none and returns
 // zeros), out [N, Q, D]. N = batch rows x KV heads, Q = query rows per KV head.
 //
+// Draft trees (MoespecTreeAttentionF32): also a window per query row, base [N, Q] (int32) and
+// bits [N, Q, kWindowWords] (int32 words, least significant first): of the positions up to its
+// limit, row i sees those before base[i] and, in the window [base, base + 32 kWindowWords), those
+// whose bit is set (itself and its ancestors in the tree). A masked position's weight is exactly 0.
+//
 // Work split: blocks of each pair's query rows (CausalBlocks), contiguous ranges of them per slot
 // (slots.h). Each query row's arithmetic depends only on its own inputs, never on Q, on the blocks
 // or on which thread ran it: a row's scores are the same whatever keys past its own a block
@@ -41,6 +46,8 @@ using moespec::kLanes;
 // about half the work of scoring every row against the longest, and the blocks spread one pair's
 // rows over the threads.
 constexpr int64_t kQueryBlock = 32;
+// Words of a tree window's mask: windows of up to 128 positions.
+constexpr int64_t kWindowWords = 4;
 
 // x[s] = exp(x[s] - top) for s < n.
 inline void ExpShifted(float* x, int64_t n, float top) {
@@ -98,6 +105,15 @@ struct Problem {
   const int32_t* limit;
   float* out;
   int64_t N, Q, D, S;
+  const int32_t* base = nullptr;  // tree windows (MoespecTreeAttentionF32), or none
+  const uint32_t* bits = nullptr;
+
+  // Whether row r (of pair n's Q) sees position s of its window's range (tree windows only).
+  bool Masked(int64_t r, int64_t s) const {
+    const int64_t rel = s - base[r];
+    if (rel < 0 || rel >= 32 * kWindowWords) return false;
+    return ((bits[r * kWindowWords + rel / 32] >> (rel % 32)) & 1u) == 0;
+  }
 
   // Query rows [i0, i1) of pair n: scored against keys up to the last position any of them sees
   // (a prefill's early rows skip the later keys: causal blocks), softmax, then the values.
@@ -121,7 +137,17 @@ struct Problem {
         std::fill(s_S, s_S + visible, 0.0f);
         continue;
       }
-      ExpShifted(s_S, seen, Max(s_S, seen));
+      const int64_t r = n * Q + i0 + i;
+      if (base != nullptr) {  // masked positions leave the max, then weigh exactly 0
+        const int64_t lo = std::max<int64_t>(0, base[r]), hi = std::min<int64_t>(seen, base[r] + 32 * kWindowWords);
+        for (int64_t s = lo; s < hi; ++s)
+          if (Masked(r, s)) s_S[s] = -3.0e38f;
+        ExpShifted(s_S, seen, Max(s_S, seen));
+        for (int64_t s = lo; s < hi; ++s)
+          if (Masked(r, s)) s_S[s] = 0.0f;
+      } else {
+        ExpShifted(s_S, seen, Max(s_S, seen));
+      }
       const float inv = 1.0f / Sum(s_S, seen);
 #pragma GCC ivdep
       for (int64_t s = 0; s < seen; ++s) s_S[s] *= inv;
@@ -156,18 +182,7 @@ void CausalBlocks(const Problem& p, int64_t n, std::vector<Block>& blocks) {
   blocks.push_back({n, i0, p.Q, static_cast<double>(p.Q - i0) * (top + 1)});
 }
 
-ffi::Error AttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> keys,
-                         ffi::Buffer<ffi::F32> values, ffi::Buffer<ffi::S32> limit,
-                         ffi::ResultBuffer<ffi::F32> out) {
-  auto qd = q.dimensions(), kd = keys.dimensions(), vd = values.dimensions(), ld = limit.dimensions();
-  if (qd.size() != 3 || kd.size() != 3 || vd.size() != 3 || ld.size() != 2 || kd[0] != qd[0] ||
-      kd[1] != qd[2] || vd[0] != qd[0] || vd[1] != kd[2] || vd[2] != qd[2] || ld[0] != qd[0] ||
-      ld[1] != qd[1]) {
-    return ffi::Error::InvalidArgument(
-        "attention_cpu: expected q [N, Q, D], keys [N, D, S], values [N, S, D], limit [N, Q]");
-  }
-  const Problem p{q.typed_data(), keys.typed_data(), values.typed_data(), limit.typed_data(),
-                  out->typed_data(), qd[0], qd[1], qd[2], kd[2]};
+ffi::Error Run(ffi::ThreadPool pool, const Problem& p) {
   if (p.N == 0 || p.Q == 0) return ffi::Error::Success();
   // Units of work: blocks of a pair's query rows (CausalBlocks), dealt to slots as contiguous
   // ranges of near-equal estimated cost (rows x keys read; RunByCost).
@@ -180,6 +195,45 @@ ffi::Error AttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buf
   return ffi::Error::Success();
 }
 
+bool BadShapes(ffi::Buffer<ffi::F32>& q, ffi::Buffer<ffi::F32>& keys, ffi::Buffer<ffi::F32>& values,
+               ffi::Buffer<ffi::S32>& limit) {
+  auto qd = q.dimensions(), kd = keys.dimensions(), vd = values.dimensions(), ld = limit.dimensions();
+  return qd.size() != 3 || kd.size() != 3 || vd.size() != 3 || ld.size() != 2 || kd[0] != qd[0] ||
+         kd[1] != qd[2] || vd[0] != qd[0] || vd[1] != kd[2] || vd[2] != qd[2] || ld[0] != qd[0] ||
+         ld[1] != qd[1];
+}
+
+ffi::Error AttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> keys,
+                         ffi::Buffer<ffi::F32> values, ffi::Buffer<ffi::S32> limit,
+                         ffi::ResultBuffer<ffi::F32> out) {
+  if (BadShapes(q, keys, values, limit)) {
+    return ffi::Error::InvalidArgument(
+        "attention_cpu: expected q [N, Q, D], keys [N, D, S], values [N, S, D], limit [N, Q]");
+  }
+  auto qd = q.dimensions();
+  const Problem p{q.typed_data(), keys.typed_data(), values.typed_data(), limit.typed_data(),
+                  out->typed_data(), qd[0], qd[1], qd[2], keys.dimensions()[2]};
+  return Run(pool, p);
+}
+
+ffi::Error TreeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> keys,
+                             ffi::Buffer<ffi::F32> values, ffi::Buffer<ffi::S32> limit,
+                             ffi::Buffer<ffi::S32> base, ffi::Buffer<ffi::S32> bits,
+                             ffi::ResultBuffer<ffi::F32> out) {
+  auto qd = q.dimensions(), bd = base.dimensions(), wd = bits.dimensions();
+  if (BadShapes(q, keys, values, limit) || bd.size() != 2 || bd[0] != qd[0] || bd[1] != qd[1] ||
+      wd.size() != 3 || wd[0] != qd[0] || wd[1] != qd[1] || wd[2] != kWindowWords) {
+    return ffi::Error::InvalidArgument(
+        "tree_attention_cpu: expected q [N, Q, D], keys [N, D, S], values [N, S, D], limit [N, Q], "
+        "base [N, Q], bits [N, Q, 4]");
+  }
+  Problem p{q.typed_data(), keys.typed_data(), values.typed_data(), limit.typed_data(),
+            out->typed_data(), qd[0], qd[1], qd[2], keys.dimensions()[2]};
+  p.base = base.typed_data();
+  p.bits = reinterpret_cast<const uint32_t*>(bits.typed_data());
+  return Run(pool, p);
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoespecAttentionF32, AttentionImpl,
@@ -188,5 +242,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoespecAttentionF32, AttentionImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoespecTreeAttentionF32, TreeAttentionImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

@@ -211,6 +211,48 @@ def test_cached_attention_matches_numpy(cpu_kernel, monkeypatch, threads):
     np.testing.assert_allclose(got, _attention_reference(q_NQD, keys_NDS, values_NSD, limit_NQ), atol=2e-5)
 
 
+@pytest.mark.parametrize("threads", ["1", "2"])
+def test_tree_attention_masks_its_window_and_sees_every_earlier_position(cpu_kernel, monkeypatch, threads):
+  """Draft trees' passes: positions before each row's window are seen up to its limit, positions
+  in the window only where its mask is set (windows of 1 to 128 positions, straddling 32-bit
+  words; a row whose window masks everything past base). Masked positions weigh exactly 0: other
+  keys and values there change no bit."""
+  del cpu_kernel
+  monkeypatch.setenv("MOESPEC_FFI_THREADS", threads)
+  rng = np.random.default_rng(5)
+  for n, q, d, s, m in ((4, 6, 32, 300, 9), (2, 17, 24, 200, 128), (3, 1, 16, 40, 1), (2, 5, 64, 160, 70)):
+    q_NQD = rng.normal(size=(n, q, d)).astype(np.float32)
+    keys_NDS = rng.normal(size=(n, d, s)).astype(np.float32)
+    values_NSD = rng.normal(size=(n, s, d)).astype(np.float32)
+    base_NQ = rng.integers(0, s - m + 1, size=(n, q)).astype(np.int32)
+    limit_NQ = (base_NQ + rng.integers(-1, m, size=(n, q))).astype(np.int32)
+    window_NQM = rng.random((n, q, m)) < 0.5
+    window_NQM[0, 0] = False
+    slot_S = np.arange(s)
+    rel_NQS = slot_S - base_NQ[..., None]
+    in_window_NQS = (rel_NQS >= 0) & (rel_NQS < m)
+    seen_NQS = np.take_along_axis(window_NQM, np.clip(rel_NQS, 0, m - 1), axis=2)
+    visible_NQS = (slot_S <= limit_NQ[..., None]) & (~in_window_NQS | seen_NQS)
+    # The reference: cached attention with masked positions' scores at -inf.
+    keys_masked = np.where(visible_NQS[:, :, None, :], keys_NDS[:, None], 0.0)
+    scores_NQS = np.einsum("nqd,nqds->nqs", q_NQD.astype(np.float64), keys_masked)
+    scores_NQS = np.where(visible_NQS, scores_NQS, -np.inf)
+    top = scores_NQS.max(-1, keepdims=True)
+    probs = np.where(visible_NQS, np.exp(scores_NQS - np.where(np.isfinite(top), top, 0.0)), 0.0)
+    probs /= np.where(probs.sum(-1, keepdims=True) > 0, probs.sum(-1, keepdims=True), 1.0)
+    want = np.einsum("nqs,nsd->nqd", probs, values_NSD)
+    args = tuple(map(jnp.asarray, (q_NQD, keys_NDS, values_NSD, limit_NQ, base_NQ, window_NQM)))
+    got = np.asarray(cpu.tree_attention(*args))
+    np.testing.assert_allclose(got, want, atol=2e-5, err_msg=f"{(n, q, d, s, m)}")
+    if m == 9:  # positions no row of a pair sees: other entries there change no bit
+      for pair, slot in np.argwhere(~visible_NQS.any(axis=1)):
+        keys_NDS[pair, :, slot], values_NSD[pair, slot] = 1e3, -1e3
+      args = tuple(map(jnp.asarray, (q_NQD, keys_NDS, values_NSD, limit_NQ, base_NQ, window_NQM)))
+      np.testing.assert_array_equal(np.asarray(cpu.tree_attention(*args)), got)
+  with pytest.raises(ValueError, match="tree_attention needs"):
+    cpu.tree_attention(*args[:5], jnp.ones((*args[3].shape, 129), bool))
+
+
 @pytest.mark.parametrize("first", [500, 200])
 def test_cached_attention_rows_do_not_depend_on_the_pass(cpu_kernel, first):
   """A query row's output is the same bits alone (a plain step) or among a verification
