@@ -95,7 +95,9 @@ def test_quick_pretrain_runs_few_short_steps_and_keeps_the_fields_given(tmp_path
   refused with it (a smoke run's model is not the default model)."""
   from tests.cli_run import assert_one_line_error, run_module  # pylint: disable=g-import-not-at-top
 
-  small = [f"--config.model.{k}={v}" for k, v in TINY.items() if k != "vocab_size"]
+  # The test model's shape with the byte tokenizer (the default config's BPE would be trained first).
+  byte = dict(tokenizer="byte", eos_id=256, bos_id=257)
+  small = [f"--config.model.{k}={v}" for k, v in {**TINY, **byte}.items()]
   out = tmp_path / "out"
   proc = run_module(
     "experiments.pretrain", f"--workdir={out}", "--quick", "--config.train.steps=4", *small, timeout=900
