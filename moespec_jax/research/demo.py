@@ -96,7 +96,7 @@ def run_demo(
   max_new_tokens: int = 128,
   batch_sizes: Sequence[int] = (1, 8),
   repeats: int = 7,
-  max_draft: int = 8,
+  max_draft: int = 4,
   budget_multiplier: int = 2,
   sampled: bool = True,
   log: Callable[[str], None] = print,
