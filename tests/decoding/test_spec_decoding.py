@@ -95,9 +95,12 @@ def test_an_mtp_tree_of_one_node_a_level_is_the_chain(mtp_model):
     np.testing.assert_allclose(tree.stats[key], chain.stats[key], err_msg=key)
 
 
-def test_mtp_trees_need_one_module(two_module_model):
+def test_mtp_trees_need_one_module_and_levels_the_vocabulary_holds(two_module_model, tiny_config):
   with pytest.raises(ValueError, match="one MTP module at every depth"):
     msj.generate(two_module_model, [[1, 2, 3]], spec=msj.SpecParams(drafter="mtp", num_draft=2, tree_nodes=4))
+  small_vocab = msj.Model.init(tiny_config.replace(vocab_size=32, eos_id=31, num_mtp_modules=1), seed=0)
+  with pytest.raises(ValueError, match="keeps 64 children a level, more than the vocabulary's 32"):
+    msj.generate(small_vocab, [[1, 2, 3]], spec=msj.SpecParams(drafter="mtp", num_draft=1, tree_nodes=64))
 
 
 def test_trees_keep_eos_max_new_tokens_and_the_budgeted_mode(tiny_model):

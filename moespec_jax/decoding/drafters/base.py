@@ -52,6 +52,9 @@ class DraftSpec(Protocol):
   def max_draft(self) -> int: ...
 
   @property
+  def tree_nodes(self) -> int | None: ...
+
+  @property
   def research(self) -> DraftResearch: ...
 
 

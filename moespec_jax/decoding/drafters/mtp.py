@@ -223,14 +223,17 @@ class MtpDrafter(Drafter):
         "drafter 'mtp' needs MTP heads, but the model has num_mtp_modules=0 "
         "(train them with experiments.train_mtp, or use drafter='ngram' or 'none')"
       )
-    tree_nodes = getattr(spec, "tree_nodes", None)
+    tree_nodes = spec.tree_nodes
+    if tree_nodes and tree_width(tree_nodes, spec.num_draft) > config.vocab_size:
+      raise ValueError(
+        f"tree_nodes={tree_nodes} with num_draft={spec.num_draft} keeps {tree_width(tree_nodes, spec.num_draft)} "
+        f"children a level, more than the vocabulary's {config.vocab_size} tokens"
+      )
     if tree_nodes and config.num_mtp_modules != 1:
       raise ValueError(
         f"MTP draft trees run one MTP module at every depth; the model has {config.num_mtp_modules} "
         "(use tree_nodes=None for chains)"
       )
-    if tree_nodes and tree_nodes > spec.num_draft * config.vocab_size:
-      raise ValueError(f"tree_nodes ({tree_nodes}) exceeds what {spec.num_draft} levels of the vocabulary hold")
     # 0: every prompt position (a window as long as the padded prompt is all of it).
     window = spec.research.mtp_prompt_window or 0
     return cls(prompt_window=window if window < prompt_len else 0)
