@@ -4,12 +4,13 @@ tokens a pass commits (continued by plain sampling where it commits fewer) follo
 A target and a drafter over V = 8 tokens, each a table of logits by context (the root, one token,
 two tokens; the drafter's the target's plus noise), both through `sampling.filtered_logprobs` as the
 loop builds them. Each row's tree: three children of the root and two children of each, drawn by the
-drafter either i.i.d. from its q (SpecInfer) or as its top tokens with one-hot q (a deterministic
-tree); N = 2^16 rows verified in one call. Exactness means that the joint law of the first three
-committed tokens is the target's p(t1) p(t2 | t1) p(t3 | t1, t2) (a chi-square over the 512 cells,
-pooled where their expected counts are small; a token of probability 0 makes the p-value 0). The
-planted fault keeps the target's distribution instead of the residual between siblings: the same
-check must reject it.
+drafter i.i.d. from its q (SpecInfer), as its top tokens with one-hot q (a deterministic tree), or
+without replacement (each child's q: the drafter's without the siblings before it, renormalised); N
+= 2^16 rows verified in one call. Exactness means that the joint law of the first three committed
+tokens is the target's p(t1) p(t2 | t1) p(t3 | t1, t2) (a chi-square over the 512 cells, pooled
+where their expected counts are small; a token of probability 0 makes the p-value 0). The planted
+fault keeps the target's distribution instead of the residual between siblings: the same check must
+reject it.
 """
 
 from __future__ import annotations
@@ -45,8 +46,8 @@ def _filtered(tables, sampling: SamplingParams) -> tuple[np.ndarray, ...]:
   return tuple(np.asarray(filtered_logprobs(jnp.asarray(t.reshape(-1, V)), sampling)).reshape(t.shape) for t in tables)
 
 
-@functools.partial(jax.jit, static_argnames=("deterministic", "update_residual"))
-def _verify(key, logp_target, logq_draft, *, deterministic: bool, update_residual: bool):
+@functools.partial(jax.jit, static_argnames=("deterministic", "update_residual", "renormalise"))
+def _verify(key, logp_target, logq_draft, *, deterministic, update_residual: bool, renormalise: bool = True):
   """One pass per row over a drafted tree: (on_path_BN, n_B, next_B, tokens_BN)."""
   p0, p1, p2 = logp_target
   q0, q1, _ = logq_draft
@@ -55,9 +56,15 @@ def _verify(key, logp_target, logq_draft, *, deterministic: bool, update_residua
   depth1 = [j for j, par in enumerate(PARENTS) if par < 0]
 
   def children(k, logq_V, n):
-    if deterministic:  # the drafter's top n tokens, each a one-hot proposal
+    if deterministic == "top":  # the drafter's top n tokens, each a one-hot proposal
       toks = jax.lax.top_k(logq_V, n)[1]
       return toks, jax.nn.one_hot(toks, V)
+    if deterministic == "distinct":  # n draws without replacement (Gumbel top-n), as the MTP trees
+      toks = jax.lax.top_k(logq_V + jax.random.gumbel(k, (V,)), n)[1]
+      q_V = jnp.exp(logq_V)
+      earlier_NV = jnp.cumsum(jax.nn.one_hot(toks, V), axis=0) - jax.nn.one_hot(toks, V)
+      q_NV = jnp.where(earlier_NV > 0, 0.0, q_V) if renormalise else jnp.broadcast_to(q_V, (n, V))
+      return toks, q_NV / jnp.sum(q_NV, axis=1, keepdims=True)
     toks = jax.random.categorical(k, logq_V, shape=(n,))
     return toks, jnp.broadcast_to(jnp.exp(logq_V), (n, V))
 
@@ -87,7 +94,7 @@ def _verify(key, logp_target, logq_draft, *, deterministic: bool, update_residua
   return on_path_BN, n_B, next_B, tokens_BN
 
 
-def _first_three_tokens(seed, sampling, *, deterministic, update_residual=True):
+def _first_three_tokens(seed, sampling, *, deterministic, update_residual=True, renormalise=True):
   """[N, 3]: each row's first three committed tokens, and the target's joint law [V, V, V]."""
   # The drafter's logits: the target's plus noise (a drafter that is right often, but not always).
   target_logits = _tables(100 + seed, 1.5)
@@ -101,6 +108,7 @@ def _first_three_tokens(seed, sampling, *, deterministic, update_residual=True):
       tuple(map(jnp.asarray, draft)),
       deterministic=deterministic,
       update_residual=update_residual,
+      renormalise=renormalise,
     )
   )
   # The path's tokens in node order (ancestors first: depth order), then the token after them.
@@ -125,7 +133,7 @@ def _joint_check(seq, joint) -> exactness.Check:
   return exactness.chi_square_test(np.bincount(cells, minlength=V**3), joint.reshape(-1))
 
 
-@pytest.mark.parametrize("deterministic", [False, True], ids=["iid_children", "top_children"])
+@pytest.mark.parametrize("deterministic", [False, "top", "distinct"], ids=["iid_children", "top_children", "distinct"])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_tree_verification_commits_the_targets_joint_law(case, deterministic):
   seq, joint, n = _first_three_tokens(1, CASES[case], deterministic=deterministic)
@@ -138,7 +146,15 @@ def test_tree_verification_commits_the_targets_joint_law(case, deterministic):
   assert (n >= 1).mean() > 0.5 and (n == 2).any()
 
 
-@pytest.mark.parametrize("deterministic", [False, True], ids=["iid_children", "top_children"])
+def test_the_same_check_rejects_draws_without_replacement_verified_against_the_unrenormalised_q():
+  # Siblings drawn without replacement (the MTP heads' sampled trees), each verified against q
+  # itself instead of q without its earlier siblings, renormalised.
+  seq, joint, _ = _first_three_tokens(1, CASES["t1"], deterministic="distinct", renormalise=False)
+  check = _joint_check(seq, joint)
+  assert check.rejects, check.describe()
+
+
+@pytest.mark.parametrize("deterministic", [False, "top", "distinct"], ids=["iid_children", "top_children", "distinct"])
 def test_the_same_check_rejects_siblings_tried_without_the_residual(deterministic):
   seq, joint, _ = _first_three_tokens(1, CASES["t1"], deterministic=deterministic, update_residual=False)
   check = _joint_check(seq, joint)

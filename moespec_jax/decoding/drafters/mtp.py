@@ -121,8 +121,8 @@ def mtp_propose_tree(
   depth's position and attending to the committed stream, its ancestors and itself (its tree slots
   after the stream: `TreeMask`), and proposes each frontier node's W likeliest children; the N
   likeliest paths among all candidates are the tree (a node's parent is likelier than it, so the
-  tree is closed under parents). Children are deterministic (verified with one-hot q: exact).
-  Under sampling the probabilities are the filtered ones the drafter would sample from."""
+  tree is closed under parents). Children are deterministic (verified with one-hot q: exact);
+  greedy decoding's trees (sampled decoding's: `mtp_propose_sampled_tree`)."""
   batch = h1_BD.shape[0]
   width = tree_width(n_nodes, depth)
   window = max(1, (depth - 1) * width)
@@ -183,6 +183,79 @@ def mtp_propose_tree(
     parent_BN=parent_BN,
     q_BNV=None,
     valid_BN=jnp.ones((batch, n_nodes), jnp.bool_),
+  )
+  return tree, cache
+
+
+def level_sizes(n_nodes: int, depth: int) -> list[int]:
+  """Children a sampled tree keeps at each depth: N spread over D levels, the first ones larger."""
+  return [n_nodes // depth + (1 if d < n_nodes % depth else 0) for d in range(depth)]
+
+
+def mtp_propose_sampled_tree(
+  model: ProgramTarget,
+  cache: KVCache,
+  h1_BD: jax.Array,
+  logits1_BV: jax.Array,
+  index_B: jax.Array,
+  keys_B: jax.Array,
+  depth: int,
+  n_nodes: int,
+  sampling: SamplingParams,
+  *,
+  kernels: Kernels,
+  active_B: jax.Array | None = None,
+) -> tuple[DraftTree, KVCache]:
+  """A sampled draft tree (T > 0) from one MTP module: at each depth the expanded node's children
+  are drawn from the drafter's q without replacement (Gumbel top-c: child i follows q without
+  the siblings before it, renormalised, which is its q_i for verification), c the depth's share of
+  N (`level_sizes`); the child the drafter finds likeliest is expanded next, one module step a
+  depth at the chain's positions (so the heads' cache is written as a chain's). Which siblings are
+  in the tree never depends on their values, only which of them is expanded: each node's children
+  are a fixed number of draws, so tree verification against the running residual stays exact.
+  (Choosing nodes by their sampled probability, as the greedy trees do, would not.)"""
+  batch, vocab = logits1_BV.shape
+  sizes = level_sizes(n_nodes, depth)
+  keys_BD = jax.vmap(lambda key: jax.random.split(key, depth))(keys_B)
+  tokens, parents, qs, valid = [], [], [], []
+  logq_BV, hidden_BD, prev_B = sampling_lib.filtered_logprobs(logits1_BV, sampling), h1_BD, None
+  first = 0  # the node index of this depth's first child
+  parent_B = jnp.full((batch,), -1, jnp.int32)
+  for d, c in enumerate(sizes):
+    if d:  # the expanded node's step: its children's distribution
+      pos_B1 = (index_B + d)[:, None]
+      h_B1D, logits_B1V, cache = mtp_lib.run_module(
+        model,
+        0,
+        hidden_BD[:, None],
+        prev_B[:, None],
+        pos_B1,
+        cache,
+        kernels=kernels,
+        valid_BT=None if active_B is None else active_B[:, None],
+      )
+      logq_BV, hidden_BD = sampling_lib.filtered_logprobs(logits_B1V[:, 0], sampling), h_B1D[:, 0]
+    gumbel_BV = jax.vmap(lambda key: jax.random.gumbel(key, (vocab,)))(keys_BD[:, d])
+    _, tok_BC = jax.lax.top_k(logq_BV + gumbel_BV, c)  # draws without replacement, in order
+    q_BV = jnp.exp(logq_BV)
+    for i in range(c):
+      drawn_BV = jax.nn.one_hot(tok_BC[:, :i], vocab, dtype=jnp.bool_).any(axis=1) if i else None
+      q_i_BV = q_BV if drawn_BV is None else jnp.where(drawn_BV, 0.0, q_BV)
+      qs.append(q_i_BV / jnp.maximum(jnp.sum(q_i_BV, axis=-1, keepdims=True), 1e-30))
+    tokens.append(tok_BC)
+    parents.append(jnp.broadcast_to(parent_B[:, None], (batch, c)))
+    # Past q's support (top-k / top-p) there is nothing left to draw: no proposal there.
+    valid.append(jnp.isfinite(jnp.take_along_axis(logq_BV, tok_BC, axis=1)))
+    # The child to expand: the drafter's likeliest of this depth's draws.
+    best_B = jnp.argmax(jnp.take_along_axis(logq_BV, tok_BC, axis=1), axis=1).astype(jnp.int32)
+    prev_B = jnp.take_along_axis(tok_BC, best_B[:, None], axis=1)[:, 0]
+    parent_B = first + best_B
+    first += c
+  tree = DraftTree(
+    tokens_BN=jnp.concatenate(tokens, axis=1).astype(jnp.int32),
+    parent_BN=jnp.concatenate(parents, axis=1).astype(jnp.int32),
+    q_BNV=jnp.stack(qs, axis=1),
+    valid_BN=jnp.concatenate(valid, axis=1),
   )
   return tree, cache
 
@@ -303,6 +376,21 @@ class MtpDrafter(Drafter):
     self, model: ProgramTarget, state: LoopState, k: int, keys_B: jax.Array, ls: LoopSpec
   ) -> tuple[DraftTree, MtpState]:
     mtp = state.draft_state
+    if ls.tree_nodes and not ls.sampling.greedy:
+      tree, mcache = mtp_propose_sampled_tree(
+        model,
+        mtp.cache,
+        mtp.h1_BD,
+        mtp.logits1_BV,
+        state.pos_B - 1 - mtp.offset_B,
+        keys_B,
+        k,
+        ls.tree_nodes,
+        ls.sampling,
+        kernels=model.kernels,
+        active_B=state.active_B,
+      )
+      return tree, mtp.replace(cache=mcache)
     if ls.tree_nodes:
       tree, mcache = mtp_propose_tree(
         model,
