@@ -209,11 +209,12 @@ def mtp_propose_sampled_tree(
   """A sampled draft tree (T > 0) from one MTP module: at each depth the expanded node's children
   are drawn from the drafter's q without replacement (Gumbel top-c: child i follows q without
   the siblings before it, renormalised, which is its q_i for verification), c the depth's share of
-  N (`level_sizes`); the child the drafter finds likeliest is expanded next, one module step a
-  depth at the chain's positions (so the heads' cache is written as a chain's). Which siblings are
-  in the tree never depends on their values, only which of them is expanded: each node's children
-  are a fixed number of draws, so tree verification against the running residual stays exact.
-  (Choosing nodes by their sampled probability, as the greedy trees do, would not.)"""
+  N (`level_sizes`); the first draw is expanded next, one module step a depth at the chain's
+  positions (so the heads' cache is written as a chain's): the first draws are a sampled chain
+  and the other draws siblings beside it, tried when it is rejected. Which nodes are in the tree
+  never depends on the drawn values (each node's children are a fixed number of draws), so tree
+  verification against the running residual stays exact. (Choosing nodes by their sampled
+  probability, as the greedy trees do, would not.)"""
   batch, vocab = logits1_BV.shape
   sizes = level_sizes(n_nodes, depth)
   keys_BD = jax.vmap(lambda key: jax.random.split(key, depth))(keys_B)
@@ -246,10 +247,10 @@ def mtp_propose_sampled_tree(
     parents.append(jnp.broadcast_to(parent_B[:, None], (batch, c)))
     # Past q's support (top-k / top-p) there is nothing left to draw: no proposal there.
     valid.append(jnp.isfinite(jnp.take_along_axis(logq_BV, tok_BC, axis=1)))
-    # The child to expand: the drafter's likeliest of this depth's draws.
-    best_B = jnp.argmax(jnp.take_along_axis(logq_BV, tok_BC, axis=1), axis=1).astype(jnp.int32)
-    prev_B = jnp.take_along_axis(tok_BC, best_B[:, None], axis=1)[:, 0]
-    parent_B = first + best_B
+    # The child to expand: the first draw, a sample from q as a chain's draft (and the first tried,
+    # so the likeliest to be accepted): the tree holds the chain and adds siblings to it.
+    prev_B = tok_BC[:, 0]
+    parent_B = jnp.full((batch,), first, jnp.int32)
     first += c
   tree = DraftTree(
     tokens_BN=jnp.concatenate(tokens, axis=1).astype(jnp.int32),
