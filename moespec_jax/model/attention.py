@@ -128,9 +128,11 @@ class Attention(nnx.Module):
       m = tree.mask_BTM.shape[2]
       if m <= cpu.TREE_WINDOW:  # the tree's window as each query's mask bits
         keys_NKS, values_NSK = new_cache
-        expand = lambda x_BT: jnp.broadcast_to(x_BT[:, None, :, None], (b, g, t, r)).reshape(b * g, t * r)  # noqa: E731
-        limit_NQ = expand(jnp.broadcast_to((tree.base_B + m - 1)[:, None], (b, t)))
-        base_NQ = expand(jnp.broadcast_to(tree.base_B[:, None], (b, t)))
+
+        def per_query(x_B: jax.Array) -> jax.Array:  # a row's value for each of its (KV head, query) rows
+          return jnp.broadcast_to(jnp.repeat(x_B, g)[:, None], (b * g, t * r))
+
+        limit_NQ, base_NQ = per_query(tree.base_B + m - 1), per_query(tree.base_B)
         window_NQM = jnp.broadcast_to(tree.mask_BTM[:, None, :, None], (b, g, t, r, m)).reshape(b * g, t * r, m)
         out_NQK = cpu.tree_attention(q_NQK * scale, keys_NKS, values_NSK, limit_NQ, base_NQ, window_NQM)
         return self._output(out_NQK.astype(q_NQK.dtype), b, t, kernels.dense), new_cache

@@ -20,6 +20,28 @@ def _stats(rate: float, **extra) -> dict:
   }
 
 
+def _run_bench(tiny_config, tmp_path, *, num_drafts, log=lambda *_: None, **sweep) -> dict:
+  """run_spec_bench on a stand-in model (generate is faked by each test): batch 1, greedy, ngram."""
+  import types
+
+  from moespec_jax.data.tokenizer import ByteTokenizer
+
+  model = types.SimpleNamespace(config=tiny_config, tokenizer=ByteTokenizer())
+  return spec_bench.run_spec_bench(
+    model,
+    tmp_path,
+    batch_sizes=(1,),
+    temperatures=(0.0,),
+    drafters=("ngram",),
+    num_drafts=num_drafts,
+    max_new_tokens=8,
+    repeats=1,
+    prompt_bytes=32,
+    log=log,
+    **sweep,
+  )
+
+
 def test_paired_reverses_the_order_within_each_pair(monkeypatch):
   """Pairs alternate plain-first and speculative-first, each pair on its own seed, and the speedup
   is the median of the ratios within pairs (not the ratio of the medians)."""
@@ -51,10 +73,6 @@ def test_paired_reverses_the_order_within_each_pair(monkeypatch):
 def test_every_program_runs_once_untimed_before_it_is_timed(monkeypatch, tmp_path, tiny_config):
   """A program's first run (slower than its later ones) never enters a row: plain and each K are run
   once before their timed runs, whatever the repeats (--quick's were one)."""
-  import types
-
-  from moespec_jax.data.tokenizer import ByteTokenizer
-
   seen = set()
 
   def fake_generate(model, prompts, *, max_new_tokens, sampling, spec, seed):
@@ -65,19 +83,7 @@ def test_every_program_runs_once_untimed_before_it_is_timed(monkeypatch, tmp_pat
     return msj.GenerateOutput(tokens=None, stats=_stats(rate))
 
   monkeypatch.setattr(msj, "generate", fake_generate)
-  model = types.SimpleNamespace(config=tiny_config, tokenizer=ByteTokenizer())
-  result = spec_bench.run_spec_bench(
-    model,
-    tmp_path,
-    batch_sizes=(1,),
-    temperatures=(0.0,),
-    drafters=("ngram",),
-    num_drafts=(1, 2),
-    max_new_tokens=8,
-    repeats=1,
-    prompt_bytes=32,
-    log=lambda *_: None,
-  )
+  result = _run_bench(tiny_config, tmp_path, num_drafts=(1, 2))
   bench = result["spec_bench"]
   assert bench["plain"][0]["tokens_per_second"] == 100.0
   assert [(r["tokens_per_second"], r["plain_tokens_per_second"], r["speedup"]) for r in bench["rows"]] == [
@@ -87,10 +93,6 @@ def test_every_program_runs_once_untimed_before_it_is_timed(monkeypatch, tmp_pat
 
 
 def test_auto_rows_are_compared_with_the_best_fixed_k(monkeypatch, tmp_path, tiny_config):
-  import types
-
-  from moespec_jax.data.tokenizer import ByteTokenizer
-
   rates = {"none": 100.0, 1: 120.0, 2: 150.0, "auto": 141.0}
 
   def fake_generate(model, prompts, *, max_new_tokens, sampling, spec, seed):
@@ -102,18 +104,7 @@ def test_auto_rows_are_compared_with_the_best_fixed_k(monkeypatch, tmp_path, tin
 
   monkeypatch.setattr(msj, "generate", fake_generate)
   lines = []
-  result = spec_bench.run_spec_bench(
-    types.SimpleNamespace(config=tiny_config, tokenizer=ByteTokenizer()),
-    tmp_path,
-    batch_sizes=(1,),
-    temperatures=(0.0,),
-    drafters=("ngram",),
-    num_drafts=(1, 2, "auto"),
-    max_new_tokens=8,
-    repeats=1,
-    prompt_bytes=32,
-    log=lines.append,
-  )
+  result = _run_bench(tiny_config, tmp_path, num_drafts=(1, 2, "auto"), log=lines.append)
   auto = result["spec_bench"]["rows"][-1]
   assert (auto["num_draft"], auto["mean_num_draft"], auto["chosen_num_draft"]) == ("auto", 1.75, 2)
   assert "auto K, ngram T=0 batch 1: 1.41x plain, 0.94x the best fixed K (mean K 1.75)" in lines
@@ -123,36 +114,21 @@ def test_auto_rows_are_compared_with_the_best_fixed_k(monkeypatch, tmp_path, tin
 def test_trees_run_beside_chains_and_the_best_tree_is_compared_with_the_best_chain(monkeypatch, tmp_path, tiny_config):
   """--tree_nodes: each fixed K <= N also as a tree of N nodes (auto K and K > N: chains only);
   the summary line sets the best tree against the best chain, its tokens and experts a pass."""
-  import types
-
-  from moespec_jax.data.tokenizer import ByteTokenizer
-
   specs = []
 
   def fake_generate(model, prompts, *, max_new_tokens, sampling, spec, seed):
     specs.append((spec.num_draft, spec.tree_nodes))
-    rate = {None: 100.0, 0: 120.0, 4: 150.0}[None if spec.drafter == "none" else spec.tree_nodes or 0]
-    rate += spec.num_draft if isinstance(spec.num_draft, int) and spec.drafter != "none" else 1
-    stats = _stats(rate if spec.drafter != "none" else 100.0, unique_experts_per_pass=[3.0])
+    rate = 100.0  # plain; chains 120 + K (auto: 121), trees of 4 nodes 150 + K
+    if spec.drafter != "none":
+      rate = (150.0 if spec.tree_nodes else 120.0) + (spec.num_draft if spec.num_draft != "auto" else 1)
+    stats = _stats(rate, unique_experts_per_pass=[3.0])
     if spec.num_draft == "auto":
       stats.update(mean_num_draft=1.0, chosen_num_draft=1)
     return msj.GenerateOutput(tokens=None, stats=stats)
 
   monkeypatch.setattr(msj, "generate", fake_generate)
   lines = []
-  result = spec_bench.run_spec_bench(
-    types.SimpleNamespace(config=tiny_config, tokenizer=ByteTokenizer()),
-    tmp_path,
-    batch_sizes=(1,),
-    temperatures=(0.0,),
-    drafters=("ngram",),
-    num_drafts=(2, 6, "auto"),
-    tree_nodes=(0, 4),
-    max_new_tokens=8,
-    repeats=1,
-    prompt_bytes=32,
-    log=lines.append,
-  )
+  result = _run_bench(tiny_config, tmp_path, num_drafts=(2, 6, "auto"), tree_nodes=(0, 4), log=lines.append)
   rows = result["spec_bench"]["rows"]
   assert [(r["num_draft"], r["tree_nodes"]) for r in rows] == [(2, 0), (2, 4), (6, 0), ("auto", 0)]
   assert (2, 4) in specs and (6, 4) not in specs and ("auto", 4) not in specs

@@ -34,6 +34,32 @@ def choose(key_B: jax.Array, logits_BV: jax.Array, sampling: SamplingParams) -> 
   return tok_B, jnp.exp(logq_BV)
 
 
+def module_step(
+  model: ProgramTarget,
+  m: int,
+  hidden_BD: jax.Array,
+  token_B: jax.Array,
+  position_B: jax.Array,
+  cache: KVCache,
+  *,
+  kernels: Kernels,
+  active_B: jax.Array | None,
+) -> tuple[jax.Array, jax.Array, KVCache]:
+  """Module `m` one token a row (a chain's step): (its hidden state [B, D], logits [B, V], cache).
+  Rows outside `active_B` read no routed expert."""
+  h_B1D, logits_B1V, cache = mtp_lib.run_module(
+    model,
+    m,
+    hidden_BD[:, None],
+    token_B[:, None],
+    position_B[:, None],
+    cache,
+    kernels=kernels,
+    valid_BT=None if active_B is None else active_B[:, None],
+  )
+  return h_B1D[:, 0], logits_B1V[:, 0], cache
+
+
 def mtp_propose(
   model: ProgramTarget,
   cache: KVCache,
@@ -59,19 +85,11 @@ def mtp_propose(
   drafts, qs, hidden_BD = [tok_B], [q_BV], h1_BD
 
   def step(m: int, offset: int | jax.Array, hidden_BD: jax.Array, prev_B: jax.Array, key_B: jax.Array, cache: KVCache):
-    pos_B1 = (index_B + offset)[:, None]
-    h_B1D, logits_B1V, cache = mtp_lib.run_module(
-      model,
-      m,
-      hidden_BD[:, None],
-      prev_B[:, None],
-      pos_B1,
-      cache,
-      kernels=kernels,
-      valid_BT=None if active_B is None else active_B[:, None],
+    h_BD, logits_BV, cache = module_step(
+      model, m, hidden_BD, prev_B, index_B + offset, cache, kernels=kernels, active_B=active_B
     )
-    tok_B, q_BV = choose(key_B, logits_B1V[:, 0], sampling)
-    return h_B1D[:, 0], tok_B, q_BV, cache
+    tok_B, q_BV = choose(key_B, logits_BV, sampling)
+    return h_BD, tok_B, q_BV, cache
 
   for depth in range(2, min(num_draft, m_total) + 1):
     m, offset = mtp_lib.module_for_depth(depth, m_total)
@@ -110,27 +128,24 @@ def mtp_propose_tree(
   index_B: jax.Array,
   depth: int,
   n_nodes: int,
-  sampling: SamplingParams,
   *,
   kernels: Kernels,
   active_B: jax.Array | None = None,
 ) -> tuple[DraftTree, KVCache]:
-  """A draft tree of `n_nodes` nodes and depth <= `depth` from one MTP module, chosen by the
+  """A greedy draft tree of `n_nodes` nodes and depth <= `depth` from one MTP module, chosen by the
   drafter's path probability (EAGLE-2's expansion): each level keeps the W = ceil(N / D) likeliest
   paths as its frontier; the module runs over the whole frontier in one call, each node at its
   depth's position and attending to the committed stream, its ancestors and itself (its tree slots
   after the stream: `TreeMask`), and proposes each frontier node's W likeliest children; the N
   likeliest paths among all candidates are the tree (a node's parent is likelier than it, so the
-  tree is closed under parents). Children are deterministic (verified with one-hot q: exact);
-  greedy decoding's trees (sampled decoding's: `mtp_propose_sampled_tree`)."""
+  tree is closed under parents). Children are deterministic (for greedy verification; sampled
+  decoding's trees: `mtp_propose_sampled_tree`)."""
   batch = h1_BD.shape[0]
   width = tree_width(n_nodes, depth)
   window = max(1, (depth - 1) * width)
 
   def logq(logits_XV: jax.Array) -> jax.Array:
-    if sampling.greedy:
-      return jax.nn.log_softmax(logits_XV.astype(jnp.float32), axis=-1)
-    return sampling_lib.filtered_logprobs(logits_XV, sampling)
+    return jax.nn.log_softmax(logits_XV.astype(jnp.float32), axis=-1)
 
   score_BW, tok_BW = jax.lax.top_k(logq(logits1_BV), width)
   cand_tok, cand_score = [tok_BW], [score_BW]
@@ -224,18 +239,10 @@ def mtp_propose_sampled_tree(
   parent_B = jnp.full((batch,), -1, jnp.int32)
   for d, c in enumerate(sizes):
     if d:  # the expanded node's step: its children's distribution
-      pos_B1 = (index_B + d)[:, None]
-      h_B1D, logits_B1V, cache = mtp_lib.run_module(
-        model,
-        0,
-        hidden_BD[:, None],
-        prev_B[:, None],
-        pos_B1,
-        cache,
-        kernels=kernels,
-        valid_BT=None if active_B is None else active_B[:, None],
+      hidden_BD, logits_BV, cache = module_step(
+        model, 0, hidden_BD, prev_B, index_B + d, cache, kernels=kernels, active_B=active_B
       )
-      logq_BV, hidden_BD = sampling_lib.filtered_logprobs(logits_B1V[:, 0], sampling), h_B1D[:, 0]
+      logq_BV = sampling_lib.filtered_logprobs(logits_BV, sampling)
     gumbel_BV = jax.vmap(lambda key: jax.random.gumbel(key, (vocab,)))(keys_BD[:, d])
     _, tok_BC = jax.lax.top_k(logq_BV + gumbel_BV, c)  # draws without replacement, in order
     q_BV = jnp.exp(logq_BV)
@@ -401,7 +408,6 @@ class MtpDrafter(Drafter):
         state.pos_B - 1 - mtp.offset_B,
         k,
         ls.tree_nodes,
-        ls.sampling,
         kernels=model.kernels,
         active_B=state.active_B,
       )

@@ -97,21 +97,15 @@ def prompt_lookup_tree(
   new_BMD = known_BMD & ~jnp.any(same_BMMD & earlier_MM[None, :, :, None], axis=2)
   rank_BC = jnp.cumsum(new_BMD.reshape(batch, -1), axis=1) - 1  # match-major order
   take_BC = new_BMD.reshape(batch, -1) & (rank_BC < n_nodes)
-  rank_BMD = rank_BC.reshape(new_BMD.shape)
   # A node's parent: the canonical copy of its continuation's previous token (-1 at depth 1).
   parent_canon_BMD = jnp.pad(canon_BMD[..., :-1], ((0, 0), (0, 0), (1, 0)))
-  flat_rank_BC = rank_BMD.reshape(batch, -1)
-  parent_flat_BMD = parent_canon_BMD * depth + jnp.maximum(jnp.arange(depth) - 1, 0)[None, None]
-  parent_rank_BMD = jnp.take_along_axis(flat_rank_BC, parent_flat_BMD.reshape(batch, -1), axis=1).reshape(new_BMD.shape)
-  parent_rank_BMD = jnp.where(jnp.arange(depth)[None, None] == 0, -1, parent_rank_BMD)
+  parent_at_BC = (parent_canon_BMD * depth + jnp.maximum(jnp.arange(depth) - 1, 0)).reshape(batch, -1)
+  at_depth1_C = jnp.tile(jnp.arange(depth) == 0, m)
+  parent_rank_BC = jnp.where(at_depth1_C[None], -1, jnp.take_along_axis(rank_BC, parent_at_BC, axis=1))
   slot_BC = jnp.where(take_BC, rank_BC, n_nodes)
   rows_B1 = jnp.arange(batch)[:, None]
   tokens_BN = jnp.zeros((batch, n_nodes), jnp.int32).at[rows_B1, slot_BC].set(tok_BMD.reshape(batch, -1), mode="drop")
-  parent_BN = (
-    jnp.full((batch, n_nodes), -1, jnp.int32)
-    .at[rows_B1, slot_BC]
-    .set(parent_rank_BMD.reshape(batch, -1).astype(jnp.int32), mode="drop")
-  )
+  parent_BN = jnp.full((batch, n_nodes), -1, jnp.int32).at[rows_B1, slot_BC].set(parent_rank_BC, mode="drop")
   valid_BN = jnp.zeros((batch, n_nodes), jnp.bool_).at[rows_B1, slot_BC].set(True, mode="drop")
   return tokens_BN, parent_BN, valid_BN
 
