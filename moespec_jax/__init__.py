@@ -3,6 +3,15 @@
 from moespec_jax.api import Model
 from moespec_jax.config import ModelConfig
 from moespec_jax.decoding.loop import GenerateOutput, generate
-from moespec_jax.decoding.params import ResearchOptions, SamplingParams, SpecParams
+from moespec_jax.decoding.params import ResearchOptions, SamplingParams, SpecParams, TreeCost
 
-__all__ = ["GenerateOutput", "Model", "ModelConfig", "ResearchOptions", "SamplingParams", "SpecParams", "generate"]
+__all__ = [
+  "GenerateOutput",
+  "Model",
+  "ModelConfig",
+  "ResearchOptions",
+  "SamplingParams",
+  "SpecParams",
+  "TreeCost",
+  "generate",
+]

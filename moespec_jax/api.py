@@ -14,14 +14,19 @@ import numpy.typing as npt
 from flax import nnx
 
 from moespec_jax.config import ModelConfig
+from moespec_jax.data import batches as batches_lib
 from moespec_jax.data import tokenizer as tokenizer_lib
 from moespec_jax.data.tokenizer import Tokenizer
 from moespec_jax.io import atomic, checkpoint
 from moespec_jax.model import ForwardOutput, Kernels, PackedWeights, Transformer, pack_weights
+from moespec_jax.model import expert_table as expert_table_lib
 from pallas_kernels.policy import KernelPolicy
 
 FORMAT = "moespec_jax"
 FORMAT_VERSION = 1
+# The default expert table (`Model.expert_table`): windows of the corpus's train split.
+EXPERT_TABLE_WINDOWS = 128
+EXPERT_TABLE_LENGTH = 256
 
 
 @functools.partial(jax.jit, static_argnums=(0,), static_argnames=("policy",))
@@ -50,6 +55,8 @@ class Model:
     self.hf_extras: dict[str, Any] = {}
     # (the parameter arrays they were packed from, {(head, dense): PackedWeights}): `packed_weights`.
     self._packed = None
+    # (the parameter arrays it was counted from, the default ExpertTable): `expert_table`.
+    self._expert_table = None
 
   # Construction -----------------------------------------------------------------------
   @classmethod
@@ -94,6 +101,23 @@ class Model:
   def module(self) -> Transformer:
     """A fresh NNX module holding this model's parameters."""
     return nnx.merge(self.graphdef, self.state)
+
+  def expert_table(self, tokens: npt.ArrayLike | None = None) -> expert_table_lib.ExpertTable:
+    """Each token's predicted experts per MoE layer (`model.expert_table`: what expert-aware draft
+    trees read), counted from the target's routing over `tokens` [rows, length], or by default over
+    `EXPERT_TABLE_WINDOWS` windows of `EXPERT_TABLE_LENGTH` tokens of the corpus's train split
+    (fixed offsets), counted once per parameter set."""
+    if tokens is not None:
+      return expert_table_lib.build(self.module(), self.validate_tokens(tokens))
+    leaves = jax.tree.leaves(self.state)
+    cached = self._expert_table
+    if cached is None or len(cached[0]) != len(leaves) or any(a is not b for a, b in zip(cached[0], leaves)):
+      train = batches_lib.corpus_tokens(self.tokenizer, "train")
+      length = min(EXPERT_TABLE_LENGTH, self.config.max_seq_len, train.size)
+      starts = np.random.default_rng(0).integers(0, train.size - length + 1, EXPERT_TABLE_WINDOWS)
+      windows = np.stack([train[s : s + length] for s in starts])
+      cached = self._expert_table = (leaves, expert_table_lib.build(self.module(), windows))
+    return cached[1]
 
   # Persistence ------------------------------------------------------------------------
   def save(self, path: atomic.PathLike) -> pathlib.Path:

@@ -210,6 +210,7 @@ def _prepare(
   seed_u32 = np.asarray(int(seed) & 0xFFFFFFFF, np.uint32)
   inputs = drafter.host_inputs(
     spec,
+    model=model,
     reference_tokens=reference_tokens,
     seed_u32=seed_u32,
     n_rows=len(ids),

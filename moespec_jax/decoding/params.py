@@ -10,9 +10,10 @@ import dataclasses
 
 from moespec_jax.decoding import drafters as drafters_lib
 from moespec_jax.decoding.sampling_params import SamplingParams
+from moespec_jax.decoding.tree_select import TreeCost
 from moespec_jax.model.budget import ExpertBudget
 
-__all__ = ["ResearchOptions", "SamplingParams", "SpecParams"]
+__all__ = ["ResearchOptions", "SamplingParams", "SpecParams", "TreeCost"]
 
 MODES = ("exact", "budgeted")
 KERNELS = ("auto", "dedup", "per_slot", "xla")
@@ -22,8 +23,9 @@ KERNELS = ("auto", "dedup", "per_slot", "xla")
 # built, or on TPU/GPU); "xla" keeps XLA's ops.
 HEAD_KERNELS = ATTENTION_KERNELS = DENSE_KERNELS = ("auto", "xla")
 # How a drafter that branches chooses a tree's nodes: by its own ranking of the continuations
-# (prompt lookup: its matches in rank order).
-TREE_POLICIES = ("probability",)
+# (prompt lookup: its matches in rank order); or, the MTP heads at T = 0, by that ranking less
+# the experts each node is predicted to add to the pass (`decoding.tree_select`).
+TREE_POLICIES = ("probability", "expert_aware")
 # The largest draft tree a pass verifies.
 MAX_TREE_NODES = 64
 # What the controlled drafter's passes pay for drafting: nothing (a table lookup), or the model's
@@ -107,7 +109,11 @@ class SpecParams:
   tree_nodes: None, chains of num_draft drafts; N, every pass verifies a draft tree of N nodes
   and depth at most num_draft (drafters that branch: `Drafter.branches`), in one target pass with
   exact tree verification (`rejection.verify_tree_sampled`). tree_policy: how the drafter chooses
-  the tree's nodes (TREE_POLICIES).
+  the tree's nodes (TREE_POLICIES); "expert_aware" ranks a node by log q(path) - expert_penalty *
+  the (layer, expert) pairs it is predicted to add to the pass's union (`Model.expert_table`).
+  tree_truncate: each pass verifies only the prefix of the chosen nodes that maximises expected
+  committed tokens over the pass time `tree_cost` predicts (default `TreeCost.from_bytes`: a pass
+  bound by the weight bytes it reads). Both choose nodes by their tokens: greedy decoding only.
   """
 
   drafter: str = "none"
@@ -120,6 +126,9 @@ class SpecParams:
   budget_scope: str = "batch"
   tree_nodes: int | None = None
   tree_policy: str = "probability"
+  expert_penalty: float = 0.5
+  tree_truncate: bool = False
+  tree_cost: TreeCost | None = None
   research: ResearchOptions = ResearchOptions()
 
   def __post_init__(self) -> None:
@@ -147,6 +156,17 @@ class SpecParams:
       )
     if self.tree_policy not in TREE_POLICIES:
       raise ValueError(f"tree_policy must be one of {TREE_POLICIES}, got {self.tree_policy!r}")
+    penalty = self.expert_penalty
+    if isinstance(penalty, bool) or not isinstance(penalty, (int, float)) or not 0 <= penalty < float("inf"):
+      raise ValueError(f"expert_penalty must be a finite number >= 0, got {penalty!r}")
+    if not isinstance(self.tree_truncate, bool):
+      raise ValueError(f"tree_truncate must be a bool, got {self.tree_truncate!r}")
+    if self.tree_cost is not None and not isinstance(self.tree_cost, TreeCost):
+      raise ValueError(f"tree_cost must be a TreeCost or None, got {type(self.tree_cost).__name__}")
+    if self.tree_cost is not None and not self.tree_truncate:
+      raise ValueError("tree_cost is what tree_truncate reads: set tree_truncate=True")
+    if self.tree_nodes is None and (self.tree_policy != "probability" or self.tree_truncate):
+      raise ValueError("tree_policy='expert_aware' and tree_truncate choose a draft tree's nodes: give tree_nodes")
     if self.tree_nodes is not None:
       if not _is_int(self.tree_nodes) or not 1 <= self.tree_nodes <= MAX_TREE_NODES:
         raise ValueError(
@@ -156,6 +176,12 @@ class SpecParams:
       if not drafter_cls.branches:
         can = ", ".join(repr(name) for name, d in drafters_lib.REGISTRY.items() if d.branches)
         raise ValueError(f"drafter {self.drafter!r} does not branch: tree_nodes needs one that does ({can})")
+      if (self.tree_policy != "probability" or self.tree_truncate) and not drafter_cls.weighs_experts:
+        can = ", ".join(repr(name) for name, d in drafters_lib.REGISTRY.items() if d.weighs_experts)
+        raise ValueError(
+          f"drafter {self.drafter!r} cannot weigh its tree's nodes by their experts "
+          f"(tree_policy='expert_aware', tree_truncate): {can} can"
+        )
       if self.num_draft == "auto":
         raise ValueError("num_draft='auto' chooses chains only: give the trees' depth (an int) with tree_nodes")
       if self.num_draft < 1 or self.tree_nodes < self.num_draft:

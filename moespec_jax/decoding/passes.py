@@ -343,6 +343,11 @@ def record(
   if config.n_moe_layers:
     unique_L = _count_unique_experts(verified.output.routing.expert_ids, verified.experts_BS, config.n_routed_experts)
     stats = stats.replace(unique_L=stats.unique_L + unique_L)
+  if ls.tree_nodes and verified.tree.num_nodes:
+    valid_nodes = jnp.sum(verified.tree.valid_BN & active_B[:, None]).astype(jnp.float32)
+    stats = stats.replace(verified_nodes=stats.verified_nodes + valid_nodes)
+  if verified.tree.predicted_unique_L is not None:
+    stats = stats.replace(predicted_unique_L=stats.predicted_unique_L + verified.tree.predicted_unique_L)
   if ls.trace_passes:  # passes past the trace's rows (the calibration's loops) are not recorded
     row_4 = jnp.stack(
       [

@@ -80,6 +80,13 @@ def public_stats(
     # The acceptance estimate at the end, pooled over the rows (decayed evidence from drafts
     # and shadow drafts).
     stats["acceptance_estimate"] = float(auto_draft.acceptance_estimate(raw.acceptance_evidence_B2.sum(0)))
+  if ls.tree_nodes:
+    stats["tree_nodes"] = ls.tree_nodes
+    # Valid draft nodes verified per active row and pass (a truncated tree verifies fewer).
+    stats["verified_nodes_per_pass"] = float(raw.verified_nodes) / row_passes if row_passes else 0.0
+  if raw.predicted_unique_L is not None:
+    # What the drafter predicted the same passes to read (`unique_experts_per_pass`: what they read).
+    stats["predicted_unique_experts_per_pass"] = (raw.predicted_unique_L / max(verify_passes, 1)).tolist()
   if ls.trace_passes:
     stats["pass_trace"] = pass_trace(raw.pass_trace_P4[:verify_passes], float(raw.trace_end_ms_1[0]))
   if budget is not None:

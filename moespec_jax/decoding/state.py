@@ -119,6 +119,11 @@ class Stats:
   """[K]: of those, the passes whose draft at depth j was accepted."""
   unique_L: jax.Array = _stat(("L",), reported=_always)
   """[L]: distinct experts read per MoE layer, summed over passes."""
+  verified_nodes: jax.Array = _stat((), reported=lambda ls: bool(ls.tree_nodes))
+  """[]: tree passes: the valid draft nodes of the active rows, summed over passes."""
+  predicted_unique_L: jax.Array = _stat(("L",), reported=lambda ls: getattr(ls.drafter, "predicts_experts", False))
+  """[L]: drafters that predict their nodes' experts: the predicted distinct experts per MoE layer
+  of each pass (pending tokens and valid nodes of the active rows), summed over passes."""
   passes_by_K: jax.Array = _stat(("K+1",), reported=lambda ls: ls.auto)
   """[K + 1]: passes run at each K."""
   acceptance_evidence_B2: jax.Array = _stat(("B", 2), reported=lambda ls: ls.auto)

@@ -14,6 +14,7 @@ if TYPE_CHECKING:
   import jax
 
   from moespec_jax.data.tokenizer import Tokenizer
+  from moespec_jax.model.expert_table import ExpertTable
   from moespec_jax.model.kernels import PackedWeights
   from moespec_jax.model.transformer import Transformer
 
@@ -34,3 +35,5 @@ class ModelHandle(Protocol):
   def expert_method(self, kernel: str = "auto") -> str: ...
 
   def module(self) -> Transformer: ...
+
+  def expert_table(self) -> ExpertTable: ...

@@ -84,6 +84,56 @@ def test_greedy_mtp_tree_tokens_equal_plain_greedy(mtp_model, depth, nodes):
   assert len(out.stats["acceptance_by_depth"]) == depth
 
 
+@pytest.mark.parametrize(
+  "kwargs",
+  [
+    dict(tree_policy="expert_aware", expert_penalty=1.0),
+    dict(tree_truncate=True),
+    dict(tree_policy="expert_aware", expert_penalty=0.3, tree_truncate=True),
+  ],
+)
+def test_greedy_trees_chosen_by_their_experts_equal_plain_greedy(mtp_model, kwargs):
+  """Trees chosen by their predicted experts, truncated or not, verify to plain greedy decoding's
+  tokens on a ragged batch, and report the experts they predicted beside those read."""
+  config = mtp_model.config
+  plain = msj.generate(mtp_model, RAGGED + REPEATS, max_new_tokens=20)
+  spec = msj.SpecParams(drafter="mtp", num_draft=3, tree_nodes=6, **kwargs)
+  out = msj.generate(mtp_model, RAGGED + REPEATS, max_new_tokens=20, spec=spec)
+  np.testing.assert_array_equal(out.tokens, plain.tokens)
+  predicted = out.stats["predicted_unique_experts_per_pass"]
+  assert len(predicted) == config.n_moe_layers
+  assert all(config.top_k <= p <= config.n_routed_experts for p in predicted)
+  assert 1.0 <= out.stats["verified_nodes_per_pass"] <= 6.0
+
+
+def test_expert_choice_without_a_penalty_is_the_probability_tree(mtp_model):
+  """At penalty 0 the expert-aware policy chooses the same nodes (in another order): the same
+  passes and acceptance. Truncation: where only tokens cost (one plain pass each), a node is worth
+  its path's q < 1 and the first node alone pays best; where nothing costs, every node is kept."""
+  prompts, greedy = RAGGED + REPEATS, dict(drafter="mtp", num_draft=3, tree_nodes=6)
+  prob = msj.generate(mtp_model, prompts, max_new_tokens=20, spec=msj.SpecParams(**greedy))
+  aware = msj.generate(
+    mtp_model, prompts, max_new_tokens=20, spec=msj.SpecParams(**greedy, tree_policy="expert_aware", expert_penalty=0.0)
+  )
+  for key in ("verify_passes", "mean_accepted_length", "acceptance_by_depth", "unique_experts_per_pass"):
+    np.testing.assert_allclose(aware.stats[key], prob.stats[key], err_msg=key)
+  assert prob.stats["verified_nodes_per_pass"] == 6.0 and "predicted_unique_experts_per_pass" not in prob.stats
+  for cost, nodes in (
+    (msj.TreeCost(fixed=0.0, per_node=1.0, per_expert=0.0), 1.0),
+    (msj.TreeCost(1.0, 0.0, 0.0), 6.0),
+  ):
+    spec = msj.SpecParams(**greedy, tree_truncate=True, tree_cost=cost)
+    out = msj.generate(mtp_model, prompts, max_new_tokens=20, spec=spec)
+    assert out.stats["verified_nodes_per_pass"] == nodes
+    np.testing.assert_array_equal(out.tokens, prob.tokens)
+
+
+def test_expert_choice_is_greedy_only(mtp_model):
+  spec = msj.SpecParams(drafter="mtp", num_draft=2, tree_nodes=4, tree_policy="expert_aware")
+  with pytest.raises(ValueError, match="temperature 0"):
+    msj.generate(mtp_model, [[1, 2, 3]], sampling=msj.SamplingParams(temperature=1.0), spec=spec)
+
+
 def test_an_mtp_tree_of_one_node_a_level_is_the_chain(mtp_model):
   """N = D keeps one path (W = 1): the greedy chain's drafts, so the same acceptance pass by pass."""
   chain = msj.generate(mtp_model, RAGGED, max_new_tokens=16, spec=msj.SpecParams(drafter="mtp", num_draft=3))
@@ -130,6 +180,13 @@ def test_trees_keep_eos_max_new_tokens_and_the_budgeted_mode(tiny_model):
     (dict(drafter="ngram", num_draft=4, tree_nodes=3), r"tree_nodes \(3\) must be >= num_draft \(4\)"),
     (dict(drafter="ngram", num_draft=2, tree_nodes=0), "tree_nodes must be None"),
     (dict(drafter="ngram", num_draft=2, tree_nodes=4, tree_policy="cheapest"), "tree_policy"),
+    (dict(drafter="ngram", num_draft=2, tree_nodes=4, tree_policy="expert_aware"), "cannot weigh"),
+    (dict(drafter="ngram", num_draft=2, tree_nodes=4, tree_truncate=True), "cannot weigh"),
+    (dict(drafter="mtp", num_draft=2, tree_policy="expert_aware"), "give tree_nodes"),
+    (dict(drafter="mtp", num_draft=2, tree_truncate=True), "give tree_nodes"),
+    (dict(drafter="mtp", num_draft=2, tree_nodes=4, expert_penalty=-1.0), "expert_penalty"),
+    (dict(drafter="mtp", num_draft=2, tree_nodes=4, tree_truncate=1), "tree_truncate must be a bool"),
+    (dict(drafter="mtp", num_draft=2, tree_nodes=4, tree_cost=msj.TreeCost(1.0, 0.0, 0.1)), "set tree_truncate"),
   ],
 )
 def test_tree_settings_are_checked(kwargs, match):

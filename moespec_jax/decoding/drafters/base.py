@@ -24,7 +24,9 @@ from moespec_jax.decoding.sampling_params import SamplingParams
 from moespec_jax.decoding.state import LoopSpec, LoopState, ProgramTarget
 
 if TYPE_CHECKING:
+  from moespec_jax.decoding.tree_select import TreeCost
   from moespec_jax.model.cache import KVCache
+  from moespec_jax.model.handle import ModelHandle
   from moespec_jax.model.transformer import ForwardOutput
 
 
@@ -55,6 +57,18 @@ class DraftSpec(Protocol):
   def tree_nodes(self) -> int | None: ...
 
   @property
+  def tree_policy(self) -> str: ...
+
+  @property
+  def expert_penalty(self) -> float: ...
+
+  @property
+  def tree_truncate(self) -> bool: ...
+
+  @property
+  def tree_cost(self) -> TreeCost | None: ...
+
+  @property
   def research(self) -> DraftResearch: ...
 
 
@@ -72,6 +86,9 @@ class DraftTree:
   matter (greedy) or where every draft is deterministic and verified greedily."""
   valid_BN: jax.Array
   """bool [B, N]: False where the drafter proposed nothing (rejected; its token drawn from p)."""
+  predicted_unique_L: jax.Array | None = None
+  """float32 [L]: drafters that predict their nodes' experts: the distinct experts per MoE layer
+  they predict the pass to read (the batch's pending tokens and valid nodes)."""
   is_chain: bool = struct.field(pytree_node=False, default=False)
   """Static: parent[j] = j - 1 in every row (what verification handles today)."""
 
@@ -143,10 +160,13 @@ class Drafter:
     takes_reference: generate's `reference_tokens` are its input.
     branches: it proposes draft trees (`SpecParams.tree_nodes`): `propose` then returns a tree of
       `ls.tree_nodes` nodes of depth at most k.
+    weighs_experts: its trees can be chosen by their predicted experts (`SpecParams.tree_policy`
+      "expert_aware", `tree_truncate`).
   """
 
   drafts: ClassVar[bool] = True
   branches: ClassVar[bool] = False
+  weighs_experts: ClassVar[bool] = False
   shadows: ClassVar[bool] = False
   per_depth: ClassVar[bool] = False
   takes_reference: ClassVar[bool] = False
@@ -168,6 +188,7 @@ class Drafter:
     self,
     spec: DraftSpec,
     *,
+    model: ModelHandle,
     reference_tokens: ArrayLike | None,
     seed_u32: np.ndarray,
     n_rows: int,
@@ -177,7 +198,7 @@ class Drafter:
   ) -> Any:
     """Arrays drawn before the program (a pytree, the program's `inputs` argument; None).
     `length`: output indices a pass may read (max_new_tokens + max_k + 1)."""
-    del spec, reference_tokens, seed_u32, n_rows, max_new_tokens, length, vocab_size
+    del spec, model, reference_tokens, seed_u32, n_rows, max_new_tokens, length, vocab_size
     return None
 
   def calibration_key(self, inputs: Any) -> Any:

@@ -30,6 +30,7 @@ from moespec_jax.decoding.state import LoopSpec, LoopState, ProgramTarget, row_k
 
 if TYPE_CHECKING:
   from moespec_jax.model.cache import KVCache
+  from moespec_jax.model.handle import ModelHandle
   from moespec_jax.model.transformer import ForwardOutput
 
 # The table draws from this stream of each row's key (passes use 0, 1, ...).
@@ -141,6 +142,7 @@ class ControlledDrafter(Drafter):
     self,
     spec: DraftSpec,
     *,
+    model: ModelHandle,
     reference_tokens: ArrayLike | None,
     seed_u32: np.ndarray,
     n_rows: int,
@@ -150,6 +152,7 @@ class ControlledDrafter(Drafter):
   ) -> ControlledInputs:
     """The table, drawn and fetched to the host (dispatch is asynchronous: a table still being
     drawn would be timed with the program)."""
+    del model
     if reference_tokens is None:
       raise ValueError(
         "drafter='controlled' needs reference_tokens: the plain greedy output "

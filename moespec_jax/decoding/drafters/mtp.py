@@ -9,19 +9,25 @@ from typing import TYPE_CHECKING, ClassVar
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from moespec_jax.config import ModelConfig
 from moespec_jax.decoding import sampling as sampling_lib
+from moespec_jax.decoding import tree_select
 from moespec_jax.decoding.drafters.base import Drafter, DraftSpec, DraftTree, Verified
 from moespec_jax.decoding.sampling_params import SamplingParams
 from moespec_jax.decoding.state import LoopSpec, LoopState, ProgramTarget
 from moespec_jax.model import mtp as mtp_lib
 from moespec_jax.model.cache import KVCache, TreeMask
+from moespec_jax.model.expert_table import ExpertTable
 from moespec_jax.model.kernels import Kernels
 from moespec_jax.model.layers import at_index
 
 if TYPE_CHECKING:
+  from jax.typing import ArrayLike
+
+  from moespec_jax.model.handle import ModelHandle
   from moespec_jax.model.transformer import ForwardOutput
 
 
@@ -131,6 +137,7 @@ def mtp_propose_tree(
   *,
   kernels: Kernels,
   active_B: jax.Array | None = None,
+  by_experts: ExpertChoice | None = None,
 ) -> tuple[DraftTree, KVCache]:
   """A greedy draft tree of `n_nodes` nodes and depth <= `depth` from one MTP module, chosen by the
   drafter's path probability (EAGLE-2's expansion): each level keeps the W = ceil(N / D) likeliest
@@ -139,7 +146,10 @@ def mtp_propose_tree(
   after the stream: `TreeMask`), and proposes each frontier node's W likeliest children; the N
   likeliest paths among all candidates are the tree (a node's parent is likelier than it, so the
   tree is closed under parents). Children are deterministic (for greedy verification; sampled
-  decoding's trees: `mtp_propose_sampled_tree`)."""
+  decoding's trees: `mtp_propose_sampled_tree`).
+
+  `by_experts`: the nodes are chosen among the same candidates by their predicted experts too
+  (`tree_select.select_expert_aware`; with a cost, truncated: `tree_select.truncate`)."""
   batch = h1_BD.shape[0]
   width = tree_width(n_nodes, depth)
   window = max(1, (depth - 1) * width)
@@ -185,10 +195,14 @@ def mtp_propose_tree(
       mask_BWM = jnp.take_along_axis(mask_BWM, parent_BW[..., None], axis=1) | own_BWM
     n_cands += width * width
   tok_BX, score_BX, parent_BX = (jnp.concatenate(x, axis=1) for x in (cand_tok, cand_score, cand_parent))
-  # The N likeliest candidates (ties: the lower index, an ancestor before its descendants), in
-  # candidate order: parents come first.
-  _, chosen_BN = jax.lax.top_k(score_BX, n_nodes)
-  chosen_BN = jnp.sort(chosen_BN, axis=1)
+  valid_BN, predicted_L = jnp.ones((batch, n_nodes), jnp.bool_), None
+  if by_experts is None:
+    # The N likeliest candidates (ties: the lower index, an ancestor before its descendants), in
+    # candidate order: parents come first.
+    _, chosen_BN = jax.lax.top_k(score_BX, n_nodes)
+    chosen_BN = jnp.sort(chosen_BN, axis=1)
+  else:
+    chosen_BN, valid_BN, predicted_L = by_experts.choose(score_BX, parent_BX, tok_BX, n_nodes, active_B)
   parent_id_BN = jnp.take_along_axis(parent_BX, chosen_BN, axis=1)
   # A parent's node index: its place among the chosen (-1: the root).
   is_parent_BNN = chosen_BN[:, None, :] == parent_id_BN[:, :, None]
@@ -197,9 +211,44 @@ def mtp_propose_tree(
     tokens_BN=jnp.take_along_axis(tok_BX, chosen_BN, axis=1).astype(jnp.int32),
     parent_BN=parent_BN,
     q_BNV=None,
-    valid_BN=jnp.ones((batch, n_nodes), jnp.bool_),
+    valid_BN=valid_BN,
+    predicted_unique_L=predicted_L,
   )
   return tree, cache
+
+
+@struct.dataclass(kw_only=True)
+class ExpertChoice:
+  """A greedy tree's nodes chosen by their predicted experts (`SpecParams.tree_policy`
+  "expert_aware" and `tree_truncate`): the table, the pending tokens (the root), the penalty and
+  the pass-time model of the truncation (None: no truncation)."""
+
+  table: ExpertTable
+  pending_B: jax.Array
+  n_experts: int = struct.field(pytree_node=False)
+  penalty: float = struct.field(pytree_node=False)
+  cost: tree_select.TreeCost | None = struct.field(pytree_node=False, default=None)
+
+  def choose(
+    self, score_BX: jax.Array, parent_BX: jax.Array, tok_BX: jax.Array, n_nodes: int, active_B: jax.Array | None
+  ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(chosen_BN candidate indices in their chosen order, valid_BN, the predicted distinct experts
+    per layer of the pass [L])."""
+    batch = score_BX.shape[0]
+    act_B = jnp.ones((batch,), jnp.bool_) if active_B is None else active_B
+    sets_BXLE = self.table.expert_sets(tok_BX, self.n_experts)
+    root_BLE = self.table.expert_sets(self.pending_B, self.n_experts)
+    chosen_BN, added_BN, _ = tree_select.select_expert_aware(
+      score_BX, parent_BX, sets_BXLE, root_BLE, n_nodes, self.penalty, act_B
+    )
+    valid_BN = jnp.ones((batch, n_nodes), jnp.bool_)
+    if self.cost is not None:
+      score_BN = jnp.take_along_axis(score_BX, chosen_BN, axis=1)
+      valid_BN = tree_select.truncate(score_BN, added_BN, jnp.sum(root_BLE, axis=(1, 2)), self.cost)
+    chosen_BNLE = jnp.take_along_axis(sets_BXLE, chosen_BN[:, :, None, None], axis=1)
+    read_BNLE = chosen_BNLE & (valid_BN & act_B[:, None])[:, :, None, None]
+    union_LE = jnp.any(root_BLE & act_B[:, None, None], axis=0) | jnp.any(read_BNLE, axis=(0, 1))
+    return chosen_BN, valid_BN, jnp.sum(union_LE, axis=-1).astype(jnp.float32)
 
 
 def level_sizes(n_nodes: int, depth: int) -> list[int]:
@@ -278,6 +327,8 @@ class MtpState:
   """[B, V]: module 1's logits there: the depth-1 draft's distribution."""
   offset_B: jax.Array
   """int32 [B]: the prompt position at stream index 0 (the window's start; 0: every position)."""
+  expert_table: ExpertTable | None = None
+  """The target's predicted experts per token, where the trees are chosen by them."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -294,8 +345,18 @@ class MtpDrafter(Drafter):
   """
 
   prompt_window: int = 0
+  tree_policy: str = "probability"
+  expert_penalty: float = 0.0
+  tree_cost: tree_select.TreeCost | None = None
+  """Where trees are truncated (`SpecParams.tree_truncate`): the pass-time model; else None."""
 
   branches: ClassVar[bool] = True
+  weighs_experts: ClassVar[bool] = True
+
+  @property
+  def predicts_experts(self) -> bool:
+    """Whether its trees are chosen by their predicted experts (it then reports them)."""
+    return self.tree_policy == "expert_aware" or self.tree_cost is not None
 
   @classmethod
   def for_call(cls, spec: DraftSpec, *, config: ModelConfig, sampling: SamplingParams, prompt_len: int) -> MtpDrafter:
@@ -317,7 +378,35 @@ class MtpDrafter(Drafter):
       )
     # 0: every prompt position (a window as long as the padded prompt is all of it).
     window = spec.research.mtp_prompt_window or 0
-    return cls(prompt_window=window if window < prompt_len else 0)
+    window = window if window < prompt_len else 0
+    if not tree_nodes or (spec.tree_policy == "probability" and not spec.tree_truncate):
+      return cls(prompt_window=window)
+    if not sampling.greedy:
+      raise ValueError(
+        "tree_policy='expert_aware' and tree_truncate choose nodes by their tokens, which keeps greedy "
+        "verification exact but not sampled verification: use temperature 0, or tree_policy='probability'"
+      )
+    if not config.n_moe_layers:
+      raise ValueError("tree_policy='expert_aware' and tree_truncate weigh experts: the model has no MoE layer")
+    cost = (spec.tree_cost or tree_select.TreeCost.from_bytes(config)) if spec.tree_truncate else None
+    penalty = float(spec.expert_penalty) if spec.tree_policy == "expert_aware" else 0.0
+    return cls(prompt_window=window, tree_policy=spec.tree_policy, expert_penalty=penalty, tree_cost=cost)
+
+  def host_inputs(
+    self,
+    spec: DraftSpec,
+    *,
+    model: ModelHandle,
+    reference_tokens: ArrayLike | None,
+    seed_u32: np.ndarray,
+    n_rows: int,
+    max_new_tokens: int,
+    length: int,
+    vocab_size: int,
+  ) -> ExpertTable | None:
+    """The target's expert table (`ModelHandle.expert_table`) where trees are chosen by it."""
+    del spec, reference_tokens, seed_u32, n_rows, max_new_tokens, length, vocab_size
+    return model.expert_table() if self.predicts_experts else None
 
   def prefill(
     self,
@@ -354,7 +443,7 @@ class MtpDrafter(Drafter):
     prefilled: ForwardOutput,
     note: tuple[int, jax.Array, jax.Array],
     first_B: jax.Array,
-    inputs: None,
+    inputs: ExpertTable | None,
     ls: LoopSpec,
   ) -> MtpState:
     """The heads' stream over the window: index j holds prompt position offset + j."""
@@ -378,7 +467,7 @@ class MtpDrafter(Drafter):
       valid_BT=at_index(prompt_BT, window_BW),
       fresh_cache=True,
     )
-    return MtpState(cache=mcache, h1_BD=h1_BD, logits1_BV=logits1_BV, offset_B=offset_B)
+    return MtpState(cache=mcache, h1_BD=h1_BD, logits1_BV=logits1_BV, offset_B=offset_B, expert_table=inputs)
 
   def propose(
     self, model: ProgramTarget, state: LoopState, k: int, keys_B: jax.Array, ls: LoopSpec
@@ -410,6 +499,15 @@ class MtpDrafter(Drafter):
         ls.tree_nodes,
         kernels=model.kernels,
         active_B=state.active_B,
+        by_experts=None
+        if mtp.expert_table is None
+        else ExpertChoice(
+          table=mtp.expert_table,
+          pending_B=state.pending_B,
+          n_experts=model.config.n_routed_experts,
+          penalty=self.expert_penalty,
+          cost=self.tree_cost,
+        ),
       )
       return tree, mtp.replace(cache=mcache)
     keys_BK = jax.vmap(lambda key: jax.random.split(key, k))(keys_B)
