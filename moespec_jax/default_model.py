@@ -99,8 +99,8 @@ def ensure_default_model(log: Callable[[str], None] = print, *, train_heads: boo
     from moespec_jax.training import mtp
 
     tc = mtp.MTPTrainConfig.from_dict(cfg.mtp)
-    if not tc.time_budget_s:  # the demo's budget for the heads: about 3 minutes
-      tc = dataclasses.replace(tc, time_budget_s=180.0)
+    if not tc.time_budget_s:  # the demo's budget for the heads: 2.5 minutes at most
+      tc = dataclasses.replace(tc, time_budget_s=150.0)
     log(
       f"the default model has no MTP heads: training {tc.num_mtp_modules} ({tc.loss} loss, "
       f"{tc.steps} steps; resumable in {mtp_workdir()})"

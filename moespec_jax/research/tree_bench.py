@@ -144,6 +144,18 @@ def row_specs(
   return specs
 
 
+def traced_passes(model: msj.Model, groups: Sequence[list], max_new_tokens: int, sampling, spec) -> dict[str, list]:
+  """Every pass of one run over each group of prompts, timed inside the program (`pass_trace`),
+  the groups' traces concatenated."""
+  traced = dataclasses.replace(spec, research=msj.ResearchOptions(pass_trace=True))
+  merged: dict[str, list] = {}
+  for group in groups:
+    trace = msj.generate(model, group, max_new_tokens=max_new_tokens, sampling=sampling, spec=traced).stats
+    for key, values in trace["pass_trace"].items():
+      merged.setdefault(key, []).extend(values)
+  return merged
+
+
 def latency_percentiles(trace: dict[str, list], plain_ms: float | None, batch: int) -> dict[str, Any]:
   """P50/P95/P99 of milliseconds per output token over a traced run's passes (each pass's time over
   the tokens it committed, over the batch's rows), and at batch 1 each request's utility a pass:
@@ -210,24 +222,15 @@ def run_tree_bench(
   for temperature, batch, specs in plans:
     sampling = msj.SamplingParams(temperature=float(temperature))
     groups = spec_bench.prompt_groups(prompts, batch)
-    plain_spec = msj.SpecParams(drafter="none", research=msj.ResearchOptions(pass_trace=True))
-    plain_trace = msj.generate(model, groups[0], max_new_tokens=max_new_tokens, sampling=sampling, spec=plain_spec)
-    plain_ms = (
-      float(np.median(plain_trace.stats["pass_trace"]["ms"])) if plain_trace.stats["pass_trace"]["ms"] else None
-    )
+    plain_trace = traced_passes(model, groups, max_new_tokens, sampling, msj.SpecParams(drafter="none"))
+    plain_ms = float(np.median(plain_trace["ms"])) if plain_trace["ms"] else None
     plain_programs = programs.PROGRAMS.signatures()
     for label, spec in specs:
       spec_bench.warm_up(model, groups, max_new_tokens, sampling, spec)
       tps, plain_tps, speedup, acc_len, stats = spec_bench.paired(
         model, groups, max_new_tokens, sampling, spec, repeats
       )
-      traced = msj.generate(
-        model,
-        groups[0],
-        max_new_tokens=max_new_tokens,
-        sampling=sampling,
-        spec=dataclasses.replace(spec, research=msj.ResearchOptions(pass_trace=True)),
-      ).stats
+      traced = traced_passes(model, groups, max_new_tokens, sampling, spec)
       experts_L = stats["unique_experts_per_pass"]
       nodes = stats.get("verified_nodes_per_pass", float(label["num_draft"]))
       row = {
@@ -250,7 +253,7 @@ def run_tree_bench(
         "tokens_per_expert_read": acc_len * batch / max(float(np.sum(experts_L)), 1e-9),
         "tokens_per_verified_node": acc_len / max(1.0 + nodes, 1e-9),
         "bytes_bound_speedup": bytes_bound_speedup(config, acc_len, batch * (1.0 + nodes), experts_L),
-        **latency_percentiles(traced["pass_trace"], plain_ms, batch),
+        **latency_percentiles(traced, plain_ms, batch),
       }
       rows.append(row)
       progress.update(len(rows), speedup=speedup)
