@@ -49,9 +49,9 @@ def train_config() -> ml_collections.ConfigDict:
       seed=0,
       batch_size=8,
       seq_len=256,
-      # What `make demo` affords on 2 cores with the rest of its 15 minutes (450 steps: 1.82 bits a
-      # byte against 1.80, about 50 s less; docs/findings/2026-12-04-make-demo.md).
-      steps=500,
+      # What `make demo` affords on 2 cores with the rest of its 15 minutes (500 steps: 1.80 bits a
+      # byte against 1.82, but a fresh demo then measured 16 min; docs/findings/2026-12-04-make-demo.md).
+      steps=450,
       learning_rate=3e-3,
       min_lr_ratio=0.1,
       warmup_steps=50,

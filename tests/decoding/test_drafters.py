@@ -28,7 +28,7 @@ class ReplayDrafter(drafters.Drafter):
   shadows: ClassVar[bool] = True
   takes_reference: ClassVar[bool] = True
 
-  def host_inputs(self, spec, *, reference_tokens, seed_u32, n_rows, max_new_tokens, length, vocab_size):
+  def host_inputs(self, spec, *, model, reference_tokens, seed_u32, n_rows, max_new_tokens, length, vocab_size):
     table_BN = np.zeros((n_rows, length), np.int32)
     table_BN[:, :max_new_tokens] = np.maximum(np.asarray(reference_tokens)[:, :max_new_tokens], 0)
     return table_BN

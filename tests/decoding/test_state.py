@@ -45,6 +45,8 @@ def test_statistics_start_in_their_declared_shapes():
     "reached_K": (3,),
     "accepted_K": (3,),
     "unique_L": (5,),
+    "verified_nodes": (),
+    "predicted_unique_L": (5,),
     "passes_by_K": (4,),
     "acceptance_evidence_B2": (2, 2),
     "depth_evidence_BK2": (2, 3, 2),
