@@ -6,8 +6,8 @@ light predictor names for a token before the target routes it, on held-out text,
 `run_tree_bench`: per batch size and temperature, plain decoding beside each tree and chain row
 (paired runs, `spec_bench.paired`), and per row the metrics of seed 004's list: tokens a pass,
 verified nodes, distinct experts a pass (read and predicted), committed tokens per expert read and
-per verified node, P50/P95/P99 milliseconds per output token and batch 1's per-request utility from
-one traced run, and a projection where a pass is bound by the weight bytes it reads (the bytes
+per verified node, P50/P95/P99 milliseconds per output token and batch 1's per-request utility over
+the passes of one traced run of each prompt group, and a projection where a pass is bound by the weight bytes it reads (the bytes
 model's ratio against a plain pass: a bandwidth cancels out of it).
 """
 
@@ -32,7 +32,7 @@ from moespec_jax.model import expert_table as expert_table_lib
 from moespec_jax.model import mtp as mtp_lib
 from moespec_jax.research import spec_bench
 
-# The policies a row can run: (label, tree_policy, whether truncated).
+# The tree rows' policies (a row's "policy"; chains are "chain"), in the order the summary gives them.
 POLICIES = ("probability", "expert_aware", "probability+truncate", "expert_aware+truncate")
 
 
