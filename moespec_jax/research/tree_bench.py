@@ -7,8 +7,8 @@ light predictor names for a token before the target routes it, on held-out text,
 (paired runs, `spec_bench.paired`), and per row the metrics of seed 004's list: tokens a pass,
 verified nodes, distinct experts a pass (read and predicted), committed tokens per expert read and
 per verified node, P50/P95/P99 milliseconds per output token and batch 1's per-request utility over
-the passes of one traced run of each prompt group, and a projection where a pass is bound by the weight bytes it reads (the bytes
-model's ratio against a plain pass: a bandwidth cancels out of it).
+the passes of one traced run of each prompt group, and a projection where a pass is bound by the
+weight bytes it reads (the bytes model's ratio against a plain pass: a bandwidth cancels out of it).
 """
 
 from __future__ import annotations
