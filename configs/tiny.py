@@ -1,8 +1,8 @@
 """The default trained model: a fine-grained MoE (DeepSeek-V2-Lite-like ratios) trainable on 2 CPU cores.
 
 32 small routed experts, top-4, one shared expert, first layer dense; a byte-level BPE of 1024
-tokens trained on the corpus (about 2.6 bytes a token: at equal training time it reached a lower
-validation bits per byte than raw bytes, docs/findings/2026-12-07-default-model-tokenizer.md).
+tokens trained on the corpus (at equal training time it reached a lower validation bits per byte
+than raw bytes: docs/findings/2026-12-07-default-model-tokenizer.md).
 """
 
 import ml_collections
@@ -49,8 +49,8 @@ def train_config() -> ml_collections.ConfigDict:
       seed=0,
       batch_size=8,
       seq_len=256,
-      # What `make demo` affords on 2 cores with the rest of its 15 minutes (500 steps: 1.80 bits a
-      # byte against 1.82, but a fresh demo then measured 16 min; docs/findings/2026-12-04-make-demo.md).
+      # What a fresh `make demo` affords on 2 cores within its 15 minutes, more steps left no margin
+      # (docs/findings/2026-12-04-make-demo.md, "Fitting the quarter of an hour").
       steps=450,
       learning_rate=3e-3,
       min_lr_ratio=0.1,
@@ -78,7 +78,8 @@ def mtp_config() -> ml_collections.ConfigDict:
       loss="distill",
       batch_size=8,
       seq_len=256,
-      # The whole schedule within the demo's time budget for the heads (about 0.5 s a step).
+      # The whole schedule within the demo's time budget for the heads (default_model.py; the
+      # steps' time: docs/findings/2026-12-04-make-demo.md).
       steps=240,
       learning_rate=3e-3,
       min_lr_ratio=0.1,

@@ -39,6 +39,11 @@ def _pack(graphdef: nnx.GraphDef, state: nnx.State, *, head: bool, dense: bool) 
   return pack_weights(nnx.merge(graphdef, state), head=head, dense=dense)
 
 
+def _from_leaves(cached: tuple[list[jax.Array], Any] | None, leaves: list[jax.Array]) -> bool:
+  """Whether a (parameter arrays, value) pair was derived from these very parameter arrays."""
+  return cached is not None and len(cached[0]) == len(leaves) and all(a is b for a, b in zip(cached[0], leaves))
+
+
 class Model:
   """A target MoE model (and its MTP heads once trained) with its tokenizer.
 
@@ -82,7 +87,7 @@ class Model:
     the caller has it already."""
     leaves = jax.tree.leaves(self.state) if leaves is None else leaves
     cached = self._packed
-    if cached is None or len(cached[0]) != len(leaves) or any(a is not b for a, b in zip(cached[0], leaves)):
+    if not _from_leaves(cached, leaves):
       cached = self._packed = (leaves, {})
     parts = cached[1]
     found = parts.get((head, dense))
@@ -111,7 +116,7 @@ class Model:
       return expert_table_lib.build(self.module(), self.validate_tokens(tokens))
     leaves = jax.tree.leaves(self.state)
     cached = self._expert_table
-    if cached is None or len(cached[0]) != len(leaves) or any(a is not b for a, b in zip(cached[0], leaves)):
+    if not _from_leaves(cached, leaves):
       train = batches_lib.corpus_tokens(self.tokenizer, "train")
       length = min(EXPERT_TABLE_LENGTH, self.config.max_seq_len, train.size)
       starts = np.random.default_rng(0).integers(0, train.size - length + 1, EXPERT_TABLE_WINDOWS)

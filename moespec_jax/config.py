@@ -151,6 +151,11 @@ class ModelConfig:
     return layer >= self.first_k_dense
 
   @property
+  def moe_layers(self) -> list[int]:
+    """The MoE layers' indices (from 0), in order: the L axis of routing traces and statistics."""
+    return [i for i in range(self.n_layers) if self.is_moe_layer(i)]
+
+  @property
   def shared_width(self) -> int:
     """Width of the fused shared-expert SwiGLU (0 without shared experts)."""
     if not self.n_shared_experts:

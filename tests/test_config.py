@@ -23,6 +23,7 @@ def test_the_dense_layers_are_a_prefix():
   config = ModelConfig(n_layers=4, first_k_dense=1)
   assert config.n_moe_layers == 3
   assert [config.is_moe_layer(i) for i in range(4)] == [False, True, True, True]
+  assert config.moe_layers == [1, 2, 3]
   assert ModelConfig(n_layers=2, first_k_dense=2).n_moe_layers == 0
 
 

@@ -121,7 +121,7 @@ class Stats:
   """[L]: distinct experts read per MoE layer, summed over passes."""
   verified_nodes: jax.Array = _stat((), reported=lambda ls: bool(ls.tree_nodes))
   """[]: tree passes: the valid draft nodes of the active rows, summed over passes."""
-  predicted_unique_L: jax.Array = _stat(("L",), reported=lambda ls: getattr(ls.drafter, "predicts_experts", False))
+  predicted_unique_L: jax.Array = _stat(("L",), reported=lambda ls: ls.drafter.predicts_experts)
   """[L]: drafters that predict their nodes' experts: the predicted distinct experts per MoE layer
   of each pass (pending tokens and valid nodes of the active rows), summed over passes."""
   passes_by_K: jax.Array = _stat(("K+1",), reported=lambda ls: ls.auto)

@@ -34,10 +34,6 @@ class ExpertTable:
   ids_LVK: jax.Array
   """int32 [L, V, K]: the predicted experts of token v at MoE layer l."""
 
-  @property
-  def n_layers(self) -> int:
-    return self.ids_LVK.shape[0]
-
   def predict(self, tokens: jax.Array) -> jax.Array:
     """int32 [..., L, K]: the predicted experts of each token of `tokens` [...]."""
     return jnp.moveaxis(self.ids_LVK[:, tokens], 0, -2)
@@ -47,16 +43,11 @@ class ExpertTable:
     return jnp.any(jax.nn.one_hot(self.predict(tokens), n_experts, dtype=jnp.bool_), axis=-2)
 
 
-def moe_layers(module: Transformer) -> list[int]:
-  """The indices of the target's MoE blocks (the layers of `Routing`'s L axis, in order)."""
-  return [i for i in range(module.config.n_layers) if module.config.is_moe_layer(i)]
-
-
 def router_prediction(module: Transformer, x_ND: jax.Array) -> jax.Array:
   """int32 [L, N, K]: each MoE layer's routing of the residual-stream vectors `x_ND` (the layer's
   FFN norm, router and top-k, as the target routes its own residual stream there)."""
   out = []
-  for i in moe_layers(module):
+  for i in module.config.moe_layers:
     block = module.layers[i]
     moe = block.ffn
     normed_ND = block.ffn_norm(x_ND.astype(jnp.float32))

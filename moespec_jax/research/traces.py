@@ -12,7 +12,7 @@ from moespec_jax.data import corpus
 
 def moe_layers(model) -> list[int]:
   """The model layers (from 0) whose routing a trace holds, in its order: the MoE layers."""
-  return [i for i in range(model.config.n_layers) if model.config.is_moe_layer(i)]
+  return model.config.moe_layers
 
 
 def heldout_trace(model: msj.Model, *, n_segments: int = 64, seq_len: int = 256, batch_size: int = 8) -> RoutingTrace:

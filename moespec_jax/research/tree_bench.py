@@ -232,7 +232,8 @@ def run_tree_bench(
       )
       traced = traced_passes(model, groups, max_new_tokens, sampling, spec)
       experts_L = stats["unique_experts_per_pass"]
-      nodes = stats.get("verified_nodes_per_pass", float(label["num_draft"]))
+      # A chain verifies its K drafts; a tree reports its valid nodes.
+      nodes = stats["verified_nodes_per_pass"] if label["tree_nodes"] else float(label["num_draft"])
       row = {
         **label,
         "batch_size": batch,

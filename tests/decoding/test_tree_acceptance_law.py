@@ -139,7 +139,8 @@ def test_tree_verification_commits_the_targets_joint_law(case, deterministic):
   seq, joint, n = _first_three_tokens(1, CASES[case], deterministic=deterministic)
   check = _joint_check(seq, joint)
   assert not check.rejects, check.describe()
-  # The check must be able to see a 25% bias of its likeliest cell (its power, computed by the check).
+  # The check must be powerful enough to see a bias of its likeliest cell of the size asserted here
+  # (its power, computed by the check).
   assert check.detectable_best <= 0.25, check.describe()
   flat = joint.reshape(-1)
   assert flat[(seq[:, 0] * V + seq[:, 1]) * V + seq[:, 2]].min() > 0  # never a token of probability 0

@@ -171,6 +171,12 @@ class Drafter:
   per_depth: ClassVar[bool] = False
   takes_reference: ClassVar[bool] = False
 
+  @property
+  def predicts_experts(self) -> bool:
+    """Whether its trees are chosen by their nodes' predicted experts (it then reports them in
+    `DraftTree.predicted_unique_L`)."""
+    return False
+
   # Host side: validation and configuration.
 
   @classmethod

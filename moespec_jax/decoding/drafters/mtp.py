@@ -355,7 +355,6 @@ class MtpDrafter(Drafter):
 
   @property
   def predicts_experts(self) -> bool:
-    """Whether its trees are chosen by their predicted experts (it then reports them)."""
     return self.tree_policy == "expert_aware" or self.tree_cost is not None
 
   @classmethod
@@ -473,57 +472,27 @@ class MtpDrafter(Drafter):
     self, model: ProgramTarget, state: LoopState, k: int, keys_B: jax.Array, ls: LoopSpec
   ) -> tuple[DraftTree, MtpState]:
     mtp = state.draft_state
+    # What every proposal starts from: the heads' cache and last fill, depth 1's stream index.
+    start = (mtp.cache, mtp.h1_BD, mtp.logits1_BV, state.pos_B - 1 - mtp.offset_B)
+    run = dict(kernels=model.kernels, active_B=state.active_B)
     if ls.tree_nodes and not ls.sampling.greedy:
-      tree, mcache = mtp_propose_sampled_tree(
-        model,
-        mtp.cache,
-        mtp.h1_BD,
-        mtp.logits1_BV,
-        state.pos_B - 1 - mtp.offset_B,
-        keys_B,
-        k,
-        ls.tree_nodes,
-        ls.sampling,
-        kernels=model.kernels,
-        active_B=state.active_B,
-      )
-      return tree, mtp.replace(cache=mcache)
-    if ls.tree_nodes:
-      tree, mcache = mtp_propose_tree(
-        model,
-        mtp.cache,
-        mtp.h1_BD,
-        mtp.logits1_BV,
-        state.pos_B - 1 - mtp.offset_B,
-        k,
-        ls.tree_nodes,
-        kernels=model.kernels,
-        active_B=state.active_B,
-        by_experts=None
-        if mtp.expert_table is None
-        else ExpertChoice(
+      tree, mcache = mtp_propose_sampled_tree(model, *start, keys_B, k, ls.tree_nodes, ls.sampling, **run)
+    elif ls.tree_nodes:
+      by_experts = None
+      if mtp.expert_table is not None:
+        by_experts = ExpertChoice(
           table=mtp.expert_table,
           pending_B=state.pending_B,
           n_experts=model.config.n_routed_experts,
           penalty=self.expert_penalty,
           cost=self.tree_cost,
-        ),
-      )
-      return tree, mtp.replace(cache=mcache)
-    keys_BK = jax.vmap(lambda key: jax.random.split(key, k))(keys_B)
-    drafts_BK, q_BKV, mcache = mtp_propose(
-      model,
-      mtp.cache,
-      mtp.h1_BD,
-      mtp.logits1_BV,
-      state.pos_B - 1 - mtp.offset_B,
-      keys_BK,
-      k,
-      ls.sampling,
-      kernels=model.kernels,
-      active_B=state.active_B,
-    )
-    return DraftTree.chain(drafts_BK, q_BKV), mtp.replace(cache=mcache)
+        )
+      tree, mcache = mtp_propose_tree(model, *start, k, ls.tree_nodes, by_experts=by_experts, **run)
+    else:
+      keys_BK = jax.vmap(lambda key: jax.random.split(key, k))(keys_B)
+      drafts_BK, q_BKV, mcache = mtp_propose(model, *start, keys_BK, k, ls.sampling, **run)
+      tree = DraftTree.chain(drafts_BK, q_BKV)
+    return tree, mtp.replace(cache=mcache)
 
   def update(self, model: ProgramTarget, draft_state: MtpState, verified: Verified, ls: LoopSpec) -> MtpState:
     """The heads' fill over the accepted positions. After a plain pass (possible only under auto
