@@ -31,8 +31,10 @@ lint: $(DEV_STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
+# Then the expert-parallel tests, in a process of 8 simulated CPU devices (tests/conftest.py).
 test: lint
 	$(PY) -m pytest -q -n 2 --dist loadfile tests
+	MOESPEC_TEST_MESH=1 $(PY) -m pytest -q tests/mesh
 
 clean-venv:
 	rm -rf $(VENV)

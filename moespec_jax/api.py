@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import numpy.typing as npt
 from flax import nnx
+from jax.sharding import Mesh
 
 from moespec_jax.config import ModelConfig
 from moespec_jax.data import batches as batches_lib
@@ -20,6 +21,9 @@ from moespec_jax.data.tokenizer import Tokenizer
 from moespec_jax.io import atomic, checkpoint
 from moespec_jax.model import ForwardOutput, Kernels, PackedWeights, Transformer, pack_weights
 from moespec_jax.model import expert_table as expert_table_lib
+from moespec_jax.parallel import mesh as mesh_lib
+from moespec_jax.parallel import placement
+from pallas_kernels.expert_parallel import ExpertSharding
 from pallas_kernels.policy import KernelPolicy
 
 FORMAT = "moespec_jax"
@@ -51,11 +55,20 @@ class Model:
   parameters as an explicit pytree.
   """
 
-  def __init__(self, config: ModelConfig, graphdef: nnx.GraphDef, state: nnx.State, tokenizer: Tokenizer) -> None:
+  def __init__(
+    self,
+    config: ModelConfig,
+    graphdef: nnx.GraphDef,
+    state: nnx.State,
+    tokenizer: Tokenizer,
+    mesh: Mesh | None = None,
+  ) -> None:
     self.config = config
     self.graphdef = graphdef
     self.state = state
     self.tokenizer = tokenizer
+    # The device mesh the parameters live on (`moespec_jax.parallel.mesh`), None: one device.
+    self.mesh = mesh
     # Hugging Face import only: {"spec": ImportSpec}.
     self.hf_extras: dict[str, Any] = {}
     # (the parameter arrays they were packed from, {(head, dense): PackedWeights}): `packed_weights`.
@@ -65,13 +78,34 @@ class Model:
 
   # Construction -----------------------------------------------------------------------
   @classmethod
-  def init(cls, config: ModelConfig, seed: int = 0, tokenizer: Tokenizer | None = None) -> Model:
-    """A randomly initialised model."""
+  def init(
+    cls, config: ModelConfig, seed: int = 0, tokenizer: Tokenizer | None = None, *, mesh: Mesh | None = None
+  ) -> Model:
+    """A randomly initialised model. With `mesh` (`make_mesh`), its routed experts are sharded on
+    the mesh's expert axis and the rest replicated, each device computing only its own share."""
     if not isinstance(config, ModelConfig):
       raise ValueError(f"config must be a ModelConfig, got {type(config).__name__}")
-    graphdef, state = nnx.split(Transformer(config, rngs=nnx.Rngs(int(seed))))
     tokenizer = tokenizer if tokenizer is not None else tokenizer_lib.load_tokenizer(config.tokenizer)
-    return cls(config, graphdef, state, tokenizer)
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))))
+    shardings = None
+    if mesh is not None:
+      mesh_lib.check_model(config, mesh)
+      shardings = mesh_lib.state_shardings(abstract, mesh)
+    # Compiled with or without a mesh, so that both give the same bits (XLA folds the initialisers'
+    # constants, so an eager init differs from a compiled one in some last bits).
+    make = jax.jit(lambda: nnx.split(Transformer(config, rngs=nnx.Rngs(int(seed))))[1], out_shardings=shardings)
+    return cls(config, graphdef, make(), tokenizer, mesh)
+
+  def on_mesh(self, mesh: Mesh | None) -> Model:
+    """This model with its parameters placed on `mesh` (`make_mesh`; None: on one device)."""
+    if mesh is None:
+      state = jax.device_put(self.state, jax.local_devices()[0])
+    else:
+      mesh_lib.check_model(self.config, mesh)
+      state = mesh_lib.place(self.state, mesh)
+    model = type(self)(self.config, self.graphdef, state, self.tokenizer, mesh)
+    model.hf_extras = self.hf_extras
+    return model
 
   @classmethod
   def from_module(cls, module: Transformer, tokenizer: Tokenizer) -> Model:
@@ -104,8 +138,9 @@ class Model:
     return found
 
   def module(self) -> Transformer:
-    """A fresh NNX module holding this model's parameters."""
-    return nnx.merge(self.graphdef, self.state)
+    """A fresh NNX module holding this model's parameters (its own variables: changing them leaves
+    this model as it is)."""
+    return nnx.merge(self.graphdef, self.state, copy=True)
 
   def expert_table(self, tokens: npt.ArrayLike | None = None) -> expert_table_lib.ExpertTable:
     """Each token's predicted experts per MoE layer (`model.expert_table`: what expert-aware draft
@@ -146,12 +181,15 @@ class Model:
     return export.export_qwen2_moe(self, path)
 
   @classmethod
-  def load(cls, path: atomic.PathLike, dtype: str | None = None) -> Model:
+  def load(cls, path: atomic.PathLike, dtype: str | None = None, *, mesh: Mesh | None = None) -> Model:
     """Loads a directory written by `save`, or a Hugging Face model directory.
 
     A Hugging Face directory (config.json with a `model_type`, safetensors weights) is
     imported by `moespec_jax.hf`; `dtype` ("float32" / "bfloat16") casts its weights
     (default: kept, float32 on CPU). `dtype` is for Hugging Face directories only.
+    With `mesh` (`make_mesh`) the parameters are placed as `init` places them: a directory of
+    `save` restores each device's shard from the checkpoint directly; a Hugging Face directory is
+    read on the host, then placed.
     """
     path = pathlib.Path(path).expanduser()
     config_file = path / "config.json"
@@ -165,17 +203,21 @@ class Model:
         config, graphdef, state, tokenizer, extras = hf.load_checkpoint(path, dtype=dtype)
         model = cls(config, graphdef, state, tokenizer)
         model.hf_extras = extras
-        return model
+        return model if mesh is None else model.on_mesh(mesh)
       raise ValueError(f"{config_file} is not a moespec_jax model config")
     if dtype is not None:
       raise ValueError("dtype is an option for Hugging Face directories only")
     config = ModelConfig.from_dict(meta["model_config"])
     abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
     graphdef, abstract_state = nnx.split(abstract)
-    pure = checkpoint.load_pytree(path / "params", checkpoint.abstract_tree(nnx.to_pure_dict(abstract_state)))
+    target = nnx.to_pure_dict(abstract_state)
+    if mesh is not None:
+      mesh_lib.check_model(config, mesh)
+      target = mesh_lib.abstract_on_mesh(target, mesh)
+    pure = checkpoint.load_pytree(path / "params", checkpoint.abstract_tree(target))
     nnx.replace_by_pure_dict(abstract_state, pure)
     tokenizer = tokenizer_lib.load_tokenizer(path / "tokenizer")
-    return cls(config, graphdef, abstract_state, tokenizer)
+    return cls(config, graphdef, abstract_state, tokenizer, mesh)
 
   # Computation ------------------------------------------------------------------------
   def expert_method(self, kernel: str = "auto") -> str:
@@ -195,12 +237,26 @@ class Model:
   def forward_full(self, tokens: npt.ArrayLike, *, kernel: str = "auto") -> ForwardOutput:
     """Full-sequence forward without cache: logits, final hidden states and routing."""
     tokens = self.validate_tokens(tokens)
-    policy = KernelPolicy(expert_method=self.expert_method(kernel))
+    policy = KernelPolicy(expert_method=self.expert_method(kernel), experts=self.expert_sharding())
     return _forward(self.graphdef, self.state, jnp.asarray(tokens), policy=policy)
 
   def forward(self, tokens: npt.ArrayLike, *, kernel: str = "auto") -> jax.Array:
     """tokens int [B, T] -> float32 logits [B, T, V]."""
     return self.forward_full(tokens, kernel=kernel).logits
+
+  def renumber_experts(self, order: npt.ArrayLike) -> Model:
+    """An equivalent model whose expert j of MoE layer l is this model's expert order[l, j]
+    (`parallel.placement.renumber_experts`); on this model's mesh, rank r then holds the experts
+    order[l, r E / R : (r + 1) E / R]: `placement.expert_order(rank_LE)` realises a placement."""
+    module = self.module()
+    placement.renumber_experts(module, np.asarray(order))
+    graphdef, state = nnx.split(module)
+    model = type(self)(self.config, graphdef, state, self.tokenizer)
+    return model if self.mesh is None else model.on_mesh(self.mesh)
+
+  def expert_sharding(self) -> ExpertSharding | None:
+    """Where the routed experts run: the dispatch's view of the model's mesh (None: one device)."""
+    return None if self.mesh is None else mesh_lib.expert_sharding(self.mesh)
 
   def param_counts(self) -> dict[str, Any]:
     return self.config.param_counts()

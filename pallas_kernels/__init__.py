@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels import cpu, tuning
+from pallas_kernels import cpu, expert_parallel, tuning
 from pallas_kernels.grouped import expert_ffn_grouped
 from pallas_kernels.policy import BACKENDS, METHODS, KernelPolicy, resolve_backend
 from pallas_kernels.reference import expert_ffn_dense, expert_ffn_reference
@@ -190,10 +190,21 @@ def expert_ffn(
   method: str = "xla",
   backend: str = "auto",
   interpret: bool = False,
+  sharding: expert_parallel.ExpertSharding | None = None,
 ) -> jax.Array:
-  """y_t = sum_k gates[t, k] * SwiGLU_{expert_ids[t, k]}(x_t); shapes: x [T, D], ids/gates [T, K]."""
+  """y_t = sum_k gates[t, k] * SwiGLU_{expert_ids[t, k]}(x_t); shapes: x [T, D], ids/gates [T, K].
+
+  `sharding`: the experts' weights are sharded over a mesh's expert axis (expert_parallel.py): each
+  rank runs `method` on its own experts, the tokens replicated or exchanged (`expert_parallel.exchanges`)."""
   if method not in METHODS:
     raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+  if sharding is not None:
+    local_ffn = functools.partial(expert_ffn, method=method, backend=backend, interpret=interpret)
+    args = (x_TD, expert_ids_TK, gates_TK, w_gate_EDF, w_up_EDF, w_down_EFD)
+    if not expert_parallel.exchanges(x_TD.shape[0], sharding):
+      return expert_parallel.replicated_dispatch(*args, sharding=sharding, local_ffn=local_ffn)
+    ragged = expert_parallel.ragged_all_to_all_compiles(resolve_backend(backend))
+    return expert_parallel.exchanged_dispatch(*args, sharding=sharding, local_ffn=local_ffn, ragged=ragged)
   if method == "auto":
     method = choose_method(x_TD.shape[0], expert_ids_TK.shape[1], backend)
   if method == "xla":

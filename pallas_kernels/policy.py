@@ -16,6 +16,7 @@ import dataclasses
 import jax
 
 from pallas_kernels import cpu
+from pallas_kernels.expert_parallel import ExpertSharding
 
 METHODS = ("xla", "dedup", "per_slot", "auto")
 BACKENDS = ("auto", "cpu", "tpu", "gpu", "interpret")
@@ -67,6 +68,9 @@ class KernelPolicy:
   # False: no routed expert runs (their output is zero and no expert weight is read), a diagnostic
   # that times a pass without them; its tokens are not the model's.
   routed_experts: bool = True
+  # The routed experts' weights are sharded over a mesh's expert axis (expert_parallel.py); None:
+  # every expert on the program's device.
+  experts: ExpertSharding | None = None
 
   def __post_init__(self) -> None:
     if self.expert_method is not None and self.expert_method not in METHODS:
@@ -95,12 +99,13 @@ class KernelPolicy:
     dense: str = "auto",
     attention: str = "auto",
     platform: str | None = None,
+    experts: ExpertSharding | None = None,
   ) -> KernelPolicy:
     """The policy of a program for `platform` (None: jax.default_backend(); 'cpu', 'tpu', 'gpu', or
     'cuda' / 'rocm' for 'gpu'). `kernel`: the expert method (METHODS), kept as given. `head`,
     `dense`, `attention`: 'auto' (the C++ kernel on the CPU platform where the library builds,
     XLA's ops elsewhere), 'cpu' (ValueError where it cannot run) or 'xla'. The norms are
-    row-invariant where attention runs the C++ kernel."""
+    row-invariant where attention runs the C++ kernel. `experts`: the routed experts' mesh, if any."""
     if kernel not in METHODS:
       raise ValueError(f"kernel must be one of {METHODS}, got {kernel!r}")
     family = platform_family(jax.default_backend() if platform is None else platform)
@@ -120,4 +125,10 @@ class KernelPolicy:
         )
         raise ValueError(f"{name}='cpu' needs the C++ CPU kernels, which cannot run here ({why})")
       resolved[name] = "cpu" if choice != "xla" and cpu_kernels else "xla"
-    return cls(expert_method=kernel, platform=family, row_invariant_norms=resolved["attention"] == "cpu", **resolved)
+    return cls(
+      expert_method=kernel,
+      platform=family,
+      row_invariant_norms=resolved["attention"] == "cpu",
+      experts=experts,
+      **resolved,
+    )

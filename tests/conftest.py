@@ -17,6 +17,13 @@ _FAST_COMPILE_FLAGS = {
   "xla_cpu_use_fusion_emitters": "false",
   "xla_llvm_disable_expensive_passes": "true",
 }
+# The expert-parallel tests (tests/mesh/) need MESH_DEVICES simulated CPU devices, which XLA sets up
+# as JAX starts: a process gets them with MOESPEC_TEST_MESH=1 (make test's second run) and then runs
+# those tests alone; other runs leave them out (`pytest_collection_modifyitems`).
+MESH_DEVICES = 8
+MESH_RUN = os.environ.get("MOESPEC_TEST_MESH") == "1"
+if MESH_RUN:
+  _FAST_COMPILE_FLAGS["xla_force_host_platform_device_count"] = str(MESH_DEVICES)
 for _name, _value in _FAST_COMPILE_FLAGS.items():
   if _name not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --{_name}={_value}").strip()
@@ -78,10 +85,25 @@ def tiny_model(tiny_config):
   return msj.Model.init(tiny_config, seed=0)
 
 
-def pytest_collection_modifyitems(config, items):
-  """Files with slow tests first, each file's order kept: `make test` deals whole files to two
-  workers (pytest-xdist, --dist loadfile), and a long file dealt last would run alone."""
+def _is_mesh_test(item) -> bool:
+  return "mesh" in pathlib.Path(item.path).relative_to(pathlib.Path(__file__).parent).parts[:1]
+
+
+def pytest_report_header(config):
   del config
+  if MESH_RUN:
+    return f"the expert-parallel tests alone, on {MESH_DEVICES} simulated CPU devices"
+  return "tests/mesh/ left out: they run with MOESPEC_TEST_MESH=1 (make test's second run)"
+
+
+def pytest_collection_modifyitems(config, items):
+  """The mesh run's tests alone, or every other test (see MESH_RUN). Files with slow tests first,
+  each file's order kept: `make test` deals whole files to two workers (pytest-xdist, --dist
+  loadfile), and a long file dealt last would run alone."""
+  keep = [item for item in items if _is_mesh_test(item) == MESH_RUN]
+  if len(keep) != len(items):
+    config.hook.pytest_deselected(items=[item for item in items if item not in keep])
+    items[:] = keep
   slow_files = {item.path for item in items if item.get_closest_marker("slow")}
   items.sort(key=lambda item: item.path not in slow_files)
 

@@ -9,6 +9,8 @@
 - Geometric acceptance with rate a: tokens per pass (1 - a^(K+1)) / (1 - a); speedup =
   tokens per pass * T_plain / (T_draft(K) + T_verify(K+1)); the best K is a monotone
   staircase in a, and speculation pays only where that speedup exceeds 1.
+- On R expert ranks (expert parallelism): the slowest rank's distinct experts per MoE layer, and the
+  collectives that combine the ranks' outputs (`ep_verify_ms`; seed 004's dispatch/combine terms).
 """
 
 from __future__ import annotations
@@ -134,3 +136,77 @@ def break_even_acceptance(
     else:
       lo = mid
   return hi
+
+
+# Expert parallelism ------------------------------------------------------------------------------
+# A verification pass on R expert ranks (the replicated dispatch, pallas_kernels.expert_parallel):
+# every rank reads the non-expert weights and runs the layers outside the experts on all tokens; per
+# MoE layer it reads its own distinct experts, and the pass waits for the slowest rank; then the
+# partial outputs [tokens, d_model] are summed over the ranks (an all-reduce). The exchanged dispatch
+# (prefill, training) instead sends each (token, slot) pair's activations to its expert's rank and
+# back (two all-to-alls).
+
+
+@dataclasses.dataclass(frozen=True)
+class Interconnect:
+  """What a collective costs: per-device bandwidths (GB/s, one direction) within a node and between
+  nodes, a fixed time per collective (µs), and the ranks a node holds."""
+
+  link_gbps: float
+  cross_node_gbps: float
+  latency_us: float
+  ranks_per_node: int
+
+  def __post_init__(self) -> None:
+    if not (self.link_gbps > 0 and self.cross_node_gbps > 0):
+      raise ValueError(f"bandwidths must be > 0, got {self.link_gbps}, {self.cross_node_gbps}")
+    if self.latency_us < 0 or self.ranks_per_node < 1:
+      raise ValueError(f"need latency_us >= 0 and ranks_per_node >= 1, got {self.latency_us}, {self.ranks_per_node}")
+
+
+def allreduce_ms(message_bytes: float, ranks: int, link: Interconnect) -> float:
+  """A ring all-reduce of `message_bytes` over `ranks`: each rank sends and receives 2 (R - 1) / R
+  of the message, over the slowest link the ring crosses (between nodes where the ranks span
+  several), plus the fixed time."""
+  if ranks <= 1:
+    return 0.0
+  gbps = link.cross_node_gbps if ranks > link.ranks_per_node else link.link_gbps
+  return 2.0 * (ranks - 1) / ranks * message_bytes / (gbps * 1e6) + link.latency_us * 1e-3
+
+
+def all_to_all_ms(sent_bytes: float, cross_node_share: float, link: Interconnect) -> float:
+  """An all-to-all in which a rank sends `sent_bytes` to the others, `cross_node_share` of it to
+  other nodes (each part at its link's bandwidth, the parts in turn), plus the fixed time."""
+  within = sent_bytes * (1.0 - cross_node_share) / (link.link_gbps * 1e6)
+  across = sent_bytes * cross_node_share / (link.cross_node_gbps * 1e6)
+  return within + across + link.latency_us * 1e-3
+
+
+def ep_verify_ms(
+  *,
+  other_bytes: float,
+  expert_bytes: float,
+  slowest_rank_experts_L: Sequence[float],
+  tokens: int,
+  d_model: int,
+  activation_bytes: int,
+  ranks: int,
+  read_gbps: float,
+  link: Interconnect,
+  fixed_ms: float = 0.0,
+) -> dict[str, float]:
+  """A verification pass of `tokens` tokens (all rows) on `ranks` expert ranks, replicated dispatch:
+  {"other": the non-expert weights read by every rank, "experts": each MoE layer's slowest rank's
+  distinct experts (`slowest_rank_experts_L`) read, "combine": an all-reduce of the layer's output
+  per MoE layer, "fixed", "total"} in ms; `expert_bytes`: one expert's weights."""
+  other = other_bytes / (read_gbps * 1e6)
+  experts = float(np.sum(slowest_rank_experts_L)) * expert_bytes / (read_gbps * 1e6)
+  message = tokens * d_model * activation_bytes
+  combine = len(slowest_rank_experts_L) * allreduce_ms(message, ranks, link)
+  return {
+    "other": other,
+    "experts": experts,
+    "combine": combine,
+    "fixed": fixed_ms,
+    "total": other + experts + combine + fixed_ms,
+  }

@@ -47,6 +47,7 @@ from moespec_jax.decoding.programs import (
 )
 from moespec_jax.decoding.state import LoopSpec, Stats
 from moespec_jax.model.budget import ExpertBudget
+from moespec_jax.parallel import mesh as mesh_lib
 from pallas_kernels import cpu as cpu_ffi
 
 if TYPE_CHECKING:
@@ -160,6 +161,8 @@ def _prepare(
   auto = spec.num_draft == "auto"
   k_draft = (spec.max_draft if auto else spec.num_draft) if drafter_cls.drafts else 0
   ids = encode_prompts(prompts, model.tokenizer, config.vocab_size, config.eos_id)
+  if model.mesh is not None:
+    mesh_lib.check_rows(len(ids), model.mesh)
   lengths = np.array([len(p) for p in ids], np.int32)
   longest = int(lengths.max())
   padded_len = min(_bucket(longest), config.max_seq_len)
@@ -298,7 +301,20 @@ def generate(
   tokens_BN = np.asarray(jax.block_until_ready(tokens_BN))
   seconds = time.perf_counter() - start
   record = Stats.unpack(raw, ls, batch, n_moe_layers)
-  return GenerateOutput(tokens=tokens_BN, stats=report.public_stats(record, tokens_BN, seconds, spec, ls, calibration))
+  stats = report.public_stats(record, tokens_BN, seconds, spec, ls, calibration)
+  if model.mesh is not None and n_moe_layers:
+    # The replicated dispatch sums each MoE layer's [rows x pass tokens, d_model] output over the
+    # expert ranks: the bytes each rank sends (a ring all-reduce), per pass.
+    stats["combine_bytes_per_pass"] = mesh_lib.combine_bytes(model.config, model.mesh, batch * _pass_tokens(ls, record))
+  return GenerateOutput(tokens=tokens_BN, stats=stats)
+
+
+def _pass_tokens(ls: LoopSpec, record: Stats) -> float:
+  """Tokens a row's verification pass holds (its static shape), averaged over auto K's passes."""
+  if ls.auto:
+    by_k = np.asarray(record.passes_by_K)
+    return float(np.sum((np.arange(by_k.size) + 1) * by_k) / max(by_k.sum(), 1))
+  return 1.0 + (ls.tree_nodes or ls.max_k)
 
 
 def step_times_ms(

@@ -278,6 +278,21 @@ def _count_unique_experts(expert_ids_LBTK: jax.Array, active_BT: jax.Array, n_ex
   return jnp.sum(jnp.any(hit_LBTKE, axis=(1, 2, 3)), axis=-1).astype(jnp.float32)
 
 
+def _rank_loads(expert_ids_LBTK: jax.Array, active_BT: jax.Array, n_experts: int, n_ranks: int):
+  """Per expert rank (contiguous experts), summed over the MoE layers: the active (row, token,
+  slot) pairs routed to it [R], the distinct experts it reads [R], and the slowest rank's pairs over
+  the mean rank's (a layer with no pair counts as balanced)."""
+  hit_LBTKE = jax.nn.one_hot(expert_ids_LBTK, n_experts, dtype=jnp.float32)
+  hit_LBTKE = hit_LBTKE * active_BT[None, :, :, None, None]
+  pairs_LE = jnp.sum(hit_LBTKE, axis=(1, 2, 3))
+  n_layers = pairs_LE.shape[0]
+  load_LR = pairs_LE.reshape(n_layers, n_ranks, -1).sum(-1)
+  unique_LR = (pairs_LE > 0).reshape(n_layers, n_ranks, -1).sum(-1).astype(jnp.float32)
+  mean_L = jnp.mean(load_LR, axis=-1)
+  imbalance_L = jnp.where(mean_L > 0, jnp.max(load_LR, axis=-1) / jnp.maximum(mean_L, 1e-9), 1.0)
+  return jnp.sum(load_LR, 0), jnp.sum(unique_LR, 0), jnp.sum(imbalance_L)
+
+
 def _record_evidence(stats: Stats, verified: Verified, reached_BK: jax.Array, ls: LoopSpec) -> Stats:
   """Auto K's evidence from a drafting pass, or a plain pass's shadow drafts: each row that brings
   some decays all its counts (every depth's too) and adds its own. An empty draft slot (no
@@ -343,6 +358,15 @@ def record(
   if config.n_moe_layers:
     unique_L = _count_unique_experts(verified.output.routing.expert_ids, verified.experts_BS, config.n_routed_experts)
     stats = stats.replace(unique_L=stats.unique_L + unique_L)
+    if ls.kernels.experts is not None:
+      load_R, rank_unique_R, imbalance = _rank_loads(
+        verified.output.routing.expert_ids, verified.experts_BS, config.n_routed_experts, ls.kernels.experts.n_ranks
+      )
+      stats = stats.replace(
+        rank_load_R=stats.rank_load_R + load_R,
+        rank_unique_R=stats.rank_unique_R + rank_unique_R,
+        rank_imbalance=stats.rank_imbalance + imbalance,
+      )
   if ls.tree_nodes and verified.tree.num_nodes:
     valid_nodes = jnp.sum(verified.tree.valid_BN & active_B[:, None]).astype(jnp.float32)
     stats = stats.replace(verified_nodes=stats.verified_nodes + valid_nodes)

@@ -15,6 +15,7 @@ from typing import Any
 import jax
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 from jax.tree_util import PyTreeDef
 
 from moespec_jax.decoding.params import SpecParams
@@ -96,6 +97,7 @@ def kernel_policy(model: ModelHandle, spec: SpecParams, platform: str | None = N
     dense=research.dense_kernel,
     attention=research.attention_kernel,
     platform=platform,
+    experts=model.expert_sharding(),
   )
 
 
@@ -187,7 +189,12 @@ class ProgramCache:
     self._last_use[sig] = next(self._uses)
     program = self._programs.get(sig)
     if program is None:
-      jitted = jax.jit(fn, static_argnums=(0,), static_argnames=("ls",), donate_argnums=donate_argnums)
+      # On a mesh, outputs are replicated: every process of a multi-host mesh reads them whole.
+      experts = ls.kernels.experts
+      out_shardings = None if experts is None else NamedSharding(experts.mesh, PartitionSpec())
+      jitted = jax.jit(
+        fn, static_argnums=(0,), static_argnames=("ls",), donate_argnums=donate_argnums, out_shardings=out_shardings
+      )
       program = self._programs[sig] = jitted.lower(*args, ls=ls).compile()
       self.drop_least_recent()
     return program

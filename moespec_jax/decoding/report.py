@@ -87,6 +87,14 @@ def public_stats(
   if raw.predicted_unique_L is not None:
     # What the drafter predicted the same passes to read (`unique_experts_per_pass`: what they read).
     stats["predicted_unique_experts_per_pass"] = (raw.predicted_unique_L / max(verify_passes, 1)).tolist()
+  if ls.kernels.experts is not None:
+    layer_passes = max(verify_passes, 1) * max(len(raw.unique_L), 1)
+    stats["expert_ranks"] = ls.kernels.experts.n_ranks
+    # Per MoE layer and pass: the active (token, slot) pairs each expert rank runs, the distinct
+    # experts it reads, and the slowest rank's pairs over the mean rank's (what the pass waits for).
+    stats["assignments_per_rank_per_pass"] = (raw.rank_load_R / layer_passes).tolist()
+    stats["unique_experts_per_rank_per_pass"] = (raw.rank_unique_R / layer_passes).tolist()
+    stats["max_over_mean_rank_load"] = float(raw.rank_imbalance) / layer_passes
   if ls.trace_passes:
     stats["pass_trace"] = pass_trace(raw.pass_trace_P4[:verify_passes], float(raw.trace_end_ms_1[0]))
   if budget is not None:

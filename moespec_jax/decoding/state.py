@@ -88,7 +88,7 @@ def _stat(
   shape: tuple, dtype: DTypeLike = jnp.float32, *, reported: Callable[[LoopSpec], bool] | None = None, init: int = 0
 ) -> Any:
   """A field of `Stats`: its shape in named dimensions (K: max_k, K+1, B: batch, L: MoE layers,
-  P: pass-trace rows; or a number), dtype, starting value and whether a program reports it to the
+  P: pass-trace rows, R: expert ranks; or a number), dtype, starting value and whether a program reports it to the
   host (`reported(ls)`; None: never, the loop's own bookkeeping)."""
   return dataclasses.field(metadata={"shape": shape, "dtype": dtype, "reported": reported, "init": init})
 
@@ -124,6 +124,14 @@ class Stats:
   predicted_unique_L: jax.Array = _stat(("L",), reported=lambda ls: ls.drafter.predicts_experts)
   """[L]: drafters that predict their nodes' experts: the predicted distinct experts per MoE layer
   of each pass (pending tokens and valid nodes of the active rows), summed over passes."""
+  rank_load_R: jax.Array = _stat(("R",), reported=lambda ls: ls.kernels.experts is not None)
+  """[R]: a model on a mesh: the (token, slot) pairs of the active rows routed to each expert rank,
+  summed over passes and MoE layers."""
+  rank_unique_R: jax.Array = _stat(("R",), reported=lambda ls: ls.kernels.experts is not None)
+  """[R]: a model on a mesh: the distinct experts each rank reads, summed over passes and MoE layers."""
+  rank_imbalance: jax.Array = _stat((), reported=lambda ls: ls.kernels.experts is not None)
+  """[]: a model on a mesh: the slowest rank's pairs over the mean rank's, summed over passes and
+  MoE layers."""
   passes_by_K: jax.Array = _stat(("K+1",), reported=lambda ls: ls.auto)
   """[K + 1]: passes run at each K."""
   acceptance_evidence_B2: jax.Array = _stat(("B", 2), reported=lambda ls: ls.auto)
@@ -185,7 +193,8 @@ _FIELD_NAMES = tuple(f.name for f in dataclasses.fields(Stats))
 
 def _shapes(ls: LoopSpec, batch: int, n_moe_layers: int) -> dict[str, tuple[tuple[int, ...], Any, int]]:
   """Every field's (shape, dtype, starting value), its named dimensions resolved."""
-  dims = {"K": ls.max_k, "K+1": ls.max_k + 1, "B": batch, "L": n_moe_layers, "P": ls.trace_rows}
+  ranks = 0 if ls.kernels.experts is None else ls.kernels.experts.n_ranks
+  dims = {"K": ls.max_k, "K+1": ls.max_k + 1, "B": batch, "L": n_moe_layers, "P": ls.trace_rows, "R": ranks}
   return {
     f.name: (tuple(dims.get(d, d) for d in f.metadata["shape"]), f.metadata["dtype"], f.metadata["init"])
     for f in dataclasses.fields(Stats)

@@ -12,11 +12,13 @@ from moespec_jax.config import ModelConfig
 
 if TYPE_CHECKING:
   import jax
+  from jax.sharding import Mesh
 
   from moespec_jax.data.tokenizer import Tokenizer
   from moespec_jax.model.expert_table import ExpertTable
   from moespec_jax.model.kernels import PackedWeights
   from moespec_jax.model.transformer import Transformer
+  from pallas_kernels.expert_parallel import ExpertSharding
 
 
 @runtime_checkable
@@ -27,6 +29,7 @@ class ModelHandle(Protocol):
   graphdef: nnx.GraphDef
   state: nnx.State
   tokenizer: Tokenizer
+  mesh: Mesh | None
 
   def packed_weights(
     self, *, head: bool = True, dense: bool = True, leaves: list[jax.Array] | None = None
@@ -37,3 +40,5 @@ class ModelHandle(Protocol):
   def module(self) -> Transformer: ...
 
   def expert_table(self) -> ExpertTable: ...
+
+  def expert_sharding(self) -> ExpertSharding | None: ...

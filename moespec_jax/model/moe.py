@@ -24,6 +24,9 @@ from moespec_jax.model.kernels import PLAIN, Kernels, use_packed
 from moespec_jax.model.layers import SwiGLU, fan_in_init
 from pallas_kernels import cpu
 
+# The routed experts' weights, stacked on a leading expert axis (what a mesh shards on `expert`).
+ROUTED_EXPERT_PARAMS = ("w_gate_EDF", "w_up_EDF", "w_down_EFD")
+
 # One MoE layer's routing: expert_ids [..., K] int32, gates [..., K] f32, probs [..., E] f32 (`route`).
 LayerRouting = tuple[jax.Array, jax.Array, jax.Array]
 
@@ -171,6 +174,7 @@ class MoE(nnx.Module):
         self.w_down_EFD[...],
         method=kernels.policy.expert_method or self.config.expert_method,
         backend=kernels.policy.backend,
+        sharding=kernels.policy.experts,
       )
     else:  # the diagnostic policy without routed experts: none is read
       y_ND = jnp.zeros_like(x_ND)

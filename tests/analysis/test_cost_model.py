@@ -74,3 +74,32 @@ def test_quality_figures():
   agree, kl, n = quality.logit_agreement(exact, other, jnp.asarray([True, False]))
   assert float(agree) == 0 and float(kl) > 0.5 and float(n) == 1
   assert quality.first_divergence(np.array([[1, 2, 3], [4, 5, 6]]), np.array([[1, 2, 3], [4, 0, 6]])) == [None, 1]
+
+
+def test_expert_parallel_collectives_and_pass_time():
+  link = cm.Interconnect(link_gbps=100.0, cross_node_gbps=10.0, latency_us=5.0, ranks_per_node=4)
+  # A ring all-reduce: 2 (R - 1) / R of the message over the link, plus the fixed time.
+  assert cm.allreduce_ms(1e6, 4, link) == pytest.approx(1.5 * 1e6 / 100e6 + 0.005)
+  assert cm.allreduce_ms(1e6, 8, link) == pytest.approx(1.75 * 1e6 / 10e6 + 0.005)  # spans two nodes
+  assert cm.allreduce_ms(1e6, 1, link) == 0.0
+  assert cm.all_to_all_ms(1e6, 0.5, link) == pytest.approx(0.5e6 / 100e6 + 0.5e6 / 10e6 + 0.005)
+  parts = cm.ep_verify_ms(
+    other_bytes=2e6,
+    expert_bytes=1e6,
+    slowest_rank_experts_L=[2.0, 3.0],
+    tokens=4,
+    d_model=1000,
+    activation_bytes=2,
+    ranks=4,
+    read_gbps=1000.0,
+    link=link,
+    fixed_ms=0.01,
+  )
+  assert parts["other"] == pytest.approx(2e6 / 1e9)
+  assert parts["experts"] == pytest.approx(5e6 / 1e9)
+  assert parts["combine"] == pytest.approx(2 * cm.allreduce_ms(8000, 4, link))
+  assert parts["total"] == pytest.approx(parts["other"] + parts["experts"] + parts["combine"] + 0.01)
+  with pytest.raises(ValueError, match="bandwidths must be > 0"):
+    cm.Interconnect(link_gbps=0.0, cross_node_gbps=1.0, latency_us=1.0, ranks_per_node=1)
+  with pytest.raises(ValueError, match="ranks_per_node >= 1"):
+    cm.Interconnect(link_gbps=1.0, cross_node_gbps=1.0, latency_us=1.0, ranks_per_node=0)

@@ -47,6 +47,9 @@ def test_statistics_start_in_their_declared_shapes():
     "unique_L": (5,),
     "verified_nodes": (),
     "predicted_unique_L": (5,),
+    "rank_load_R": (0,),  # no mesh: no expert ranks
+    "rank_unique_R": (0,),
+    "rank_imbalance": (),
     "passes_by_K": (4,),
     "acceptance_evidence_B2": (2, 2),
     "depth_evidence_BK2": (2, 3, 2),
