@@ -188,8 +188,9 @@ class Model:
     imported by `moespec_jax.hf`; `dtype` ("float32" / "bfloat16") casts its weights
     (default: kept, float32 on CPU). `dtype` is for Hugging Face directories only.
     With `mesh` (`make_mesh`) the parameters are placed as `init` places them: a directory of
-    `save` restores each device's shard from the checkpoint directly; a Hugging Face directory is
-    read on the host, then placed.
+    `save` restores each device's shard from the checkpoint directly; a Hugging Face directory's
+    tensors are placed as they are read (each device receives its share of the routed experts, the
+    host holds one stacked weight at a time).
     """
     path = pathlib.Path(path).expanduser()
     config_file = path / "config.json"
@@ -200,10 +201,10 @@ class Model:
       if "model_type" in meta:
         from moespec_jax import hf  # pylint: disable=g-import-not-at-top
 
-        config, graphdef, state, tokenizer, extras = hf.load_checkpoint(path, dtype=dtype)
-        model = cls(config, graphdef, state, tokenizer)
+        config, graphdef, state, tokenizer, extras = hf.load_checkpoint(path, dtype=dtype, mesh=mesh)
+        model = cls(config, graphdef, state, tokenizer, mesh)
         model.hf_extras = extras
-        return model if mesh is None else model.on_mesh(mesh)
+        return model
       raise ValueError(f"{config_file} is not a moespec_jax model config")
     if dtype is not None:
       raise ValueError("dtype is an option for Hugging Face directories only")

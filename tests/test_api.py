@@ -132,3 +132,10 @@ def test_greedy_tokens_are_the_same_whichever_expert_kernel(tiny_model):
   for kernel in ("dedup", "per_slot", "auto"):
     out = msj.generate(tiny_model, prompts, max_new_tokens=8, spec=msj.SpecParams(kernel=kernel))
     np.testing.assert_array_equal(out.tokens, ref.tokens, err_msg=kernel)
+
+
+def test_module_is_a_fresh_module_whose_changes_leave_the_model_alone(tiny_model):
+  before = np.asarray(tiny_model.state["embed_VD"][...]).copy()
+  module = tiny_model.module()
+  module.embed_VD[...] = module.embed_VD[...] + 1.0
+  np.testing.assert_array_equal(np.asarray(tiny_model.state["embed_VD"][...]), before)

@@ -11,7 +11,9 @@ import pathlib
 from typing import Any
 
 import jax
+import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
 from moespec_jax.config import ModelConfig
 from moespec_jax.data.tokenizer import Tokenizer
@@ -19,6 +21,7 @@ from moespec_jax.hf.config import FAMILIES, ImportSpec, to_model_config
 from moespec_jax.hf.tokenizer import MissingTokenizer, PretrainedTokenizer, load_for_checkpoint
 from moespec_jax.hf.weights import TensorSource, count_mtp_layers, map_mtp, map_params, mtp_own_head
 from moespec_jax.io import atomic
+from moespec_jax.parallel import mesh as mesh_lib
 
 __all__ = [
   "FAMILIES",
@@ -45,13 +48,16 @@ def _resolve_dtype(hf: dict, dtype: str | None) -> str:
 
 
 def load_checkpoint(
-  path: atomic.PathLike, dtype: str | None = None
+  path: atomic.PathLike, dtype: str | None = None, mesh: Mesh | None = None
 ) -> tuple[ModelConfig, nnx.GraphDef, nnx.State, Tokenizer, dict[str, Any]]:
   """Reads an HF model directory.
 
   Args:
     path: directory with config.json and *.safetensors (optionally sharded with an index).
     dtype: "float32" or "bfloat16"; None keeps the checkpoint's (float32 on a CPU backend).
+    mesh: place each parameter on this mesh as it is read (`parallel.mesh`: each device receives
+      its share of the routed experts; the host holds one stacked weight at a time); None: the
+      default device.
 
   Returns:
     (config, graphdef, state, tokenizer, extras); DeepSeek-V3's MTP layers become the model's
@@ -66,7 +72,15 @@ def load_checkpoint(
   src = TensorSource(path)
   abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
   graphdef, state = nnx.split(abstract)
-  pure = map_params(src, config, spec, nnx.to_pure_dict(state))
+  if mesh is not None:
+    mesh_lib.check_model(config, mesh)
+
+  def place(param_path: tuple, value: np.ndarray) -> jax.Array:
+    if mesh is None:
+      return jax.numpy.asarray(value)
+    return jax.device_put(value, mesh_lib.param_sharding(param_path, mesh))
+
+  pure = map_params(src, config, spec, nnx.to_pure_dict(state), place)
   n_mtp = count_mtp_layers(src, config, spec)
   if n_mtp:
     # DeepSeek-V3's MTP layers become the model's MTP drafter modules (drafter="mtp").
@@ -76,8 +90,8 @@ def load_checkpoint(
     )
     abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
-    pure["mtp"] = map_mtp(src, config, spec, nnx.to_pure_dict(state)["mtp"])
-  nnx.replace_by_pure_dict(state, jax.tree.map(jax.numpy.asarray, pure))
+    pure["mtp"] = map_mtp(src, config, spec, nnx.to_pure_dict(state)["mtp"], place)
+  nnx.replace_by_pure_dict(state, pure)
   unused = sorted(n for n in src.names() - src.used if not n.endswith("rotary_emb.inv_freq"))
   if unused:
     logging.warning("Hugging Face import of %s: %d checkpoint tensors unused, e.g. %s", path, len(unused), unused[:3])

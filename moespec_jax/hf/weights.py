@@ -10,6 +10,7 @@ them in memory). Linear weights are [out, in] on disk and become [in, ...] here.
 from __future__ import annotations
 
 import pathlib
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -149,14 +150,19 @@ class _Mapper:
         down_EFD = down
       else:
         raise ValueError(f"{p}.experts.down_proj has shape {down.shape}, expected {(e, d, f)}")
-    else:
-      gate_EDF = np.stack([_lin(g(f"{p}.experts.{i}.{gate_n}.weight")) for i in range(e)])
-      up_EDF = np.stack([_lin(g(f"{p}.experts.{i}.{up_n}.weight")) for i in range(e)])
-      down_EFD = np.stack([_lin(g(f"{p}.experts.{i}.{down_n}.weight")) for i in range(e)])
+      return {
+        ("w_gate_EDF",): lambda: np.ascontiguousarray(gate_EDF),
+        ("w_up_EDF",): lambda: np.ascontiguousarray(up_EDF),
+        ("w_down_EFD",): lambda: np.ascontiguousarray(down_EFD),
+      }
+    # Per-expert tensors, stacked only when `_fill` places them: the host holds one stacked weight
+    # at a time, not every layer's experts.
+    names = [name for name in (gate_n, up_n, down_n) for i in range(e) if f"{p}.experts.{i}.{name}.weight" not in src]
+    if names:
+      raise ValueError(f"Hugging Face import: {p}.experts.*.{names[0]}.weight is missing")
     return {
-      ("w_gate_EDF",): np.ascontiguousarray(gate_EDF),
-      ("w_up_EDF",): np.ascontiguousarray(up_EDF),
-      ("w_down_EFD",): np.ascontiguousarray(down_EFD),
+      (param,): (lambda name=name: np.stack([_lin(g(f"{p}.experts.{i}.{name}.weight")) for i in range(e)]))
+      for param, name in (("w_gate_EDF", gate_n), ("w_up_EDF", up_n), ("w_down_EFD", down_n))
     }
 
   def moe(self, layer_prefix: str) -> dict[tuple, np.ndarray]:
@@ -221,23 +227,37 @@ class _Mapper:
     return out
 
 
-def _fill(abstract: Any, flat: dict[tuple, np.ndarray], path: tuple = ()) -> Any:
-  """A pure dict shaped like `abstract` with the mapped arrays (shape- and completeness-checked)."""
+# Where a mapped parameter goes: (its path in the pure dict, its value) -> what the dict holds.
+Place = Callable[[tuple, np.ndarray], Any]
+
+
+def _fill(abstract: Any, flat: dict[tuple, Any], place: Place, path: tuple = ()) -> Any:
+  """A pure dict shaped like `abstract` with the mapped arrays (shape- and completeness-checked),
+  each handed to `place` as it is read (a value may be a function that reads it)."""
   if isinstance(abstract, dict):
-    return {k: _fill(v, flat, path + (k,)) for k, v in abstract.items()}
+    return {k: _fill(v, flat, place, path + (k,)) for k, v in abstract.items()}
   name = "/".join(map(str, path))
   if path not in flat:
     raise ValueError(f"Hugging Face import: no checkpoint tensor maps to parameter {name}")
-  value = np.asarray(flat.pop(path))
+  value = flat.pop(path)
+  value = np.asarray(value() if callable(value) else value)
   if tuple(value.shape) != tuple(abstract.shape):
     raise ValueError(f"Hugging Face import: {name} has shape {value.shape}, expected {abstract.shape}")
-  return value.astype(abstract.dtype)
+  return place(path, value.astype(abstract.dtype))
 
 
-def map_params(src: TensorSource, config: ModelConfig, spec: ImportSpec, abstract_pure: dict) -> dict:
-  """The model's pure parameter dict from the checkpoint, in the abstract state's dtypes."""
+def _kept(path: tuple, value: np.ndarray) -> np.ndarray:
+  del path
+  return value
+
+
+def map_params(
+  src: TensorSource, config: ModelConfig, spec: ImportSpec, abstract_pure: dict, place: Place = _kept
+) -> dict:
+  """The model's pure parameter dict from the checkpoint, in the abstract state's dtypes, each
+  parameter as `place` puts it (default: a NumPy array)."""
   flat = _Mapper(src, config, spec).model()
-  pure = _fill(abstract_pure, flat)
+  pure = _fill(abstract_pure, flat, place)
   if flat:
     raise ValueError(f"Hugging Face import: mapped tensors without a parameter: {sorted(flat)[:5]}")
   return pure
@@ -257,12 +277,12 @@ def mtp_own_head(src: TensorSource, config: ModelConfig, n_layers: int, lm_head_
   return any(name in src and not np.array_equal(_lin(src.get(name)), lm_head_DV) for name in names)
 
 
-def map_mtp(src: TensorSource, config: ModelConfig, spec: ImportSpec, abstract_mtp: dict) -> dict:
+def map_mtp(src: TensorSource, config: ModelConfig, spec: ImportSpec, abstract_mtp: dict, place: Place = _kept) -> dict:
   """The MTP layers as the model's `mtp` pure dict (config.num_mtp_modules of them)."""
   out = {}
   for k in range(config.num_mtp_modules):
     flat = _Mapper(src, config, spec).mtp(k, config.mtp_own_head)
-    out[k] = _fill(abstract_mtp[k], flat)
+    out[k] = _fill(abstract_mtp[k], flat, lambda path, value, k=k: place(("mtp", k, *path), value))
     if flat:
       raise ValueError(f"Hugging Face import: MTP tensors without a parameter: {sorted(flat)[:5]}")
   return out

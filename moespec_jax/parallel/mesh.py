@@ -85,8 +85,14 @@ def combine_bytes(config: ModelConfig, mesh: Mesh, tokens: float) -> float:
 
 
 def _is_routed_expert(path: tuple) -> bool:
-  names = [getattr(k, "key", getattr(k, "name", None)) for k in path]
+  """Whether a parameter's path (pytree keys, or a pure dict's plain keys) names a routed expert."""
+  names = [getattr(k, "key", getattr(k, "name", k)) for k in path]
   return any(name in ROUTED_EXPERT_PARAMS for name in names)
+
+
+def param_sharding(path: tuple, mesh: Mesh) -> NamedSharding:
+  """Where the parameter at `path` (its keys in the model's pure dict) lives on the mesh."""
+  return NamedSharding(mesh, P("expert") if _is_routed_expert(path) else P())
 
 
 def state_shardings(state: Any, mesh: Mesh) -> Any:

@@ -246,6 +246,9 @@ def run_ep_bench(
   trace = traces.heldout_trace(model, n_segments=n_segments)
   fit, evaluation = trace.split(0.5)
   itemsize = jnp.dtype(config.dtype).itemsize
+  popularity_LE = np.stack([c.sum(0) for c in placement.pass_pair_counts(fit.segments, fit.n_experts, 1)])
+  skew_L = (popularity_LE.max(axis=1) / popularity_LE.mean(axis=1)).tolist()
+  log(f"the most chosen expert over the mean, by MoE layer (fit half): {np.round(skew_L, 2).tolist()}")
   layouts = []
   for name, ranks, per_node in LAYOUTS:
     log(f"{name}: fitting placements on {len(fit.segments)} windows, judging on {len(evaluation.segments)} ...")
@@ -296,6 +299,7 @@ def run_ep_bench(
       "projections": projections,
       "functional_check": checks,
       "fit_tokens": FIT_TOKENS,
+      "popularity_max_over_mean_by_layer": skew_L,
       "hot_experts_replicated": hot,
       "trace_windows": {"fit": len(fit.segments), "evaluation": len(evaluation.segments)},
       "clusters": list(clusters),

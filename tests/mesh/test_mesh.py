@@ -81,3 +81,22 @@ def test_forward_on_each_mesh_matches_one_device(one_device, on_mesh, rows):
   for shape, model in on_mesh.items():
     assert expert_parallel.exchanges(tokens.size, model.expert_sharding()) == (tokens.size > 128)
     np.testing.assert_allclose(np.asarray(model.forward(tokens)), want, atol=1e-5, rtol=0, err_msg=str(shape))
+
+
+def test_a_hugging_face_directory_loads_onto_the_mesh(tiny_config, tmp_path):
+  # The suite's tiny model exported as Qwen2-MoE (per-expert tensors), against its one-device import.
+  model = msj.Model.init(tiny_config, seed=3)
+  path = model.save_hf(tmp_path / "qwen2_moe")
+  mesh = mesh_lib.make_mesh(2, 4)
+  loaded, one = msj.Model.load(path, mesh=mesh), msj.Model.load(path)
+  assert loaded.mesh is mesh
+  for (key, got), want in zip(jax.tree_util.tree_flatten_with_path(loaded.state)[0], jax.tree.leaves(one.state)):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    routed = any(p in jax.tree_util.keystr(key) for p in ("w_gate_EDF", "w_up_EDF", "w_down_EFD"))
+    assert got.sharding.spec == (P("expert") if routed else P())
+  assert set(mesh_lib.bytes_per_device(loaded.state).values()) == {
+    mesh_lib.expected_bytes_per_device(loaded.state, mesh)
+  }
+  np.testing.assert_array_equal(
+    msj.generate(loaded, [[5, 6, 7], [8, 9]], 8).tokens, msj.generate(model, [[5, 6, 7], [8, 9]], 8).tokens
+  )

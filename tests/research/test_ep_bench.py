@@ -64,6 +64,7 @@ def test_files_and_summary(bench):
   assert any("PROJECTED" in line for line in lines)
   assert any(line.startswith("mesh (8,)       contiguous") for line in lines)
   assert result["functional_check"] == []
+  assert len(result["popularity_max_over_mean_by_layer"]) == 2 and min(result["popularity_max_over_mean_by_layer"]) >= 1
 
 
 def test_uniform_imbalance():
