@@ -14,6 +14,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
 
 from moespec_jax.config import ModelConfig
 from moespec_jax.decoding import auto_draft, rejection
@@ -44,7 +45,7 @@ def init_state(
   draft_state = ls.drafter.start(model, tokens_BT, lengths_B, prompt_BT, out, note, first_B, inputs, ls)
   return LoopState(
     step=jnp.int32(1),
-    cache=out.cache,
+    cache=cache_on_rows(out.cache, ls),
     pos_B=lengths_B,
     pending_B=first_B,
     generated_B=jnp.ones((batch,), jnp.int32),
@@ -385,6 +386,16 @@ def record(
   return state.replace(stats=stats)
 
 
+def cache_on_rows(cache: Any, ls: LoopSpec) -> Any:
+  """On a mesh with a data axis, the KV cache's rows (every leaf's leading axis: rows, or rows x
+  heads) sharded on it: each data shard holds its own rows' cache. Elsewhere the cache as it is."""
+  experts = ls.kernels.experts
+  if experts is None or experts.n_data == 1:
+    return cache
+  rows = NamedSharding(experts.mesh, PartitionSpec(experts.data_axis))
+  return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, rows), cache)
+
+
 def speculative_pass(model: ProgramTarget, state: LoopState, k: int, ls: LoopSpec) -> LoopState:
   """One speculative pass with K = k drafts: draft, verify k + 1 tokens, commit, update the
   drafter, record."""
@@ -398,7 +409,7 @@ def speculative_pass(model: ProgramTarget, state: LoopState, k: int, ls: LoopSpe
   state, n_commit_B = commit(state, verified, model.config.eos_id, ls)
   state = state.replace(draft_state=ls.drafter.update(model, state.draft_state, verified, ls))
   state = record(state, verified, n_commit_B, model.config, ls, started_2)
-  return state.replace(step=state.step + 1)
+  return state.replace(step=state.step + 1, cache=cache_on_rows(state.cache, ls))
 
 
 def start_trace(state: LoopState, ls: LoopSpec) -> LoopState:

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 import moespec_jax as msj
-from moespec_jax.decoding import loop, programs
+from moespec_jax.decoding import loop, passes, programs
+from moespec_jax.model.cache import KVCache
 from moespec_jax.parallel import mesh as mesh_lib
 from tests.mesh.conftest import MESHES
 
@@ -104,3 +105,17 @@ def test_the_mesh_program_lowers_for_accelerators(on_mesh, platform):
   text = program.trace(*args, ls=ls).lower(lowering_platforms=(platform,)).as_text()
   assert {"tpu": "tpu_custom_call", "cuda": "triton"}[platform] in text.lower()
   assert "all_reduce" in text and "moespec_" not in text
+
+
+def test_the_kv_cache_is_sharded_on_the_data_axis(on_mesh, mtp_config):
+  # Each data shard holds its own rows' cache (the cache's leading axis is rows x KV heads).
+  model = on_mesh[(2, 4)]
+  _, ls, _ = loop._prepare(model, PROMPTS, NEW, None, SPECS["plain"], 0, None)
+  cache = KVCache.for_config(mtp_config, len(PROMPTS), 32)
+  placed = jax.jit(lambda c: passes.cache_on_rows(c, ls))(cache)
+  for leaf in jax.tree.leaves(placed):
+    assert leaf.sharding.spec == jax.sharding.PartitionSpec("data")
+    assert {shard.data.shape[0] for shard in leaf.addressable_shards} == {leaf.shape[0] // 2}
+  # Without a data axis it is left as it is.
+  _, ls_one, _ = loop._prepare(on_mesh[(1, 8)], PROMPTS, NEW, None, SPECS["plain"], 0, None)
+  assert passes.cache_on_rows(cache, ls_one) is cache
