@@ -13,6 +13,7 @@ import moespec_jax as msj
 from moespec_jax.decoding import loop, passes, programs
 from moespec_jax.model.cache import KVCache
 from moespec_jax.parallel import mesh as mesh_lib
+from moespec_jax.parallel import placement
 from tests.mesh.conftest import MESHES
 
 PROMPTS = [[5 + i, 6, 7, 8, 9, 10][: 2 + i % 5] for i in range(8)]
@@ -119,3 +120,15 @@ def test_the_kv_cache_is_sharded_on_the_data_axis(on_mesh, mtp_config):
   # Without a data axis it is left as it is.
   _, ls_one, _ = loop._prepare(on_mesh[(1, 8)], PROMPTS, NEW, None, SPECS["plain"], 0, None)
   assert passes.cache_on_rows(cache, ls_one) is cache
+
+
+def test_a_placement_realised_by_renumbering_keeps_the_tokens(one_device, one_device_tokens):
+  # Experts placed by their popularity (here: a random one), realised as the mesh's contiguous
+  # shards by renumbering them: an equivalent model, the same greedy tokens on the mesh.
+  config = one_device.config
+  popularity = np.random.default_rng(0).random((config.n_moe_layers, config.n_routed_experts))
+  order = placement.expert_order(placement.by_popularity(popularity, 8))
+  placed = one_device.renumber_experts(order).on_mesh(mesh_lib.make_mesh(1, 8))
+  assert not np.array_equal(order, np.tile(np.arange(config.n_routed_experts), (config.n_moe_layers, 1)))
+  out = msj.generate(placed, PROMPTS, NEW, spec=SPECS["mtp3"])
+  np.testing.assert_array_equal(out.tokens, one_device_tokens("mtp3"))
