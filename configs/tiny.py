@@ -90,6 +90,7 @@ def mtp_config() -> ml_collections.ConfigDict:
       checkpoint_every=100,
       log_every_seconds=10.0,
       time_budget_s=0.0,
+      dense_hidden=256,  # a dense FFN: draft steps read no routed expert (docs/findings/2026-12-07-dense-mtp-heads.md)
     )
   )
 

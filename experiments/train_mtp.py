@@ -1,12 +1,13 @@
 """Train MTP drafter heads on a frozen target (default: the default model's target).
 
   python -m experiments.train_mtp --workdir=runs/train_mtp [--config.mtp.loss=ce]
-      [--config.mtp.steps=400] [--model=DIR (aliases --target, --checkpoint)] [--save_default] [--quick]
+      [--config.mtp.steps=400] [--model=DIR (aliases --target, --checkpoint)] [--save_default]
+      [--nodraft_cost] [--quick]
 
 Resumes from `workdir/checkpoints`; writes `workdir/metrics.json` (key `train_mtp`: training
 curve, teacher-forced per-depth acceptance on held-out text, acceptance by depth measured by
-speculative decoding of held-out prompts), `workdir/mtp.png` (loss, acceptance by depth) and the
-model with its heads in `workdir/model`.
+speculative decoding of held-out prompts, a draft step's time over a plain pass), `workdir/mtp.png`
+(loss, acceptance by depth) and the model with its heads in `workdir/model`.
 """
 
 import pathlib
@@ -28,6 +29,9 @@ _PROMPTS = flags.DEFINE_integer(
   "acceptance_prompts", 8, "Held-out prompts decoded to measure acceptance by depth.", lower_bound=1
 )
 _TOKENS = flags.DEFINE_integer("acceptance_tokens", 96, "Tokens generated per prompt for that measure.", lower_bound=1)
+_DRAFT_COST = flags.DEFINE_bool(
+  "draft_cost", True, "Also time a draft step against a plain pass (loop.draft_step_ms, K = 1..4)."
+)
 _QUICK = cli.define_quick_flag(
   "a few short steps",
   {
@@ -55,6 +59,9 @@ def main(argv):
   target = cli.load_model(_MODEL.value, train_heads=False)
   model, metrics = mtp.train(target, tc, _WORKDIR.value)
   metrics["decoding"] = mtp.decoding_acceptance(model, n_prompts=_PROMPTS.value, max_new_tokens=_TOKENS.value)
+  if _DRAFT_COST.value:
+    print("timing a draft step against a plain pass (controlled drafter, with and without the heads' drafting)")
+    metrics["draft_cost"] = mtp.draft_cost(model, repeats=3 if _QUICK.value else 7)
   workdir = pathlib.Path(_WORKDIR.value)
   atomic.write_json_atomic(workdir / "metrics.json", {"train_mtp": metrics})
   mtp.plot_mtp(metrics, workdir / "mtp.png")
@@ -66,6 +73,10 @@ def main(argv):
   for name, d in metrics["decoding"].items():
     accs = ", ".join(f"{a:.3f}" for a in d["acceptance_by_depth"])
     print(f"decoding ({name}, K=4): acceptance by depth [{accs}], mean accepted length {d['mean_accepted_length']:.2f}")
+  if "draft_cost" in metrics:
+    c = metrics["draft_cost"]
+    over = ", ".join(f"{x:.2f}" for x in c["draft_over_plain_pass_by_k"])
+    print(f"a draft step over a plain pass ({c['plain_pass_ms']:.3f} ms), K = 1..{len(c['draft_ms_by_k'])}: {over}")
   if _SAVE_DEFAULT.value:
     print(f"default model saved to {model.save(paths.default_model_dir())}")
   print(f"wrote {workdir / 'metrics.json'}, {workdir / 'mtp.png'} and {workdir / 'model'}")

@@ -45,6 +45,9 @@ class ModelConfig:
   # of the target's final norm, and (when the checkpoint's differs from lm_head) their own head.
   mtp_head_norm: bool = False
   mtp_own_head: bool = False
+  # The MTP modules' FFN: 0, as the target's layers (MoE where the target has MoE layers); > 0, a
+  # dense SwiGLU of this width, whose draft steps read no routed expert.
+  mtp_dense_hidden: int = 0
   tie_embeddings: bool = False
   # Special tokens of the tokenizer the model was trained with.
   eos_id: int = 256
@@ -114,6 +117,7 @@ class ModelConfig:
     if self.first_k_dense:
       need(self.dense_hidden > 0, "dense_hidden must be > 0 when first_k_dense > 0")
     need(self.num_mtp_modules >= 0, "num_mtp_modules must be >= 0")
+    need(self.mtp_dense_hidden >= 0, f"mtp_dense_hidden must be >= 0, got {self.mtp_dense_hidden}")
     need(self.dtype in ("float32", "bfloat16"), f"dtype must be float32 or bfloat16, got {self.dtype!r}")
     need(
       self.expert_method in ("auto", "xla", "dedup", "per_slot"),

@@ -36,7 +36,7 @@ from moespec_jax.decoding import drafters as drafters_lib
 from moespec_jax.decoding import passes, programs, report
 from moespec_jax.decoding.calibration import calibrate_step_ms, measure_step_ms, measure_step_variants_ms
 from moespec_jax.decoding.drafters.none import NoDrafter
-from moespec_jax.decoding.params import SamplingParams, SpecParams
+from moespec_jax.decoding.params import ResearchOptions, SamplingParams, SpecParams
 from moespec_jax.decoding.programs import (
   ModelDefinition,
   ProgramArgs,
@@ -352,6 +352,43 @@ def step_times_with_and_without_experts_ms(
   without = dataclasses.replace(ls, kernels=dataclasses.replace(ls.kernels, routed_experts=False))
   with_K, without_K = measure_step_variants_ms([ls, without], args, repeats)
   return with_K, without_K
+
+
+def draft_step_ms(
+  model: ModelHandle,
+  prompts: Prompts,
+  max_new_tokens: int = 64,
+  num_draft: int = 4,
+  acceptance: float = 0.7,
+  reference_tokens: npt.ArrayLike | None = None,
+  repeats: int = 7,
+) -> tuple[float, np.ndarray]:
+  """What one MTP draft step costs: (a plain pass's ms, [K = 1..num_draft] ms a draft).
+
+  The controlled drafter's passes (its drafts from `reference_tokens`, right with probability
+  `acceptance`, greedy) timed side by side with and without the MTP heads' draft computation
+  (`controlled_draft_cost` "none" and "mtp"); a draft costs (T_mtp(K) - T_none(K)) / K. The
+  verification is the same in both, so the difference is the heads' proposals and cache fills.
+  """
+  if not model.config.num_mtp_modules:
+    raise ValueError("draft_step_ms needs a model with MTP heads (num_mtp_modules >= 1)")
+  if num_draft < 1:
+    raise ValueError(f"num_draft must be >= 1, got {num_draft}")
+
+  def spec(cost: str) -> SpecParams:
+    research = ResearchOptions(controlled_acceptance=acceptance, controlled_draft_cost=cost)
+    return SpecParams(drafter="controlled", num_draft=num_draft, research=research)
+
+  if reference_tokens is None:
+    reference_tokens = generate(model, prompts, max_new_tokens).tokens
+  # Both programs start from the drafting one's state (the "none" passes carry its heads' state
+  # along untouched), so they take the same arguments and are timed in the same rounds.
+  ls_mtp, args = _step_program(model, prompts, max_new_tokens, None, spec("mtp"), reference_tokens)
+  ls_none, _ = _step_program(model, prompts, max_new_tokens, None, spec("none"), reference_tokens)
+  ls_none = dataclasses.replace(ls_mtp, drafter=ls_none.drafter)
+  mtp_K, none_K = measure_step_variants_ms([ls_mtp, ls_none], args, repeats)
+  k = np.arange(1, num_draft + 1)
+  return float(none_K[0]), (mtp_K[1:] - none_K[1:]) / k
 
 
 def _step_program(

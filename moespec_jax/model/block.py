@@ -22,17 +22,28 @@ from moespec_jax.model.moe import LayerRouting, MoE
 class Block(nnx.Module):
   """Pre-norm block: x + attn(norm(x)), then x + ffn(norm(x)); ffn is dense or MoE."""
 
-  def __init__(self, config: ModelConfig, layer: int, *, rngs: nnx.Rngs, dtype: DTypeLike = jnp.float32) -> None:
+  def __init__(
+    self,
+    config: ModelConfig,
+    layer: int,
+    *,
+    rngs: nnx.Rngs,
+    dtype: DTypeLike = jnp.float32,
+    dense_hidden: int | None = None,
+  ) -> None:
+    """Block `layer` of `config` (MoE where `config.is_moe_layer(layer)`); with `dense_hidden`, a
+    dense SwiGLU of that width whatever the layer."""
     out_scale = 1.0 / math.sqrt(2 * config.n_layers)
     self.attn_norm = RMSNorm(config.d_model, config.norm_eps)
     attention = MLAttention if config.attention_type == "mla" else Attention
     self.attn = attention(config, out_scale=out_scale, rngs=rngs, dtype=dtype)
     self.ffn_norm = RMSNorm(config.d_model, config.norm_eps)
-    self.is_moe = config.is_moe_layer(layer)
+    self.is_moe = config.is_moe_layer(layer) and not dense_hidden
     if self.is_moe:
       self.ffn = MoE(config, out_scale=out_scale, rngs=rngs, dtype=dtype)
     else:
-      self.ffn = SwiGLU(config.d_model, config.dense_hidden, out_scale=out_scale, rngs=rngs, dtype=dtype)
+      width = dense_hidden or config.dense_hidden
+      self.ffn = SwiGLU(config.d_model, width, out_scale=out_scale, rngs=rngs, dtype=dtype)
 
   def __call__(
     self,

@@ -9,7 +9,8 @@ the embedding of the next token and runs one transformer block:
 
 h^0 is the target's final hidden state (`ForwardOutput.hidden`); the embedding, the final
 norm and the output head are the target's (shared, frozen while the heads train). The block
-is MoE when the target has MoE layers, dense otherwise.
+is MoE when the target has MoE layers, dense otherwise, or dense of width `mtp_dense_hidden` where
+the config sets it (a draft step then reads no routed expert).
 
 Depths beyond M (K > M drafts) reuse the last module recursively, EAGLE-style: depth k > M
 continues module M's stream one index further, taking the previous depth's output as the
@@ -75,9 +76,10 @@ class MTPModule(nnx.Module):
     self.hidden_norm = RMSNorm(d, config.norm_eps)
     self.embed_norm = RMSNorm(d, config.norm_eps)
     self.w_proj_CD = nnx.Param(fan_in_init(2 * d)(rngs.params(), (2 * d, d), dtype))
-    # MoE block when the target has MoE layers (layer index n_layers is MoE iff any layer is).
+    # MoE block when the target has MoE layers (layer index n_layers is MoE iff any layer is),
+    # unless the config asks for a dense FFN (`mtp_dense_hidden`).
     layer = config.n_layers if config.n_moe_layers else 0
-    self.block = Block(config, layer, rngs=rngs, dtype=dtype)
+    self.block = Block(config, layer, rngs=rngs, dtype=dtype, dense_hidden=config.mtp_dense_hidden or None)
     # Imported DeepSeek-V3 layers: their own norm (and maybe head) before the logits.
     self.head_norm = RMSNorm(d, config.norm_eps) if config.mtp_head_norm else None
     self.head_DV = (

@@ -59,6 +59,9 @@ class MTPTrainConfig:
   log_every_seconds: float = 10.0
   # Stops early (keeping what is trained) after this many seconds; 0 disables.
   time_budget_s: float = 0.0
+  # The heads' FFN: 0, as the target's layers (MoE); > 0, a dense SwiGLU of this width
+  # (`ModelConfig.mtp_dense_hidden`: draft steps that read no routed expert).
+  dense_hidden: int = 0
 
   def __post_init__(self) -> None:
     if self.loss not in LOSSES:
@@ -66,6 +69,8 @@ class MTPTrainConfig:
     for name in ("num_mtp_modules", "batch_size", "seq_len", "steps", "eval_batches", "checkpoint_every"):
       if getattr(self, name) < 1:
         raise ValueError(f"mtp.{name} must be >= 1, got {getattr(self, name)}")
+    if self.dense_hidden < 0:
+      raise ValueError(f"mtp.dense_hidden must be >= 0, got {self.dense_hidden}")
     if self.learning_rate <= 0:
       raise ValueError(f"mtp.learning_rate must be > 0, got {self.learning_rate}")
 
@@ -78,9 +83,10 @@ def _is_mtp_param(path: tuple[Any, ...], value: object) -> bool:
   return isinstance(value, nnx.Param) and "mtp" in path
 
 
-def with_fresh_heads(target: Model, num_mtp_modules: int, seed: int) -> Transformer:
-  """A module holding `target`'s parameters and newly initialised MTP heads."""
-  config = target.config.replace(num_mtp_modules=num_mtp_modules)
+def with_fresh_heads(target: Model, num_mtp_modules: int, seed: int, dense_hidden: int = 0) -> Transformer:
+  """A module holding `target`'s parameters and newly initialised MTP heads (a dense FFN of width
+  `dense_hidden` where > 0, else the target layers' FFN)."""
+  config = target.config.replace(num_mtp_modules=num_mtp_modules, mtp_dense_hidden=dense_hidden)
   module = Transformer(config, rngs=nnx.Rngs(seed))
   state = nnx.state(module)
   pure = nnx.to_pure_dict(state)
@@ -198,7 +204,7 @@ def train(
   train_tokens = batches_lib.corpus_tokens(tokenizer, "train")
   val_tokens = batches_lib.corpus_tokens(tokenizer, "validation")
 
-  module = with_fresh_heads(target, tc.num_mtp_modules, tc.seed)
+  module = with_fresh_heads(target, tc.num_mtp_modules, tc.seed, tc.dense_hidden)
   graphdef, heads, rest = split_heads(module)
   opt_state = make_optimizer(tc).init(heads)
 
@@ -269,6 +275,24 @@ def decoding_acceptance(
       "mean_accepted_length": res.stats["mean_accepted_length"],
     }
   return out
+
+
+def draft_cost(model: Model, *, num_draft: int = 4, max_new_tokens: int = 64, repeats: int = 7) -> dict[str, Any]:
+  """What a draft step of `model`'s heads costs against a plain pass of its target, batch 1, on
+  one held-out prompt (`decoding.loop.draft_step_ms`: the controlled drafter's passes timed with and
+  without the heads' draft computation)."""
+  from moespec_jax.data import corpus
+  from moespec_jax.decoding import loop
+
+  prompts = corpus.held_out_prompts(1, prompt_bytes=192, seed=1)
+  plain_ms, draft_ms_K = loop.draft_step_ms(
+    model, prompts, max_new_tokens=max_new_tokens, num_draft=num_draft, repeats=repeats
+  )
+  return {
+    "plain_pass_ms": plain_ms,
+    "draft_ms_by_k": [float(x) for x in draft_ms_K],
+    "draft_over_plain_pass_by_k": [float(x / plain_ms) for x in draft_ms_K],
+  }
 
 
 def plot_mtp(metrics: dict[str, Any], path: atomic.PathLike) -> pathlib.Path:

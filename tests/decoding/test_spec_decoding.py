@@ -644,3 +644,11 @@ def test_pass_trace_needs_the_clock_of_the_cpu_library(tiny_model, monkeypatch):
     msj.generate(
       tiny_model, [[1, 2, 3]], max_new_tokens=4, spec=msj.SpecParams(research=msj.ResearchOptions(pass_trace=True))
     )
+
+
+def test_dense_mtp_heads_keep_greedy_tokens(tiny_config):
+  # Heads with a dense FFN (`mtp_dense_hidden`): the same exactness, through the packed products.
+  model = msj.Model.init(tiny_config.replace(num_mtp_modules=1, mtp_dense_hidden=24), seed=4)
+  plain = msj.generate(model, RAGGED, max_new_tokens=16).tokens
+  spec = msj.generate(model, RAGGED, max_new_tokens=16, spec=msj.SpecParams(drafter="mtp", num_draft=3))
+  np.testing.assert_array_equal(spec.tokens, plain)

@@ -74,9 +74,26 @@ def test_quick_train_mtp_writes_its_plot_and_keeps_the_flags_given(tiny_config, 
   metrics = json.loads((out / "metrics.json").read_text())["train_mtp"]
   assert metrics["steps_done"] == 6 and metrics["train_config"]["seq_len"] == 64
   assert set(metrics["decoding"]) == {"greedy", "t1"}
+  cost = metrics["draft_cost"]
+  assert cost["plain_pass_ms"] > 0 and len(cost["draft_ms_by_k"]) == len(cost["draft_over_plain_pass_by_k"]) == 4
+  assert "a draft step over a plain pass" in proc.stdout
   assert (out / "mtp.png").stat().st_size > 0 and (out / "model" / "config.json").exists()
   assert f"wrote {out / 'metrics.json'}, {out / 'mtp.png'}" in proc.stdout
   assert_one_line_error(
     run_module("experiments.train_mtp", f"--workdir={tmp_path / 'x'}", "--quick", "--save_default"),
     "--save_default does not go with --quick",
   )
+
+
+def test_dense_heads_train_and_read_no_routed_expert(tiny_model, tmp_path):
+  """`dense_hidden`: heads whose block is a dense SwiGLU of that width (no router, no experts)."""
+  tc = mtp.MTPTrainConfig(
+    batch_size=2, seq_len=24, steps=2, warmup_steps=1, eval_batches=1, log_every_seconds=1e9, dense_hidden=24
+  )
+  model, _ = mtp.train(tiny_model, tc, tmp_path, log=lambda line: None)
+  assert model.config.mtp_dense_hidden == 24
+  block = model.module().mtp[0].block
+  assert not block.is_moe and block.ffn.w_gate_DF.shape == (tiny_model.config.d_model, 24)
+  assert msj.Model.load(tmp_path / "model").config.mtp_dense_hidden == 24
+  with pytest.raises(ValueError, match="mtp.dense_hidden must be >= 0"):
+    mtp.MTPTrainConfig(dense_hidden=-1)
