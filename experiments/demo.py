@@ -1,6 +1,6 @@
 """`make demo`: train (first run) or load the default model, then compare decoding modes.
 
-  python -m experiments.demo --workdir=runs/demo [--model=DIR] [--quick] [--nosampled]
+  python -m experiments.demo --workdir=runs/demo [--model=DIR] [--quick] [--nosampled] [--nomemory_bound]
 
 Writes DIR/metrics.json (key `demo`) and DIR/speedup.png.
 """
@@ -29,8 +29,15 @@ _SAMPLED = flags.DEFINE_bool(
   True,
   "Also the plain and exact rows with sampling (temperature 1, top-p 0.95) at the smallest batch size, beside greedy.",
 )
+_MEMORY_BOUND = flags.DEFINE_bool(
+  "memory_bound",
+  True,
+  "Also rows on the memory-bound configurations (random weights, the controlled drafter at the default heads' "
+  "measured acceptance, paying their own heads' draft cost), where speculation can pay on this machine.",
+)
 _QUICK = cli.define_quick_flag(
-  "batch 1, shorter outputs, fewer pairs", {"batch_sizes": ["1"], "max_new_tokens": 32, "repeats": 3}
+  "batch 1, shorter outputs, fewer pairs, no memory-bound rows",
+  {"batch_sizes": ["1"], "max_new_tokens": 32, "repeats": 3, "memory_bound": False},
 )
 
 
@@ -47,6 +54,7 @@ def main(argv):
     repeats=_REPEATS.value,
     max_draft=_MAX_DRAFT.value,
     sampled=_SAMPLED.value,
+    memory_bound=demo.MEMORY_BOUND_CONFIGS if _MEMORY_BOUND.value else (),
   )
 
 

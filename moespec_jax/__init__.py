@@ -4,6 +4,7 @@ from moespec_jax.api import Model
 from moespec_jax.config import ModelConfig
 from moespec_jax.decoding.loop import GenerateOutput, generate
 from moespec_jax.decoding.params import ResearchOptions, SamplingParams, SpecParams, TreeCost
+from moespec_jax.parallel.mesh import make_mesh
 
 __all__ = [
   "GenerateOutput",
@@ -14,4 +15,5 @@ __all__ = [
   "SpecParams",
   "TreeCost",
   "generate",
+  "make_mesh",
 ]

@@ -16,10 +16,20 @@ from moespec_jax.data import corpus
 from moespec_jax.decoding import loop, report
 from moespec_jax.io import atomic, plots
 from moespec_jax.io.progress import Progress
-from moespec_jax.research import roofline, spec_bench
+from moespec_jax.research import models, roofline, rounds, spec_bench
 
 # The sampled rows' sampling: temperature 1 with nucleus (top-p) filtering.
 SAMPLED = msj.SamplingParams(temperature=1.0, top_p=0.95)
+# Random models whose passes are bound by reading their weights (`--model=config:...` values of
+# configs/), where a verification pass of several tokens costs little more than one: where
+# speculation can pay on this machine.
+MEMORY_BOUND_CONFIGS = ("membound_coarse", "membound_fine")
+# Their rows: (K, what a pass pays for drafting): auto K and a fixed K with the config's own MTP
+# heads' draft cost, and the fixed K with drafts that cost nothing (a lookup, as prompt lookup's).
+MEMORY_BOUND_ROWS = (("auto", "mtp"), (2, "mtp"), (2, "none"))
+# Their runs, shorter than the default model's: their passes are 20-40 times slower, and a fresh
+# `make demo` has to fit its quarter of an hour (docs/findings/2026-12-04-make-demo.md).
+MEMORY_BOUND_LIMITS = {"max_new_tokens": 64, "repeats": 3, "max_draft": 2}
 
 
 def _timed_generate(model, prompts, max_new_tokens, sampling, spec, repeats: int):
@@ -89,6 +99,78 @@ def _row(drafter, k, batch, tps, plain_tps, speedup, out, plain_out, *, sampling
   return row
 
 
+def heads_acceptance(model: msj.Model, prompts: Sequence, max_new_tokens: int, num_draft: int = 4) -> list[float]:
+  """The model's MTP heads' acceptance by depth (greedy, K = `num_draft`, on `prompts`)."""
+  out = msj.generate(
+    model, prompts, max_new_tokens=max_new_tokens, spec=msj.SpecParams(drafter="mtp", num_draft=num_draft)
+  )
+  return [float(a) for a in out.stats["acceptance_by_depth"]]
+
+
+def memory_bound_rows(
+  acceptance: float,
+  configs: Sequence[str] = MEMORY_BOUND_CONFIGS,
+  *,
+  max_new_tokens: int,
+  repeats: int,
+  max_draft: int,
+  log: Callable[[str], None] = print,
+  row_done: Callable[..., None] = lambda what, **figures: None,
+) -> list[dict[str, Any]]:
+  """Rows on `configs` (random models, `config:NAME` of `models.load_model`), batch 1, greedy: plain decoding and the
+  controlled drafter at `acceptance` (its drafts from the plain run's tokens, each right with
+  that probability) at MEMORY_BOUND_ROWS: paying the model's own MTP heads' draft cost every pass
+  (`controlled_draft_cost "mtp"`) or nothing; speedups over plain measured side by side (`rounds`). Each
+  config's regime line is printed and kept."""
+  rows = []
+  for name in configs:
+    model = models.load_model(f"config:{name}")
+    prompts, _ = spec_bench.bench_prompts(model, 1, 192, log=log)
+    regime_rows = roofline.measured_regimes(
+      model,
+      prompts,
+      (1,),
+      context=192 + max_new_tokens,
+      max_new_tokens=max_new_tokens,
+      log=lambda line: log(f"{name}: {line}"),
+    )
+    reference = msj.generate(model, prompts, max_new_tokens=max_new_tokens).tokens
+    specs = {
+      (k, cost): msj.SpecParams(
+        drafter="controlled",
+        num_draft=k,
+        max_draft=max_draft,
+        research=msj.ResearchOptions(controlled_acceptance=acceptance, controlled_draft_cost=cost),
+      )
+      for k, cost in MEMORY_BOUND_ROWS
+    }
+    rounds.warm_up(model, prompts, max_new_tokens, specs, reference)
+    speedups, rates, last, _, per_round = rounds.round_robin_speedups(
+      model, prompts, max_new_tokens, specs, repeats, reference, check_tokens=reference
+    )
+    for (k, cost), st in last.items():
+      row = {
+        "config": name,
+        "drafter": "controlled",
+        "controlled_acceptance": acceptance,
+        "draft_cost": cost,
+        "num_draft": st["chosen_num_draft"] if k == "auto" else k,
+        "auto_num_draft": k == "auto",
+        "batch_size": 1,
+        "max_new_tokens": max_new_tokens,
+        "tokens_per_second": rates[(k, cost)],
+        "speedup_vs_plain": speedups[(k, cost)],
+        "round_speedups": per_round[(k, cost)],
+        "mean_accepted_length": st["mean_accepted_length"],
+        "regime": regime_rows[0],
+      }
+      rows.append(row)
+      drafts = "drafts free" if cost == "none" else "MTP draft cost"
+      row_done(f"{name} controlled K={k} ({drafts})", speedup=speedups[(k, cost)])
+    del model
+  return rows
+
+
 def run_demo(
   model: msj.Model,
   workdir: atomic.PathLike,
@@ -99,6 +181,7 @@ def run_demo(
   max_draft: int = 4,
   budget_multiplier: int = 2,
   sampled: bool = True,
+  memory_bound: Sequence[str] = MEMORY_BOUND_CONFIGS,
   log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
   """Generates from held-out prompts and writes `workdir/metrics.json` (key `demo`).
@@ -112,7 +195,9 @@ def run_demo(
   at the K auto chose), greedy; with `sampled`, the plain and exact rows again with sampling
   (SAMPLED: temperature 1, top-p 0.95) at the smallest batch size. Batch-1 rows say how many
   tokens were accepted drafts and the share of them that is whitespace (`report.accepted_drafts`;
-  a run of indentation is accepted at every depth). Also writes `workdir/speedup.png`.
+  a run of indentation is accepted at every depth). Where the model has MTP heads, rows on the
+  configs `memory_bound` names (`memory_bound_rows`; () for none) at the heads' mean acceptance by
+  depth measured here, labelled as such. Also writes `workdir/speedup.png`.
   """
   from moespec_jax.training import pretrain
 
@@ -129,8 +214,11 @@ def run_demo(
   # first, within the demo's time on a fresh machine.
   runs = [(msj.SamplingParams(), tuple(batch_sizes))] + ([(SAMPLED, (min(batch_sizes),))] if sampled else [])
   # A line per measured row (compilation and auto K's calibration included): minutes in all.
+  memory_bound = tuple(memory_bound) if model.config.num_mtp_modules else ()
   progress = Progress(
-    sum(len(batches) for _, batches in runs) * (1 + len(drafters)) + budgeted * len(batch_sizes),
+    sum(len(batches) for _, batches in runs) * (1 + len(drafters))
+    + budgeted * len(batch_sizes)
+    + len(memory_bound) * len(MEMORY_BOUND_ROWS),
     desc="demo",
     unit="rows",
     every_s=None,
@@ -203,6 +291,20 @@ def run_demo(
           )
         )
         row_done(f"{label} batch {batch} budgeted {drafter} K={k}", speedup=speedup, top1=top1)
+  membound_rows, by_depth, acceptance = [], [], None
+  if memory_bound:
+    by_depth = heads_acceptance(model, prompts, max_new_tokens)
+    acceptance = float(np.mean([a for a in by_depth if a == a]))
+    log(
+      f"memory-bound rows: the controlled drafter at a = {acceptance:.3f}, the default MTP heads' mean "
+      f"acceptance by depth ({', '.join(f'{a:.3f}' for a in by_depth)}; greedy, K = 4, {len(prompts)} prompts)"
+    )
+    limits = {
+      "max_new_tokens": min(max_new_tokens, MEMORY_BOUND_LIMITS["max_new_tokens"]),
+      "repeats": min(repeats, MEMORY_BOUND_LIMITS["repeats"]),
+      "max_draft": min(max_draft, MEMORY_BOUND_LIMITS["max_draft"]),
+    }
+    membound_rows = memory_bound_rows(acceptance, memory_bound, **limits, log=log, row_done=row_done)
   params = model.param_counts()
   result = {
     "demo": {
@@ -215,6 +317,9 @@ def run_demo(
       "max_new_tokens": max_new_tokens,
       "sample": samples["greedy"],
       "samples": samples,
+      "memory_bound_rows": membound_rows,
+      "memory_bound_acceptance": acceptance,
+      "heads_acceptance_by_depth": by_depth,
     }
   }
   atomic.write_json_atomic(workdir / "metrics.json", result)
@@ -250,6 +355,20 @@ def run_demo(
         f"{r['tokens_per_second']:>10.1f}{r['plain_tokens_per_second']:>8.1f}{r['speedup_vs_plain']:>9.2f}"
         f"{r['mean_accepted_length']:>8.2f}{r['top1_agreement_vs_exact']:>7.3f}{drafts:>13}"
       )
+  if membound_rows:
+    log(
+      f"\nMEMORY-BOUND CONFIGURATIONS (random weights, batch 1, greedy; acceptance CONTROLLED at a = {acceptance:.3f}, "
+      "the default heads' measured mean by depth)"
+    )
+    log(f"{'config':<18}{'K':>7}{'drafts':>16}{'tokens/s':>10}{'speedup':>9}{'acc.len':>8}  regime")
+    for r in membound_rows:
+      k = f"auto:{r['num_draft']}" if r["auto_num_draft"] else str(r["num_draft"])
+      drafts = "free" if r["draft_cost"] == "none" else "MTP heads' cost"
+      log(
+        f"{r['config']:<18}{k:>7}{drafts:>16}{r['tokens_per_second']:>10.1f}{r['speedup_vs_plain']:>9.2f}"
+        f"{r['mean_accepted_length']:>8.2f}  {r['regime']['verdict']}"
+      )
+    log(f"({membound_rows[0]['max_new_tokens']} new tokens a run; drafts free: as a lookup's, prompt lookup's)")
   log("speedup: median over runs alternating plain and speculative decoding (plain: their plain side).")
   log("ws.drafts (batch 1): the share of the accepted drafts that is whitespace, of how many accepted drafts.")
   log(f"K auto:N: num_draft='auto' (cost model, K = 0..{max_draft} each pass); N is the K it chose most often.")

@@ -16,6 +16,7 @@ def test_make_mesh_axes_and_errors():
   mesh = mesh_lib.make_mesh(2)
   assert mesh.axis_names == ("data", "expert") and dict(mesh.shape) == {"data": 2, "expert": 4}
   assert dict(mesh_lib.make_mesh(1, 4).shape) == {"data": 1, "expert": 4}
+  assert dict(msj.make_mesh(data=4, expert=2).shape) == {"data": 4, "expert": 2}  # the package's name for it
   with pytest.raises(ValueError, match="needs 16 devices, 8 are here"):
     mesh_lib.make_mesh(2, 8)
   with pytest.raises(ValueError, match="data must be an int >= 1"):

@@ -13,7 +13,15 @@ def test_demo_rows(tiny_config, tmp_path, capsys):
   model = msj.Model.init(tiny_config.replace(num_mtp_modules=1, max_seq_len=512), seed=0)
   lines = []
   demo.run_demo(
-    model, tmp_path, max_new_tokens=8, batch_sizes=(1, 2), repeats=1, max_draft=2, sampled=False, log=lines.append
+    model,
+    tmp_path,
+    max_new_tokens=8,
+    batch_sizes=(1, 2),
+    repeats=1,
+    max_draft=2,
+    sampled=False,
+    memory_bound=(),
+    log=lines.append,
   )
   rows = json.loads((tmp_path / "metrics.json").read_text())["demo"]["rows"]
   greedy = [("none", "exact"), ("mtp", "exact"), ("ngram", "exact"), ("mtp", "budgeted")]
@@ -69,7 +77,9 @@ def test_demo_sampled_rows(tiny_config, tmp_path):
   draws), and a sample of each."""
   model = msj.Model.init(tiny_config.replace(num_mtp_modules=1, max_seq_len=512), seed=0)
   lines = []
-  demo.run_demo(model, tmp_path, max_new_tokens=8, batch_sizes=(1,), repeats=1, max_draft=2, log=lines.append)
+  demo.run_demo(
+    model, tmp_path, max_new_tokens=8, batch_sizes=(1,), repeats=1, max_draft=2, memory_bound=(), log=lines.append
+  )
   result = json.loads((tmp_path / "metrics.json").read_text())["demo"]
   sampled = [r for r in result["rows"] if r["sampling"] != "greedy"]
   assert [(r["sampling"], r["drafter"], r["mode"]) for r in sampled] == [
@@ -78,6 +88,41 @@ def test_demo_sampled_rows(tiny_config, tmp_path):
   assert all(r["temperature"] == 1.0 and r["top_p"] == 0.95 and r["tokens_equal_plain"] is None for r in sampled)
   assert set(result["samples"]) == {"greedy", "T=1 top-p 0.95"}
   assert "sample (T=1 top-p 0.95, held-out prompt)" in "\n".join(lines)
+
+
+@pytest.mark.slow
+def test_memory_bound_rows_at_the_heads_acceptance(tiny_config, tmp_path):
+  """The memory-bound rows: each config (here at test size) with its regime, the controlled drafter
+  at the heads' mean acceptance by depth measured on the model, at auto K and a fixed K, labelled."""
+  model = msj.Model.init(tiny_config.replace(num_mtp_modules=1, max_seq_len=512), seed=0)
+  lines = []
+  configs = ("membound_fine,size=tiny",)
+  demo.run_demo(
+    model,
+    tmp_path,
+    max_new_tokens=8,
+    batch_sizes=(1,),
+    repeats=1,
+    max_draft=2,
+    sampled=False,
+    memory_bound=configs,
+    log=lines.append,
+  )
+  result = json.loads((tmp_path / "metrics.json").read_text())["demo"]
+  by_depth = [a for a in result["heads_acceptance_by_depth"] if a is not None]  # NaN: a depth never reached
+  assert len(result["heads_acceptance_by_depth"]) == 4 and by_depth
+  assert result["memory_bound_acceptance"] == pytest.approx(sum(by_depth) / len(by_depth))
+  rows = result["memory_bound_rows"]
+  assert [(r["config"], r["auto_num_draft"], r["draft_cost"]) for r in rows] == [
+    (configs[0], k == "auto", cost) for k, cost in demo.MEMORY_BOUND_ROWS
+  ]
+  for r in rows:
+    assert r["controlled_acceptance"] == result["memory_bound_acceptance"] and r["speedup_vs_plain"] > 0
+    assert r["regime"]["verdict"] in ("memory-bound", "compute-bound") and r["mean_accepted_length"] >= 1.0
+  assert rows[1]["num_draft"] == rows[2]["num_draft"] == 2 and 0 <= rows[0]["num_draft"] <= 2
+  text = "\n".join(lines)
+  assert "MEMORY-BOUND CONFIGURATIONS" in text and "CONTROLLED" in text and f"{configs[0]}: regime:" in text
+  assert f"row {configs[0]} controlled K=auto (MTP draft cost)" in text and "drafts free" in text
 
 
 @pytest.mark.slow
