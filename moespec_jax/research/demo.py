@@ -30,7 +30,7 @@ MEMORY_BOUND_CONFIGS = ("membound_coarse", "membound_fine")
 MEMORY_BOUND_ROWS = ((2, "mtp"), (2, "none"))
 # Their runs, shorter than the default model's: their passes are 20-40 times slower, and a fresh
 # `make demo` has to fit its quarter of an hour (docs/findings/2026-12-04-make-demo.md).
-MEMORY_BOUND_LIMITS = {"max_new_tokens": 64, "repeats": 3, "max_draft": 2}
+MEMORY_BOUND_LIMITS = {"max_new_tokens": 64, "repeats": 3}
 
 
 def _timed_generate(model, prompts, max_new_tokens, sampling, spec, repeats: int):
@@ -114,7 +114,6 @@ def memory_bound_rows(
   *,
   max_new_tokens: int,
   repeats: int,
-  max_draft: int,
   log: Callable[[str], None] = print,
   row_done: Callable[..., None] = lambda what, **figures: None,
 ) -> list[dict[str, Any]]:
@@ -140,7 +139,6 @@ def memory_bound_rows(
       (k, cost): msj.SpecParams(
         drafter="controlled",
         num_draft=k,
-        max_draft=max_draft,
         research=msj.ResearchOptions(controlled_acceptance=acceptance, controlled_draft_cost=cost),
       )
       for k, cost in MEMORY_BOUND_ROWS
@@ -155,8 +153,7 @@ def memory_bound_rows(
         "drafter": "controlled",
         "controlled_acceptance": acceptance,
         "draft_cost": cost,
-        "num_draft": st["chosen_num_draft"] if k == "auto" else k,
-        "auto_num_draft": k == "auto",
+        "num_draft": k,
         "batch_size": 1,
         "max_new_tokens": max_new_tokens,
         "tokens_per_second": rates[(k, cost)],
@@ -303,7 +300,6 @@ def run_demo(
     limits = {
       "max_new_tokens": min(max_new_tokens, MEMORY_BOUND_LIMITS["max_new_tokens"]),
       "repeats": min(repeats, MEMORY_BOUND_LIMITS["repeats"]),
-      "max_draft": min(max_draft, MEMORY_BOUND_LIMITS["max_draft"]),
     }
     membound_rows = memory_bound_rows(acceptance, memory_bound, **limits, log=log, row_done=row_done)
   params = model.param_counts()
@@ -363,10 +359,9 @@ def run_demo(
     )
     log(f"{'config':<18}{'K':>7}{'drafts':>16}{'tokens/s':>10}{'speedup':>9}{'acc.len':>8}  regime")
     for r in membound_rows:
-      k = f"auto:{r['num_draft']}" if r["auto_num_draft"] else str(r["num_draft"])
       drafts = "free" if r["draft_cost"] == "none" else "MTP heads' cost"
       log(
-        f"{r['config']:<18}{k:>7}{drafts:>16}{r['tokens_per_second']:>10.1f}{r['speedup_vs_plain']:>9.2f}"
+        f"{r['config']:<18}{r['num_draft']:>7}{drafts:>16}{r['tokens_per_second']:>10.1f}{r['speedup_vs_plain']:>9.2f}"
         f"{r['mean_accepted_length']:>8.2f}  {r['regime']['verdict']}"
       )
     log(f"({membound_rows[0]['max_new_tokens']} new tokens a run; drafts free: as a lookup's, prompt lookup's)")

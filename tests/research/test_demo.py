@@ -113,8 +113,8 @@ def test_memory_bound_rows_at_the_heads_acceptance(tiny_config, tmp_path):
   assert len(result["heads_acceptance_by_depth"]) == 4 and by_depth
   assert result["memory_bound_acceptance"] == pytest.approx(sum(by_depth) / len(by_depth))
   rows = result["memory_bound_rows"]
-  assert [(r["config"], r["auto_num_draft"], r["draft_cost"]) for r in rows] == [
-    (configs[0], k == "auto", cost) for k, cost in demo.MEMORY_BOUND_ROWS
+  assert [(r["config"], r["num_draft"], r["draft_cost"]) for r in rows] == [
+    (configs[0], k, cost) for k, cost in demo.MEMORY_BOUND_ROWS
   ]
   for r in rows:
     assert r["controlled_acceptance"] == result["memory_bound_acceptance"] and r["speedup_vs_plain"] > 0
