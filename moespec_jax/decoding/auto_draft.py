@@ -29,6 +29,12 @@ acceptance (the Wilson score bound, STOP_CONFIDENCE standard errors above the es
 row's and the batch's pooled): a start
 that accepts less than the rest of the text (a prompt's continuation, then boilerplate) must not
 end drafting.
+The counts start from the calibration's (`calibrated_prior`): the acceptance the drafter showed in
+the held runs that timed the program's passes, on the calibrating call's prompts, worth
+CALIBRATION_PRIOR_WEIGHT tried drafts and decaying like any evidence. Where drafting cannot pay
+even at that prior's high bound, the MTP heads' first choice is the final K = 0: such a run
+never starts the heads (`passes.init_state`) and decodes plainly from its first pass, instead of
+paying MIN_EVIDENCE drafts to learn what the calibration already measured.
 With the n-gram drafter, a segment where no active row's context has a match is
 NO_MATCH_PASSES plain passes (nothing to verify; transformers' prompt lookup also decodes
 plainly without a match).
@@ -69,6 +75,10 @@ SETTLED_EVIDENCE = 16.0  # tried drafts before segments grow from 1 pass to SEGM
 YOUNG_PLAIN_PASSES = 4  # passes per K = 0 choice while the estimate is young (shadow drafts)
 NO_MATCH_PASSES = 4  # plain passes when no row has an n-gram match (each choice costs a little)
 MAX_ACCEPTANCE = 0.999
+# The calibration's measured acceptance starts each row's counts as this many tried drafts: enough
+# for MIN_EVIDENCE (the MTP heads stop at once where the calibration says drafting cannot pay),
+# few enough that a row's own drafts outweigh it within a few passes.
+CALIBRATION_PRIOR_WEIGHT = 8.0
 # Reached drafts at which a depth's own acceptance weighs as much as the depth before it; standard
 # errors added to a depth's estimate while it has no evidence of its own (fading with it).
 # Simulated, they bring auto closer to the best fixed K under prompt lookup's depth profile and
@@ -100,6 +110,18 @@ SWITCH_COST_PASSES = 0.4
 TIMING_DECAY = 0.8
 TIMING_PRIOR_PASSES = 4.0
 MAX_TIMING_RATIO = 4.0
+
+
+def calibrated_prior(drafts_2: ArrayLike | None) -> np.ndarray:
+  """Starting (accepted, tried) counts (float32 [2]) from a calibration's drafts (accepted, tried):
+  its acceptance worth CALIBRATION_PRIOR_WEIGHT tried drafts; zeros (no prior beyond
+  PRIOR_ACCEPTANCE's) where it counted none."""
+  if drafts_2 is None:
+    return np.zeros(2, np.float32)
+  accepted, tried = (float(x) for x in np.asarray(drafts_2, np.float64))
+  if not tried > 0 or not 0 <= accepted <= tried:
+    raise ValueError(f"a calibration's drafts must be (accepted, tried), 0 <= accepted <= tried, tried > 0: {drafts_2}")
+  return np.array([accepted / tried * CALIBRATION_PRIOR_WEIGHT, CALIBRATION_PRIOR_WEIGHT], np.float32)
 
 
 def acceptance_estimate(evidence_2: ArrayLike) -> np.ndarray | jax.Array:

@@ -157,8 +157,18 @@ HELD_OTHER_MS = 1e6
 # are timed in loops instead (`measure_step_ms`).
 CALIBRATION_MIN_PASSES = 8
 
-# A held run's time and the passes it made at each K ([K + 1]): `run(step_ms_K, prefill_only)`.
-HeldRun = Callable[[np.ndarray, bool], tuple[float, np.ndarray]]
+
+class HeldRunResult(NamedTuple):
+  """One held run of a generation program: its seconds, the passes it made at each K ([K + 1]) and
+  the drafts it verified, (accepted, tried) summed over its rows and passes ([2])."""
+
+  seconds: float
+  passes_K: np.ndarray
+  drafts_2: np.ndarray
+
+
+# `run(step_ms_K, prefill_only)`: the program run once, held by `step_ms_K`.
+HeldRun = Callable[[np.ndarray, bool], HeldRunResult]
 
 
 def held_step_ms(max_k: int, k: int) -> np.ndarray:
@@ -199,7 +209,8 @@ def measure_held_step_ms(max_k: int, run: HeldRun, repeats: int = 7) -> np.ndarr
   for r in range(repeats):
     seconds, passes = {}, {}
     for label in timing.round_order(labels, r):
-      seconds[label], passes[label] = call(label)
+      result = call(label)
+      seconds[label], passes[label] = result[0], result[1]
     # The same seed gives the same passes; each round solves with its own, should a backend's
     # nondeterministic sums ever change a token.
     passes_KK = np.stack([passes[k] for k in range(max_k + 1)]).astype(float)
@@ -212,12 +223,20 @@ def measure_held_step_ms(max_k: int, run: HeldRun, repeats: int = 7) -> np.ndarr
 
 class Calibration(NamedTuple):
   """auto K's per-K pass times (ms, [K + 1]), how they were measured: "held_runs"
-  (`measure_held_step_ms`) or "loops" (`measure_step_ms`), and the seconds the measurement took
-  in this call (0.0 where a kept calibration was reused)."""
+  (`measure_held_step_ms`) or "loops" (`measure_step_ms`), the seconds the measurement took
+  in this call (0.0 where a kept calibration was reused), and the drafts its held runs verified,
+  (accepted, tried) over all of them ([2]; None where none were counted): the drafter's
+  acceptance on the calibrating call's prompts, auto K's prior in later calls
+  (`auto_draft.calibrated_prior`)."""
 
   step_ms_K: np.ndarray
   method: str
   seconds: float = 0.0
+  drafts_2: np.ndarray | None = None
+
+  def prior_2(self) -> np.ndarray:
+    """auto K's starting evidence (float32 [2]) from this calibration's drafts."""
+    return auto_draft.calibrated_prior(self.drafts_2)
 
 
 def calibrate_step_ms(
@@ -247,7 +266,14 @@ def calibrate_step_ms(
       f"{ls.max_new_tokens} tokens (once per program and batch shape)"
     )
   start = time.perf_counter()
-  raw_K, method = measure_held_step_ms(ls.max_k, run, CALIBRATION_ROUNDS), "held_runs"
+  drafts_2 = np.zeros(2)
+
+  def counted(step_ms_K: np.ndarray, prefill_only: bool) -> HeldRunResult:
+    result = run(step_ms_K, prefill_only)
+    drafts_2[:] += result.drafts_2
+    return result
+
+  raw_K, method = measure_held_step_ms(ls.max_k, counted, CALIBRATION_ROUNDS), "held_runs"
   if raw_K is None:
     logging.info(
       "auto K (%s, max_draft=%d, %d new tokens): too few passes at some K in whole runs; "
@@ -258,11 +284,13 @@ def calibrate_step_ms(
     )
     raw_K, method = measure_step_ms(ls, args, CALIBRATION_ROUNDS), "loops"
   step_ms_K = auto_draft.smooth_step_times(raw_K, ls.routing).astype(np.float32)
-  calibration = Calibration(step_ms_K, method, time.perf_counter() - start)
+  counted_drafts = drafts_2 if method == "held_runs" and drafts_2[1] > 0 else None
+  calibration = Calibration(step_ms_K, method, time.perf_counter() - start, counted_drafts)
   cache.set_calibration(key, calibration)
   if progress is not None:
     progress(
       f"calibrated in {calibration.seconds:.1f} s ({method.replace('_', ' ')}): pass times (ms) "
       + " ".join(f"K={k} {t:.3f}" for k, t in enumerate(step_ms_K))
+      + ("" if counted_drafts is None else f"; drafts accepted {counted_drafts[0] / counted_drafts[1]:.3f}")
     )
   return calibration

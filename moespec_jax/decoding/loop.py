@@ -34,7 +34,12 @@ import numpy.typing as npt
 from moespec_jax.config import ModelConfig
 from moespec_jax.decoding import drafters as drafters_lib
 from moespec_jax.decoding import passes, programs, report
-from moespec_jax.decoding.calibration import calibrate_step_ms, measure_step_ms, measure_step_variants_ms
+from moespec_jax.decoding.calibration import (
+  HeldRunResult,
+  calibrate_step_ms,
+  measure_step_ms,
+  measure_step_variants_ms,
+)
 from moespec_jax.decoding.drafters.none import NoDrafter
 from moespec_jax.decoding.params import ResearchOptions, SamplingParams, SpecParams
 from moespec_jax.decoding.programs import (
@@ -108,6 +113,7 @@ def encode_prompts(prompts: Prompts, tokenizer: Tokenizer, vocab_size: int, eos_
 
 
 _FULL_RUN = np.bool_(False)  # _generate_spec's prefill_only in generate()
+_NO_PRIOR = np.zeros(2, np.float32)  # _generate_spec's prior_2 where there is no calibration
 
 
 def _generate_spec(
@@ -118,16 +124,23 @@ def _generate_spec(
   seed: jax.Array,
   inputs: Any,
   step_ms_K: jax.Array,
+  prior_2: jax.Array,
   prefill_only: jax.Array,
   *,
   ls: LoopSpec,
 ) -> tuple[jax.Array, jax.Array]:
   """Prefill, then one `lax.while_loop` of passes; returns (tokens_BN, the packed statistics).
-  `prefill_only` (a bool): stop after the first token (auto K's calibration times the prefill so)."""
+  Auto K: `step_ms_K` its calibrated pass times, `prior_2` its starting (accepted, tried) counts
+  (`Calibration.prior_2`; zeros while calibrating). `prefill_only` (a bool): stop after the first
+  token (auto K's calibration times the prefill so)."""
   model = merge(definition, params, ls)
-  state = passes.init_state(model, tokens_BT, lengths_B, seed, inputs, ls)
+  state = passes.init_state(model, tokens_BT, lengths_B, seed, inputs, ls, step_ms_K, prior_2)
   state = passes.start_trace(state.replace(done_B=state.done_B | prefill_only), ls)
   if ls.auto:
+    # A drafter never started (its first choice the final K = 0): plain passes to the end, in
+    # the first loop; otherwise segments of auto K, in the second.
+    idle = lambda s: ~jnp.all(s.done_B) & (s.stats.drafter_started == 0)
+    state = jax.lax.while_loop(idle, lambda s: passes.speculative_pass(model, s, 0, ls), state)
     body = lambda s: passes.auto_segment(model, s, step_ms_K, ls)
   else:
     body = lambda s: passes.speculative_pass(model, s, ls.max_k, ls)
@@ -284,20 +297,22 @@ def generate(
     raise ValueError(f"progress must be a callable taking a line of text, got {progress!r}")
   spec, ls, args = _prepare(model, prompts, max_new_tokens, sampling, spec, seed, reference_tokens)
   batch, n_moe_layers = args[2].shape[0], model.config.n_moe_layers
-  step_ms_K, calibration = np.zeros((ls.max_k + 1,), np.float32), None
-  fn = programs.PROGRAMS.compiled(_generate_spec, ls, *args, step_ms_K, _FULL_RUN)
+  step_ms_K, prior_2, calibration = np.zeros((ls.max_k + 1,), np.float32), _NO_PRIOR, None
+  fn = programs.PROGRAMS.compiled(_generate_spec, ls, *args, step_ms_K, prior_2, _FULL_RUN)
   if ls.auto:
 
-    def held_run(held_ms_K: np.ndarray, prefill_only: bool):
+    def held_run(held_ms_K: np.ndarray, prefill_only: bool) -> HeldRunResult:
       start = time.perf_counter()
-      raw = jax.block_until_ready(fn(*args[1:], held_ms_K, np.bool_(prefill_only))[1])
+      raw = jax.block_until_ready(fn(*args[1:], held_ms_K, _NO_PRIOR, np.bool_(prefill_only))[1])
       seconds = time.perf_counter() - start
-      return seconds, Stats.unpack(raw, ls, batch, n_moe_layers).passes_by_K
+      record = Stats.unpack(raw, ls, batch, n_moe_layers)
+      drafts_2 = np.array([record.accepted_K.sum(), record.reached_K.sum()], np.float64)
+      return HeldRunResult(seconds, record.passes_by_K, drafts_2)
 
     calibration = calibrate_step_ms(ls, args, held_run, progress)
-    step_ms_K = np.asarray(calibration.step_ms_K, np.float32)
+    step_ms_K, prior_2 = np.asarray(calibration.step_ms_K, np.float32), calibration.prior_2()
   start = time.perf_counter()
-  tokens_BN, raw = fn(*args[1:], step_ms_K, _FULL_RUN)
+  tokens_BN, raw = fn(*args[1:], step_ms_K, prior_2, _FULL_RUN)
   tokens_BN = np.asarray(jax.block_until_ready(tokens_BN))
   seconds = time.perf_counter() - start
   record = Stats.unpack(raw, ls, batch, n_moe_layers)

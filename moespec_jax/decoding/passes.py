@@ -29,11 +29,23 @@ from pallas_kernels import cpu as cpu_ffi
 
 
 def init_state(
-  model: ProgramTarget, tokens_BT: jax.Array, lengths_B: jax.Array, seed: jax.Array, inputs: Any, ls: LoopSpec
+  model: ProgramTarget,
+  tokens_BT: jax.Array,
+  lengths_B: jax.Array,
+  seed: jax.Array,
+  inputs: Any,
+  ls: LoopSpec,
+  step_ms_K: jax.Array | None = None,
+  prior_2: jax.Array | None = None,
 ) -> LoopState:
   """Prefill, the first token, the drafter's state and zeroed statistics: the loop's first state.
   `seed`: uint32, the PRNG seed (the key is made here: `jax.random.key(seed)` called eagerly
-  costs a dispatch per call). `inputs`: the drafter's, drawn before the program (`host_inputs`)."""
+  costs a dispatch per call). `inputs`: the drafter's, drawn before the program (`host_inputs`).
+
+  Auto K (`step_ms_K`, the calibrated pass times, and `prior_2`, the calibration's starting
+  counts): every row's evidence starts from `prior_2`; a drafter without shadow drafts whose
+  first choice is already the final K = 0 is not started (its state zeros, `drafter_started`
+  0: the program then runs plain passes to the end, `loop._generate_spec`)."""
   config = model.config
   batch, prompt_len = tokens_BT.shape
   row_keys_B = row_keys(seed, batch)
@@ -42,7 +54,23 @@ def init_state(
   out, last_logits_BV, note = ls.drafter.prefill(model, tokens_BT, lengths_B, prompt_BT, cache, ls)
   first_B = sampling_lib.sample(stream_keys(row_keys_B, 0), last_logits_BV, ls.sampling)
   out_BN = jnp.full((batch, ls.max_new_tokens + ls.max_k + 1), -1, jnp.int32).at[:, 0].set(first_B)
-  draft_state = ls.drafter.start(model, tokens_BT, lengths_B, prompt_BT, out, note, first_B, inputs, ls)
+
+  def start() -> Any:
+    return ls.drafter.start(model, tokens_BT, lengths_B, prompt_BT, out, note, first_B, inputs, ls)
+
+  stats = Stats.zeros(ls, batch, config.n_moe_layers)
+  if ls.auto and prior_2 is not None:
+    evidence_B2 = jnp.broadcast_to(jnp.asarray(prior_2, jnp.float32), (batch, 2))
+    stats = stats.replace(acceptance_evidence_B2=evidence_B2)
+  if ls.auto and prior_2 is not None and not ls.drafter.shadows:
+    remaining_B = jnp.full((batch,), ls.max_new_tokens - 1, jnp.float32)
+    first_k, _ = auto_draft.choose_k(stats.acceptance_evidence_B2, step_ms_K, shadow=False, remaining_B=remaining_B)
+    started = first_k > 0
+    idle = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(start))
+    draft_state = jax.lax.cond(started, start, lambda: idle)
+    stats = stats.replace(drafter_started=started.astype(jnp.int32))
+  else:
+    draft_state = start()
   return LoopState(
     step=jnp.int32(1),
     cache=cache_on_rows(out.cache, ls),
@@ -52,7 +80,7 @@ def init_state(
     done_B=(first_B == config.eos_id) | (ls.max_new_tokens <= 1),
     out_BN=out_BN,
     draft_state=draft_state,
-    stats=Stats.zeros(ls, batch, config.n_moe_layers),
+    stats=stats,
     row_keys_B=row_keys_B,
   )
 

@@ -25,6 +25,9 @@ class CalibrationRecord(Protocol):
   @property
   def seconds(self) -> float: ...
 
+  @property
+  def drafts_2(self) -> np.ndarray | None: ...
+
 
 def public_stats(
   raw: Stats,
@@ -71,6 +74,11 @@ def public_stats(
     stats["calibrated_step_ms"] = [float(t) for t in step_ms_K]
     stats["calibration"] = calibration.method  # "held_runs" or "loops"
     stats["calibration_seconds"] = float(calibration.seconds)  # 0.0: a kept calibration was reused
+    # The drafts its held runs accepted (auto's prior; None where it counted none), and whether
+    # the drafter ran at all (0: its first choice was the final K = 0).
+    drafts_2 = calibration.drafts_2
+    stats["calibration_acceptance"] = None if drafts_2 is None else float(drafts_2[0] / drafts_2[1])
+    stats["drafter_started"] = bool(raw.drafter_started)
     stats["auto_timing"] = ls.timed
     if ls.timed:  # the pass times auto chose with at the end: calibration corrected by the loop's clock
       stats["corrected_step_ms"] = [

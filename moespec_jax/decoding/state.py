@@ -140,6 +140,9 @@ class Stats:
   """[B, K, 2]: auto K, drafters read per depth: the same per depth, (accepted, reached)."""
   auto_k: jax.Array = _stat((), jnp.int32)
   """int32 []: auto K: the K of the last segment."""
+  drafter_started: jax.Array = _stat((), jnp.int32, reported=lambda ls: ls.auto, init=1)
+  """int32 []: auto K: 1 where the drafter was started (`passes.init_state`), 0 where its first
+  choice was already the final K = 0 and it never drafts."""
   pass_timing_K2: jax.Array = _stat(("K+1", 2), reported=lambda ls: ls.timed)
   """[K + 1, 2]: auto K, timed: per-K evidence of measured / calibrated pass time
   (auto_draft.record_pass_time)."""

@@ -536,6 +536,43 @@ def test_pass_trace_records_the_k_auto_chose_each_pass(auto_model, auto_plain, m
   assert np.bincount(ks, minlength=4).tolist() == out.stats["passes_by_num_draft"] and max(ks) > 0
 
 
+def test_the_calibrated_prior_is_the_calibrations_acceptance_at_a_fixed_weight():
+  w = auto_draft.CALIBRATION_PRIOR_WEIGHT
+  np.testing.assert_allclose(auto_draft.calibrated_prior(np.array([30.0, 40.0])), [0.75 * w, w])
+  np.testing.assert_array_equal(auto_draft.calibrated_prior(None), [0.0, 0.0])
+  assert w >= auto_draft.MIN_EVIDENCE  # enough for the final K = 0 at the first choice
+  for bad in ([5.0, 0.0], [5.0, 4.0], [-1.0, 4.0]):
+    with pytest.raises(ValueError, match="accepted, tried"):
+      auto_draft.calibrated_prior(np.array(bad))
+
+
+@pytest.mark.parametrize("drafts", [None, (10.0, 100.0), (100.0, 100.0)])
+def test_mtp_heads_start_only_where_the_calibration_leaves_drafting_a_chance(
+  auto_model, auto_plain, drafts, monkeypatch
+):
+  """Pass times where K = 1 pays only at an acceptance near 1: with the calibration's drafts
+  mostly rejected, the heads are never started and every pass is plain; without a prior they start
+  and draft until they have the evidence; with every calibrated draft accepted they draft. Greedy
+  output is plain greedy's throughout."""
+  step_ms_K = np.array([1.0, 1.8, 2.6, 3.4], np.float32)
+  drafts_2 = None if drafts is None else np.array(drafts)
+  monkeypatch.setattr(
+    loop,
+    "calibrate_step_ms",
+    lambda ls, args, run, progress: calibration.Calibration(step_ms_K, "held_runs", 0.0, drafts_2),
+  )
+  spec = msj.SpecParams(drafter="mtp", num_draft="auto", max_draft=3)
+  out = msj.generate(auto_model, RAGGED, max_new_tokens=20, spec=spec)
+  np.testing.assert_array_equal(out.tokens, auto_plain)
+  s = out.stats
+  passes_K = s["passes_by_num_draft"]
+  assert s["calibration_acceptance"] == (None if drafts is None else drafts[0] / drafts[1])
+  if drafts == (10.0, 100.0):
+    assert not s["drafter_started"] and passes_K == [s["verify_passes"], 0, 0, 0]
+  else:
+    assert s["drafter_started"] and sum(passes_K[1:]) >= 1
+
+
 def test_auto_calibrates_on_its_own_program(auto_model, auto_plain, monkeypatch):
   """generate's calibration times the auto program itself, held at each K, where its runs pass
   often enough at every K (no loops of passes timed), and in loops where they do not."""
@@ -554,6 +591,9 @@ def test_auto_calibrates_on_its_own_program(auto_model, auto_plain, monkeypatch)
       np.testing.assert_array_equal(out.tokens, auto_plain[:, :max_new])
       assert len(out.stats["calibrated_step_ms"]) == 3 and min(out.stats["calibrated_step_ms"]) > 0
       assert out.stats["calibration"] == ("held_runs" if max_new == 20 else "loops")
+      # The held runs' drafts: the controlled drafter's acceptance (auto's prior); loops count none.
+      acceptance = out.stats["calibration_acceptance"]
+      assert (0.6 < acceptance < 0.95) if max_new == 20 else acceptance is None
     assert loops == [3]  # 3 tokens: too few passes at every K
   finally:
     programs.PROGRAMS.forget()

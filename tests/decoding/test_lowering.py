@@ -58,7 +58,7 @@ def test_generate_program_lowers_for_an_accelerator(model, platform, name):
   ls = dataclasses.replace(ls, kernels=policy)
   params = programs.decode_params(model, policy, jax.tree.leaves(model.state))
   assert params[1] == PackedWeights()  # nothing packed for the C++ products
-  args = (args[0], params, *args[2:], np.zeros((ls.max_k + 1,), np.float32), np.bool_(False))
+  args = (args[0], params, *args[2:], np.zeros((ls.max_k + 1,), np.float32), np.zeros(2, np.float32), np.bool_(False))
   program = jax.jit(loop._generate_spec, static_argnums=(0,), static_argnames=("ls",))
   text = program.trace(*args, ls=ls).lower(lowering_platforms=(platform,)).as_text()
   assert PALLAS_MARK[platform] in text.lower()

@@ -129,5 +129,5 @@ def test_dropping_compiled_programs_returns_their_memory_mappings(tiny_model, mo
   # A dropped program that a caller still holds keeps working.
   # Private on purpose: a generate() call's program arguments and full-run flag have no public name.
   _, _, args = loop._prepare(tiny_model, [[1, 2, 3]], 5, None, None, 0, None)
-  out_BN, _ = oldest_program(*args[1:], np.zeros(1, np.float32), loop._FULL_RUN)
+  out_BN, _ = oldest_program(*args[1:], np.zeros(1, np.float32), loop._NO_PRIOR, loop._FULL_RUN)
   np.testing.assert_array_equal(np.asarray(out_BN), tokens)

@@ -101,7 +101,7 @@ def test_the_mesh_program_lowers_for_accelerators(on_mesh, platform):
   _, ls, args = loop._prepare(model, PROMPTS[:2], 8, None, spec, 0, None)
   ls = dataclasses.replace(ls, kernels=policy)
   params = programs.decode_params(model, policy, jax.tree.leaves(model.state))
-  args = (args[0], params, *args[2:], np.zeros((ls.max_k + 1,), np.float32), np.bool_(False))
+  args = (args[0], params, *args[2:], np.zeros((ls.max_k + 1,), np.float32), np.zeros(2, np.float32), np.bool_(False))
   program = jax.jit(loop._generate_spec, static_argnums=(0,), static_argnames=("ls",))
   text = program.trace(*args, ls=ls).lower(lowering_platforms=(platform,)).as_text()
   assert {"tpu": "tpu_custom_call", "cuda": "triton"}[platform] in text.lower()
