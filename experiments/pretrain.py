@@ -45,7 +45,7 @@ def main(argv):
     config_name=cfg.get("name", ""),
   )
   print(
-    f"validation bits/byte: {metrics['final_val_bits_per_byte']:.4f}; "
+    f"validation bits/byte (whole split): {metrics['final_val_bits_per_byte']:.4f}; "
     f"train tokens/s: {metrics.get('train_tokens_per_second', float('nan')):,.0f}"
   )
   if _EXPORT.value:

@@ -139,23 +139,28 @@ def validation_batches(
 
   Window i holds ids [i*T, i*T + T]: its targets (ids i*T+1 .. i*T+T) do not
   overlap those of any other window, so every id after the first is predicted
-  at most once. Windows that do not fill a whole batch are dropped.
+  at most once. Windows that do not fill a whole batch are dropped. With
+  `max_batches` below the split's batches, that many batches spread evenly over
+  the whole split (the split's first batches are one stretch of text, not a
+  sample of it: tokenizers of different lengths would be judged on different
+  stretches).
 
   Args:
     tokens: 1-D ids of the validation split.
     batch_size: windows per batch (B).
     seq_len: inputs per window (T).
-    max_batches: stop after this many batches (None: all).
+    max_batches: at most this many batches, spread over the split (None: all).
     byte_lengths: bytes spelled by each id (`tokenizer.token_byte_lengths()`);
       None counts one byte per target (exact for the byte tokenizer).
   """
   tokens = np.asarray(tokens)
   _check(tokens, batch_size, seq_len)
   n_batches = num_validation_windows(tokens.size, seq_len) // batch_size
-  if max_batches is not None:
-    n_batches = min(n_batches, max(0, int(max_batches)))
+  chosen = np.arange(n_batches)
+  if max_batches is not None and max_batches < n_batches:
+    chosen = np.linspace(0, n_batches - 1, max(0, int(max_batches))).round().astype(int)
   offsets_T1 = np.arange(seq_len + 1)
-  for b in range(n_batches):
+  for b in chosen:
     starts_B = (b * batch_size + np.arange(batch_size)) * seq_len
     batch_BT1 = np.asarray(tokens[starts_B[:, None] + offsets_T1[None, :]], np.int32)
     targets_BT = batch_BT1[:, 1:]

@@ -135,11 +135,15 @@ def evaluate(
   val_tokens: np.ndarray,
   tc: TrainConfig,
   byte_lengths: np.ndarray,
+  whole_split: bool = False,
 ) -> float:
-  """Validation bits per byte over `eval_batches` fixed batches."""
+  """Validation bits per byte over `eval_batches` batches spread over the split (the curve's
+  points), or over the whole split (`whole_split`: the same bytes whatever the tokenizer, the
+  figure that compares tokenizers)."""
   nats, n_bytes = 0.0, 0
+  max_batches = None if whole_split else tc.eval_batches
   for vb in batches_lib.validation_batches(
-    val_tokens, tc.batch_size, tc.seq_len, max_batches=tc.eval_batches, byte_lengths=byte_lengths
+    val_tokens, tc.batch_size, tc.seq_len, max_batches=max_batches, byte_lengths=byte_lengths
   ):
     nats += float(eval_step(params, biases, jnp.asarray(vb.tokens)))
     n_bytes += vb.n_bytes
@@ -154,7 +158,10 @@ def plot_curves(metrics: dict, path: pathlib.Path) -> None:
     ax.plot([r["step"] for r in tr], [r["ce"] / math.log(2) for r in tr], label="train (bits/token)")
   va = metrics["val_curve"]
   if va:
-    ax.plot([r["step"] for r in va], [r["bits_per_byte"] for r in va], "o-", label="validation (bits/byte)")
+    label = f"validation, {metrics['train_config']['eval_batches']} batches spread over the split (bits/byte)"
+    ax.plot([r["step"] for r in va], [r["bits_per_byte"] for r in va], "o-", label=label)
+  if "final_val_bits_per_byte" in metrics and tr:
+    ax.plot([tr[-1]["step"]], [metrics["final_val_bits_per_byte"]], "s", label="validation, whole split (bits/byte)")
   plots.finish_axes(ax, "step", "bits", f"pretraining: {metrics.get('config_name', '')}")
   plots.save(fig, path)
 
@@ -256,7 +263,9 @@ def train(
   if not metrics["val_curve"] or metrics["val_curve"][-1]["step"] != tc.steps:
     bpb = evaluate(eval_step, params, biases, val_tokens, tc, byte_lengths)
     metrics["val_curve"].append({"step": tc.steps, "bits_per_byte": bpb})
-  metrics["final_val_bits_per_byte"] = metrics["val_curve"][-1]["bits_per_byte"]
+  # The final figure over the whole split: the curve's sampled batches cover different text for
+  # tokenizers of different lengths.
+  metrics["final_val_bits_per_byte"] = evaluate(eval_step, params, biases, val_tokens, tc, byte_lengths, True)
   model = Model.from_module(nnx.merge(graphdef, params, biases), tokenizer)
   model.save(workdir / "model")
   atomic.write_json_atomic(workdir / "metrics.json", metrics)
@@ -264,8 +273,11 @@ def train(
   return model, metrics
 
 
-def validation_bits_per_byte(model: Model, *, batch_size: int = 8, seq_len: int = 256, max_batches: int = 8) -> float:
-  """Bits per byte of `model` on the first `max_batches` validation windows."""
+def validation_bits_per_byte(
+  model: Model, *, batch_size: int = 8, seq_len: int = 256, max_batches: int | None = 8
+) -> float:
+  """Bits per byte of `model` on `max_batches` batches of validation windows spread over the split
+  (None: the whole split)."""
   graphdef, params, biases = split_module(model.module())
   tc = TrainConfig(batch_size=batch_size, seq_len=min(seq_len, model.config.max_seq_len), eval_batches=max_batches)
   val_tokens = batches_lib.corpus_tokens(model.tokenizer, "validation")

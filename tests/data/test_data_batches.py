@@ -52,9 +52,13 @@ def test_validation_windows_contiguous_and_non_overlapping():
   targets = np.concatenate([b.tokens[:, 1:].ravel() for b in vb])
   np.testing.assert_array_equal(targets, np.arange(1, 1 + 24 * 40))
   assert all(b.n_bytes == b.n_targets == 40 for b in vb)
+  # Fewer batches: spread over the whole split (first, middle, last), not its first stretch.
   again = list(batches.validation_batches(tokens, 4, 10, max_batches=3))
   assert len(again) == 3
-  np.testing.assert_array_equal(again[2].tokens, vb[2].tokens)
+  for got, b in zip(again, (0, 12, 23)):
+    np.testing.assert_array_equal(got.tokens, vb[b].tokens)
+  assert len(list(batches.validation_batches(tokens, 4, 10, max_batches=24))) == 24
+  assert len(list(batches.validation_batches(tokens, 4, 10, max_batches=0))) == 0
   lengths = np.zeros(1000, np.int32)
   lengths[::2] = 3
   vb_bytes = next(batches.validation_batches(tokens, 4, 10, byte_lengths=lengths))

@@ -45,6 +45,11 @@ def test_resume_after_interruption_matches_an_uninterrupted_run(tmp_path, monkey
   assert (tmp_path / "full" / "loss.png").stat().st_size > 0
   saved = json.loads((tmp_path / "full" / "metrics.json").read_text())
   assert [r["step"] for r in saved["val_curve"]] == [2, 4]
+  # The final figure is the whole split's (the curve's points: eval_batches batches spread over it).
+  whole = pretrain.validation_bits_per_byte(full, batch_size=2, seq_len=16, max_batches=None)
+  assert saved["final_val_bits_per_byte"] == pytest.approx(whole, rel=1e-5)
+  sampled = pretrain.validation_bits_per_byte(full, batch_size=2, seq_len=16, max_batches=1)
+  assert saved["val_curve"][-1]["bits_per_byte"] == pytest.approx(sampled, rel=1e-5) and sampled != whole
 
   real_batch = batches_lib.train_batch
 
