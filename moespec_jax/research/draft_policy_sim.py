@@ -64,6 +64,7 @@ def simulate(
   seed: int = 0,
   by_depth: bool = False,
   calibrated_ms_K: Sequence[float] | None = None,
+  prior_2: Sequence[float] | None = None,
 ) -> PolicyRun:
   """Decodes `n_tokens` tokens `runs` times with num_draft="auto" (K in 0..len(step_ms_K) - 1)
   or a fixed K; `shadow`: plain passes bring evidence (n-gram and controlled drafters).
@@ -73,7 +74,8 @@ def simulate(
   `by_depth`: the policy reads acceptance per depth, as for prompt lookup (Drafter.per_depth);
   otherwise geometrically, as for the controlled drafter. `calibrated_ms_K`: the pass times the
   policy chooses with, where they differ from the times the passes take (`step_ms_K`): a noisy or
-  drifted calibration (default: step_ms_K)."""
+  drifted calibration (default: step_ms_K). `prior_2`: each run's starting (accepted, tried) counts,
+  as generate() starts them from its calibration (`auto_draft.calibrated_prior`; default none)."""
   step = np.asarray(step_ms_K, np.float64)
   if step.ndim != 1 or step.size < 2 or np.any(step <= 0):
     raise ValueError(f"step_ms_K must hold a positive time for each K = 0..max (at least 2), got {step_ms_K}")
@@ -101,7 +103,7 @@ def simulate(
   rng = np.random.default_rng(seed)
   total_ms, passes_K = 0.0, np.zeros(step.size)
   for _ in range(runs):
-    evidence = np.zeros(2, np.float32)
+    evidence = np.zeros(2, np.float32) if prior_2 is None else np.asarray(prior_2, np.float32).copy()
     depth_evidence = np.zeros((step.size - 1, 2), np.float32)
     generated, current_k, elapsed = 0, 0, 0.0
     while generated < n_tokens:

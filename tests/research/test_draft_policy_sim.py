@@ -110,3 +110,15 @@ def test_acceptance_that_changes_with_the_text():
   assert sim.simulate(lambda _: 0.6, STEP_MS, runs=3).mean_ms == sim.simulate(0.6, STEP_MS, runs=3).mean_ms
   with pytest.raises(ValueError, match="acceptance"):
     sim.simulate(lambda generated: 1.5, STEP_MS)
+
+
+def test_a_calibrated_prior_spares_the_mtp_heads_their_first_drafts():
+  """Without shadow drafts, at an acceptance where drafting cannot pay: from no prior the policy
+  drafts until it has MIN_EVIDENCE drafts; from the calibration's prior at that acceptance it is
+  plain from its first pass, as fast as plain decoding."""
+  step_ms = [1.0, 1.8, 2.6, 3.4]
+  plain = sim.simulate(0.3, step_ms, num_draft=0, runs=5).mean_ms
+  cold = sim.simulate(0.3, step_ms, shadow=False, runs=20)
+  warm = sim.simulate(0.3, step_ms, shadow=False, runs=20, prior_2=auto_draft.calibrated_prior([30.0, 100.0]))
+  assert sum(cold.passes_by_k[1:]) >= 1 and cold.mean_ms > plain
+  assert sum(warm.passes_by_k[1:]) == 0 and warm.mean_ms == pytest.approx(plain)
