@@ -50,9 +50,9 @@ def train_config() -> ml_collections.ConfigDict:
       seed=0,
       batch_size=8,
       seq_len=256,
-      # What a fresh `make demo` affords on 2 cores within its 15 minutes, more steps left no margin
-      # (docs/findings/2026-12-04-make-demo.md, "Fitting the quarter of an hour").
-      steps=450,
+      # What a fresh `make demo` affords on 2 cores within its 15 minutes with the 2048-token BPE,
+      # more steps left no margin (docs/findings/2026-12-04-make-demo.md, "Fitting the quarter of an hour").
+      steps=350,
       learning_rate=3e-3,
       min_lr_ratio=0.1,
       warmup_steps=50,
@@ -63,7 +63,9 @@ def train_config() -> ml_collections.ConfigDict:
       aux_loss_weight=0.01,
       bias_update_rate=1e-3,
       eval_every=100,
-      eval_batches=8,
+      # Batches spread over the validation split for the curve; 8 were not a fair sample of it
+      # (docs/findings/2026-12-07-default-model-tokenizer.md).
+      eval_batches=16,
       checkpoint_every=100,
       log_every_seconds=10.0,
     )

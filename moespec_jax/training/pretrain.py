@@ -252,7 +252,7 @@ def train(
     if step % tc.eval_every == 0 or step == tc.steps:
       bpb = evaluate(eval_step, params, biases, val_tokens, tc, byte_lengths)
       metrics["val_curve"].append({"step": step, "bits_per_byte": bpb})
-      log(f"step {step}: validation {bpb:.4f} bits/byte")
+      log(f"step {step}: validation {bpb:.4f} bits/byte ({tc.eval_batches} batches spread over the split)")
     if manager.should_save(step) or step == tc.steps:
       manager.save(step, {"params": params, "biases": biases, "opt_state": opt_state, "step": step}, force=True)
       atomic.write_json_atomic(workdir / "metrics.json", metrics)
@@ -266,6 +266,7 @@ def train(
   # The final figure over the whole split: the curve's sampled batches cover different text for
   # tokenizers of different lengths.
   metrics["final_val_bits_per_byte"] = evaluate(eval_step, params, biases, val_tokens, tc, byte_lengths, True)
+  log(f"step {step}: validation over the whole split {metrics['final_val_bits_per_byte']:.4f} bits/byte")
   model = Model.from_module(nnx.merge(graphdef, params, biases), tokenizer)
   model.save(workdir / "model")
   atomic.write_json_atomic(workdir / "metrics.json", metrics)
