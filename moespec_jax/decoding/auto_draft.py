@@ -70,10 +70,15 @@ MIN_EVIDENCE = 6.0  # tried drafts before K = 0 may be chosen (drafters without 
 OPTIMISM = 0.5  # standard errors added to the acceptance estimate when choosing K
 STOP_CONFIDENCE = 2.0  # the same for the final K = 0 of drafters without shadow drafts
 SEGMENT_PASSES = 4  # passes per choice of K once the estimate is settled
-PLAIN_SEGMENT_PASSES = 16  # the same at K = 0
+# Passes per K = 0 choice: settled, young (shadow drafts), and where no row has an n-gram match.
+# Long: a choice of K costs about a plain pass, and a plain segment of a drafter with shadow
+# drafts ends early once its evidence says one draft would pay (`one_draft_pays_at`,
+# `passes._run_passes`), so a long one does not hold K = 0 where drafting pays
+# (docs/findings/2026-12-07-auto-k-calibrated-prior.md).
+PLAIN_SEGMENT_PASSES = 64
 SETTLED_EVIDENCE = 16.0  # tried drafts before segments grow from 1 pass to SEGMENT_PASSES
-YOUNG_PLAIN_PASSES = 4  # passes per K = 0 choice while the estimate is young (shadow drafts)
-NO_MATCH_PASSES = 4  # plain passes when no row has an n-gram match (each choice costs a little)
+YOUNG_PLAIN_PASSES = 64
+NO_MATCH_PASSES = 64
 MAX_ACCEPTANCE = 0.999
 # The calibration's measured acceptance starts each row's counts as this many tried drafts: enough
 # for MIN_EVIDENCE (the MTP heads stop at once where the calibration says drafting cannot pay),
@@ -158,6 +163,14 @@ def acceptance_upper_bound(evidence_2: ArrayLike, standard_errors: float) -> jax
   z2 = standard_errors * standard_errors
   bound = (a + z2 / (2 * n) + standard_errors * jnp.sqrt(a * (1 - a) / n + z2 / (4 * n * n))) / (1 + z2 / n)
   return jnp.clip(bound, 0.0, MAX_ACCEPTANCE)
+
+
+def one_draft_pays_at(step_ms_K: jax.Array) -> jax.Array:
+  """The acceptance at which K = 1 beats plain decoding by DRAFT_MARGIN: (1 + a) / step_ms[1] =
+  (1 + DRAFT_MARGIN) / step_ms[0]. Below it no K pays under geometric acceptance (a longer K
+  costs more per pass and gains less per draft); where a plain segment's evidence reaches it, K is
+  chosen again (`passes._run_passes`)."""
+  return step_ms_K[1] * (1.0 + DRAFT_MARGIN) / step_ms_K[0] - 1.0
 
 
 def tokens_per_pass_K(a: jax.Array, num_k: int) -> jax.Array:

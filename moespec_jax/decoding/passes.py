@@ -465,24 +465,39 @@ def cache_room(pos_B: jax.Array, done_B: jax.Array, cache_len: int) -> jax.Array
 
 
 def _run_passes(
-  model: ProgramTarget, state: LoopState, k: int, run_k: jax.Array, n_passes: jax.Array, ls: LoopSpec
+  model: ProgramTarget,
+  state: LoopState,
+  k: int,
+  run_k: jax.Array,
+  n_passes: jax.Array,
+  ls: LoopSpec,
+  pays_at: jax.Array | None = None,
 ) -> LoopState:
   """Up to `n_passes` passes with K = k when `run_k == k` (none otherwise), stopping early
   when every row is done, when the cache has no room for k drafts (auto K's cache has no
   lookahead beyond max_new_tokens), or after a drafting pass in which no active row accepted a
   draft: its evidence is read at once (prompt lookup's runs end abruptly, and at a long K each
-  pass past a run's end costs several plain passes)."""
+  pass past a run's end costs several plain passes). A plain segment of a drafter with shadow
+  drafts ends early once some row's acceptance estimate (read as `auto_draft.choose_k` reads it)
+  reaches `pays_at`, the rate at which one draft would pay: plain segments can then be long (each
+  choice of K costs about a plain pass) without holding K = 0 where drafting pays again."""
 
   def cond(loop: tuple[LoopState, jax.Array, jax.Array]):
-    s, i, missed = loop
+    s, i, ended = loop
     room = cache_room(s.pos_B, s.done_B, ls.cache_len) >= k
-    return (run_k == k) & (i < n_passes) & ~jnp.all(s.done_B) & room & ~missed
+    return (run_k == k) & (i < n_passes) & ~jnp.all(s.done_B) & room & ~ended
 
   def body(loop: tuple[LoopState, jax.Array, jax.Array]):
     s, i, _ = loop
     after = speculative_pass(model, s, k, ls)
-    missed = jnp.sum(after.stats.accepted_K) == jnp.sum(s.stats.accepted_K) if k else jnp.bool_(False)
-    return after, i + 1, missed
+    if k:  # no draft accepted
+      ended = jnp.sum(after.stats.accepted_K) == jnp.sum(s.stats.accepted_K)
+    elif pays_at is not None:  # the shadow drafts' evidence says one draft would pay
+      a_B = auto_draft.optimistic_acceptance(after.stats.acceptance_evidence_B2)
+      ended = jnp.any((a_B >= pays_at) & after.active_B)
+    else:
+      ended = jnp.bool_(False)
+    return after, i + 1, ended
 
   return jax.lax.while_loop(cond, body, (state, jnp.int32(0), jnp.bool_(False)))[0]
 
@@ -523,6 +538,7 @@ def auto_segment(model: ProgramTarget, state: LoopState, step_ms_K: jax.Array, l
   # any row can still commit.
   k = jnp.clip(k, 0, jnp.minimum(cache_room(state.pos_B, state.done_B, ls.cache_len), jnp.max(remaining_B) - 1))
   state = state.replace(stats=stats.replace(auto_k=k))
+  pays_at = auto_draft.one_draft_pays_at(step_ms_K) if drafter.shadows else None
   for kk in range(ls.max_k + 1):
-    state = _run_passes(model, state, kk, k, n_passes, ls)
+    state = _run_passes(model, state, kk, k, n_passes, ls, pays_at)
   return state

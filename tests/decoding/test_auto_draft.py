@@ -270,8 +270,9 @@ def test_auto_ngram_without_a_match_runs_plain_passes(auto_model, auto_plain):
 @pytest.mark.slow
 def test_plain_passes_bring_shadow_evidence(auto_model, auto_plain, monkeypatch):
   """Starting from a prior that makes K = 0 the best choice, the plain passes' shadow drafts
-  (always right at acceptance 1) raise the estimate until auto drafts; at acceptance 0 they
-  keep it at 0 and every pass stays plain. The output is plain greedy either way.
+  (always right at acceptance 1) raise the estimate until auto drafts, each accepted one ending
+  its plain segment at once (20 tokens are fewer than a plain segment's passes); at acceptance 0
+  they keep it at 0 and every pass stays plain. The output is plain greedy either way.
 
   The raw pass times are pinned (drafting pays at high acceptance): measured on the test model,
   where plain passes are fast against verification passes, they can make K = 0 the best choice
@@ -289,7 +290,7 @@ def test_plain_passes_bring_shadow_evidence(auto_model, auto_plain, monkeypatch)
       np.testing.assert_array_equal(out.tokens, auto_plain)
       by_k = out.stats["passes_by_num_draft"]
       if a == 1.0:
-        assert by_k[0] >= auto_draft.YOUNG_PLAIN_PASSES and sum(by_k[1:]) >= 1
+        assert 1 <= by_k[0] < auto_draft.YOUNG_PLAIN_PASSES and sum(by_k[1:]) >= 1
         assert out.stats["acceptance_estimate"] > 0.8
       else:
         assert by_k[1:] == [0, 0, 0] and out.stats["acceptance_estimate"] == 0.0
@@ -597,3 +598,12 @@ def test_auto_calibrates_on_its_own_program(auto_model, auto_plain, monkeypatch)
     assert loops == [3]  # 3 tokens: too few passes at every K
   finally:
     programs.PROGRAMS.forget()
+
+
+def test_one_draft_pays_at_the_break_even_with_the_margin():
+  """K = 1 at the returned acceptance commits (1 + a) tokens in step_ms[1], which is plain's rate
+  raised by DRAFT_MARGIN: a plain segment's evidence reaching it ends the segment."""
+  step_ms_K = jnp.asarray([1.0, 1.5, 2.0], jnp.float32)
+  a = float(auto_draft.one_draft_pays_at(step_ms_K))
+  assert a == pytest.approx(1.5 * (1.0 + auto_draft.DRAFT_MARGIN) - 1.0)
+  assert (1.0 + a) / 1.5 == pytest.approx((1.0 + auto_draft.DRAFT_MARGIN) / 1.0)
