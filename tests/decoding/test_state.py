@@ -54,6 +54,7 @@ def test_statistics_start_in_their_declared_shapes():
     "acceptance_evidence_B2": (2, 2),
     "depth_evidence_BK2": (2, 3, 2),
     "auto_k": (),
+    "drafter_started": (),
     "pass_timing_K2": (4, 2),
     "segment_clock_2": (2,),
     "segment_start_passes": (),
@@ -63,7 +64,9 @@ def test_statistics_start_in_their_declared_shapes():
     "quality_3": (3,),
   }
   assert int(stats.segment_start_passes) == -1 and stats.verify_passes.dtype == jnp.int32
-  assert all(not np.any(np.asarray(getattr(stats, name))) for name in shapes if name != "segment_start_passes")
+  assert int(stats.drafter_started) == 1  # started unless auto's first choice is the final K = 0
+  starting = ("segment_start_passes", "drafter_started")
+  assert all(not np.any(np.asarray(getattr(stats, name))) for name in shapes if name not in starting)
   assert Stats.zeros(PLAIN, batch=2, n_moe_layers=5).pass_trace_P4.shape == (0, 4)
 
 
@@ -73,6 +76,7 @@ def test_only_what_a_program_reads_is_reported():
   assert Stats.reported_fields(FULL) == always + (
     "passes_by_K",
     "acceptance_evidence_B2",
+    "drafter_started",
     "pass_timing_K2",
     "pass_trace_P4",
     "trace_end_ms_1",
@@ -132,6 +136,8 @@ AUTO_KEYS = {
   "calibrated_step_ms",
   "calibration",
   "calibration_seconds",
+  "calibration_acceptance",
+  "drafter_started",
   "auto_timing",
   "acceptance_estimate",
 }
