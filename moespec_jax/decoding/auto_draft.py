@@ -36,7 +36,7 @@ even at that prior's high bound, the MTP heads' first choice is the final K = 0:
 never starts the heads (`passes.init_state`) and decodes plainly from its first pass, instead of
 paying MIN_EVIDENCE drafts to learn what the calibration already measured.
 With the n-gram drafter, a segment where no active row's context has a match is
-NO_MATCH_PASSES plain passes (nothing to verify; transformers' prompt lookup also decodes
+PLAIN_SEGMENT_PASSES plain passes (nothing to verify; transformers' prompt lookup also decodes
 plainly without a match).
 
 The calibrated pass times are a snapshot, and on a shared machine the ratios between K's pass
@@ -70,15 +70,15 @@ MIN_EVIDENCE = 6.0  # tried drafts before K = 0 may be chosen (drafters without 
 OPTIMISM = 0.5  # standard errors added to the acceptance estimate when choosing K
 STOP_CONFIDENCE = 2.0  # the same for the final K = 0 of drafters without shadow drafts
 SEGMENT_PASSES = 4  # passes per choice of K once the estimate is settled
-# Passes per K = 0 choice: settled, young (shadow drafts), and where no row has an n-gram match.
+# Passes per K = 0 choice, the estimate young or settled, and where no row has an n-gram match.
 # Long: a choice of K costs about a plain pass, and a plain segment of a drafter with shadow
-# drafts ends early once its evidence says one draft would pay (`one_draft_pays_at`,
+# drafts ends early once its evidence says drafting would pay (`drafting_pays_at`,
 # `passes._run_passes`), so a long one does not hold K = 0 where drafting pays
 # (docs/findings/2026-12-07-auto-k-calibrated-prior.md).
 PLAIN_SEGMENT_PASSES = 64
-SETTLED_EVIDENCE = 16.0  # tried drafts before segments grow from 1 pass to SEGMENT_PASSES
-YOUNG_PLAIN_PASSES = 64
-NO_MATCH_PASSES = 64
+SETTLED_EVIDENCE = 16.0  # tried drafts before drafting segments grow from 1 pass to SEGMENT_PASSES
+# Acceptance rates `drafting_pays_at` tries between 0 and MAX_ACCEPTANCE.
+PAYS_AT_GRID = 512
 MAX_ACCEPTANCE = 0.999
 # The calibration's measured acceptance starts each row's counts as this many tried drafts: enough
 # for MIN_EVIDENCE (the MTP heads stop at once where the calibration says drafting cannot pay),
@@ -165,12 +165,16 @@ def acceptance_upper_bound(evidence_2: ArrayLike, standard_errors: float) -> jax
   return jnp.clip(bound, 0.0, MAX_ACCEPTANCE)
 
 
-def one_draft_pays_at(step_ms_K: jax.Array) -> jax.Array:
-  """The acceptance at which K = 1 beats plain decoding by DRAFT_MARGIN: (1 + a) / step_ms[1] =
-  (1 + DRAFT_MARGIN) / step_ms[0]. Below it no K pays under geometric acceptance (a longer K
-  costs more per pass and gains less per draft); where a plain segment's evidence reaches it, K is
-  chosen again (`passes._run_passes`)."""
-  return step_ms_K[1] * (1.0 + DRAFT_MARGIN) / step_ms_K[0] - 1.0
+def drafting_pays_at(step_ms_K: jax.Array) -> jax.Array:
+  """The lowest acceptance (of PAYS_AT_GRID rates up to MAX_ACCEPTANCE) at which some K >= 1
+  commits tokens faster than plain decoding by DRAFT_MARGIN under geometric acceptance, as
+  `choose_k` compares them; 1.0 where none does. A pass's tokens grow with the acceptance at every
+  K, so drafting pays at every rate above it and at none below (to the grid's step). Where a plain
+  segment's evidence reaches it, K is chosen again (`passes._run_passes`)."""
+  a_A = jnp.linspace(0.0, MAX_ACCEPTANCE, PAYS_AT_GRID)
+  rate_AK = tokens_per_pass_K(a_A, step_ms_K.shape[0]) / step_ms_K
+  pays_A = jnp.any(rate_AK[:, 1:] > (1.0 + DRAFT_MARGIN) * rate_AK[:, :1], axis=1)
+  return jnp.min(jnp.where(pays_A, a_A, 1.0))
 
 
 def tokens_per_pass_K(a: jax.Array, num_k: int) -> jax.Array:
@@ -245,8 +249,7 @@ def choose_k(
   remaining_B: tokens each row has still to generate (0 once done; default 1 each).
   K minimises `finish_ms` at the rows' optimistic acceptance estimates, K >= 1 only where it
   beats plain decoding by DRAFT_MARGIN; one pass while the estimate rests on few drafts (in
-  any unfinished row), then SEGMENT_PASSES; at K = 0, PLAIN_SEGMENT_PASSES
-  (YOUNG_PLAIN_PASSES while the estimate is young, with shadow drafts).
+  any unfinished row), then SEGMENT_PASSES; at K = 0, PLAIN_SEGMENT_PASSES.
   `shadow`: plain passes bring evidence (see the module docstring); without it K = 0 is final
   and needs MIN_EVIDENCE tried drafts over the active rows and plain decoding faster than every
   K (by STOP_MARGIN) at the Wilson bound STOP_CONFIDENCE standard errors above each row's
@@ -289,10 +292,7 @@ def choose_k(
     time_K = time_K.at[0].set(jnp.where(stop, time_K[0], jnp.inf))
   k = jnp.argmin(time_K).astype(jnp.int32)
   drafting = jnp.where(settled, jnp.int32(SEGMENT_PASSES), jnp.int32(1))
-  # Without shadow drafts K = 0 brings no evidence: the estimate will not change.
-  young_plain = YOUNG_PLAIN_PASSES if shadow else PLAIN_SEGMENT_PASSES
-  plain = jnp.where(settled, jnp.int32(PLAIN_SEGMENT_PASSES), jnp.int32(young_plain))
-  return k, jnp.where(k == 0, plain, drafting)
+  return k, jnp.where(k == 0, jnp.int32(PLAIN_SEGMENT_PASSES), drafting)
 
 
 def record_pass_time(

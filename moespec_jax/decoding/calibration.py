@@ -210,7 +210,7 @@ def measure_held_step_ms(max_k: int, run: HeldRun, repeats: int = 7) -> np.ndarr
     seconds, passes = {}, {}
     for label in timing.round_order(labels, r):
       result = call(label)
-      seconds[label], passes[label] = result[0], result[1]
+      seconds[label], passes[label] = result.seconds, result.passes_K
     # The same seed gives the same passes; each round solves with its own, should a backend's
     # nondeterministic sums ever change a token.
     passes_KK = np.stack([passes[k] for k in range(max_k + 1)]).astype(float)
@@ -233,6 +233,11 @@ class Calibration(NamedTuple):
   method: str
   seconds: float = 0.0
   drafts_2: np.ndarray | None = None
+
+  @property
+  def acceptance(self) -> float | None:
+    """The share of its held runs' drafts accepted (None where it counted none)."""
+    return None if self.drafts_2 is None else float(self.drafts_2[0] / self.drafts_2[1])
 
   def prior_2(self) -> np.ndarray:
     """auto K's starting evidence (float32 [2]) from this calibration's drafts."""
@@ -291,6 +296,6 @@ def calibrate_step_ms(
     progress(
       f"calibrated in {calibration.seconds:.1f} s ({method.replace('_', ' ')}): pass times (ms) "
       + " ".join(f"K={k} {t:.3f}" for k, t in enumerate(step_ms_K))
-      + ("" if counted_drafts is None else f"; drafts accepted {counted_drafts[0] / counted_drafts[1]:.3f}")
+      + ("" if calibration.acceptance is None else f"; drafts accepted {calibration.acceptance:.3f}")
     )
   return calibration

@@ -479,7 +479,7 @@ def _run_passes(
   draft: its evidence is read at once (prompt lookup's runs end abruptly, and at a long K each
   pass past a run's end costs several plain passes). A plain segment of a drafter with shadow
   drafts ends early once some row's acceptance estimate (read as `auto_draft.choose_k` reads it)
-  reaches `pays_at`, the rate at which one draft would pay: plain segments can then be long (each
+  reaches `pays_at`, the rate at which drafting would pay: plain segments can then be long (each
   choice of K costs about a plain pass) without holding K = 0 where drafting pays again."""
 
   def cond(loop: tuple[LoopState, jax.Array, jax.Array]):
@@ -492,7 +492,7 @@ def _run_passes(
     after = speculative_pass(model, s, k, ls)
     if k:  # no draft accepted
       ended = jnp.sum(after.stats.accepted_K) == jnp.sum(s.stats.accepted_K)
-    elif pays_at is not None:  # the shadow drafts' evidence says one draft would pay
+    elif pays_at is not None:  # the shadow drafts' evidence says drafting would pay
       a_B = auto_draft.optimistic_acceptance(after.stats.acceptance_evidence_B2)
       ended = jnp.any((a_B >= pays_at) & after.active_B)
     else:
@@ -533,12 +533,12 @@ def auto_segment(model: ProgramTarget, state: LoopState, step_ms_K: jax.Array, l
   proposes = drafter.has_proposal(state, ls)
   if proposes is not None:  # no active row has anything to verify: plain passes
     k = jnp.where(proposes, k, 0)
-    n_passes = jnp.where(proposes, n_passes, auto_draft.NO_MATCH_PASSES)
+    n_passes = jnp.where(proposes, n_passes, auto_draft.PLAIN_SEGMENT_PASSES)
   # Never more drafts than the cache has room for after any active row's position, nor than
   # any row can still commit.
   k = jnp.clip(k, 0, jnp.minimum(cache_room(state.pos_B, state.done_B, ls.cache_len), jnp.max(remaining_B) - 1))
   state = state.replace(stats=stats.replace(auto_k=k))
-  pays_at = auto_draft.one_draft_pays_at(step_ms_K) if drafter.shadows else None
+  pays_at = auto_draft.drafting_pays_at(step_ms_K) if drafter.shadows else None
   for kk in range(ls.max_k + 1):
     state = _run_passes(model, state, kk, k, n_passes, ls, pays_at)
   return state

@@ -26,7 +26,7 @@ class CalibrationRecord(Protocol):
   def seconds(self) -> float: ...
 
   @property
-  def drafts_2(self) -> np.ndarray | None: ...
+  def acceptance(self) -> float | None: ...
 
 
 def public_stats(
@@ -76,8 +76,7 @@ def public_stats(
     stats["calibration_seconds"] = float(calibration.seconds)  # 0.0: a kept calibration was reused
     # The drafts its held runs accepted (auto's prior; None where it counted none), and whether
     # the drafter ran at all (0: its first choice was the final K = 0).
-    drafts_2 = calibration.drafts_2
-    stats["calibration_acceptance"] = None if drafts_2 is None else float(drafts_2[0] / drafts_2[1])
+    stats["calibration_acceptance"] = calibration.acceptance
     stats["drafter_started"] = bool(raw.drafter_started)
     stats["auto_timing"] = ls.timed
     if ls.timed:  # the pass times auto chose with at the end: calibration corrected by the loop's clock

@@ -100,7 +100,7 @@ def simulate(
       f"calibrated_ms_K must hold a positive time for each K = 0..{step.size - 1}, got {calibrated_ms_K}"
     )
   choose, step_j = _choose(shadow), jnp.asarray(believed, jnp.float32)
-  pays_at = float(auto_draft.one_draft_pays_at(step_j))
+  pays_at = float(auto_draft.drafting_pays_at(step_j))
   rng = np.random.default_rng(seed)
   total_ms, passes_K = 0.0, np.zeros(step.size)
   for _ in range(runs):
@@ -150,7 +150,7 @@ def simulate(
         elapsed += step[k]
         passes_K[k] += 1
         # As the loop, a segment ends early: a drafting pass that accepted no draft; a plain pass
-        # after which the shadow drafts' estimate says one draft would pay (`passes._run_passes`).
+        # after which the shadow drafts' estimate says drafting would pay (`passes._run_passes`).
         if auto and k and not accepted:
           break
         if auto and not k and shadow and float(auto_draft.optimistic_acceptance(evidence)) >= pays_at:

@@ -68,7 +68,7 @@ def test_choice_follows_the_cost_model():
   # keep measuring, so K = 0 may be chosen from the first pass on.
   dear = [1.0, 1.8, 2.4, 3.0, 3.6, 4.2]  # drafting costs much more than a plain pass
   assert _k(0, 2, dear) >= 1
-  assert _choice(0, 2, dear, shadow=True) == (0, auto_draft.YOUNG_PLAIN_PASSES)
+  assert _choice(0, 2, dear, shadow=True) == (0, auto_draft.PLAIN_SEGMENT_PASSES)
   assert _choice(999, 1000, steps)[1] == auto_draft.SEGMENT_PASSES
   assert _choice(3, 4, steps)[1] == 1  # one pass per choice while the estimate is young
   # Settled at K = 0: long plain segments (with or without shadow drafts); without shadow
@@ -290,7 +290,7 @@ def test_plain_passes_bring_shadow_evidence(auto_model, auto_plain, monkeypatch)
       np.testing.assert_array_equal(out.tokens, auto_plain)
       by_k = out.stats["passes_by_num_draft"]
       if a == 1.0:
-        assert 1 <= by_k[0] < auto_draft.YOUNG_PLAIN_PASSES and sum(by_k[1:]) >= 1
+        assert 1 <= by_k[0] < auto_draft.PLAIN_SEGMENT_PASSES and sum(by_k[1:]) >= 1
         assert out.stats["acceptance_estimate"] > 0.8
       else:
         assert by_k[1:] == [0, 0, 0] and out.stats["acceptance_estimate"] == 0.0
@@ -600,10 +600,23 @@ def test_auto_calibrates_on_its_own_program(auto_model, auto_plain, monkeypatch)
     programs.PROGRAMS.forget()
 
 
-def test_one_draft_pays_at_the_break_even_with_the_margin():
-  """K = 1 at the returned acceptance commits (1 + a) tokens in step_ms[1], which is plain's rate
-  raised by DRAFT_MARGIN: a plain segment's evidence reaching it ends the segment."""
-  step_ms_K = jnp.asarray([1.0, 1.5, 2.0], jnp.float32)
-  a = float(auto_draft.one_draft_pays_at(step_ms_K))
-  assert a == pytest.approx(1.5 * (1.0 + auto_draft.DRAFT_MARGIN) - 1.0)
-  assert (1.0 + a) / 1.5 == pytest.approx((1.0 + auto_draft.DRAFT_MARGIN) / 1.0)
+def test_drafting_pays_at_the_lowest_acceptance_where_some_k_beats_plain():
+  """The rate at which `choose_k` would first draft: at it some K >= 1 beats plain decoding by
+  DRAFT_MARGIN, a grid step below it none does; where K = 2's pass costs little more than K = 1's
+  it is K = 2 that pays first, below K = 1's own break-even; where no K pays, 1.0."""
+  step = 1.0 / (auto_draft.PAYS_AT_GRID - 1)
+
+  def beaten_by(a, step_ms):  # the K's that beat plain at geometric acceptance a
+    k_K = np.arange(len(step_ms))
+    rate_K = (1 - a ** (k_K + 1)) / (1 - a) / np.asarray(step_ms)
+    return [k for k in k_K[1:] if rate_K[k] > (1 + auto_draft.DRAFT_MARGIN) * rate_K[0]]
+
+  for step_ms in ([1.0, 1.5, 2.0, 2.5], [1.0, 1.5, 1.55, 3.0]):
+    a = float(auto_draft.drafting_pays_at(jnp.asarray(step_ms, jnp.float32)))
+    assert beaten_by(a, step_ms) and not beaten_by(a - step, step_ms)
+  one_draft_even = 1.5 * (1 + auto_draft.DRAFT_MARGIN) - 1  # K = 1's break-even, 0.65
+  linear = float(auto_draft.drafting_pays_at(jnp.asarray([1.0, 1.5, 2.0, 2.5], jnp.float32)))
+  assert linear == pytest.approx(one_draft_even, abs=step)  # there K = 1 pays first
+  concave = float(auto_draft.drafting_pays_at(jnp.asarray([1.0, 1.5, 1.55, 3.0], jnp.float32)))
+  assert concave < one_draft_even - 0.05 and beaten_by(concave, [1.0, 1.5, 1.55, 3.0]) == [2]
+  assert float(auto_draft.drafting_pays_at(jnp.asarray([1.0, 3.0, 5.0], jnp.float32))) == 1.0

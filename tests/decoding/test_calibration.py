@@ -20,15 +20,17 @@ def test_calibration_loops_span_the_generation():
 
 
 def _fake_held_run(passes_KK, step_ms_K, prefill_ms, noise=0.0, seed=0):
-  """A held run's (seconds, passes by K) as `calibration.measure_held_step_ms` calls it: held at
-  the K whose step time is smallest, its passes `passes_KK[k]` at each K's pass time."""
+  """A held run (`calibration.HeldRunResult`) as `calibration.measure_held_step_ms` calls it: held
+  at the K whose step time is smallest, its passes `passes_KK[k]` at each K's pass time."""
   rng = np.random.default_rng(seed)
 
   def run(held_ms_K, prefill_only):
+    no_drafts = np.zeros(2)
     if prefill_only:
-      return prefill_ms * 1e-3, np.zeros(len(step_ms_K))
+      return calibration.HeldRunResult(prefill_ms * 1e-3, np.zeros(len(step_ms_K)), no_drafts)
     passes_K = passes_KK[int(np.argmin(held_ms_K))]
-    return (prefill_ms + passes_K @ step_ms_K) * 1e-3 * (1.0 + noise * rng.standard_normal()), passes_K
+    seconds = (prefill_ms + passes_K @ step_ms_K) * 1e-3 * (1.0 + noise * rng.standard_normal())
+    return calibration.HeldRunResult(seconds, passes_K, no_drafts)
 
   return run
 
@@ -61,11 +63,11 @@ def test_held_calibration_solves_each_round_with_its_own_passes():
 
   def run(held_ms_K, prefill_only):
     if prefill_only:
-      return 0.01, np.zeros(3)
+      return calibration.HeldRunResult(0.01, np.zeros(3), np.zeros(2))
     k = int(np.argmin(held_ms_K))
     passes_K = np.zeros(3)
     passes_K[0], passes_K[k] = 2 + next(calls) % 3, 20 + 10 * k + next(calls) % 5  # K = 0: 2-4 more
-    return 0.01 + passes_K @ step_ms_K * 1e-3, passes_K
+    return calibration.HeldRunResult(0.01 + passes_K @ step_ms_K * 1e-3, passes_K, np.zeros(2))
 
   np.testing.assert_allclose(calibration.measure_held_step_ms(2, run, repeats=3), step_ms_K, rtol=1e-6)
 
