@@ -155,11 +155,15 @@ def held_out_prompts(
 ) -> list[str]:
   """`n` code prompts from the validation split, ending with a `def` line.
 
-  Each prompt is whole lines: up to `prompt_bytes` bytes of preceding context
-  (cut at a line start, never before the document start) followed by a one-line
-  function header and its newline, so the natural continuation is the body.
-  Headers whose next line is not more indented are skipped. The choice is
-  deterministic in (`n`, `prompt_bytes`, `seed`) and the Python version.
+  Each prompt is up to `prompt_bytes` bytes of preceding context (cut at a line
+  start, never before the document start) followed by a one-line function
+  header without its line end (trailing blanks dropped), so the natural
+  continuation is the line end, the body's indentation and the body. The prompt
+  stops before the newline because a BPE merges a newline with the next line's
+  indentation: a prompt ending in a bare newline token asks the model to go on
+  from a token that in training only ever precedes a column-0 line. Headers
+  whose next line is not more indented are skipped. The choice is deterministic
+  in (`n`, `prompt_bytes`, `seed`) and the Python version.
 
   Raises:
     ValueError: bad `n` / `prompt_bytes`, or fewer than `n` candidates.
@@ -171,15 +175,17 @@ def held_out_prompts(
   candidates = []
   for doc in documents("validation", root):
     for m in _DEF_LINE.finditer(doc):
-      end = m.end() + 1  # include the newline
-      if end > len(doc) or doc[end - 1 : end] != b"\n":
+      line_end = m.end()
+      if doc[line_end : line_end + 1] != b"\n":
         continue
-      next_end = doc.find(b"\n", end)
-      next_line = doc[end : next_end if next_end >= 0 else len(doc)]
+      next_start = line_end + 1
+      next_end = doc.find(b"\n", next_start)
+      next_line = doc[next_start : next_end if next_end >= 0 else len(doc)]
       indent = len(m.group(0)) - len(m.group(0).lstrip())
       body_indent = len(next_line) - len(next_line.lstrip())
       if not next_line.strip() or body_indent <= indent:
         continue
+      end = m.start() + len(m.group(0).rstrip(b" \t"))
       if end - m.start() > prompt_bytes:
         continue
       start = max(0, end - prompt_bytes)

@@ -87,7 +87,8 @@ def test_held_out_prompts_deterministic_and_from_validation_only():
   for p in prompts:
     assert p in val_text
     assert len(p.encode("utf-8")) <= 200
-    assert p.endswith("\n")
     assert def_line.match(p.splitlines()[-1]), p
+    assert not p[-1].isspace()  # ends on the header, before its line end
     start = val_text.index(p)
     assert start == 0 or val_text[start - 1] == "\n"  # starts on a line start
+    assert val_text[start + len(p)].isspace()

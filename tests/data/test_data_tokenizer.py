@@ -129,3 +129,16 @@ def test_bpe_for_hugging_face_frames_prompts_with_eos(bpe):
   text = "def f(x):\n    return x\n"
   assert hf.encode(text).ids == bpe.prompt_ids(text)
   assert hf.encode(text, add_special_tokens=False).ids == bpe.encode(text)
+
+
+def test_held_out_prompts_end_on_a_token_boundary(bpe):
+  """A prompt's tokens are a prefix of its text's with the body that follows: the
+  model continues from a token it saw in training. A bare trailing newline is not."""
+  val_text = "\n".join(d.decode("utf-8") for d in corpus.documents("validation"))
+  for prompt in corpus.held_out_prompts(8, prompt_bytes=160, seed=0):
+    start = val_text.index(prompt)
+    with_body = val_text[start : val_text.index("\n", start + len(prompt) + 1)]
+    ids = bpe.encode(prompt)
+    assert bpe.encode(with_body)[: len(ids)] == ids, prompt
+    with_newline = bpe.encode(prompt + "\n")
+    assert bpe.encode(with_body)[: len(with_newline)] != with_newline, prompt
