@@ -248,9 +248,8 @@ def run_demo(
         research = msj.ResearchOptions(pass_trace=batch == 1 and loop.clock_available())
         spec = msj.SpecParams(drafter=drafter, num_draft="auto", max_draft=max_draft, research=research)
         spec_bench.warm_up(model, [prompts[:batch]], max_new_tokens, sampling, spec)
-        tps, paired_plain_tps, speedup, _, _ = spec_bench.paired(
-          model, [prompts[:batch]], max_new_tokens, sampling, spec, repeats
-        )
+        runs = spec_bench.paired(model, [prompts[:batch]], max_new_tokens, sampling, spec, repeats)
+        tps, paired_plain_tps, speedup = runs.tokens_per_second, runs.plain_tokens_per_second, runs.speedup
         out = msj.generate(model, prompts[:batch], max_new_tokens=max_new_tokens, sampling=sampling, spec=spec)
         chosen[drafter] = out.stats["chosen_num_draft"]
         row = _row(drafter, chosen[drafter], batch, tps, paired_plain_tps, speedup, out, plain_out, sampling=sampling)
@@ -264,9 +263,8 @@ def run_demo(
         k = max(1, chosen[drafter])
         spec = msj.SpecParams(drafter=drafter, num_draft=k, mode="budgeted", expert_budget=budget, kernel="dedup")
         spec_bench.warm_up(model, [prompts[:batch]], max_new_tokens, sampling, spec)
-        tps, paired_plain_tps, speedup, _, _ = spec_bench.paired(
-          model, [prompts[:batch]], max_new_tokens, sampling, spec, repeats
-        )
+        runs = spec_bench.paired(model, [prompts[:batch]], max_new_tokens, sampling, spec, repeats)
+        tps, paired_plain_tps, speedup = runs.tokens_per_second, runs.plain_tokens_per_second, runs.speedup
         quality = dataclasses.replace(spec.research, measure_quality=True)
         with_quality = msj.generate(
           model,

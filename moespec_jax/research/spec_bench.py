@@ -12,6 +12,7 @@ and of the per-pair speedups.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import pathlib
 import statistics
@@ -105,15 +106,27 @@ def timed(model, groups: Sequence[list], max_new_tokens: int, sampling, spec, re
   return statistics.median(rates), statistics.median(lengths), stats
 
 
-def paired(model, groups: Sequence[list], max_new_tokens: int, sampling, spec, repeats: int):
+@dataclasses.dataclass(frozen=True)
+class PairedRuns:
+  """Plain and speculative runs alternated (`paired`): medians over the pairs.
+
+  `speedup` is the median of the per-pair ratios and `speedup_interval` its 90% percentile-bootstrap
+  interval (pairs resampled): how far this machine's noise leaves the speedup uncertain.
+  """
+
+  tokens_per_second: float
+  plain_tokens_per_second: float
+  speedup: float
+  speedup_interval: tuple[float, float]
+  mean_accepted_length: float
+  stats: dict[str, Any]
+
+
+def paired(model, groups: Sequence[list], max_new_tokens: int, sampling, spec, repeats: int) -> PairedRuns:
   """Alternates plain and speculative runs (same seeds, each over every group of prompts) so that
   both see the same machine load; the order within a pair reverses from one pair to the next, so
   that neither side is always the one that runs second (after the other has warmed the caches,
-  or in its wake).
-
-  Returns (median spec tokens/s, median plain tokens/s, median of the per-pair speedups,
-  median mean accepted length, last spec stats).
-  """
+  or in its wake). `stats` are the last speculative run's."""
   plain_spec = msj.SpecParams(drafter="none", kernel=spec.kernel)
   order = (("plain", plain_spec), ("spec", spec))
   spec_rates, plain_rates, ratios, lengths, stats = [], [], [], [], {}
@@ -126,12 +139,13 @@ def paired(model, groups: Sequence[list], max_new_tokens: int, sampling, spec, r
     plain_rates.append(plain["tokens_per_second"])
     ratios.append(stats["tokens_per_second"] / plain["tokens_per_second"])
     lengths.append(stats["mean_accepted_length"])
-  return (
-    statistics.median(spec_rates),
-    statistics.median(plain_rates),
-    statistics.median(ratios),
-    statistics.median(lengths),
-    stats,
+  return PairedRuns(
+    tokens_per_second=statistics.median(spec_rates),
+    plain_tokens_per_second=statistics.median(plain_rates),
+    speedup=statistics.median(ratios),
+    speedup_interval=timing.median_interval(ratios),
+    mean_accepted_length=statistics.median(lengths),
+    stats=stats,
   )
 
 
@@ -184,7 +198,8 @@ def run_spec_bench(
         for k, n in shapes:
           spec = msj.SpecParams(drafter=drafter, num_draft=k, tree_nodes=n or None)
           warm_up(model, groups, max_new_tokens, sampling, spec)
-          tps, row_plain_tps, speedup, acc_len, stats = paired(model, groups, max_new_tokens, sampling, spec, repeats)
+          runs = paired(model, groups, max_new_tokens, sampling, spec, repeats)
+          stats = runs.stats
           rows.append(
             {
               "drafter": drafter,
@@ -192,10 +207,11 @@ def run_spec_bench(
               "tree_nodes": n,
               "batch_size": batch,
               "temperature": float(temperature),
-              "tokens_per_second": tps,
-              "plain_tokens_per_second": row_plain_tps,
-              "speedup": speedup,
-              "mean_accepted_length": acc_len,
+              "tokens_per_second": runs.tokens_per_second,
+              "plain_tokens_per_second": runs.plain_tokens_per_second,
+              "speedup": runs.speedup,
+              "speedup_interval_90": list(runs.speedup_interval),
+              "mean_accepted_length": runs.mean_accepted_length,
               "acceptance_by_depth": stats["acceptance_by_depth"],
               "unique_experts_per_pass": stats["unique_experts_per_pass"],
               **(
@@ -206,7 +222,7 @@ def run_spec_bench(
             }
           )
           done += 1
-          progress.update(done, speedup=speedup)
+          progress.update(done, speedup=runs.speedup)
           _write(
             workdir,
             rows,
@@ -297,8 +313,10 @@ def auto_lines(rows: Sequence[dict]) -> list[str]:
       and (f["drafter"], f["temperature"], f["batch_size"]) == (r["drafter"], r["temperature"], r["batch_size"])
     ]
     versus = f", {r['speedup'] / max(fixed):.2f}x the best fixed K" if fixed else ""
+    low, high = r.get("speedup_interval_90") or (math.nan, math.nan)
     lines.append(
-      f"auto K, {r['drafter']} T={r['temperature']:g} batch {r['batch_size']}: {r['speedup']:.2f}x plain{versus} "
+      f"auto K, {r['drafter']} T={r['temperature']:g} batch {r['batch_size']}: {r['speedup']:.2f}x plain "
+      f"[{low:.2f}, {high:.2f}]{versus} "
       f"(mean K {r['mean_num_draft']:.2f})"
     )
   return lines
@@ -327,14 +345,16 @@ def tree_lines(rows: Sequence[dict]) -> list[str]:
 
 def format_table(rows) -> str:
   lines = [
-    f"{'drafter':<8}{'T':>5}{'batch':>7}{'K':>5}{'nodes':>6}{'tok/s':>10}{'plain':>10}{'speedup':>9}{'acc.len':>9}"
-    f"{'experts':>9}"
+    f"{'drafter':<8}{'T':>5}{'batch':>7}{'K':>5}{'nodes':>6}{'tok/s':>10}{'plain':>10}{'speedup':>9}"
+    f"{'90% interval':>15}{'acc.len':>9}{'experts':>9}"
   ]
   for r in rows:
+    low, high = r.get("speedup_interval_90") or (math.nan, math.nan)
     lines.append(
       f"{r['drafter']:<8}{r['temperature']:>5.1f}{r['batch_size']:>7}{r['num_draft']!s:>5}"
       f"{r.get('tree_nodes') or '-':>6}{r['tokens_per_second']:>10.1f}{r['plain_tokens_per_second']:>10.1f}"
-      f"{r['speedup']:>9.2f}{r['mean_accepted_length']:>9.2f}{sum(r['unique_experts_per_pass']):>9.1f}"
+      f"{r['speedup']:>9.2f}{f'[{low:.2f}, {high:.2f}]':>15}{r['mean_accepted_length']:>9.2f}"
+      f"{sum(r['unique_experts_per_pass']):>9.1f}"
     )
   return "\n".join(lines)
 

@@ -227,9 +227,9 @@ def run_tree_bench(
     plain_programs = programs.PROGRAMS.signatures()
     for label, spec in specs:
       spec_bench.warm_up(model, groups, max_new_tokens, sampling, spec)
-      tps, plain_tps, speedup, acc_len, stats = spec_bench.paired(
-        model, groups, max_new_tokens, sampling, spec, repeats
-      )
+      runs = spec_bench.paired(model, groups, max_new_tokens, sampling, spec, repeats)
+      tps, plain_tps, speedup = runs.tokens_per_second, runs.plain_tokens_per_second, runs.speedup
+      acc_len, stats = runs.mean_accepted_length, runs.stats
       traced = traced_passes(model, groups, max_new_tokens, sampling, spec)
       experts_L = stats["unique_experts_per_pass"]
       # A chain verifies its K drafts; a tree reports its valid nodes.

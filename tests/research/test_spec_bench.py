@@ -64,10 +64,12 @@ def test_paired_reverses_the_order_within_each_pair(monkeypatch):
 
   monkeypatch.setattr(msj, "generate", fake_generate)
   spec = msj.SpecParams(drafter="ngram", num_draft=2)
-  spec_tps, plain_tps, speedup, length, _ = spec_bench.paired(None, [["x"]], 8, msj.SamplingParams(), spec, repeats=3)
+  runs = spec_bench.paired(None, [["x"]], 8, msj.SamplingParams(), spec, repeats=3)
   assert calls == [("none", 0), ("ngram", 0), ("ngram", 1), ("none", 1), ("none", 2), ("ngram", 2)]
-  assert (spec_tps, plain_tps, length) == (150.0, 100.0, 2.0)
-  assert speedup == 1.8  # ratios 1.5, 1.8, 2.0
+  assert (runs.tokens_per_second, runs.plain_tokens_per_second, runs.mean_accepted_length) == (150.0, 100.0, 2.0)
+  assert runs.speedup == 1.8  # ratios 1.5, 1.8, 2.0
+  low, high = runs.speedup_interval  # medians of resampled ratios lie among the ratios
+  assert 1.5 <= low <= 1.8 <= high <= 2.0 and low < high
 
 
 def test_every_program_runs_once_untimed_before_it_is_timed(monkeypatch, tmp_path, tiny_config):
@@ -107,7 +109,8 @@ def test_auto_rows_are_compared_with_the_best_fixed_k(monkeypatch, tmp_path, tin
   result = _run_bench(tiny_config, tmp_path, num_drafts=(1, 2, "auto"), log=lines.append)
   auto = result["spec_bench"]["rows"][-1]
   assert (auto["num_draft"], auto["mean_num_draft"], auto["chosen_num_draft"]) == ("auto", 1.75, 2)
-  assert "auto K, ngram T=0 batch 1: 1.41x plain, 0.94x the best fixed K (mean K 1.75)" in lines
+  assert "auto K, ngram T=0 batch 1: 1.41x plain [1.41, 1.41], 0.94x the best fixed K (mean K 1.75)" in lines
+  assert auto["speedup_interval_90"] == [auto["speedup"], auto["speedup"]]  # every pair ran at one ratio
   assert (tmp_path / "speedup_vs_k.png").stat().st_size > 0
 
 
