@@ -74,7 +74,7 @@ def _drafts_row(out, tokenizer) -> dict[str, Any]:
   }
 
 
-def _row(drafter, k, batch, tps, plain_tps, speedup, out, plain_out, *, sampling, budget=None, top1=1.0):
+def _row(drafter, k, batch, tps, plain_tps, speedup, out, plain_out, *, sampling, budget=None, top1=1.0, interval=None):
   row = {
     "mode": "exact" if budget is None else "budgeted",
     "sampling": sampling_label(sampling),
@@ -88,6 +88,8 @@ def _row(drafter, k, batch, tps, plain_tps, speedup, out, plain_out, *, sampling
     "tokens_per_second": tps,
     "plain_tokens_per_second": plain_tps,
     "speedup_vs_plain": speedup,
+    # The pairs' spread: a 90% bootstrap interval of the median ratio (None: the plain row).
+    "speedup_interval_90": None if interval is None else list(interval),
     "mean_accepted_length": out.stats["mean_accepted_length"],
     "top1_agreement_vs_exact": top1,
     "approximate": budget is not None,
@@ -252,7 +254,18 @@ def run_demo(
         tps, paired_plain_tps, speedup = runs.tokens_per_second, runs.plain_tokens_per_second, runs.speedup
         out = msj.generate(model, prompts[:batch], max_new_tokens=max_new_tokens, sampling=sampling, spec=spec)
         chosen[drafter] = out.stats["chosen_num_draft"]
-        row = _row(drafter, chosen[drafter], batch, tps, paired_plain_tps, speedup, out, plain_out, sampling=sampling)
+        row = _row(
+          drafter,
+          chosen[drafter],
+          batch,
+          tps,
+          paired_plain_tps,
+          speedup,
+          out,
+          plain_out,
+          sampling=sampling,
+          interval=runs.speedup_interval,
+        )
         rows.append(dict(row, **_drafts_row(out, model.tokenizer)))
         row_done(f"{label} batch {batch} exact {drafter} auto K (chose {chosen[drafter]})", speedup=speedup)
       if budgeted and sampling.greedy:
@@ -287,6 +300,7 @@ def run_demo(
             sampling=sampling,
             budget=budget,
             top1=top1,
+            interval=runs.speedup_interval,
           )
         )
         row_done(f"{label} batch {batch} budgeted {drafter} K={k}", speedup=speedup, top1=top1)
@@ -331,7 +345,7 @@ def run_demo(
     log(f"\nsample ({label}, held-out prompt):\n" + "-" * 60 + f"\n{text}\n" + "-" * 60)
   header = (
     f"{'mode':<10}{'sampling':<16}{'drafter':<8}{'K':>7}{'budget':>7}{'kernel':>9}{'batch':>6}{'tokens/s':>10}"
-    f"{'plain':>8}{'speedup':>9}{'acc.len':>8}{'top1':>7}{'ws.drafts':>13}"
+    f"{'plain':>8}{'speedup':>9}{'90% interval':>15}{'acc.len':>8}{'top1':>7}{'ws.drafts':>13}"
   )
   for approximate in (False, True):
     part = [r for r in rows if r["approximate"] == approximate]
@@ -348,9 +362,10 @@ def run_demo(
       k = f"auto:{r['num_draft']}" if r["auto_num_draft"] else str(r["num_draft"])
       share = r.get("accepted_draft_whitespace_share")
       drafts = "-" if share is None or share != share else f"{share:.0%} of {r['accepted_drafts']}"
+      interval = "-" if r["speedup_interval_90"] is None else "[{:.2f}, {:.2f}]".format(*r["speedup_interval_90"])
       log(
         f"{r['mode']:<10}{r['sampling']:<16}{r['drafter']:<8}{k:>7}{budget:>7}{r['kernel']:>9}{r['batch_size']:>6}"
-        f"{r['tokens_per_second']:>10.1f}{r['plain_tokens_per_second']:>8.1f}{r['speedup_vs_plain']:>9.2f}"
+        f"{r['tokens_per_second']:>10.1f}{r['plain_tokens_per_second']:>8.1f}{r['speedup_vs_plain']:>9.2f}{interval:>15}"
         f"{r['mean_accepted_length']:>8.2f}{r['top1_agreement_vs_exact']:>7.3f}{drafts:>13}"
       )
   if membound_rows:
@@ -362,11 +377,14 @@ def run_demo(
     for r in membound_rows:
       drafts = "free" if r["draft_cost"] == "none" else "MTP heads' cost"
       log(
-        f"{r['config']:<18}{r['num_draft']:>7}{drafts:>16}{r['tokens_per_second']:>10.1f}{r['speedup_vs_plain']:>9.2f}"
+        f"{r['config']:<18}{r['num_draft']:>7}{drafts:>16}{r['tokens_per_second']:>10.1f}{r['speedup_vs_plain']:>9.2f}{interval:>15}"
         f"{r['mean_accepted_length']:>8.2f}  {r['regime']['verdict']}"
       )
     log(f"({membound_rows[0]['max_new_tokens']} new tokens a run; drafts free: as a lookup's, prompt lookup's)")
-  log("speedup: median over runs alternating plain and speculative decoding (plain: their plain side).")
+  log(
+    "speedup: median over runs alternating plain and speculative decoding (plain: their plain side); "
+    "90% interval: the pairs' bootstrap interval of that median."
+  )
   log("ws.drafts (batch 1): the share of the accepted drafts that is whitespace, of how many accepted drafts.")
   log(f"K auto:N: num_draft='auto' (cost model, K = 0..{max_draft} each pass); N is the K it chose most often.")
   log(f"\nwrote {workdir / 'metrics.json'} and {workdir / 'speedup.png'}")

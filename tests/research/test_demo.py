@@ -47,6 +47,12 @@ def test_demo_rows(tiny_config, tmp_path, capsys):
     else:
       assert r["approximate"] and r["expert_budget"] == 2 * tiny_config.top_k and r["num_draft"] >= 1
       assert 0.0 <= r["top1_agreement_vs_exact"] <= 1.0
+    # The pairs' interval brackets the median speedup (the plain rows have none).
+    if r["drafter"] == "none":
+      assert r["speedup_interval_90"] is None
+    else:
+      low, high = r["speedup_interval_90"]
+      assert low <= r["speedup_vs_plain"] <= high
   auto = [r for r in rows if r["auto_num_draft"]]
   assert all(0 <= r["num_draft"] <= 2 and sum(r["passes_by_num_draft"]) > 0 for r in auto)
   # Batch 1's drafting rows count their accepted drafts and the whitespace share among them.
