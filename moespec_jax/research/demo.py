@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 import moespec_jax as msj
+from moespec_jax.analysis import timing
 from moespec_jax.data import corpus
 from moespec_jax.decoding import loop, report
 from moespec_jax.io import atomic, plots
@@ -164,6 +165,7 @@ def memory_bound_rows(
         "tokens_per_second": rates[(k, cost)],
         "speedup_vs_plain": speedups[(k, cost)],
         "round_speedups": per_round[(k, cost)],
+        "speedup_interval_90": list(timing.median_interval(per_round[(k, cost)])),
         "mean_accepted_length": st["mean_accepted_length"],
         "regime": regime_rows[0],
       }
@@ -373,9 +375,10 @@ def run_demo(
       f"\nMEMORY-BOUND CONFIGURATIONS (random weights, batch 1, greedy; acceptance CONTROLLED at a = {acceptance:.3f}, "
       "the default heads' measured mean by depth)"
     )
-    log(f"{'config':<18}{'K':>7}{'drafts':>16}{'tokens/s':>10}{'speedup':>9}{'acc.len':>8}  regime")
+    log(f"{'config':<18}{'K':>7}{'drafts':>16}{'tokens/s':>10}{'speedup':>9}{'90% interval':>15}{'acc.len':>8}  regime")
     for r in membound_rows:
       drafts = "free" if r["draft_cost"] == "none" else "MTP heads' cost"
+      interval = "[{:.2f}, {:.2f}]".format(*r["speedup_interval_90"])
       log(
         f"{r['config']:<18}{r['num_draft']:>7}{drafts:>16}{r['tokens_per_second']:>10.1f}{r['speedup_vs_plain']:>9.2f}{interval:>15}"
         f"{r['mean_accepted_length']:>8.2f}  {r['regime']['verdict']}"

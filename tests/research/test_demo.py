@@ -125,6 +125,9 @@ def test_memory_bound_rows_at_the_heads_acceptance(tiny_config, tmp_path):
   for r in rows:
     assert r["controlled_acceptance"] == result["memory_bound_acceptance"] and r["speedup_vs_plain"] > 0
     assert r["regime"]["verdict"] in ("memory-bound", "compute-bound") and r["mean_accepted_length"] >= 1.0
+    low, high = r["speedup_interval_90"]  # the row's own rounds, printed beside its speedup
+    assert low <= r["speedup_vs_plain"] <= high
+    assert any(line.startswith(r["config"]) and f"[{low:.2f}, {high:.2f}]" in line for line in lines)
   assert [r["num_draft"] for r in rows] == [k for k, _ in demo.MEMORY_BOUND_ROWS]
   text = "\n".join(lines)
   assert "MEMORY-BOUND CONFIGURATIONS" in text and "CONTROLLED" in text and f"{configs[0]}: regime:" in text
