@@ -478,9 +478,11 @@ def _run_passes(
   lookahead beyond max_new_tokens), or after a drafting pass in which no active row accepted a
   draft: its evidence is read at once (prompt lookup's runs end abruptly, and at a long K each
   pass past a run's end costs several plain passes). A plain segment of a drafter with shadow
-  drafts ends early once some row's acceptance estimate (read as `auto_draft.choose_k` reads it)
-  reaches `pays_at`, the rate at which drafting would pay: plain segments can then be long (each
-  choice of K costs about a plain pass) without holding K = 0 where drafting pays again."""
+  drafts ends early once some row's optimistic pooled acceptance reaches `pays_at`, the geometric
+  rate at which drafting would pay (`auto_draft.drafting_pays_at`): plain segments can then be
+  long (each choice of K costs about a plain pass) without holding K = 0 where drafting pays
+  again. The check is a trigger, not the choice: `choose_k` then decides, with a per-depth
+  drafter's acceptance by depth where it has them."""
 
   def cond(loop: tuple[LoopState, jax.Array, jax.Array]):
     s, i, ended = loop

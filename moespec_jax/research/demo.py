@@ -75,7 +75,23 @@ def _drafts_row(out, tokenizer) -> dict[str, Any]:
   }
 
 
-def _row(drafter, k, batch, tps, plain_tps, speedup, out, plain_out, *, sampling, budget=None, top1=1.0, interval=None):
+def _row(
+  drafter,
+  k,
+  batch,
+  out,
+  plain_out,
+  *,
+  sampling,
+  runs: spec_bench.PairedRuns | None = None,
+  plain_tps: float | None = None,
+  budget=None,
+  top1=1.0,
+):
+  """A table row; `runs`: the row's pairs against plain decoding (None: the plain row, timed alone
+  at `plain_tps`)."""
+  if (runs is None) == (plain_tps is None):
+    raise ValueError("a row is either paired (runs) or the plain row (plain_tps)")
   row = {
     "mode": "exact" if budget is None else "budgeted",
     "sampling": sampling_label(sampling),
@@ -86,11 +102,10 @@ def _row(drafter, k, batch, tps, plain_tps, speedup, out, plain_out, *, sampling
     "expert_budget": budget,
     "kernel": out.stats["expert_method"],
     "batch_size": batch,
-    "tokens_per_second": tps,
-    "plain_tokens_per_second": plain_tps,
-    "speedup_vs_plain": speedup,
-    # The pairs' spread: a 90% bootstrap interval of the median ratio (None: the plain row).
-    "speedup_interval_90": None if interval is None else list(interval),
+    "tokens_per_second": plain_tps if runs is None else runs.tokens_per_second,
+    "plain_tokens_per_second": plain_tps if runs is None else runs.plain_tokens_per_second,
+    "speedup_vs_plain": 1.0 if runs is None else runs.speedup,
+    "speedup_interval_90": None if runs is None else list(runs.speedup_interval),
     "mean_accepted_length": out.stats["mean_accepted_length"],
     "top1_agreement_vs_exact": top1,
     "approximate": budget is not None,
@@ -244,7 +259,7 @@ def run_demo(
       row_done(f"{label} batch {batch} plain", tokens_per_s=plain_tps)
       if batch == min(batch_sizes):
         samples[label] = prompts[0] + model.tokenizer.decode([t for t in plain_out.tokens[0].tolist() if t >= 0])
-      rows.append(_row("none", 0, batch, plain_tps, plain_tps, 1.0, plain_out, plain_out, sampling=sampling))
+      rows.append(_row("none", 0, batch, plain_out, plain_out, sampling=sampling, plain_tps=plain_tps))
       chosen = {}
       for drafter in drafters:
         # Batch 1 also traces its passes where programs can read a clock (CPU): which tokens were
@@ -253,23 +268,11 @@ def run_demo(
         spec = msj.SpecParams(drafter=drafter, num_draft="auto", max_draft=max_draft, research=research)
         spec_bench.warm_up(model, [prompts[:batch]], max_new_tokens, sampling, spec)
         runs = spec_bench.paired(model, [prompts[:batch]], max_new_tokens, sampling, spec, repeats)
-        tps, paired_plain_tps, speedup = runs.tokens_per_second, runs.plain_tokens_per_second, runs.speedup
         out = msj.generate(model, prompts[:batch], max_new_tokens=max_new_tokens, sampling=sampling, spec=spec)
         chosen[drafter] = out.stats["chosen_num_draft"]
-        row = _row(
-          drafter,
-          chosen[drafter],
-          batch,
-          tps,
-          paired_plain_tps,
-          speedup,
-          out,
-          plain_out,
-          sampling=sampling,
-          interval=runs.speedup_interval,
-        )
+        row = _row(drafter, chosen[drafter], batch, out, plain_out, sampling=sampling, runs=runs)
         rows.append(dict(row, **_drafts_row(out, model.tokenizer)))
-        row_done(f"{label} batch {batch} exact {drafter} auto K (chose {chosen[drafter]})", speedup=speedup)
+        row_done(f"{label} batch {batch} exact {drafter} auto K (chose {chosen[drafter]})", speedup=runs.speedup)
       if budgeted and sampling.greedy:
         # The APPROXIMATE row: MoE-Spec budget on the first drafter at the K auto chose, read by
         # the dedup kernel (the kernel whose bytes a budget lowers), with its agreement against
@@ -279,7 +282,6 @@ def run_demo(
         spec = msj.SpecParams(drafter=drafter, num_draft=k, mode="budgeted", expert_budget=budget, kernel="dedup")
         spec_bench.warm_up(model, [prompts[:batch]], max_new_tokens, sampling, spec)
         runs = spec_bench.paired(model, [prompts[:batch]], max_new_tokens, sampling, spec, repeats)
-        tps, paired_plain_tps, speedup = runs.tokens_per_second, runs.plain_tokens_per_second, runs.speedup
         quality = dataclasses.replace(spec.research, measure_quality=True)
         with_quality = msj.generate(
           model,
@@ -294,18 +296,15 @@ def run_demo(
             drafter,
             k,
             batch,
-            tps,
-            paired_plain_tps,
-            speedup,
             with_quality,
             plain_out,
             sampling=sampling,
+            runs=runs,
             budget=budget,
             top1=top1,
-            interval=runs.speedup_interval,
           )
         )
-        row_done(f"{label} batch {batch} budgeted {drafter} K={k}", speedup=speedup, top1=top1)
+        row_done(f"{label} batch {batch} budgeted {drafter} K={k}", speedup=runs.speedup, top1=top1)
   membound_rows, by_depth, acceptance = [], [], None
   if memory_bound:
     by_depth = heads_acceptance(model, prompts, max_new_tokens)
@@ -364,7 +363,7 @@ def run_demo(
       k = f"auto:{r['num_draft']}" if r["auto_num_draft"] else str(r["num_draft"])
       share = r.get("accepted_draft_whitespace_share")
       drafts = "-" if share is None or share != share else f"{share:.0%} of {r['accepted_drafts']}"
-      interval = "-" if r["speedup_interval_90"] is None else "[{:.2f}, {:.2f}]".format(*r["speedup_interval_90"])
+      interval = spec_bench.format_interval(r["speedup_interval_90"])
       log(
         f"{r['mode']:<10}{r['sampling']:<16}{r['drafter']:<8}{k:>7}{budget:>7}{r['kernel']:>9}{r['batch_size']:>6}"
         f"{r['tokens_per_second']:>10.1f}{r['plain_tokens_per_second']:>8.1f}{r['speedup_vs_plain']:>9.2f}{interval:>15}"
@@ -378,7 +377,7 @@ def run_demo(
     log(f"{'config':<18}{'K':>7}{'drafts':>16}{'tokens/s':>10}{'speedup':>9}{'90% interval':>15}{'acc.len':>8}  regime")
     for r in membound_rows:
       drafts = "free" if r["draft_cost"] == "none" else "MTP heads' cost"
-      interval = "[{:.2f}, {:.2f}]".format(*r["speedup_interval_90"])
+      interval = spec_bench.format_interval(r["speedup_interval_90"])
       log(
         f"{r['config']:<18}{r['num_draft']:>7}{drafts:>16}{r['tokens_per_second']:>10.1f}{r['speedup_vs_plain']:>9.2f}{interval:>15}"
         f"{r['mean_accepted_length']:>8.2f}  {r['regime']['verdict']}"

@@ -122,6 +122,11 @@ class PairedRuns:
   stats: dict[str, Any]
 
 
+def format_interval(interval: Sequence[float] | None) -> str:
+  """A speedup's interval as printed beside it ("-" where a row has none: plain decoding's)."""
+  return "-" if interval is None else "[{:.2f}, {:.2f}]".format(*interval)
+
+
 def paired(model, groups: Sequence[list], max_new_tokens: int, sampling, spec, repeats: int) -> PairedRuns:
   """Alternates plain and speculative runs (same seeds, each over every group of prompts) so that
   both see the same machine load; the order within a pair reverses from one pair to the next, so
@@ -313,10 +318,9 @@ def auto_lines(rows: Sequence[dict]) -> list[str]:
       and (f["drafter"], f["temperature"], f["batch_size"]) == (r["drafter"], r["temperature"], r["batch_size"])
     ]
     versus = f", {r['speedup'] / max(fixed):.2f}x the best fixed K" if fixed else ""
-    low, high = r.get("speedup_interval_90") or (math.nan, math.nan)
     lines.append(
       f"auto K, {r['drafter']} T={r['temperature']:g} batch {r['batch_size']}: {r['speedup']:.2f}x plain "
-      f"[{low:.2f}, {high:.2f}]{versus} "
+      f"{format_interval(r['speedup_interval_90'])}{versus} "
       f"(mean K {r['mean_num_draft']:.2f})"
     )
   return lines
@@ -349,11 +353,10 @@ def format_table(rows) -> str:
     f"{'90% interval':>15}{'acc.len':>9}{'experts':>9}"
   ]
   for r in rows:
-    low, high = r.get("speedup_interval_90") or (math.nan, math.nan)
     lines.append(
       f"{r['drafter']:<8}{r['temperature']:>5.1f}{r['batch_size']:>7}{r['num_draft']!s:>5}"
       f"{r.get('tree_nodes') or '-':>6}{r['tokens_per_second']:>10.1f}{r['plain_tokens_per_second']:>10.1f}"
-      f"{r['speedup']:>9.2f}{f'[{low:.2f}, {high:.2f}]':>15}{r['mean_accepted_length']:>9.2f}"
+      f"{r['speedup']:>9.2f}{format_interval(r['speedup_interval_90']):>15}{r['mean_accepted_length']:>9.2f}"
       f"{sum(r['unique_experts_per_pass']):>9.1f}"
     )
   return "\n".join(lines)
